@@ -1,0 +1,37 @@
+# weightfabric: the two commands of the README.
+#   make demo   set everything up, then run the main job
+#   make test   set everything up, then run the linter and the test suite
+# The virtual environment lives in .venv. TORCH picks the torch to install: the
+# default takes the local CPU build where one is provided; on a GPU machine use
+# e.g. `make test TORCH=torch` to get the CUDA build from PyPI.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	mkdir -p build
+	$(BIN)/fabric topo discover -o build/local.yaml
+	$(BIN)/fabric topo validate build/local.yaml
+	$(BIN)/fabric topo show build/local.yaml
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis
