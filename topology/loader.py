@@ -153,7 +153,8 @@ def _mapping(value: Any, path: str, line: int | None, *, required: tuple[str, ..
             raise _Problem(_line(value, key), _join(path, key), f"unknown key{hint}")
     for key in required:
         if key not in value:
-            raise _Problem(value.line, _join(path, key), "required key is missing")
+            raise _Problem(line if line is not None else value.line, _join(path, key),
+                           "required key is missing")
     return value
 
 

@@ -26,7 +26,8 @@ _PREFIXES = r"(?P<prefix>Ki|Mi|Gi|Ti|Pi|K|k|M|G|T|P)?"
 _BANDWIDTH = re.compile(rf"^{_NUMBER}\s*{_PREFIXES}(?P<unit>B/s|Bps|b/s|bps|bit/s)$")
 _SIZE = re.compile(rf"^{_NUMBER}\s*{_PREFIXES}(?P<unit>B|b|bit)$")
 _LATENCY = re.compile(rf"^{_NUMBER}\s*(?P<unit>ns|us|µs|ms|s)$")
-_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+# Divisors, not factors: 5 / 1e6 is the float nearest 5e-6, while 5 * 1e-6 is not.
+_PER_SECOND = {"ns": 1e9, "us": 1e6, "µs": 1e6, "ms": 1e3, "s": 1.0}
 
 
 class UnitError(ValueError):
@@ -61,7 +62,7 @@ def parse_latency(text: str | int | float) -> float:
     match = _LATENCY.match(_text(text, "latency", "2us or 20ms"))
     if not match:
         raise UnitError(f"{text!r} is not a latency; write e.g. 500ns, 2us or 20ms")
-    return float(match.group("num")) * _SECONDS[match.group("unit")]
+    return float(match.group("num")) / _PER_SECOND[match.group("unit")]
 
 
 def _text(value: str | int | float, what: str, example: str) -> str:
@@ -99,9 +100,9 @@ def format_latency(seconds: float) -> str:
     """Inverse of `parse_latency`: ``2e-6`` → ``'2us'`` (parses back exactly)."""
     if seconds == 0:
         return "0s"
-    for name, factor in [("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)]:
-        number = seconds / factor
-        if abs(number) >= 1 and float(repr(number)) * factor == seconds:
+    for name, per_second in [("s", 1.0), ("ms", 1e3), ("us", 1e6), ("ns", 1e9)]:
+        number = seconds * per_second
+        if abs(number) >= 1 and float(repr(number)) / per_second == seconds:
             return f"{_trim(number)}{name}"
     return f"{seconds!r}s"
 

@@ -1,0 +1,66 @@
+"""`fabric topo validate|show` and the CLI's help."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.cli import main
+from topology import reference_clusters
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "tests" / "fixtures" / "clusters" / "contract-example.yaml"
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", sorted(reference_clusters()))
+def test_validate_accepts_every_reference_cluster(name, capsys):
+    assert main(["topo", "validate", str(reference_clusters()[name])]) == 0
+    assert "valid" in capsys.readouterr().out
+
+
+def test_validate_exits_2_with_file_line_and_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("bandwidth: 64GB/s", "bandwidth: 64GBs"))
+    result = run_cli("topo", "validate", str(bad))
+    assert result.returncode == 2
+    assert f"{bad}:9: node_types.dgx-h100.pcie.bandwidth:" in result.stderr
+
+
+def test_validate_exits_2_on_a_missing_file(tmp_path, capsys):
+    assert main(["topo", "validate", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_show_json_has_the_documented_keys(capsys):
+    assert main(["topo", "show", str(EXAMPLE), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["datacenters"], data["nodes"], data["gpus"], data["nics"]) == (2, 35, 280, 280)
+    assert data["tiers"]["nvlink"] == [450e9]
+    assert sorted(data["tiers"]["nic"]) == [50e9]
+    assert data["wan"] == [{"between": ["dc-a", "dc-b"], "bandwidth": 12.5e9, "latency": 0.02}]
+
+
+def test_show_prints_a_table(capsys):
+    assert main(["topo", "show", str(EXAMPLE)]) == 0
+    out = capsys.readouterr().out
+    assert "280 GPUs" in out and "450 GB/s" in out and "dc-b" in out
+
+
+@pytest.mark.parametrize("command", [["topo", "validate"], ["topo", "show"], ["topo", "draw"],
+                                     ["topo", "discover"]])
+def test_every_topo_command_explains_itself_with_an_example(command):
+    result = run_cli(*command, "--help")
+    assert result.returncode == 0
+    assert "example" in result.stdout
+
+
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("weightfabric ")
