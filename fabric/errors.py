@@ -12,4 +12,28 @@ class FabricError(Exception):
     """Base class of the fabric's own errors (hub, workers, transports)."""
 
 
-__all__ = ["ClusterConfigError", "FabricError"]
+class ArenaError(FabricError):
+    """An arena region could not be created, attached or used."""
+
+
+class TransportError(FabricError):
+    """A read from a source failed."""
+
+
+class SourceLostError(TransportError):
+    """The source cannot be reached or dropped the connection: read elsewhere."""
+
+
+class ReadRefusedError(TransportError):
+    """The source answered but refused the read: unknown or retracted region,
+    out-of-range bytes, or chunks that did not arrive in time."""
+
+
+__all__ = [
+    "ArenaError",
+    "ClusterConfigError",
+    "FabricError",
+    "ReadRefusedError",
+    "SourceLostError",
+    "TransportError",
+]

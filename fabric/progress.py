@@ -1,0 +1,59 @@
+"""Which chunks of a replica are present, with waits that do not poll."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class ChunkProgress:
+    """A chunk bitmap of one replica plus a condition to wait on.
+
+    The holder marks chunks as it writes them (after the bytes are in place);
+    readers wait for the chunks they need. A complete replica is created with
+    ``complete=True``.
+    """
+
+    def __init__(self, num_chunks: int, *, complete: bool = False) -> None:
+        if num_chunks < 0:
+            raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
+        self.num_chunks = num_chunks
+        self._present = bytearray([1 if complete else 0] * num_chunks)
+        self._count = num_chunks if complete else 0
+        self._cond = threading.Condition()
+
+    def mark(self, chunk: int) -> None:
+        """Record that `chunk` is present and wake the readers waiting for it."""
+        with self._cond:
+            if not self._present[chunk]:
+                self._present[chunk] = 1
+                self._count += 1
+                self._cond.notify_all()
+
+    def has(self, first: int, last: int) -> bool:
+        """True when every chunk in ``first..last`` (inclusive) is present."""
+        return all(self._present[first:last + 1])
+
+    def wait(self, first: int, last: int, timeout: float) -> bool:
+        """Wait until chunks ``first..last`` are present; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self.has(first, last):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return self._count == self.num_chunks
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def bitmap(self) -> bytes:
+        """One byte per chunk, 1 when present."""
+        with self._cond:
+            return bytes(self._present)

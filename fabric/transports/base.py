@@ -1,0 +1,92 @@
+"""The transport interface: how a reader pulls bytes of a region a peer exposes.
+
+Lifecycle. The holder exposes a region (a flat ``uint8`` tensor) under a name,
+with a chunk size and a `ChunkProgress` when it is still filling it; readers then
+read ``(region, offset, nbytes)`` into a local buffer, waiting (bounded) for the
+chunks a partial replica does not have yet, and can query the holder's progress.
+Before the holder reuses the memory it retracts the region, which waits for the
+reads in flight to finish.
+
+On CPU the holder side of both transports is one `ReadServer` per worker; the
+reader side is `TcpTransport` (any host) or `ShmTransport` (same host: copies
+straight from the holder's `/dev/shm` file). GPU transports implement the same
+reader interface.
+"""
+
+from __future__ import annotations
+
+import socket
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+
+@cache
+def local_host_id() -> str:
+    """Identifies this machine (hostname + boot id): equal ids share /dev/shm."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}:{boot}"
+
+
+@dataclass(frozen=True)
+class SourceAddress:
+    """Where a holder's `ReadServer` listens, and which machine it runs on."""
+
+    host: str
+    port: int
+    host_id: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"host": self.host, "port": self.port, "host_id": self.host_id}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> SourceAddress:
+        return cls(host=str(data["host"]), port=int(data["port"]), host_id=str(data["host_id"]))
+
+
+@dataclass(frozen=True)
+class RegionInfo:
+    """What a holder says about one exposed region."""
+
+    nbytes: int
+    chunk_size: int
+    num_chunks: int
+    present: int
+    shm_path: str | None
+
+
+class Transport(ABC):
+    """Reader side of a transport. Implementations are thread-safe."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
+             timeout: float) -> None:
+        """Copy ``out.numel()`` bytes at `offset` of the source's `region` into `out`.
+
+        `out` is a contiguous ``uint8`` tensor. Waits at most `timeout` seconds for
+        chunks a partial source does not have yet.
+
+        Raises:
+            SourceLostError: the source is unreachable or vanished mid-read.
+            ReadRefusedError: the source refused (see the message).
+        """
+
+    @abstractmethod
+    def describe(self, source: SourceAddress, region: str, *, timeout: float) -> RegionInfo:
+        """Size, chunking and progress of a region."""
+
+    @abstractmethod
+    def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
+        """The source's chunk bitmap for `region` (one byte per chunk, 1 = present)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections and mappings."""

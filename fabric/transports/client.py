@@ -1,0 +1,101 @@
+"""Connections from readers to `ReadServer`s, pooled per source."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import msgpack
+
+from fabric.errors import ReadRefusedError, SourceLostError
+from fabric.transports.base import RegionInfo, SourceAddress
+from fabric.transports.wire import MAGIC, REPLY, REQUEST, Op, Status, recv_exact
+
+CONNECT_TIMEOUT = 5.0
+# Slack on top of the server-side wait so the server's NOT_READY answer arrives
+# before the client gives up on the socket.
+REPLY_SLACK = 10.0
+
+
+class ConnectionPool:
+    """Idle connections per source; each borrowed by one thread at a time."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def connection(self, source: SourceAddress) -> Iterator[socket.socket]:
+        key = (source.host, source.port)
+        with self._lock:
+            idle = self._idle.get(key)
+            conn = idle.pop() if idle else None
+        if conn is None:
+            try:
+                conn = socket.create_connection(key, timeout=CONNECT_TIMEOUT)
+            except OSError as exc:
+                raise SourceLostError(f"cannot reach source {key[0]}:{key[1]}: {exc}") from exc
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            yield conn
+        except BaseException:
+            conn.close()  # state unknown after a failure: never reuse it
+            raise
+        with self._lock:
+            self._idle.setdefault(key, []).append(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for conn in conns:
+            conn.close()
+
+
+def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, offset: int = 0,
+            nbytes: int = 0, timeout: float) -> int:
+    """Send one request and read the reply header; return the payload length.
+
+    Raises:
+        SourceLostError: the connection failed or the reply did not come in time.
+        ReadRefusedError: the server answered with an error status.
+    """
+    name = region.encode()
+    conn.settimeout(timeout + REPLY_SLACK)
+    try:
+        conn.sendall(REQUEST.pack(MAGIC, op, len(name), offset, nbytes, timeout) + name)
+        if op == Op.END:
+            return 0
+        status, msg_len, payload_len = REPLY.unpack(recv_exact(conn, REPLY.size))
+        message = recv_exact(conn, msg_len).decode(errors="replace") if msg_len else ""
+    except (OSError, ConnectionError) as exc:
+        raise SourceLostError(f"source {source.host}:{source.port} failed during "
+                              f"{op.name} of {region!r}: {exc}") from exc
+    if status != Status.OK:
+        raise ReadRefusedError(f"source {source.host}:{source.port} refused {op.name} of "
+                               f"{region!r}: {Status(status).name}: {message}")
+    return payload_len
+
+
+def receive_payload(conn: socket.socket, source: SourceAddress, nbytes: int) -> bytes:
+    try:
+        return recv_exact(conn, nbytes)
+    except (OSError, ConnectionError) as exc:
+        raise SourceLostError(f"source {source.host}:{source.port} vanished mid-reply: {exc}") from exc
+
+
+def describe(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> RegionInfo:
+    with pool.connection(source) as conn:
+        n = request(conn, source, Op.DESCRIBE, region, timeout=timeout)
+        info = msgpack.unpackb(receive_payload(conn, source, n))
+    return RegionInfo(nbytes=info["nbytes"], chunk_size=info["chunk_size"],
+                      num_chunks=info["num_chunks"], present=info["present"],
+                      shm_path=info["shm_path"])
+
+
+def bitmap(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> bytes:
+    with pool.connection(source) as conn:
+        n = request(conn, source, Op.BITMAP, region, timeout=timeout)
+        return receive_payload(conn, source, n)

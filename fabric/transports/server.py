@@ -1,0 +1,235 @@
+"""`ReadServer`: the holder side of the CPU transports.
+
+One per worker. It serves reads of the regions the worker exposes over TCP (one
+thread per connection, payloads sent straight from the region's memory) and
+grants shared-memory leases to readers on the same host. It counts the bytes it
+serves, which is the worker's egress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from fabric.progress import ChunkProgress
+from fabric.transports.base import SourceAddress, local_host_id
+from fabric.transports.wire import MAGIC, MAX_NAME, REPLY, REQUEST, Op, Status, recv_exact
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Exposed:
+    data: memoryview
+    chunk_size: int
+    progress: ChunkProgress
+    shm_path: str | None
+    inflight: int = 0
+    retracting: bool = False
+    drained: threading.Condition = field(default_factory=threading.Condition)
+
+
+class ReadServer:
+    """Serves one-sided reads of exposed regions.
+
+    Args:
+        host: address to listen on (loopback by default).
+        port: TCP port; 0 lets the OS choose (see `address`).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._listener = socket.create_server((host, port), backlog=128)
+        self.address = SourceAddress(host=host, port=self._listener.getsockname()[1],
+                                     host_id=local_host_id())
+        self._regions: dict[str, _Exposed] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self.bytes_served = 0
+        self._thread = threading.Thread(target=self._accept_loop, name="wf-read-server",
+                                        daemon=True)
+        self._thread.start()
+
+    # --- holder API -------------------------------------------------------------------
+
+    def expose(self, name: str, tensor: torch.Tensor, *, chunk_size: int,
+               progress: ChunkProgress | None = None, shm_path: str | None = None) -> None:
+        """Serve `tensor` (flat contiguous ``uint8`` on CPU) as region `name`.
+
+        Without `progress` the region is complete. `shm_path` lets same-host readers
+        map it instead of reading over TCP.
+
+        Raises:
+            ValueError: bad tensor, chunk size or progress, or `name` already exposed.
+        """
+        if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(f"region {name!r}: expected a flat contiguous uint8 tensor")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"region {name!r}: the CPU read server needs a CPU tensor")
+        if chunk_size <= 0:
+            raise ValueError(f"region {name!r}: chunk_size must be positive, got {chunk_size}")
+        if len(name.encode()) > MAX_NAME:
+            raise ValueError(f"region name longer than {MAX_NAME} bytes")
+        num_chunks = -(-tensor.numel() // chunk_size)
+        if progress is None:
+            progress = ChunkProgress(num_chunks, complete=True)
+        elif progress.num_chunks != num_chunks:
+            raise ValueError(f"region {name!r}: progress has {progress.num_chunks} chunks, "
+                             f"the region {num_chunks}")
+        with self._lock:
+            if name in self._regions:
+                raise ValueError(f"region {name!r} is already exposed; retract it first")
+            self._regions[name] = _Exposed(memoryview(tensor.numpy()), chunk_size, progress,
+                                           shm_path)
+
+    def retract(self, name: str, *, timeout: float = 30.0) -> bool:
+        """Stop serving `name`; wait up to `timeout` s for reads in flight to finish.
+
+        New reads are refused at once. Returns True when no read was left in flight
+        (the memory may be reused), False if the wait timed out.
+        """
+        with self._lock:
+            region = self._regions.get(name)
+            if region is None:
+                return True
+            region.retracting = True
+        with region.drained:
+            done = region.drained.wait_for(lambda: region.inflight == 0, timeout)
+        if done:
+            with self._lock:
+                self._regions.pop(name, None)
+        return done
+
+    def regions(self) -> list[str]:
+        with self._lock:
+            return [n for n, r in self._regions.items() if not r.retracting]
+
+    def close(self) -> None:
+        """Stop accepting, drop every connection."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            conns = list(self._connections)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> ReadServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- serving ---------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._connections.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="wf-read-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        lease: _Exposed | None = None
+        try:
+            while True:
+                magic, op, name_len, offset, nbytes, timeout = REQUEST.unpack(
+                    recv_exact(conn, REQUEST.size))
+                if magic != MAGIC or name_len > MAX_NAME:
+                    self._reply(conn, Status.BAD_REQUEST, "not a weightfabric read request")
+                    return
+                name = recv_exact(conn, name_len).decode(errors="replace")
+                if lease is not None:  # END, or a reader that moved on without it
+                    self._end(lease)
+                    lease = None
+                if op != Op.END:
+                    lease = self._handle(conn, op, name, offset, nbytes, timeout)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            if lease is not None:
+                self._end(lease)
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _handle(self, conn: socket.socket, op: int, name: str, offset: int, nbytes: int,
+                timeout: float) -> _Exposed | None:
+        """Answer one request; return the region when a shared-memory lease was granted."""
+        region = self._begin(name)
+        if region is None:
+            self._reply(conn, Status.NOT_FOUND, f"no region {name!r} is exposed here "
+                                                "(never exposed, or retracted)")
+            return None
+        keep = False
+        try:
+            if op == Op.DESCRIBE:
+                info = {"nbytes": len(region.data), "chunk_size": region.chunk_size,
+                        "num_chunks": region.progress.num_chunks,
+                        "present": region.progress.count, "shm_path": region.shm_path}
+                self._reply(conn, Status.OK, payload=msgpack.packb(info))
+            elif op == Op.BITMAP:
+                self._reply(conn, Status.OK, payload=region.progress.bitmap())
+            elif op in (Op.READ, Op.LEASE):
+                if offset + nbytes > len(region.data) or nbytes <= 0:
+                    self._reply(conn, Status.OUT_OF_RANGE,
+                                f"read [{offset}, {offset + nbytes}) of region {name!r} "
+                                f"({len(region.data)} bytes)")
+                    return None
+                first, last = offset // region.chunk_size, (offset + nbytes - 1) // region.chunk_size
+                if not region.progress.wait(first, last, timeout):
+                    self._reply(conn, Status.NOT_READY,
+                                f"chunks {first}..{last} of {name!r} not present after {timeout:g} s")
+                    return None
+                with self._lock:
+                    self.bytes_served += nbytes
+                if op == Op.LEASE:
+                    self._reply(conn, Status.OK)
+                    keep = True
+                    return region
+                self._reply(conn, Status.OK, payload=region.data[offset:offset + nbytes])
+            else:
+                self._reply(conn, Status.BAD_REQUEST, f"unknown op {op}")
+            return None
+        finally:
+            if not keep:
+                self._end(region)
+
+    def _begin(self, name: str) -> _Exposed | None:
+        with self._lock:
+            region = self._regions.get(name)
+            if region is None or region.retracting:
+                return None
+            with region.drained:
+                region.inflight += 1
+            return region
+
+    @staticmethod
+    def _end(region: _Exposed) -> None:
+        with region.drained:
+            region.inflight -= 1
+            region.drained.notify_all()
+
+    @staticmethod
+    def _reply(conn: socket.socket, status: Status, message: str = "",
+               payload: bytes | memoryview = b"") -> None:
+        msg = message.encode()
+        conn.sendall(REPLY.pack(status, len(msg), len(payload)) + msg)
+        if len(payload):
+            conn.sendall(payload)

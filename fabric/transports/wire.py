@@ -1,0 +1,65 @@
+"""The byte layout of the read protocol spoken between `ReadServer` and the CPU transports.
+
+Every request is a fixed header followed by the region name::
+
+    magic "WFR1" | op u8 | pad u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
+
+Every reply is a fixed header, then a UTF-8 message (errors) and a payload::
+
+    status u8 | pad 3 | msg_len u32 | payload_len u64
+
+A connection carries one request at a time. Ops:
+
+- ``READ``: wait (up to timeout) until the chunks covering ``[offset, offset+nbytes)``
+  are present, then send those bytes as the payload.
+- ``LEASE``: the same wait, then no payload; the reader copies the bytes through
+  shared memory and sends ``END``. The server counts the lease as a read in flight
+  until ``END`` arrives or the connection drops.
+- ``END``: ends the connection's lease (no reply).
+- ``DESCRIBE``: payload is msgpack ``{nbytes, chunk_size, num_chunks, present, shm_path}``.
+- ``BITMAP``: payload is one byte per chunk, 1 where the chunk is present.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+
+MAGIC = b"WFR1"
+REQUEST = struct.Struct("!4sBxHQQf")
+REPLY = struct.Struct("!BxxxIQ")
+MAX_NAME = 1024
+
+
+class Op(enum.IntEnum):
+    READ = 1
+    LEASE = 2
+    END = 3
+    DESCRIBE = 4
+    BITMAP = 5
+
+
+class Status(enum.IntEnum):
+    OK = 0
+    NOT_FOUND = 1      # unknown or retracted region
+    OUT_OF_RANGE = 2
+    NOT_READY = 3      # the chunks did not arrive within the timeout
+    BAD_REQUEST = 4
+
+
+def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
+    """Receive exactly `nbytes`; ConnectionError if the peer closes first."""
+    buf = bytearray(nbytes)
+    recv_into_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket; ConnectionError if the peer closes first."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        got += n

@@ -1,0 +1,228 @@
+"""CPU transports against a holder in another process: tcp and shm, partial
+replicas, retract waiting for reads in flight, a holder killed mid-read."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fabric.transports import (
+    ReadRefusedError,
+    ReadServer,
+    ShmTransport,
+    SourceAddress,
+    SourceLostError,
+    TcpTransport,
+    choose_transport,
+    local_host_id,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from holder_process import pattern  # noqa: E402
+
+NBYTES = 3 * 1024 * 1024 + 17  # not a multiple of the chunk size
+CHUNK = 1024 * 1024
+
+
+class Holder:
+    """A holder process (tests/holder_process.py), killed in `close` whatever happened."""
+
+    def __init__(self, *, partial: bool = False) -> None:
+        args = [sys.executable, str(ROOT / "tests" / "holder_process.py"), str(NBYTES), str(CHUNK)]
+        self.proc = subprocess.Popen(args + (["--partial"] if partial else []), cwd=ROOT,
+                                     text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        ready = self.proc.stdout.readline().split()
+        assert ready and ready[0] == "READY", f"holder did not start: {ready}"
+        self.source = SourceAddress("127.0.0.1", int(ready[1]), local_host_id())
+        self.shm_path = Path(ready[2])
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, line: str) -> list[str]:
+        self.send(line)
+        return self.proc.stdout.readline().split()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        self.shm_path.unlink(missing_ok=True)  # a killed holder cannot clean up
+
+
+@pytest.fixture(scope="module")
+def holder():
+    """A complete replica, shared by the tests that only read it."""
+    h = Holder()
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def partial_holder():
+    h = Holder(partial=True)
+    yield h
+    h.close()
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def transport(request):
+    t = TcpTransport() if request.param == "tcp" else ShmTransport()
+    yield t
+    t.close()
+
+
+def test_whole_region_is_bit_exact(holder, transport):
+    out = torch.empty(NBYTES, dtype=torch.uint8)
+    transport.read(holder.source, "v1", 0, out, timeout=10)
+    assert torch.equal(out, pattern(NBYTES))
+
+
+def test_ranges_across_chunk_boundaries(holder, transport):
+    expected = pattern(NBYTES)
+    for offset, nbytes in [(CHUNK - 5, 10), (NBYTES - 17, 17), (12345, 2 * CHUNK), (0, 1)]:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        transport.read(holder.source, "v1", offset, out, timeout=10)
+        assert torch.equal(out, expected[offset:offset + nbytes]), (offset, nbytes)
+
+
+def test_describe_and_progress(partial_holder, transport):
+    info = transport.describe(partial_holder.source, "v1", timeout=10)
+    assert (info.nbytes, info.chunk_size, info.num_chunks, info.present) == (NBYTES, CHUNK, 4, 0)
+    assert info.shm_path == str(partial_holder.shm_path)
+    partial_holder.send("mark 2")
+    deadline = time.monotonic() + 10
+    while transport.progress(partial_holder.source, "v1", timeout=10) != b"\x00\x00\x01\x00":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_read_from_partial_replica_waits_for_its_chunks(partial_holder, transport):
+    out = torch.empty(CHUNK, dtype=torch.uint8)
+    result: list[BaseException | None] = []
+
+    def read():
+        try:
+            transport.read(partial_holder.source, "v1", CHUNK + 100, out, timeout=30)
+            result.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            result.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.3)
+    assert not result, "the read must wait for chunks 1 and 2"
+    partial_holder.send("mark 1")
+    time.sleep(0.2)
+    assert not result, "chunk 2 is still missing"
+    partial_holder.send("mark 2")
+    reader.join(timeout=30)
+    assert result == [None]
+    assert torch.equal(out, pattern(NBYTES)[CHUNK + 100:2 * CHUNK + 100])
+
+
+def test_missing_chunks_time_out_with_a_clear_error(partial_holder, transport):
+    out = torch.empty(10, dtype=torch.uint8)
+    with pytest.raises(ReadRefusedError, match="NOT_READY.*chunks 0..0"):
+        transport.read(partial_holder.source, "v1", 0, out, timeout=0.2)
+
+
+@pytest.mark.parametrize(("region", "offset", "nbytes", "words"), [
+    ("v2", 0, 10, "NOT_FOUND"),
+    ("v1", NBYTES - 5, 10, "OUT_OF_RANGE"),
+])
+def test_bad_reads_are_refused(holder, transport, region, offset, nbytes, words):
+    with pytest.raises(ReadRefusedError, match=words):
+        transport.read(holder.source, region, offset, torch.empty(nbytes, dtype=torch.uint8),
+                       timeout=5)
+
+
+def test_unreachable_source_is_lost_not_hung(transport):
+    with ReadServer() as server:
+        dead = server.address
+    start = time.monotonic()
+    with pytest.raises(SourceLostError, match="cannot reach"):
+        transport.read(dead, "v1", 0, torch.empty(4, dtype=torch.uint8), timeout=5)
+    assert time.monotonic() - start < 10
+
+
+def test_holder_killed_mid_read_raises_source_lost(partial_holder):
+    """The holder dies while a reader waits on it: the reader errors, it does not hang."""
+    tcp = TcpTransport()
+    try:
+        errors: list[BaseException] = []
+
+        def read():
+            try:
+                tcp.read(partial_holder.source, "v1", 0, torch.empty(CHUNK, dtype=torch.uint8),
+                         timeout=30)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.3)
+        partial_holder.proc.kill()
+        reader.join(timeout=30)
+        assert not reader.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], SourceLostError)
+    finally:
+        tcp.close()
+
+
+def test_retract_refuses_new_reads_and_waits_for_shm_leases():
+    """In-process holder, so the test can hold a lease open while retracting."""
+    data = pattern(4 * CHUNK)
+    with ReadServer() as server:
+        server.expose("v1", data, chunk_size=CHUNK)
+        tcp = TcpTransport()
+        try:
+            from fabric.transports import client
+            from fabric.transports.wire import Op
+
+            with tcp._pool.connection(server.address) as conn:
+                client.request(conn, server.address, Op.LEASE, "v1", offset=0, nbytes=CHUNK,
+                               timeout=5)
+                assert server.retract("v1", timeout=0.2) is False  # lease still in flight
+                with pytest.raises(ReadRefusedError, match="NOT_FOUND"):
+                    tcp.read(server.address, "v1", 0, torch.empty(8, dtype=torch.uint8), timeout=5)
+                client.request(conn, server.address, Op.END, "v1", timeout=5)
+            assert server.retract("v1", timeout=5) is True
+            assert server.regions() == []
+        finally:
+            tcp.close()
+
+
+def test_bytes_served_counts_egress(holder):
+    before = int(holder.ask("served")[1])
+    tcp = TcpTransport()
+    try:
+        tcp.read(holder.source, "v1", 0, torch.empty(1000, dtype=torch.uint8), timeout=5)
+        tcp.read(holder.source, "v1", 5, torch.empty(24, dtype=torch.uint8), timeout=5)
+    finally:
+        tcp.close()
+    assert int(holder.ask("served")[1]) - before == 1024
+
+
+def test_same_host_sources_use_shm():
+    shm, tcp = ShmTransport(), TcpTransport()
+    here = SourceAddress("127.0.0.1", 1, local_host_id())
+    there = SourceAddress("10.1.2.3", 1, "other-host:boot")
+    assert choose_transport(here, shm=shm, tcp=tcp) is shm
+    assert choose_transport(there, shm=shm, tcp=tcp) is tcp
+
+
+def test_expose_rejects_bad_regions():
+    with ReadServer() as server:
+        with pytest.raises(ValueError, match="flat contiguous uint8"):
+            server.expose("x", torch.zeros(4, dtype=torch.float32), chunk_size=4)
+        server.expose("x", torch.zeros(8, dtype=torch.uint8), chunk_size=4)
+        with pytest.raises(ValueError, match="already exposed"):
+            server.expose("x", torch.zeros(8, dtype=torch.uint8), chunk_size=4)
