@@ -1,0 +1,245 @@
+"""The fetch engine: pull the chunks of one replica from its sources, verified.
+
+The engine knows nothing of the hub's protocol. A `FetchPlanner` (the store
+wires it to the hub) tells it, for the chunks still missing, which sources to
+read from; the engine reads them with several chunks in flight, striping over
+the sources it was given, verifies each chunk's checksum, writes it in place
+(into the destination region other readers may already be reading from) and
+marks it present, so a chain of readers pipelines. When a source fails, or a
+chunk's bytes are wrong, only those chunks go back to the planner, which may
+name other sources; chunks already fetched are kept.
+
+::
+
+    missing ──plan──► [chunks → ranked sources] ──read (N in flight)──► verify
+       ▲                                                      │ ok: mark, report
+       └──────────── failed source / bad checksum ◄───────────┘
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from fabric.errors import FabricError, ReadRefusedError, TransportError
+from fabric.progress import ChunkProgress
+from fabric.transports import SourceAddress, Transport
+
+log = logging.getLogger(__name__)
+
+
+class FetchError(FabricError):
+    """A fetch could not complete: no source left for some chunks, or out of time."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A region of a worker that holds (or is fetching) the bytes."""
+
+    worker: str
+    address: SourceAddress
+    region: str
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Chunks to read and the sources that have them, best first. The engine
+    stripes the chunks over the sources of the best `stripe` ranks."""
+
+    chunks: tuple[int, ...]
+    sources: tuple[Source, ...]
+    stripe: int = 1
+
+
+class FetchPlanner(Protocol):
+    def plan(self, missing: list[int], failed: set[str]) -> list[Assignment]:
+        """Sources for the `missing` chunks, avoiding the workers in `failed`."""
+
+    def report(self, chunks: list[int]) -> None:
+        """Chunks now present and verified here (the reader is a partial replica)."""
+
+
+@dataclass
+class FetchStats:
+    """What one fetch did."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    chunks: int = 0
+    chunks_reread: int = 0
+    corrupted_chunks: int = 0
+    sources: dict[str, int] = field(default_factory=dict)  # worker -> bytes read from it
+    failed_sources: list[str] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {"bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
+                "chunks": self.chunks, "chunks_reread": self.chunks_reread,
+                "corrupted_chunks": self.corrupted_chunks, "sources": dict(self.sources),
+                "failed_sources": list(self.failed_sources)}
+
+
+ChecksumFn = Callable[[int, torch.Tensor], int]
+"""(chunk index, chunk bytes) -> checksum, the same function the publisher used."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FetchOptions:
+    max_inflight: int = 4
+    read_timeout: float = 30.0
+    """Longest wait for one chunk (a partial source may still be fetching it)."""
+    deadline: float = 600.0
+    """Longest the whole fetch may take."""
+    max_rounds: int = 50
+    """Re-plans allowed before giving up."""
+
+
+def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress,
+                 planner: FetchPlanner, choose: Callable[[SourceAddress], Transport],
+                 checksums: list[int] | None = None, checksum_fn: ChecksumFn | None = None,
+                 options: FetchOptions = FetchOptions(),
+                 on_chunk: Callable[[int, int], None] | None = None) -> FetchStats:
+    """Fill the missing chunks of `dest` (flat ``uint8``) from the planner's sources.
+
+    Args:
+        dest: the local replica's bytes; chunk ``c`` is ``dest[c*chunk_size : ...]``.
+        chunk_size: bytes per chunk.
+        progress: the local replica's chunk bitmap; chunks already present are kept.
+        planner: source selection and progress reporting (see `FetchPlanner`).
+        choose: the transport to use for a source.
+        checksums, checksum_fn: expected per-chunk checksums and the function that
+            computes one; verification is skipped when either is None.
+        options: concurrency and time limits.
+        on_chunk: called with (chunks done, chunks total) after every chunk.
+
+    Returns:
+        FetchStats of this call.
+
+    Raises:
+        FetchError: some chunks had no working source, or the deadline passed.
+    """
+    stats = FetchStats()
+    start = time.monotonic()
+    failed: set[str] = set()
+    lock = threading.Lock()
+    total = progress.num_chunks
+    attempted: set[int] = set()
+    corrupt_from: dict[int, set[str]] = {}  # chunk -> workers that sent it wrong
+
+    def read_one(chunk: int, source: Source) -> tuple[int, Source, str | None]:
+        lo = chunk * chunk_size
+        hi = min(lo + chunk_size, dest.numel())
+        piece = dest[lo:hi]
+        try:
+            choose(source.address).read(source.address, source.region, lo, piece,
+                                        timeout=options.read_timeout)
+        except TransportError as exc:
+            return chunk, source, f"{type(exc).__name__}: {exc}"
+        if checksums is not None and checksum_fn is not None:
+            got = checksum_fn(chunk, piece)
+            if got != checksums[chunk]:
+                return chunk, source, "checksum"
+        return chunk, source, None
+
+    with ThreadPoolExecutor(max_workers=options.max_inflight,
+                            thread_name_prefix="wf-fetch") as pool:
+        for _ in range(options.max_rounds):
+            missing = [c for c in range(total) if not progress.has(c, c)]
+            if not missing:
+                break
+            if time.monotonic() - start > options.deadline:
+                raise FetchError(f"fetch ran past its deadline of {options.deadline:g} s with "
+                                 f"{len(missing)} of {total} chunks missing")
+            work = _schedule(planner.plan(missing, set(failed)), missing, corrupt_from)
+            if not work:
+                raise FetchError(f"no source for chunks {_ranges(missing)}: every holder failed "
+                                 f"or left ({', '.join(sorted(failed)) or 'none failed'})")
+            pending: set[Future] = set()
+            queue = list(work)
+            while queue or pending:
+                while queue and len(pending) < options.max_inflight:
+                    chunk, source = queue.pop(0)
+                    if source.worker in failed:
+                        continue
+                    pending.add(pool.submit(read_one, chunk, source))
+                done, pending = wait(pending, timeout=options.read_timeout * 2,
+                                     return_when=FIRST_COMPLETED)
+                if not done:
+                    raise FetchError("a chunk read outlived its timeout; the source hangs")
+                finished: list[int] = []
+                for future in done:
+                    chunk, source, error = future.result()
+                    with lock:
+                        if chunk in attempted:
+                            stats.chunks_reread += 1
+                        attempted.add(chunk)
+                    if error is None:
+                        nbytes = min(chunk_size, dest.numel() - chunk * chunk_size)
+                        progress.mark(chunk)
+                        stats.bytes += nbytes
+                        stats.chunks += 1
+                        stats.sources[source.worker] = stats.sources.get(source.worker, 0) + nbytes
+                        finished.append(chunk)
+                    elif error == "checksum":
+                        stats.corrupted_chunks += 1
+                        corrupt_from.setdefault(chunk, set()).add(source.worker)
+                        log.warning("chunk %d from %s failed its checksum; re-reading",
+                                    chunk, source.worker)
+                    else:
+                        if source.worker not in failed and not _transient(error):
+                            failed.add(source.worker)
+                            stats.failed_sources.append(source.worker)
+                            log.warning("source %s failed (%s); re-planning its chunks",
+                                        source.worker, error)
+                if finished:
+                    planner.report(sorted(finished))
+                    if on_chunk is not None:
+                        on_chunk(progress.count, total)
+        else:
+            missing = [c for c in range(total) if not progress.has(c, c)]
+            if missing:
+                raise FetchError(f"gave up after {options.max_rounds} re-plans; chunks "
+                                 f"{_ranges(missing)} still missing")
+    stats.seconds = time.monotonic() - start
+    return stats
+
+
+def _transient(error: str) -> bool:
+    """A partial source that did not have the chunk in time is slow, not dead."""
+    return error.startswith(ReadRefusedError.__name__) and "NOT_READY" in error
+
+
+def _schedule(assignments: list[Assignment], missing: list[int],
+              avoid: dict[int, set[str]]) -> list[tuple[int, Source]]:
+    """(chunk, source) pairs in chunk order, striped over each assignment's best
+    sources, never pairing a chunk with a source that already sent it corrupted."""
+    wanted = set(missing)
+    pairs: dict[int, Source] = {}
+    for a in assignments:
+        for i, chunk in enumerate(c for c in a.chunks if c in wanted and c not in pairs):
+            usable = [s for s in a.sources if s.worker not in avoid.get(chunk, ())]
+            if usable:
+                stripe = usable[:max(1, a.stripe)]
+                pairs[chunk] = stripe[i % len(stripe)]
+    return sorted(pairs.items())
+
+
+def _ranges(chunks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2, 5'``."""
+    out: list[str] = []
+    for c in sorted(chunks):
+        if out and int(out[-1].split("-")[-1]) == c - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        else:
+            out.append(str(c))
+    return ", ".join(out)

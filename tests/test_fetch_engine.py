@@ -1,0 +1,165 @@
+"""The fetch engine against real read servers (in this process, over loopback TCP)."""
+
+import threading
+import zlib
+
+import pytest
+import torch
+
+from fabric.fetch import Assignment, FetchError, FetchOptions, Source, fetch_chunks
+from fabric.progress import ChunkProgress
+from fabric.transports import ReadServer, TcpTransport
+
+CHUNK = 64 * 1024
+NBYTES = 10 * CHUNK + 123
+NUM_CHUNKS = 11
+
+
+def data() -> torch.Tensor:
+    return (torch.arange(NBYTES, dtype=torch.int64) * 7 % 253).to(torch.uint8)
+
+
+def crc(chunk: int, piece: torch.Tensor) -> int:
+    return zlib.crc32(piece.numpy().tobytes(), chunk)
+
+
+EXPECTED = [crc(c, data()[c * CHUNK:(c + 1) * CHUNK]) for c in range(NUM_CHUNKS)]
+
+
+class StaticPlanner:
+    """Offers every source that is not reported failed, all chunks, stripe over all."""
+
+    def __init__(self, sources: list[Source], stripe: int | None = None) -> None:
+        self.sources = sources
+        self.stripe = stripe or len(sources)
+        self.reported: list[int] = []
+        self.rounds = 0
+
+    def plan(self, missing, failed):
+        self.rounds += 1
+        live = tuple(s for s in self.sources if s.worker not in failed)
+        return [Assignment(tuple(missing), live, self.stripe)] if live else []
+
+    def report(self, chunks):
+        self.reported.extend(chunks)
+
+
+@pytest.fixture
+def tcp():
+    t = TcpTransport()
+    yield t
+    t.close()
+
+
+def serve(worker: str, tensor: torch.Tensor, progress: ChunkProgress | None = None):
+    server = ReadServer()
+    server.expose("v1", tensor, chunk_size=CHUNK, progress=progress)
+    return server, Source(worker, server.address, "v1")
+
+
+def run(planner, tcp, dest=None, progress=None, **kw):
+    dest = torch.zeros(NBYTES, dtype=torch.uint8) if dest is None else dest
+    progress = progress or ChunkProgress(NUM_CHUNKS)
+    stats = fetch_chunks(dest, chunk_size=CHUNK, progress=progress, planner=planner,
+                         choose=lambda _: tcp, checksums=EXPECTED, checksum_fn=crc,
+                         options=FetchOptions(read_timeout=5, deadline=60), **kw)
+    return dest, progress, stats
+
+
+def test_stripes_over_two_sources_bit_exact(tcp):
+    a, src_a = serve("a", data())
+    b, src_b = serve("b", data())
+    try:
+        dest, progress, stats = run(StaticPlanner([src_a, src_b]), tcp)
+        assert torch.equal(dest, data()) and progress.complete
+        assert stats.bytes == NBYTES and stats.chunks == NUM_CHUNKS
+        assert set(stats.sources) == {"a", "b"} and min(stats.sources.values()) >= 4 * CHUNK
+        assert a.bytes_served + b.bytes_served == NBYTES
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_source_is_replaced_and_only_its_chunks_reread(tcp):
+    a, src_a = serve("a", data())
+    b, src_b = serve("b", data())
+    b.close()  # b died before the fetch: every chunk assigned to it must move to a
+    try:
+        planner = StaticPlanner([src_a, src_b])
+        dest, _, stats = run(planner, tcp)
+        assert torch.equal(dest, data())
+        assert stats.failed_sources == ["b"] and stats.sources == {"a": NBYTES}
+        assert planner.rounds == 2
+        assert stats.chunks_reread <= NUM_CHUNKS // 2 + 1  # only b's share, once
+    finally:
+        a.close()
+
+
+def test_corrupted_chunk_is_caught_and_reread_elsewhere(tcp):
+    bad = data().clone()
+    bad[2 * CHUNK + 10] ^= 0xFF
+    a, src_a = serve("bad", bad)
+    b, src_b = serve("good", data())
+    try:
+        dest, _, stats = run(StaticPlanner([src_a, src_b]), tcp)
+        assert torch.equal(dest, data())
+        assert stats.corrupted_chunks == 1 and stats.chunks_reread == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_chunks_already_present_are_kept(tcp):
+    a, src_a = serve("a", data())
+    try:
+        dest = data().clone()
+        progress = ChunkProgress(NUM_CHUNKS)
+        for c in range(0, NUM_CHUNKS, 2):
+            progress.mark(c)
+        dest[1 * CHUNK:2 * CHUNK] = 0
+        dest, _, stats = run(StaticPlanner([src_a]), tcp, dest=dest, progress=progress)
+        assert torch.equal(dest, data())
+        assert stats.chunks == NUM_CHUNKS // 2
+    finally:
+        a.close()
+
+
+def test_reader_pipelines_from_a_partial_replica(tcp):
+    """origin -> A -> B: B reads from A while A is still fetching."""
+    origin, src_origin = serve("origin", data())
+    a_bytes = torch.zeros(NBYTES, dtype=torch.uint8)
+    a_progress = ChunkProgress(NUM_CHUNKS)
+    a_server, src_a = serve("a", a_bytes, a_progress)
+    try:
+        result = {}
+        thread = threading.Thread(
+            target=lambda: result.setdefault("a", run(StaticPlanner([src_origin]), tcp,
+                                                      dest=a_bytes, progress=a_progress)))
+        thread.start()
+        dest, _, stats = run(StaticPlanner([src_a]), tcp)
+        thread.join(timeout=60)
+        assert torch.equal(dest, data()) and torch.equal(a_bytes, data())
+        assert stats.sources == {"a": NBYTES}
+        assert origin.bytes_served == NBYTES  # the origin served the version once
+    finally:
+        for s in (origin, a_server):
+            s.close()
+
+
+def test_no_source_left_is_an_error_naming_the_chunks(tcp):
+    a, src_a = serve("a", data())
+    a.close()
+    with pytest.raises(FetchError, match=r"no source for chunks 0-10.*\ba\b"):
+        run(StaticPlanner([src_a]), tcp)
+
+
+def test_progress_callback_and_reports(tcp):
+    a, src_a = serve("a", data())
+    seen = []
+    try:
+        planner = StaticPlanner([src_a])
+        run(planner, tcp, on_chunk=lambda done, total: seen.append((done, total)))
+        assert sorted(planner.reported) == list(range(NUM_CHUNKS))
+        assert seen[-1] == (NUM_CHUNKS, NUM_CHUNKS)
+    finally:
+        a.close()
