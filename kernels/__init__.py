@@ -15,9 +15,31 @@ from kernels.fp8 import (
 )
 from kernels.layout import PackLayout, Slot, plan_layout
 from kernels.pack import pack, pack_ref, unpack, unpack_ref
+from kernels.reshard import reshard
+from kernels.reshard_plan import (
+    FusedGateUp,
+    FusedQKV,
+    Layout,
+    Replicated,
+    ReshardPlan,
+    Segment,
+    Sharded,
+    VocabParallel,
+    plan_reshard,
+)
 from kernels.segcopy import SUPPORTED_CASTS, copy_segments, copy_segments_ref
 
 __all__ = [
+    "FusedGateUp",
+    "FusedQKV",
+    "Layout",
+    "Replicated",
+    "ReshardPlan",
+    "Segment",
+    "Sharded",
+    "VocabParallel",
+    "plan_reshard",
+    "reshard",
     "SUPPORTED_CASTS",
     "PackLayout",
     "Slot",
