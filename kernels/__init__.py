@@ -1,0 +1,62 @@
+"""Triton kernels for moving weights, each with a pure-torch reference.
+
+Every public function takes ``backend="triton" | "torch" | None``; None runs
+Triton on CUDA tensors and the torch reference elsewhere (see `kernels.dispatch`).
+"""
+
+from kernels.checksum import chunk_checksums, chunk_checksums_ref
+from kernels.dispatch import choose_backend, interpreting
+from kernels.fp8 import (
+    dequantize_fp8,
+    dequantize_fp8_ref,
+    quantize_fp8,
+    quantize_fp8_ref,
+    scale_shape,
+)
+from kernels.layout import PackLayout, Slot, plan_layout
+from kernels.pack import pack, pack_ref, unpack, unpack_ref
+from kernels.reshard import reshard
+from kernels.reshard_plan import (
+    FusedGateUp,
+    FusedQKV,
+    Layout,
+    Replicated,
+    ReshardPlan,
+    Segment,
+    Sharded,
+    VocabParallel,
+    plan_reshard,
+)
+from kernels.segcopy import SUPPORTED_CASTS, copy_segments, copy_segments_ref
+
+__all__ = [
+    "FusedGateUp",
+    "FusedQKV",
+    "Layout",
+    "Replicated",
+    "ReshardPlan",
+    "Segment",
+    "Sharded",
+    "VocabParallel",
+    "plan_reshard",
+    "reshard",
+    "SUPPORTED_CASTS",
+    "PackLayout",
+    "Slot",
+    "choose_backend",
+    "chunk_checksums",
+    "chunk_checksums_ref",
+    "copy_segments",
+    "copy_segments_ref",
+    "dequantize_fp8",
+    "dequantize_fp8_ref",
+    "interpreting",
+    "pack",
+    "pack_ref",
+    "plan_layout",
+    "quantize_fp8",
+    "quantize_fp8_ref",
+    "scale_shape",
+    "unpack",
+    "unpack_ref",
+]

@@ -1,0 +1,146 @@
+"""Per-chunk 64-bit checksums of a byte buffer, identical on GPU and CPU.
+
+The buffer (``torch.uint8``, 1-D, contiguous, length and address multiples of
+4) is read as little-endian 32-bit words ``w[i]``, ``i`` the word's index in the
+whole buffer. Chunk ``c`` covers bytes ``[c * chunk_size, (c + 1) * chunk_size)``
+(the last chunk may be shorter). Its checksum, in wrapping int64 arithmetic::
+
+    x = w[i] ^ (i * K1);  x *= K2;  x ^= x >>> 31;  x *= K3;  x ^= x >>> 29
+    checksum[c] = sum(x over the chunk's words) + chunk_nbytes * K4
+
+(``>>>`` is a logical shift.) Every word is mixed with its position, so swapped,
+moved or changed words change the sum; a wrapping sum does not depend on the
+order of the reduction, so the Triton kernel and the torch reference agree bit
+for bit whatever the block sizes. Not cryptographic: it detects torn or
+corrupted reads, not tampering.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dispatch import choose_backend
+
+K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+K3 = -7723592293110705685  # 0x94D049BB133111EB
+K4 = -2960836687051489901  # 0xD6E8FEB86659FD93
+DEFAULT_BLOCK = 1024
+DEFAULT_SPLIT = 16
+
+
+@triton.jit
+def _checksum_kernel(
+    words_ptr,     # *i32 [total_words]: the buffer as 32-bit words (read only)
+    partial_ptr,   # *i64 [num_chunks, SPLIT]: one wrapping partial sum per program
+    total_words,   # words in the whole buffer
+    chunk_words,   # words per chunk
+    BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    chunk = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    first = chunk * chunk_words
+    end = tl.minimum(first + chunk_words, total_words)
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
+    for j in range(part * BLOCK, chunk_words, SPLIT * BLOCK):
+        i = first + j + tl.arange(0, BLOCK).to(tl.int64)
+        mask = i < end
+        w = tl.load(words_ptr + i, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+        x = w ^ (i * -7046029254386353131)
+        x = x * -4658895280553007687
+        x = x ^ ((x >> 31) & 0x1FFFFFFFF)
+        x = x * -7723592293110705685
+        x = x ^ ((x >> 29) & 0x7FFFFFFFF)
+        acc += tl.where(mask, x, 0)
+    tl.store(partial_ptr + chunk * SPLIT + part, tl.sum(acc, axis=0))
+
+
+def _check(buffer: torch.Tensor, chunk_size: int) -> None:
+    if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8:
+        got = buffer.dtype if isinstance(buffer, torch.Tensor) else type(buffer).__name__
+        raise TypeError(f"checksum: buffer must be a torch.uint8 tensor, got {got}")
+    if buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError(f"checksum: buffer must be 1-D and contiguous, got shape "
+                         f"{tuple(buffer.shape)}")
+    if buffer.numel() % 4 or buffer.data_ptr() % 4:
+        raise ValueError(f"checksum: buffer length ({buffer.numel()}) and address must be "
+                         f"multiples of 4 bytes (misaligned)")
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % 4:
+        raise ValueError(f"checksum: chunk_size must be a positive multiple of 4, got {chunk_size!r}")
+
+
+def _finish(sums: torch.Tensor, nbytes: int, chunk_size: int) -> torch.Tensor:
+    n = sums.numel()
+    lengths = torch.full((n,), chunk_size, dtype=torch.int64, device=sums.device)
+    if n:
+        lengths[-1] = nbytes - (n - 1) * chunk_size
+    return sums + lengths * K4
+
+
+def _mix(w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    x = (w.to(torch.int64) & 0xFFFFFFFF) ^ (i * K1)
+    x = x * K2
+    x = x ^ ((x >> 31) & 0x1FFFFFFFF)
+    x = x * K3
+    return x ^ ((x >> 29) & 0x7FFFFFFFF)
+
+
+def chunk_checksums_ref(buffer: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Torch reference of `chunk_checksums` (same integer arithmetic, wrapping int64)."""
+    _check(buffer, chunk_size)
+    words = buffer.view(torch.int32)
+    chunk_words = chunk_size // 4
+    num_chunks = -(-buffer.numel() // chunk_size)
+    sums = torch.zeros(num_chunks, dtype=torch.int64, device=buffer.device)
+    step = max(1, (1 << 24) // chunk_words) * chunk_words  # bound temporary memory
+    for start in range(0, words.numel(), step):
+        w = words[start:start + step]
+        i = torch.arange(start, start + w.numel(), dtype=torch.int64, device=buffer.device)
+        x = _mix(w, i)
+        chunk_of = i // chunk_words
+        sums.index_add_(0, chunk_of, x)
+    return _finish(sums, buffer.numel(), chunk_size)
+
+
+def chunk_checksums_triton(buffer: torch.Tensor, chunk_size: int, *,
+                           block: int = DEFAULT_BLOCK, split: int = DEFAULT_SPLIT) -> torch.Tensor:
+    """Triton `chunk_checksums`: grid (chunks, split), partial sums added in torch."""
+    _check(buffer, chunk_size)
+    num_chunks = -(-buffer.numel() // chunk_size)
+    partial = torch.zeros((num_chunks, split), dtype=torch.int64, device=buffer.device)
+    if num_chunks:
+        _checksum_kernel[(num_chunks, split)](
+            words_ptr=buffer.view(torch.int32), partial_ptr=partial,
+            total_words=buffer.numel() // 4, chunk_words=chunk_size // 4,
+            BLOCK=block, SPLIT=split)
+    return _finish(partial.sum(dim=1), buffer.numel(), chunk_size)
+
+
+def chunk_checksums(buffer: torch.Tensor, chunk_size: int, *,
+                    backend: str | None = None) -> torch.Tensor:
+    """64-bit checksum of every ``chunk_size``-byte chunk of ``buffer``.
+
+    Args:
+        buffer: ``torch.uint8``, 1-D, contiguous; length and address multiples of 4.
+        chunk_size: bytes per chunk, a positive multiple of 4.
+        backend: ``"triton"``, ``"torch"`` or None (Triton on CUDA tensors).
+
+    Returns:
+        int64 tensor ``[ceil(len / chunk_size)]`` on the buffer's device.
+
+    Raises:
+        TypeError: buffer not uint8.  ValueError: bad shape, length, alignment or chunk size.
+    """
+    if choose_backend(backend, buffer, op="chunk_checksums") == "torch":
+        return chunk_checksums_ref(buffer, chunk_size)
+    return chunk_checksums_triton(buffer, chunk_size)
+
+
+def aot_specs() -> list[tuple[object, dict[str, str], dict[str, int]]]:
+    """(kernel, signature, constexprs) for the Hopper compile check."""
+    sig = {"words_ptr": "*i32", "partial_ptr": "*i64", "total_words": "i64",
+           "chunk_words": "i64", "BLOCK": "constexpr", "SPLIT": "constexpr"}
+    return [(_checksum_kernel, sig, {"BLOCK": DEFAULT_BLOCK, "SPLIT": DEFAULT_SPLIT})]

@@ -1,0 +1,84 @@
+"""Execute a `ReshardPlan`: every segment of it in one kernel launch.
+
+Shards are tensors of the plan's shard shapes (``[rows, cols]``; for a 1-D
+logical tensor, 1-D shards of ``rows`` are accepted too), any strides, all on
+one device. Source and destination dtypes must be equal or a supported cast
+(`kernels.segcopy.SUPPORTED_CASTS`, e.g. float32 -> bfloat16). Destination
+elements no segment covers (vocabulary padding) are left untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.dispatch import choose_backend
+from kernels.reshard_plan import ReshardPlan
+from kernels.segcopy import (
+    DEFAULT_BLOCK,
+    Segment,
+    copy_segments_ref,
+    copy_segments_triton,
+    element_kind,
+)
+
+
+def _as_2d(shards: Sequence[torch.Tensor], shapes: Sequence[tuple[int, int]], side: str) -> list[torch.Tensor]:
+    if len(shards) != len(shapes):
+        raise ValueError(f"reshard: {len(shards)} {side} shards given, layout has {len(shapes)} ranks")
+    out = []
+    for rank, (t, shape) in enumerate(zip(shards, shapes, strict=True)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"reshard: {side} shard {rank} is a {type(t).__name__}, not a tensor")
+        if t.dim() == 1 and shape[1] == 1:
+            t = t.unsqueeze(1)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"reshard: {side} shard {rank} has shape {tuple(t.shape)}, the layout "
+                             f"needs {tuple(shape)}")
+        out.append(t)
+    return out
+
+
+def _views(plan: ReshardPlan, src: list[torch.Tensor], dst: list[torch.Tensor]) -> list[Segment]:
+    return [(src[s.src_rank][s.src_row:s.src_row + s.rows, s.src_col:s.src_col + s.cols],
+             dst[s.dst_rank][s.dst_row:s.dst_row + s.rows, s.dst_col:s.dst_col + s.cols])
+            for s in plan.segments]
+
+
+def reshard(plan: ReshardPlan, src_shards: Sequence[torch.Tensor],
+            dst_shards: Sequence[torch.Tensor] | None = None, *, dtype: torch.dtype | None = None,
+            backend: str | None = None, block: int = DEFAULT_BLOCK) -> list[torch.Tensor]:
+    """Copy ``src_shards`` (layout ``plan.src``) into ``dst_shards`` (layout ``plan.dst``).
+
+    Args:
+        plan: from `plan_reshard`.
+        src_shards: one tensor per source rank.
+        dst_shards: one tensor per destination rank; zero-filled tensors of
+            ``dtype`` (default: the source dtype) are allocated when None.
+        backend: ``"triton"``, ``"torch"`` or None (Triton on CUDA tensors).
+
+    Returns:
+        The destination shards (2-D views for 1-D tensors).
+
+    Raises:
+        ValueError: wrong shard count or shape, mixed devices.
+        TypeError: mixed source dtypes or an unsupported cast (names the shard).
+    """
+    src = _as_2d(src_shards, plan.src_shapes, "source")
+    dtypes = {t.dtype for t in src}
+    if len(dtypes) != 1:
+        raise TypeError(f"reshard: source shards mix dtypes {sorted(map(str, dtypes))}")
+    if dst_shards is None:
+        dt = dtype or src[0].dtype
+        dst_shards = [torch.zeros(s, dtype=dt, device=src[0].device) for s in plan.dst_shapes]
+    dst = _as_2d(dst_shards, plan.dst_shapes, "destination")
+    for rank, t in enumerate(dst):
+        element_kind(src[0].dtype, t.dtype, f"reshard: destination shard {rank}")
+    segments = _views(plan, src, dst)
+    if choose_backend(backend, *src, *dst, op="reshard") == "torch":
+        copy_segments_ref(segments)
+    else:
+        kinds = [element_kind(a.dtype, b.dtype) for a, b in segments]
+        copy_segments_triton(segments, kinds, block=block)
+    return dst

@@ -1,0 +1,169 @@
+"""`fabric bench kernels`: GB/s of the transfer kernels beside plain torch.
+
+Bytes formula: every figure counts bytes read + bytes written once. The tensor
+set is one tensor-parallel rank's share of Llama-3-70B-shaped layers (hidden
+8192, 64 heads, 8 kv heads, head_dim 128, intermediate 28672), TP8; the reshard
+case moves a layer from TP8 to TP4. On CPU the shapes are scaled down (hidden / 4, 4 layers)
+so a run takes about a minute; there the dispatch picks the torch path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from kernels import (
+    FusedGateUp,
+    FusedQKV,
+    Sharded,
+    chunk_checksums,
+    dequantize_fp8,
+    pack,
+    pack_ref,
+    plan_layout,
+    plan_reshard,
+    quantize_fp8,
+    reshard,
+    unpack,
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _tensor_set(tp: int, layers: int, scale: int, device: torch.device) -> dict[str, torch.Tensor]:
+    h, inter, kvh, hd, heads = 8192 // scale, 28672 // scale, 8, 128 // scale, 64
+    out: dict[str, torch.Tensor] = {}
+    for i in range(layers):
+        shapes = {"qkv": ((heads + 2 * kvh) * hd // tp, h), "o": (h, heads * hd // tp),
+                  "gate_up": (2 * inter // tp, h), "down": (h, inter // tp),
+                  "in_norm": (h,), "post_norm": (h,)}
+        for name, shape in shapes.items():
+            out[f"layers.{i}.{name}"] = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    return out
+
+
+def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    backend = "triton" if device.type == "cuda" else "torch"
+
+    def add(name: str, nbytes: int, seconds: float, baseline: str, base_seconds: float) -> None:
+        rows.append({"kernel": name, "backend": backend, "bytes": nbytes,
+                     "seconds": seconds, "GB/s": nbytes / seconds / 1e9,
+                     "baseline": baseline, "baseline GB/s": nbytes / base_seconds / 1e9,
+                     "speedup": base_seconds / seconds})
+
+    ts = _tensor_set(8, layers, scale, device)
+    lay = plan_layout(ts)
+    nbytes = sum(t.numel() * t.element_size() for t in ts.values())
+    buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
+    flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    flat_dst = torch.empty_like(flat_src)
+    t_copy = _time(lambda: flat_dst.copy_(flat_src), device, repeat)
+    rows.append({"kernel": "copy_ (reference)", "backend": "torch", "bytes": 2 * nbytes,
+                 "seconds": t_copy, "GB/s": 2 * nbytes / t_copy / 1e9, "baseline": "-",
+                 "baseline GB/s": None, "speedup": None})
+    add("pack", 2 * nbytes, _time(lambda: pack(ts, lay, out=buf), device, repeat),
+        "per-tensor copy_ loop", _time(lambda: pack_ref(ts, lay, buf), device, repeat))
+    outs = {n: torch.empty_like(t) for n, t in ts.items()}
+    add("unpack", 2 * nbytes, _time(lambda: unpack(buf, lay, out=outs), device, repeat),
+        "per-tensor copy_ loop",
+        _time(lambda: [outs[s.name].view(-1).copy_(buf[s.offset:s.offset + s.nbytes].view(
+            torch.bfloat16)) for s in lay], device, repeat))
+    cs = 4 << 20 if device.type == "cuda" else 1 << 20
+    add("checksum", nbytes, _time(lambda: chunk_checksums(buf[:nbytes // 4 * 4], cs), device, repeat),
+        "copy_ of the same bytes", t_copy / 2)
+
+    w = ts["layers.0.gate_up"]
+    wb = w.numel() * 2
+    q, s = quantize_fp8(w)
+    add("fp8 quantise", wb + w.numel() + s.numel() * 4, _time(lambda: quantize_fp8(w), device, repeat),
+        "torch .to(float8) (no scaling)", _time(lambda: w.to(torch.float8_e4m3fn), device, repeat))
+    add("fp8 dequantise", w.numel() + wb + s.numel() * 4,
+        _time(lambda: dequantize_fp8(q, s), device, repeat),
+        "torch .to(bfloat16) (no scaling)", _time(lambda: q.to(torch.bfloat16), device, repeat))
+
+    # reshard one layer TP8 -> TP4 (all eight source shards on this device)
+    h, inter, hd = 8192 // scale, 28672 // scale, 128 // scale
+    cases = [(FusedQKV(8, 64, 8, hd), FusedQKV(4, 64, 8, hd), ((64 + 16) * hd, h)),
+             (FusedGateUp(8), FusedGateUp(4), (2 * inter, h)),
+             (Sharded(8, 1), Sharded(4, 1), (h, 64 * hd)),
+             (Sharded(8, 1), Sharded(4, 1), (h, inter))]
+    plans, srcs, dsts = [], [], []
+    for src, dst, shape in cases:
+        plan = plan_reshard(src, dst, shape)
+        plans.append(plan)
+        srcs.append([torch.randn(sh, device=device, dtype=torch.bfloat16) for sh in plan.src_shapes])
+        dsts.append([torch.empty(sh, device=device, dtype=torch.bfloat16) for sh in plan.dst_shapes])
+    moved = 2 * 2 * sum(p.num_elements for p in plans)
+
+    def loop() -> None:
+        for plan, src, dst in zip(plans, srcs, dsts, strict=True):
+            for g in plan.segments:
+                dst[g.dst_rank][g.dst_row:g.dst_row + g.rows, g.dst_col:g.dst_col + g.cols].copy_(
+                    src[g.src_rank][g.src_row:g.src_row + g.rows, g.src_col:g.src_col + g.cols])
+
+    add("reshard TP8->TP4", moved,
+        _time(lambda: [reshard(p, s_, d_) for p, s_, d_ in zip(plans, srcs, dsts, strict=True)],
+              device, repeat),
+        "per-segment copy_ loop", _time(loop, device, repeat))
+    return rows
+
+
+def _handler(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    layers = args.layers or (8 if on_gpu else 4)
+    scale = 1 if on_gpu else 4
+    rows = run(device, layers=layers, scale=scale, repeat=args.repeat)
+    name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({torch.get_num_threads()} threads)"
+    meta = {"device": name, "layers": layers, "shape_scale": f"1/{scale}",
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+    if args.json:
+        print(json.dumps({"meta": meta, "results": rows}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"kernels on {name}: {layers} Llama-3-70B TP8 layers, shapes x{meta['shape_scale']}")
+    for col in ("kernel", "backend", "MB", "GB/s", "baseline", "baseline GB/s", "speedup"):
+        table.add_column(col, justify="left" if col in ("kernel", "backend", "baseline") else "right")
+    for r in rows:
+        table.add_row(str(r["kernel"]), str(r["backend"]), f"{r['bytes'] / 1e6:.1f}",
+                      f"{r['GB/s']:.2f}", str(r["baseline"]),
+                      "-" if r["baseline GB/s"] is None else f"{r['baseline GB/s']:.2f}",
+                      "-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
+    Console().print(table)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "kernels", help="GB/s of pack/unpack, fp8, reshard and checksum kernels vs torch",
+        description="Times the transfer kernels on one device beside torch doing the same bytes. "
+                    "On CPU the torch path runs with shapes scaled down 4x. "
+                    "Example: fabric bench kernels --json")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("--layers", type=int, default=None, help="transformer layers (default 8 GPU, 4 CPU)")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions (median reported)")
+    p.set_defaults(handler=_handler)
