@@ -57,3 +57,15 @@ def test_bad_input_is_rejected():
         chunk_checksums(_buf(16), 6)
     with pytest.raises(ValueError, match="misaligned"):
         chunk_checksums(_buf(20)[1:17], 8)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_slice_verifies_on_its_own_with_first_chunk(backend):
+    buf = (torch.arange(4 * 96 + 40, dtype=torch.int64) * 31 % 256).to(torch.uint8)
+    whole = chunk_checksums(buf, 96, backend=backend)
+    for c in range(whole.numel()):
+        piece = buf[c * 96:(c + 1) * 96]
+        assert chunk_checksums(piece, 96, first_chunk=c, backend=backend).tolist() == [whole[c]]
+    assert torch.equal(chunk_checksums(buf[192:], 96, first_chunk=2, backend=backend), whole[2:])
+    with pytest.raises(ValueError, match="first_chunk"):
+        chunk_checksums(buf, 96, first_chunk=-1, backend=backend)
