@@ -119,6 +119,28 @@ class Layout:
         return _dedupe(self._to_nic(ms, src, nic_s) + (ms.leaf,) + middle + (md.leaf,)
                        + tuple(reversed(self._to_nic(md, dst, nic_d))))
 
+    def via_spine(self, src: str | None, dst: str | None, dc: str,
+                  vertex: str) -> tuple[str, ...] | None:
+        """Route between a device and `vertex` hanging off datacenter `dc`'s spine
+        (a storage service, say): ``src -> ... -> spine -> vertex`` when `src` is
+        given, else ``vertex -> spine -> ... -> dst``."""
+        device = src if src is not None else dst
+        m = self.machine(device)
+        if not m.nics or m.leaf is None:
+            return None
+        spine = f"{dc}/spine"
+        if m.datacenter == dc:
+            middle: tuple[str, ...] | None = (spine,)
+        else:
+            fake = Machine("", dc, "", leaf=spine)
+            middle = self._network(m, fake)
+            if middle is None:
+                return None
+            middle = middle[:-1] + (spine,)
+        half = self._to_nic(m, device, m.nics[self.rail_of(device) % len(m.nics)])
+        out = half + (m.leaf,) + middle + (vertex,)
+        return _dedupe(out if src is not None else tuple(reversed(out)))
+
     def _to_nic(self, m: Machine, device: str, nic: str) -> tuple[str, ...]:
         g = self.graph
         if g.has_edge(device, nic):

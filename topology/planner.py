@@ -438,22 +438,40 @@ class _Builder:
 
     def _inside(self, s: int, machine: str, devices: list[str], holders: list[str]) -> None:
         m = self.layout.machines[machine]
+        if not self._switched(m, devices + holders):  # one chain along NVLink/PCIe
+            order = self._chain(holders[0], devices)
+            self._add(s, holders[0], order[0])
+            self._fan_out(s, m, order[0], order[1:])
+            return
         landing = devices[s % len(devices)]
         rail = self.layout.rail_of(landing)
         source = next((h for h in holders if self.layout.rail_of(h) == rail), holders[0])
         self._add(s, source, landing)
         self._fan_out(s, m, landing, [d for d in devices if d != landing])
 
+    @staticmethod
+    def _switched(m: Machine, devices: list[str]) -> bool:
+        return m.nvswitch is not None and all(d in m.gpus for d in devices)
+
+    def _chain(self, start: str, devices: list[str]) -> list[str]:
+        """`devices` ordered greedily so that consecutive ones share a direct link."""
+        g, left, order, cur = self.layout.graph, list(devices), [], start
+        while left:
+            nxt = next((d for d in left if g.has_edge(cur, d)), left[0])
+            left.remove(nxt)
+            order.append(nxt)
+            cur = nxt
+        return order
+
     def _fan_out(self, s: int, m: Machine, landing: str, others: list[str]) -> None:
         if not others:
             return
-        star = m.nvswitch is not None and all(d in m.gpus for d in others + [landing])
-        if star:
+        if self._switched(m, others + [landing]):
             for d in others:
                 self._add(s, landing, d)
             return
         prev = landing
-        for d in others:
+        for d in self._chain(landing, others):
             self._add(s, prev, d)
             prev = d
 
