@@ -21,7 +21,8 @@ its own tree, built in three levels:
    every tree has several roots, so a joining reader stripes over all of them);
    entry machines are roots of their datacenter. Trees are built breadth first,
    so they are ``O(log_K N)`` machines deep. When a tree runs out of slots (fewer
-   machines than stripes) the shallowest leaf is promoted.
+   machines than stripes) the leaf with the most unused NIC egress (a machine interior in a tree that
+   had slots to spare) is promoted.
 3. **Inside a machine.** The landing device forwards the stripe to the machine's
    other readers: one hop over NVSwitch (star) or, without a switch, a chain over
    PCIe / NVLink pairs (each device forwards each byte once).
@@ -314,6 +315,8 @@ class _Builder:
         self.k = len(stripes)
         self.transfers: list[Transfer] = []
         self.incoming: dict[tuple[str, int], int] = {}
+        self.egress_load: dict[str, list[int]] = {}
+        self.home: dict[str, int] = {}  # the tree a machine is interior in
         order = {m: i for i, m in enumerate(layout.machines)}
         self.order = order
 
@@ -379,6 +382,8 @@ class _Builder:
             if m != entry:
                 self._inside(s, m, by_machine[m], holder_machines[m])
         rest = [m for m in machines if m not in inner]
+        for i, m in enumerate(rest):
+            self.home.setdefault(m, i % self.k)
         designated = [m for i, m in enumerate(rest) if i % self.k == s % self.k]
         others = [m for m in rest if m not in set(designated)]
         if others:
@@ -390,13 +395,15 @@ class _Builder:
         roots = list(slots)
         for item, interior in order:
             if not slots:
-                if spare:
-                    m = spare.popleft()
+                if spare:  # promote the leaf with the most unused NIC egress
+                    m = min(spare, key=lambda x: self._committed(x, s))
+                    spare.remove(m)
                     slots.append([m, self.k, s, by_machine[m]])
                 else:  # overload the roots rather than fail
                     slots.extend([r[0], 1, r[2], r[3]] for r in roots)
             slot = slots[0]
-            parent, egress, senders = slot[0], slot[2], slot[3]
+            parent, senders = slot[0], slot[3]
+            egress = self._egress(parent, slot[2])
             slot[1] -= 1
             slot[2] += 1
             if slot[1] == 0:
@@ -412,6 +419,20 @@ class _Builder:
                 slots.append([item, self.k, s, by_machine[item]])
             else:
                 spare.append(item)
+
+    def _committed(self, machine: str, s: int) -> int:
+        """NIC streams `machine` sends: used so far, plus K if it is still to be
+        interior in a later tree."""
+        later = self.home.get(machine, -1) > s
+        return sum(self.egress_load.get(machine, ())) + (self.k if later else 0)
+
+    def _egress(self, machine: str, preferred: int) -> int:
+        """The least used NIC of `machine` so far (ties: from `preferred` on)."""
+        n = max(1, len(self.layout.machines[machine].nics))
+        load = self.egress_load.setdefault(machine, [0] * n)
+        rail = min(range(n), key=lambda r: (load[r], (r - preferred) % n))
+        load[rail] += 1
+        return rail
 
     def _entry(self, dc: str, by_machine: dict[str, list[str]]) -> str:
         lay = self.layout
