@@ -124,7 +124,7 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
     >>> from topology import reference_cluster
     >>> plan = plan_broadcast(reference_cluster("4x-dgx-h100"), 140 * 10**9)
     >>> len(plan.readers), round(plan.predicted_s, 2)
-    (24, 0.36)
+    (24, 0.35)
     """
     started = time.perf_counter()
     layout = _layout(cluster)
