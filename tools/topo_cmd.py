@@ -59,6 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, help="file to write (default: standard output)")
     p.add_argument("--name", help="node name (default: this host's name)")
     p.set_defaults(handler=_discover)
+    from tools import plan_cmd  # plan, simulate
+    plan_cmd.register(sub)
 
 
 def _load(path: Path):

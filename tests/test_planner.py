@@ -1,0 +1,184 @@
+"""Planner: hand-checked optimal cases, invariants on random clusters, bad input."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from planner_checks import _cluster, check_exactly_once, check_plan, small_clusters
+
+from topology import reference_cluster
+from topology.bounds import lower_bound
+from topology.layout import Layout
+from topology.plan import (
+    EmptyTransferError,
+    PlanError,
+    UnknownDeviceError,
+    UnreachableReaderError,
+)
+from topology.planner import plan_broadcast, replan
+from topology.simulator import simulate
+
+GB = 10**9
+
+
+def _run(layout, plan):
+    return simulate(layout.graph, plan.transfers, chunk=plan.chunk, size=plan.size,
+                    holders=plan.sources)
+
+
+# --- hand-checked cases -------------------------------------------------------------
+
+def test_chain_of_three_gpus_pipelines_at_link_rate():
+    # three one-GPU machines, one 10 GB/s NIC each: the optimum is a pipelined chain
+    # src -> r1 -> r2 at the NIC rate, one chunk behind per hop
+    lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s, latency: 2us}\n"
+                   "    nics: {count: 1, bandwidth: 10GB/s, latency: 5us}\n",
+                   "  - name: dc\n    network: {latency: 1us, nodes_per_leaf: 4}\n"
+                   "    nodes: [{name: 'n{i}', type: box, count: 3}]\n")
+    size = 10 * GB
+    plan = plan_broadcast(lay, size, sources=["n0"], readers=["n1", "n2"])
+    check_plan(plan, lay.graph)
+    assert [(t.source, t.reader) for t in plan.transfers] == [
+        ("n0/gpu0", "n1/gpu0"), ("n1/gpu0", "n2/gpu0")]
+    result = _run(lay, plan)
+    hop = 2e-6 + 5e-6 + 5e-6 + 2e-6  # pcie, nic, nic, pcie
+    optimal = size / 10e9 + plan.chunk / 10e9 + 2 * hop
+    assert result.makespan == pytest.approx(optimal, rel=1e-9)
+    bound = lower_bound(lay, plan.sources, plan.needs, method="exact")
+    assert bound.rate == pytest.approx(10e9)
+    assert bound.seconds == pytest.approx(size / 10e9 + hop)
+    assert bound.seconds <= result.makespan
+
+
+def test_two_nodes_over_one_nic():
+    lay = _cluster("  box:\n    gpus: 2\n    gpu: {model: X}\n    nvlink: {bandwidth: 100GB/s}\n"
+                   "    pcie: {bandwidth: 20GB/s}\n"
+                   "    nics: {count: 1, bandwidth: 10GB/s, latency: 5us}\n",
+                   "  - name: dc\n    nodes: [{name: 'n{i}', type: box, count: 2}]\n")
+    size = 4 * GB
+    plan = plan_broadcast(lay, size, sources=["n0/gpu0"], readers=["n1"])
+    check_plan(plan, lay.graph)
+    result = _run(lay, plan)
+    bound = lower_bound(lay, plan.sources, plan.needs, method="exact")
+    assert bound.rate == pytest.approx(10e9)  # the one NIC into n1
+    assert bound.seconds == pytest.approx(size / 10e9 + 10e-6)
+    # the NIC carries the version once; NVLink hands it on one chunk behind
+    assert result.makespan == pytest.approx(size / 10e9 + plan.chunk / 100e9, rel=1e-3)
+    assert result.makespan >= bound.seconds
+    assert bound.seconds / result.makespan > 0.99
+
+
+def test_two_datacenters_cross_the_wan_once():
+    node = ("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
+            "    nics: {count: 1, bandwidth: 50GB/s}\n")
+    dcs = ("  - name: a\n    nodes: [{name: src, type: box}]\n"
+           "  - name: b\n    nodes: [{name: 'b{i}', type: box, count: 3}]\n")
+    wan = "wan:\n  - {between: [a, b], bandwidth: 1GB/s, latency: 10ms}\n"
+    lay = _cluster(node, dcs, wan)
+    size = 2 * GB
+    plan = plan_broadcast(lay, size, sources=["src"], readers=["b0", "b1", "b2"])
+    check_plan(plan, lay.graph)
+    wan_transfers = [t for t in plan.transfers if "a/wan" in t.path]
+    assert sum(t.nbytes for t in wan_transfers) == size
+    result = _run(lay, plan)
+    assert result.wan_bytes == pytest.approx(size)
+    bound = lower_bound(lay, plan.sources, plan.needs, method="exact")
+    assert bound.seconds == pytest.approx(size / 1e9 + 10e-3)
+    assert bound.seconds <= result.makespan <= bound.seconds * 1.01
+
+
+@pytest.mark.parametrize("name", ["dgx-h100", "4x-dgx-h100", "two-datacenters", "heterogeneous"])
+def test_reference_clusters_plan_and_beat_nothing(name):
+    cluster = reference_cluster(name)
+    lay = Layout(cluster.graph())
+    plan = plan_broadcast(cluster, 140 * GB)
+    check_plan(plan, lay.graph)
+    result = _run(lay, plan)
+    bound = lower_bound(lay, plan.sources, plan.needs)
+    assert bound.seconds <= result.makespan * (1 + 1e-9)
+    assert result.max_utilisation <= 1 + 1e-6
+    for reader in plan.needs:
+        check_exactly_once(result.delivered[reader], plan.needs[reader])
+
+
+def test_several_sources_are_all_used():
+    cluster = reference_cluster("4x-dgx-h100")
+    plan = plan_broadcast(cluster, 8 * GB, sources=["node-0", "node-1"],
+                          readers=["node-2", "node-3"])
+    assert {t.source.split("/")[0] for t in plan.transfers if t.upstream is None} == \
+        {"node-0", "node-1"}
+
+
+def test_sharded_needs_read_only_their_ranges():
+    cluster = reference_cluster("4x-dgx-h100")
+    lay = Layout(cluster.graph())
+    needs = {f"node-1/gpu{j}": [(j * GB, (j + 1) * GB)] for j in range(8)}
+    plan = plan_broadcast(lay, 8 * GB, sources=["node-0"], needs=needs)
+    check_plan(plan, lay.graph)
+
+
+def test_replan_after_a_source_vanishes_keeps_what_readers_have():
+    cluster = reference_cluster("4x-dgx-h100")
+    lay = Layout(cluster.graph())
+    plan = plan_broadcast(lay, 8 * GB, sources=["node-0", "node-1"], readers=["node-2", "node-3"])
+    have = {f"node-2/gpu{j}": [(0, GB)] for j in range(8)}
+    again = replan(plan, lay, lost=[f"node-1/gpu{j}" for j in range(8)], have=have)
+    check_plan(again, lay.graph)
+    assert not any(t.source.startswith("node-1/") for t in again.transfers)
+    for reader in plan.needs:
+        check_exactly_once(have.get(reader, []) + [(t.start, t.end) for t in again.fetches(reader)],
+                           plan.needs[reader])
+
+
+# --- bad input ----------------------------------------------------------------------
+
+def test_bad_input_gives_clear_errors():
+    cluster = reference_cluster("4x-dgx-h100")
+    with pytest.raises(UnknownDeviceError, match="not a device or node"):
+        plan_broadcast(cluster, GB, readers=["node-9/gpu0"])
+    with pytest.raises(EmptyTransferError, match="positive"):
+        plan_broadcast(cluster, 0)
+    with pytest.raises(EmptyTransferError, match="no reader"):
+        plan_broadcast(cluster, GB, sources=["node-0"], readers=["node-0/gpu1"])
+    assert issubclass(UnreachableReaderError, ValueError)
+
+
+def test_unreachable_reader_is_reported():
+    lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
+                   "    nics: {count: 1, bandwidth: 50GB/s}\n"
+                   "  island:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n",
+                   "  - name: dc\n    nodes: [{name: a, type: box}, {name: lone, type: island}]\n")
+    with pytest.raises(UnreachableReaderError, match="no route"):
+        plan_broadcast(lay, GB, sources=["a"], readers=["lone"])
+    lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
+                   "    nics: {count: 1, bandwidth: 50GB/s}\n",
+                   "  - name: x\n    nodes: [{name: a, type: box}]\n"
+                   "  - name: y\n    nodes: [{name: b, type: box}]\n")
+    with pytest.raises(UnreachableReaderError, match="WAN link"):
+        plan_broadcast(lay, GB, sources=["a"], readers=["b"])
+    with pytest.raises(PlanError, match="held by no source"):
+        plan_broadcast(lay, GB, sources={"a": [(0, GB // 2)]}, readers=["a"])
+
+
+# --- random clusters ----------------------------------------------------------------
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(small_clusters(), st.integers(10**6, 10**10))
+def test_random_plans_deliver_every_byte_once_and_never_beat_the_bound(case, size):
+    lay, sources, readers = case
+    if not readers:
+        return
+    plan = plan_broadcast(lay, size, sources=sources, readers=readers)
+    check_plan(plan, lay.graph)
+    result = _run(lay, plan)
+    bound = lower_bound(lay, plan.sources, plan.needs, method="exact")
+    assert result.makespan >= bound.seconds * (1 - 1e-9)
+    assert result.max_utilisation <= 1 + 1e-6
+    for reader in plan.needs:
+        check_exactly_once(result.delivered[reader], plan.needs[reader])
+    classes = lower_bound(lay, plan.sources, plan.needs, method="classes")
+    assert classes.seconds <= bound.seconds * (1 + 1e-9)  # contraction stays a valid bound

@@ -1,0 +1,125 @@
+"""Simulator: max-min sharing, pipelining, events, baselines, scenarios."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from planner_checks import _cluster, check_exactly_once, small_clusters
+
+from topology import reference_cluster
+from topology.bounds import lower_bound
+from topology.layout import Layout
+from topology.plan import PlanError, Transfer
+from topology.planner import plan_broadcast
+from topology.scenarios import run_scenario
+from topology.simulator import Join, Vanish, simulate
+from topology.synthetic import synthetic_cluster
+
+GB = 10**9
+
+
+def _replanner(lay, plan):
+    def replan(holders, missing):
+        return plan_broadcast(lay, plan.size, sources=holders, needs=missing, chunk=plan.chunk,
+                              stripes=plan.stripes).transfers
+    return replan
+
+
+def test_two_flows_share_a_link_fairly_then_the_survivor_speeds_up():
+    lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
+                   "    nics: {count: 1, bandwidth: 10GB/s}\n",
+                   "  - name: dc\n    nodes: [{name: 'n{i}', type: box, count: 3}]\n")
+    path1 = lay.route("n0/gpu0", "n1/gpu0")
+    path2 = lay.route("n0/gpu0", "n2/gpu0")
+    flows = [Transfer("n1/gpu0", "n0/gpu0", 0, GB, 0, path1),
+             Transfer("n2/gpu0", "n0/gpu0", 0, 2 * GB, 0, path2)]
+    r = simulate(lay.graph, flows, chunk=GB, size=2 * GB)
+    # 5 GB/s each until the first ends at 0.2 s, then 10 GB/s for the last 1 GB
+    assert r.completion["n1/gpu0"] == pytest.approx(0.2)
+    assert r.completion["n2/gpu0"] == pytest.approx(0.3)
+    assert r.max_utilisation == pytest.approx(1.0)
+
+
+def test_a_relay_never_overtakes_its_upstream():
+    lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
+                   "    nics: {count: 1, bandwidth: 10GB/s}\n"
+                   "  fat:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
+                   "    nics: {count: 1, bandwidth: 40GB/s}\n",
+                   "  - name: dc\n    nodes: [{name: a, type: box}, {name: b, type: fat},"
+                   " {name: c, type: fat}]\n")
+    first = Transfer("b/gpu0", "a/gpu0", 0, GB, 0, lay.route("a/gpu0", "b/gpu0"))
+    second = Transfer("c/gpu0", "b/gpu0", 0, GB, 0, lay.route("b/gpu0", "c/gpu0"), upstream=0)
+    chunk = 10**7
+    r = simulate(lay.graph, [first, second], chunk=chunk, size=GB)
+    # b gets it at 10 GB/s; c follows one chunk behind at b's rate (not its own
+    # 40 GB/s) and sends the last chunk at 40 GB/s once b has it all
+    assert r.completion["b/gpu0"] == pytest.approx(0.1)
+    assert r.completion["c/gpu0"] == pytest.approx(0.1 + chunk / 40e9, rel=1e-6)
+
+
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(small_clusters(), st.integers(10**7, 10**10), st.floats(0.05, 0.9), st.data())
+def test_plans_stay_valid_after_sources_vanish(case, size, when, data):
+    lay, sources, readers = case
+    if not readers:
+        return
+    plan = plan_broadcast(lay, size, sources=sources, readers=readers)
+    lost = data.draw(st.lists(st.sampled_from(sources + readers), max_size=3, unique=True))
+    keep = sources[0]
+    lost = [d for d in lost if d != keep]
+    r = simulate(lay.graph, plan.transfers, chunk=plan.chunk, size=size, holders=plan.sources,
+                 events=[Vanish(when * plan.predicted_s, tuple(lost))],
+                 replanner=_replanner(lay, plan))
+    assert r.max_utilisation <= 1 + 1e-6
+    survivors = [x for x in plan.needs if x not in lost]
+    for reader in survivors:
+        check_exactly_once(r.delivered[reader], plan.needs[reader])
+    if survivors:
+        bound = lower_bound(lay, plan.sources, {x: plan.needs[x] for x in survivors})
+        assert r.makespan >= bound.seconds * (1 - 1e-9)
+
+
+def test_readers_joining_mid_broadcast_read_from_everyone_complete():
+    cluster = reference_cluster("4x-dgx-h100")
+    lay = Layout(cluster.graph())
+    plan = plan_broadcast(lay, 8 * GB, sources=["node-0"], readers=["node-1", "node-2"])
+    late = tuple(lay.machines["node-3"].devices)
+    r = simulate(lay.graph, plan.transfers, chunk=plan.chunk, size=plan.size,
+                 holders=plan.sources, events=[Join(plan.predicted_s * 2, late)],
+                 replanner=_replanner(lay, plan))
+    for reader in late:
+        check_exactly_once(r.delivered[reader], [(0, plan.size)])
+        assert r.completion[reader] > plan.predicted_s * 2
+    with pytest.raises(RuntimeError, match="replanner"):
+        simulate(lay.graph, plan.transfers, chunk=plan.chunk, size=plan.size,
+                 events=[Join(0.0, late)])
+
+
+def test_standalone_256_gpus_beats_star_and_ring():
+    result = run_scenario(synthetic_cluster([32]), "standalone", 140 * GB,
+                          baselines_to_run=("star", "ring"))
+    assert result.readers == 256
+    assert result.speedup["star"] >= 5 and result.speedup["ring"] >= 1.5
+    assert result.efficiency <= 1 + 1e-9
+
+
+def test_cross_dc_crosses_the_wan_once_and_scenarios_check_their_input():
+    result = run_scenario(reference_cluster("two-datacenters"), "cross-dc", 14 * GB)
+    assert result.wan_bytes == pytest.approx(14 * GB)
+    assert result.speedup["star"] >= 10
+    with pytest.raises(PlanError, match="another datacenter"):
+        run_scenario(reference_cluster("4x-dgx-h100"), "cross-dc", GB)
+    with pytest.raises(PlanError, match="unknown scenario"):
+        run_scenario(reference_cluster("4x-dgx-h100"), "nope", GB)
+
+
+@pytest.mark.parametrize("scenario", ["elastic", "preemption"])
+def test_elastic_and_preemption_run_every_baseline(scenario):
+    result = run_scenario(reference_cluster("4x-dgx-h100"), scenario, 14 * GB)
+    assert set(result.baselines) == {"star", "ring", "storage"}
+    assert result.ours_s >= result.lower_bound_s
+    assert min(result.speedup.values()) > 1

@@ -1,0 +1,112 @@
+"""`fabric bench planner`: planner time and efficiency from 8 to 10,000+ GPUs, and the
+baselines' completion times in the scenarios (numbers go to docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from topology.layout import Layout
+from topology.planner import default_endpoints, plan_broadcast
+from topology.references import reference_cluster, reference_clusters
+from topology.scenarios import run_scenario
+from topology.synthetic import synthetic_cluster
+
+SIZE = 140 * 10**9  # a 70B model in bf16
+SCALES = [[1], [4], [32], [128], [625, 625], [1250]]  # rollout nodes per datacenter
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "planner", help="broadcast planner: time, efficiency, baselines",
+        description="Plan, bound and simulate a 140 GB broadcast on every reference cluster "
+                    "and on synthetic DGX H100 clusters from 8 to 10,000 GPUs; compare with "
+                    "star, ring and storage baselines.")
+    p.add_argument("--max-gpus", type=int, default=10_000,
+                   help="largest synthetic cluster to run (default 10000)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=run)
+
+
+def _scale_row(rollout_nodes: list[int]) -> dict[str, object]:
+    from tools.plan_cmd import plan_summary
+
+    cluster = synthetic_cluster(rollout_nodes)
+    started = time.perf_counter()
+    layout = Layout(cluster.graph())
+    graph_s = time.perf_counter() - started
+    sources, readers = default_endpoints(cluster, layout)
+    plan = plan_broadcast(layout, SIZE, sources=sources, readers=readers)
+    row = plan_summary(plan, layout)
+    row.update(gpus=sum(rollout_nodes) * 8, datacenters=len(rollout_nodes), graph_seconds=graph_s)
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    from tools.plan_cmd import plan_summary
+
+    out: dict[str, object] = {"size": SIZE}
+    refs = {}
+    for name in reference_clusters():
+        cluster = reference_cluster(name)
+        layout = Layout(cluster.graph())
+        sources, readers = default_endpoints(cluster, layout)
+        if not readers:
+            refs[name] = {"note": "one device: nothing to transfer"}
+            continue
+        plan = plan_broadcast(layout, SIZE, sources=sources, readers=readers)
+        refs[name] = plan_summary(plan, layout)
+    out["reference"] = refs
+    out["scale"] = [_scale_row(n) for n in SCALES if sum(n) * 8 <= args.max_gpus]
+    scen = {"standalone-256": run_scenario(synthetic_cluster([32]), "standalone", SIZE),
+            "elastic-256": run_scenario(synthetic_cluster([32]), "elastic", SIZE),
+            "preemption-256": run_scenario(synthetic_cluster([32]), "preemption", SIZE),
+            "cross-dc-two-datacenters": run_scenario(reference_cluster("two-datacenters"),
+                                                     "cross-dc", SIZE),
+            "cross-dc-heterogeneous": run_scenario(reference_cluster("heterogeneous"),
+                                                   "cross-dc", SIZE)}
+    if args.max_gpus >= 10_000:
+        scen["cross-dc-10k"] = run_scenario(synthetic_cluster([1, 1250]), "cross-dc", SIZE,
+                                            baselines_to_run=("star",))
+    out["scenarios"] = {k: v.to_dict() for k, v in scen.items()}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    _print(out)
+    return 0
+
+
+def _print(out: dict) -> None:
+    console = Console()
+    t = Table("reference cluster", "readers", "predicted s", "simulated s", "bound s",
+              "efficiency", "sim. eff.", "WAN GB", "plan s", title="140 GB broadcast")
+    for name, r in out["reference"].items():
+        if "note" in r:
+            t.add_row(name, "0", "", "", "", "", "", "", r["note"])
+            continue
+        t.add_row(name, str(r["readers"]), f"{r['predicted_s']:.4g}", f"{r['simulated_s']:.4g}",
+                  f"{r['lower_bound_s']:.4g}", f"{r['efficiency']:.3f}",
+                  f"{r['simulated_efficiency']:.3f}", f"{r['wan_bytes'] / 1e9:.4g}",
+                  f"{r['plan_seconds']:.3f}")
+    console.print(t)
+    t = Table("GPUs", "DCs", "transfers", "depth", "plan s", "bound s (time)", "simulate s",
+              "efficiency", "sim. eff.", title="synthetic DGX H100 clusters")
+    for r in out["scale"]:
+        t.add_row(str(r["gpus"]), str(r["datacenters"]), str(r["transfers"]), str(r["depth"]),
+                  f"{r['plan_seconds']:.2f}", f"{r['bound_seconds']:.2f}",
+                  f"{r['simulate_seconds']:.2f}", f"{r['efficiency']:.3f}",
+                  f"{r['simulated_efficiency']:.3f}")
+    console.print(t)
+    t = Table("scenario", "readers", "ours s", "star s", "ring s", "storage s", "vs star",
+              "vs ring", "WAN/S", title="scenarios (stall until the last reader has it)")
+    for name, r in out["scenarios"].items():
+        b, sp = r["baselines"], r["speedup"]
+        t.add_row(name, str(r["readers"]), f"{r['ours_s']:.4g}",
+                  *(f"{b[k]:.4g}" if k in b else "-" for k in ("star", "ring", "storage")),
+                  *(f"{sp[k]:.1f}x" if k in sp else "-" for k in ("star", "ring")),
+                  f"{r['wan_bytes'] / out['size']:.3f}")
+    console.print(t)

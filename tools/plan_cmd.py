@@ -1,0 +1,158 @@
+"""`fabric topo plan` and `fabric topo simulate`: broadcast plans and their simulation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from topology import ClusterConfigError, load_cluster
+from topology.bounds import lower_bound
+from topology.layout import Layout
+from topology.plan import Plan, PlanError
+from topology.planner import plan_broadcast
+from topology.scenarios import BASELINES, DEFAULT_STORAGE_BANDWIDTH, SCENARIOS, run_scenario
+from topology.simulator import simulate
+from topology.units import UnitError, parse_bandwidth, parse_size
+
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    raw = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser(
+        "plan", help="plan a broadcast of one version", formatter_class=raw,
+        description="Plan who reads which bytes from whom (a forest of pipelined stripe "
+                    "trees), check it against the max-flow lower bound and simulate it.\n"
+                    "Sources and readers default to the YAML roles (trainer, rollout).",
+        epilog="examples:\n  fabric topo plan topology/clusters/two-datacenters.yaml --size 140GB\n"
+               "  fabric topo plan c.yaml --size 1GB --sources node-0 --readers node-1/gpu3 "
+               "--json -o plan.json")
+    p.add_argument("file", type=Path, help="cluster YAML file")
+    p.add_argument("--size", required=True, help="bytes of the version, e.g. 140GB")
+    p.add_argument("--sources", nargs="+", help="devices or nodes holding the version")
+    p.add_argument("--readers", nargs="+", help="devices or nodes that need it")
+    p.add_argument("--chunk", help="pipelining chunk, e.g. 32MB (default: chosen)")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON (keys: predicted_s, simulated_s, lower_bound_s, efficiency, "
+                        "wan_bytes, plan_seconds, readers, transfers, stripes, chunk, depth)")
+    p.add_argument("-o", "--output", type=Path, help="write the full plan (every transfer) as JSON")
+    p.set_defaults(handler=_plan)
+
+    p = sub.add_parser(
+        "simulate", help="simulate a scenario: our plan against the baselines",
+        formatter_class=raw,
+        description="Run a scenario with the flow-level simulator (max-min fair links, "
+                    "pipelining, failures) for our plan and the baselines: star (every "
+                    "reader pulls from the trainer), ring (a chain in rank order), storage "
+                    "(push to a storage service, then pull).\nScenarios: "
+                    + ", ".join(SCENARIOS) + ".",
+        epilog="example:\n  fabric topo simulate topology/clusters/two-datacenters.yaml "
+               "--scenario cross-dc --json")
+    p.add_argument("file", type=Path, help="cluster YAML file")
+    p.add_argument("--scenario", required=True, choices=SCENARIOS)
+    p.add_argument("--size", default="140GB", help="bytes of the version (default 140GB)")
+    p.add_argument("--storage-bandwidth", default=None,
+                   help=f"storage service bandwidth (default {DEFAULT_STORAGE_BANDWIDTH / 1e9:g}GB/s)")
+    p.add_argument("--baselines", nargs="+", choices=BASELINES, default=list(BASELINES))
+    p.add_argument("--timeline", type=Path, help="write a PNG of our plan's aggregate rate")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON (keys: scenario, ours_s, baselines, speedup, "
+                        "lower_bound_s, efficiency, wan_bytes, ...)")
+    p.set_defaults(handler=_simulate)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def plan_summary(plan: Plan, layout: Layout) -> dict[str, object]:
+    """Plan, bound and simulation figures as plain data (the `--json` output)."""
+    bound = lower_bound(layout, plan.sources, plan.needs)
+    sim = simulate(layout.graph, plan.transfers, chunk=plan.chunk, size=plan.size,
+                   holders=plan.sources)
+    edges = layout.graph.edges
+    wan = sum(t.nbytes for t in plan.transfers
+              for a in zip(t.path, t.path[1:], strict=False) if edges[a]["tier"] == "wan")
+    return {"predicted_s": plan.predicted_s, "simulated_s": sim.makespan,
+            "lower_bound_s": bound.seconds, "efficiency": bound.seconds / plan.predicted_s,
+            "simulated_efficiency": bound.seconds / sim.makespan, "wan_bytes": wan,
+            "plan_seconds": plan.plan_seconds, "bound_seconds": bound.elapsed,
+            "simulate_seconds": sim.wall_seconds, "readers": len(plan.needs),
+            "sources": len(plan.sources), "transfers": len(plan.transfers),
+            "stripes": len(plan.stripes), "chunk": plan.chunk, "depth": plan.depth(),
+            "bound_method": bound.method}
+
+
+def _plan(args: argparse.Namespace) -> int:
+    try:
+        cluster = load_cluster(args.file)
+        size = int(parse_size(args.size))
+        chunk = int(parse_size(args.chunk)) if args.chunk else None
+        layout = Layout(cluster.graph())
+        plan = plan_broadcast(cluster if not (args.sources and args.readers) else layout, size,
+                              sources=args.sources, readers=args.readers, chunk=chunk)
+    except (ClusterConfigError, UnitError, PlanError) as exc:
+        return _fail(str(exc))
+    out = plan_summary(plan, layout)
+    if args.output:
+        args.output.write_text(json.dumps(plan.to_dict()))
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return EXIT_OK
+    console = Console()
+    table = Table("figure", "value")
+    for key, value in out.items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+    if args.output:
+        console.print(f"wrote {args.output}")
+    return EXIT_OK
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    try:
+        cluster = load_cluster(args.file)
+        size = int(parse_size(args.size))
+        bw = (parse_bandwidth(args.storage_bandwidth) if args.storage_bandwidth
+              else DEFAULT_STORAGE_BANDWIDTH)
+        result = run_scenario(cluster, args.scenario, size, storage_bandwidth=bw,
+                              baselines_to_run=tuple(args.baselines))
+    except (ClusterConfigError, UnitError, PlanError) as exc:
+        return _fail(str(exc))
+    if args.timeline:
+        _timeline(result.timeline, args.timeline, f"{cluster.name}: {args.scenario}")
+    out = result.to_dict()
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return EXIT_OK
+    console = Console()
+    console.print(f"[bold]{args.scenario}[/] on {cluster.name}: {result.readers} readers, "
+                  f"lower bound {result.lower_bound_s:.4g} s, efficiency {result.efficiency:.3f}")
+    table = Table("strategy", "stall (s)", "ours is faster by")
+    table.add_row("ours", f"{result.ours_s:.4g}", "")
+    for name, seconds in result.baselines.items():
+        table.add_row(name, f"{seconds:.4g}", f"{result.speedup[name]:.1f}x")
+    console.print(table)
+    return EXIT_OK
+
+
+def _timeline(points: list[tuple[float, float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.step([t for t, _ in points], [r / 1e9 for _, r in points], where="post")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("aggregate rate (GB/s)")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,208 @@
+"""An index of a cluster graph for planning: machines, rails, switches and routes.
+
+`Layout` reads a graph built by `topology.graph.build_graph` once (O(V + E)) and
+then answers, in O(path length), the route a read takes between two devices:
+NVLink (direct or through the NVSwitch) inside a node or NVLink domain, PCIe
+through the host otherwise, and between nodes ``device -> NIC -> leaf [-> spine
+[-> WAN gateways] -> spine] -> leaf -> NIC -> device``. A device reaches a NIC
+that is not on its own rail through an NVLink peer on that rail (NCCL's PXN) or
+through the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+DEVICE_KINDS = ("gpu", "host")
+
+
+@dataclass
+class Machine:
+    """One node of the cluster as the planner sees it."""
+
+    name: str
+    datacenter: str
+    host: str
+    gpus: list[str] = field(default_factory=list)
+    nics: list[str] = field(default_factory=list)
+    leaf: str | None = None
+    nvswitch: str | None = None
+    rail_gpu: dict[int, str] = field(default_factory=dict)  # NIC index -> GPU on its rail
+
+    @property
+    def devices(self) -> list[str]:
+        """Endpoints that can hold bytes: the GPUs, or the host when there are none."""
+        return self.gpus if self.gpus else [self.host]
+
+
+class Layout:
+    """Machines, datacenters and routes of a cluster graph (see the module docstring)."""
+
+    def __init__(self, graph: nx.DiGraph) -> None:
+        self.graph = graph
+        self.machines: dict[str, Machine] = {}
+        self.machine_of: dict[str, str] = {}
+        kinds = nx.get_node_attributes(graph, "kind")
+        for v, kind in kinds.items():
+            if kind == "host":
+                data = graph.nodes[v]
+                self.machines[data["node"]] = Machine(data["node"], data["datacenter"], v)
+        for v, kind in kinds.items():
+            data = graph.nodes[v]
+            if kind not in ("gpu", "nic"):
+                continue
+            m = self.machines[data["node"]]
+            (m.gpus if kind == "gpu" else m.nics).append(v)
+            self.machine_of[v] = m.name
+        for m in self.machines.values():
+            self.machine_of[m.host] = m.name
+            m.gpus.sort(key=lambda g: graph.nodes[g]["index"])
+            m.nics.sort(key=lambda n: graph.nodes[n]["index"])
+            for k, nic in enumerate(m.nics):
+                for u in graph.successors(nic):
+                    if kinds[u] == "leaf":
+                        m.leaf = u
+                    elif kinds[u] == "gpu" and k not in m.rail_gpu:
+                        m.rail_gpu[k] = u
+            for g in m.gpus[:1]:
+                for u in graph.successors(g):
+                    if kinds[u] == "nvswitch":
+                        m.nvswitch = u
+        self.kinds = kinds
+        gateways = [v for v, k in kinds.items() if k == "wan"]
+        self._wan = graph.subgraph(gateways).copy()
+
+    # --- devices ------------------------------------------------------------------
+    def is_device(self, v: str) -> bool:
+        return self.kinds.get(v) in DEVICE_KINDS
+
+    def machine(self, device: str) -> Machine:
+        return self.machines[self.machine_of[device]]
+
+    def datacenter(self, device: str) -> str:
+        return self.machine(device).datacenter
+
+    def rail_of(self, device: str) -> int:
+        """The NIC index on the device's rail (0 for hosts and rail-less GPUs)."""
+        m = self.machine(device)
+        for k, g in m.rail_gpu.items():
+            if g == device:
+                return k
+        return 0
+
+    # --- routes -------------------------------------------------------------------
+    def route(self, src: str, dst: str, *, egress: int | None = None,
+              ingress: int | None = None) -> tuple[str, ...] | None:
+        """Vertices from device `src` to device `dst`, or None when there is no route.
+
+        `egress` / `ingress` pick the NIC index used to leave `src`'s node and to
+        enter `dst`'s node (default: each device's own rail).
+        """
+        g = self.graph
+        if g.has_edge(src, dst):
+            return (src, dst)
+        ms, md = self.machine(src), self.machine(dst)
+        if ms.nvswitch is not None and ms.nvswitch == md.nvswitch and src in ms.gpus \
+                and dst in md.gpus:
+            return (src, ms.nvswitch, dst)
+        if ms is md:
+            return _dedupe((src, ms.host, dst))
+        if not ms.nics or not md.nics or ms.leaf is None or md.leaf is None:
+            return None
+        nic_s = ms.nics[(self.rail_of(src) if egress is None else egress) % len(ms.nics)]
+        nic_d = md.nics[(self.rail_of(dst) if ingress is None else ingress) % len(md.nics)]
+        middle = self._network(ms, md)
+        if middle is None:
+            return None
+        return _dedupe(self._to_nic(ms, src, nic_s) + (ms.leaf,) + middle + (md.leaf,)
+                       + tuple(reversed(self._to_nic(md, dst, nic_d))))
+
+    def via_spine(self, src: str | None, dst: str | None, dc: str,
+                  vertex: str) -> tuple[str, ...] | None:
+        """Route between a device and `vertex` hanging off datacenter `dc`'s spine
+        (a storage service, say): ``src -> ... -> spine -> vertex`` when `src` is
+        given, else ``vertex -> spine -> ... -> dst``."""
+        device = src if src is not None else dst
+        m = self.machine(device)
+        if not m.nics or m.leaf is None:
+            return None
+        spine = f"{dc}/spine"
+        if m.datacenter == dc:
+            middle: tuple[str, ...] | None = (spine,)
+        else:
+            fake = Machine("", dc, "", leaf=spine)
+            middle = self._network(m, fake)
+            if middle is None:
+                return None
+            middle = middle[:-1] + (spine,)
+        half = self._to_nic(m, device, m.nics[self.rail_of(device) % len(m.nics)])
+        out = half + (m.leaf,) + middle + (vertex,)
+        return _dedupe(out if src is not None else tuple(reversed(out)))
+
+    def _to_nic(self, m: Machine, device: str, nic: str) -> tuple[str, ...]:
+        g = self.graph
+        if g.has_edge(device, nic):
+            return (device, nic)
+        rail = self.rail_gpu_of_nic(m, nic)
+        if rail is not None and m.nvswitch is not None and device in m.gpus:
+            return (device, m.nvswitch, rail, nic)
+        if rail is not None and g.has_edge(device, rail):
+            return (device, rail, nic)
+        return _dedupe((device, m.host, nic))
+
+    def rail_gpu_of_nic(self, m: Machine, nic: str) -> str | None:
+        return m.rail_gpu.get(m.nics.index(nic))
+
+    def _network(self, ms: Machine, md: Machine) -> tuple[str, ...] | None:
+        if ms.leaf == md.leaf:
+            return ()
+        sa, sb = f"{ms.datacenter}/spine", f"{md.datacenter}/spine"
+        if ms.datacenter == md.datacenter:
+            return (sa,)
+        wa, wb = f"{ms.datacenter}/wan", f"{md.datacenter}/wan"
+        if wa not in self._wan or wb not in self._wan:
+            return None
+        try:
+            hops = nx.shortest_path(self._wan, wa, wb)
+        except nx.NetworkXNoPath:
+            return None
+        return (sa, *hops, sb)
+
+    def wan_tree(self, roots: set[str], needed: set[str]) -> dict[str, str]:
+        """Parent datacenter of each datacenter in `needed` that is not a root.
+
+        A maximum-bottleneck (widest-path) tree over the WAN gateways, grown from the
+        `roots`; the parent of a datacenter is the last datacenter with a role (root
+        or needed) on its widest path, so each WAN link is crossed once per datacenter.
+        Datacenters that cannot be reached are left out.
+        """
+        import heapq
+
+        best: dict[str, float] = {}
+        parent: dict[str, str | None] = {}
+        heap = [(-float("inf"), dc, None) for dc in sorted(roots)]
+        while heap:
+            neg, dc, via = heapq.heappop(heap)
+            if dc in best:
+                continue
+            best[dc], parent[dc] = -neg, via
+            gw = f"{dc}/wan"
+            if gw not in self._wan:
+                continue
+            for nxt in self._wan.successors(gw):
+                other = nxt[: -len("/wan")]
+                if other not in best:
+                    width = min(-neg, self._wan.edges[gw, nxt]["bandwidth"])
+                    role = dc if dc in roots or dc in needed else parent[dc]
+                    heapq.heappush(heap, (-width, other, role))
+        return {dc: p for dc, p in parent.items() if dc in needed and dc not in roots and p}
+
+
+def _dedupe(path: tuple[str, ...]) -> tuple[str, ...]:
+    out: list[str] = []
+    for v in path:
+        if not out or out[-1] != v:
+            out.append(v)
+    return tuple(out)
