@@ -41,6 +41,12 @@ class ProtocolError(HubError):
     code = "protocol"
 
 
+class BadRequestError(HubError, ValueError):
+    """A well-formed message asked for something invalid (missing or mistyped argument)."""
+
+    code = "bad_request"
+
+
 class UnknownWorkerError(HubError):
     """The worker id is not registered (never registered, or its lease expired)."""
 
@@ -103,7 +109,7 @@ class GroupAbortedError(HubError):
 
 _HUB_ERRORS: dict[str, type[HubError]] = {
     cls.code: cls
-    for cls in (HubError, HubTimeoutError, HubUnavailableError, ProtocolError,
+    for cls in (HubError, HubTimeoutError, HubUnavailableError, ProtocolError, BadRequestError,
                 UnknownWorkerError, DuplicateWorkerError, UnknownModelError,
                 UnknownVersionError, UnknownFetchError, ManifestMismatchError,
                 InvalidStateError, RetentionError, NoSourceError, GroupAbortedError)
@@ -116,7 +122,7 @@ def hub_error_from_wire(code: str, message: str) -> HubError:
 
 
 __all__ = [
-    "ClusterConfigError", "DuplicateWorkerError", "FabricError", "GroupAbortedError",
+    "BadRequestError", "ClusterConfigError", "DuplicateWorkerError", "FabricError", "GroupAbortedError",
     "HubError", "HubTimeoutError", "HubUnavailableError", "InvalidStateError",
     "ManifestMismatchError", "NoSourceError", "ProtocolError", "RetentionError",
     "UnknownFetchError", "UnknownModelError", "UnknownVersionError", "UnknownWorkerError",
