@@ -119,7 +119,7 @@ class HubState:
         self.workers[worker] = WorkerRecord(worker, session, location or Location(),
                                             dict(endpoints or {}), self.clock() + self.lease_s)
         if rec is None:
-            log.info("worker registered", extra={"worker": worker})
+            log.info("worker registered worker=%s location=%s", worker, location)
         self._touch()
         return {"lease_s": self.lease_s}
 
@@ -202,7 +202,8 @@ class HubState:
         self._set_manifest(v, shard, manifest)
         v.publishers[(worker, shard)] = False
         v.replicas[(worker, shard)] = Replica(worker, shard, bytearray(manifest.num_chunks))
-        log.info("begin publish %s v%d shard %d", model, v.number, shard, extra={"worker": worker})
+        log.info("begin publish model=%s version=%d shard=%d worker=%s", model, v.number, shard,
+                 worker)
         self._touch()
         return {"version": v.number}
 
@@ -240,7 +241,7 @@ class HubState:
                 if v.publishers.get((rep.worker, rep.shard)):
                     rep.complete = True
             self.models[model].publish_groups.pop(v.group or "", None)
-            log.info("committed %s v%d", model, version, extra={"worker": worker})
+            log.info("committed model=%s version=%d worker=%s", model, version, worker)
         self._settle()
         return {"state": v.state}
 
@@ -450,7 +451,7 @@ class HubState:
                 member = self.fetches.pop(fid)
                 mv = self._version(member.model, member.version)
                 mv.replicas[(member.worker, member.shard)].complete = True
-            log.info("fetch group %s of %s v%d committed", g.key, g.model, g.version)
+            log.info("fetch group committed group=%s model=%s version=%d", g.key, g.model, g.version)
         self._settle()
         return {"complete": g.state == GROUP_COMMITTED, "group": g.state}
 
@@ -742,7 +743,8 @@ class HubState:
 
     def _abort_group(self, g: FetchGroup, reason: str) -> None:
         g.state, g.reason = GROUP_ABORTED, reason
-        log.warning("fetch group %s of %s v%d aborted: %s", g.key, g.model, g.version, reason)
+        log.warning("fetch group aborted group=%s model=%s version=%d why=%s", g.key, g.model,
+                    g.version, reason)
         for fid in list(g.members):
             f = self.fetches.pop(fid, None)
             if f is None:
@@ -755,7 +757,7 @@ class HubState:
                 rep.status = RETRACTING
 
     def _drop_worker(self, worker: str, why: str) -> None:
-        log.warning("worker dropped: %s", why, extra={"worker": worker})
+        log.warning("worker dropped worker=%s why=%s", worker, why)
         self.workers.pop(worker, None)
         for f in list(self.fetches.values()):
             if f.worker == worker:
