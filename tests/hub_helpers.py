@@ -47,3 +47,14 @@ def kill_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
+
+
+class OffsetClock(FakeClock):
+    """Real monotonic time plus an offset the test can jump forward (server deadlines work)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+
+    def __call__(self) -> float:
+        import time
+        return time.monotonic() + self.now
