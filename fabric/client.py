@@ -6,8 +6,8 @@ the hub runs it at most once (it answers repeats from its reply cache). When a
 reply carries a new hub epoch (the hub restarted), the client re-registers the
 worker and everything it holds (`HubState.restore`) and retries the call once if
 it failed for lack of that state. A daemon thread heartbeats every
-``lease_s / 3``. The socket is shared by the caller's threads under a lock; long
-polls are cut into slices so heartbeats keep flowing.
+``lease_s / 3`` on a socket of its own, so a caller's long poll never delays
+it; the caller's threads share the main DEALER socket under a lock.
 """
 
 from __future__ import annotations
@@ -129,8 +129,9 @@ class HubClient:
         self._endpoint = endpoint(url, bind=False)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
+        self._chan_locks = {"main": threading.RLock(), "heartbeat": threading.RLock()}
         self._holdings: dict[tuple[str, int, int], _Holding] = {}
-        self._sock: zmq.Socket | None = None
+        self._socks: dict[str, zmq.Socket] = {}
         self._closed = False
         self._restoring = False
         self._hb_stop = threading.Event()
@@ -165,11 +166,12 @@ class HubClient:
         self._hb_stop.set()
         if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
             self._hb_thread.join(5)
-        with self._lock:
-            self._closed = True
-            if self._sock is not None:
-                self._sock.close(0)
-                self._sock = None
+        for name, lock in self._chan_locks.items():
+            with lock:
+                self._closed = True
+                sock = self._socks.pop(name, None)
+                if sock is not None:
+                    sock.close(0)
 
     def __enter__(self) -> HubClient:
         return self
@@ -179,48 +181,51 @@ class HubClient:
 
     # -------------------------------------------------------------- transport
     def call(self, op: str, args: dict[str, Any], *, timeout: float | None = None,
-             wait_s: float = 0.0) -> dict[str, Any]:
+             wait_s: float = 0.0, channel: str = "main") -> dict[str, Any]:
         """Send one request and return the reply body (raises the hub's typed error).
 
         Args:
             timeout: overall deadline in seconds (default: the client's ``timeout``).
             wait_s: how long the hub may hold the request (long-poll); added to the deadline.
+            channel: ``"main"`` or ``"heartbeat"`` (each has its own socket).
 
         Raises:
             HubTimeoutError: no answer before the deadline (after retries).
             HubUnavailableError: the client is closed.
             HubError subclasses: the hub's answer.
         """
-        body = self._call_once(op, args, timeout, wait_s)
-        return body
+        return self._call_once(op, args, timeout, wait_s, channel)
 
     def _call_once(self, op: str, args: dict[str, Any], timeout: float | None,
-                   wait_s: float, retried: bool = False) -> dict[str, Any]:
+                   wait_s: float, channel: str, retried: bool = False) -> dict[str, Any]:
         limit = (self.timeout if timeout is None else timeout) + wait_s
-        with self._lock:
+        with self._chan_locks[channel]:
             if self._closed:
                 raise HubUnavailableError("this hub client is closed; connect again")
-            req_id = next(self._ids)
+            with self._lock:
+                req_id = next(self._ids)
             data = encode(REQUEST, req_id, self.session, op, args,
                           max_size=self.max_message_size)
-            msg = self._exchange(op, req_id, data, limit, wait_s)
+            msg = self._exchange(channel, op, req_id, data, limit, wait_s)
+        with self._lock:
             epoch_changed = self.epoch is not None and msg.tag != self.epoch
             self.epoch = msg.tag
         if epoch_changed and self.worker is not None and op not in ("register", "restore"):
             log.warning("hub restarted (new epoch); re-registering worker=%s", self.worker)
-            self._register()
+            self._register(channel)
             if msg.kind == ERROR and not retried and msg.name in (
                     e.code for e in _RESTORE_RETRY):
-                return self._call_once(op, args, timeout, wait_s, retried=True)
+                return self._call_once(op, args, timeout, wait_s, channel, retried=True)
         if msg.kind == ERROR:
             raise hub_error_from_wire(msg.name, str(msg.body.get("message", "")))
         return msg.body
 
-    def _exchange(self, op: str, req_id: int, data: bytes, limit: float, wait_s: float):
+    def _exchange(self, channel: str, op: str, req_id: int, data: bytes, limit: float,
+                  wait_s: float):
         deadline = time.monotonic() + limit
         attempt = 0
         while True:
-            sock = self._socket()
+            sock = self._socket(channel)
             with contextlib.suppress(zmq.Again):
                 sock.send(data, zmq.NOBLOCK)
             per_try = max(wait_s + min(2.0, self.timeout / 3), 0.5)
@@ -245,41 +250,44 @@ class HubClient:
                                       f"{limit:g} s ({attempt + 1} attempts); it may be down "
                                       "or overloaded")
             attempt += 1
-            self._reset_socket()
+            self._reset_socket(channel)
             time.sleep(min(0.05 * 2 ** attempt, 1.0, max(0.0, deadline - time.monotonic())))
 
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            self._sock = make_socket(zmq.DEALER, max_message_size=self.max_message_size)
-            self._sock.connect(self._endpoint)
-        return self._sock
+    def _socket(self, channel: str) -> zmq.Socket:
+        sock = self._socks.get(channel)
+        if sock is None:
+            sock = make_socket(zmq.DEALER, max_message_size=self.max_message_size)
+            sock.connect(self._endpoint)
+            self._socks[channel] = sock
+        return sock
 
-    def _reset_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+    def _reset_socket(self, channel: str) -> None:
+        sock = self._socks.pop(channel, None)
+        if sock is not None:
+            sock.close(0)
 
     # ------------------------------------------------------------- liveness
-    def _register(self) -> None:
+    def _register(self, channel: str = "main") -> None:
         out = self.call("register", {"worker": self.worker, "location": self.location.to_wire(),
-                                     "endpoints": self.endpoints})
+                                     "endpoints": self.endpoints}, channel=channel)
         self.lease_s = float(out["lease_s"])
         with self._lock:
             holdings = [h.to_wire() for h in self._holdings.values()]
         if holdings:
-            res = self.call("restore", {"worker": self.worker, "holdings": holdings})
+            res = self.call("restore", {"worker": self.worker, "holdings": holdings},
+                            channel=channel)
             for model, version, shard, why in res["rejected"]:
                 log.warning("hub refused restored replica model=%s version=%s shard=%s: %s",
                             model, version, shard, why)
 
-    def heartbeat(self) -> dict[str, Any]:
+    def heartbeat(self, *, channel: str = "main") -> dict[str, Any]:
         """Renew the lease now; returns the hub's news (see `HubState.heartbeat`)."""
         try:
-            out = self.call("heartbeat", {"worker": self.worker})
+            out = self.call("heartbeat", {"worker": self.worker}, channel=channel)
         except UnknownWorkerError:
             log.warning("lease of worker=%s had expired; registering again", self.worker)
-            self._register()
-            out = self.call("heartbeat", {"worker": self.worker})
+            self._register(channel)
+            out = self.call("heartbeat", {"worker": self.worker}, channel=channel)
         for fid, workers in out["lost"].items():
             self.lost.setdefault(fid, set()).update(workers)
         self.retired.update((m, v) for m, v in out["retired"])
@@ -288,7 +296,7 @@ class HubClient:
     def _heartbeat_loop(self) -> None:
         while not self._hb_stop.wait((self.lease_s or 3.0) / 3):
             try:
-                self.heartbeat()
+                self.heartbeat(channel="heartbeat")
             except Exception as exc:  # keep trying: the hub may come back
                 log.warning("heartbeat of worker=%s failed: %s", self.worker, exc)
 
@@ -447,13 +455,13 @@ class HubClient:
     def wait_version(self, model: str, *, after: int = 0, timeout: float = 30.0) -> int | None:
         """Block until `latest` is newer than ``after``; returns it, or None on timeout.
 
-        The hub holds each request (long-poll, no busy loop); the wait is cut into slices
-        of at most a third of the lease so heartbeats on this client keep flowing.
+        The hub holds the request (long-poll, no busy loop), in slices of at most 10 s
+        so other threads of this client get the main socket between them.
         """
         end = time.monotonic() + timeout
         while True:
             left = end - time.monotonic()
-            piece = max(0.0, min(left, (self.lease_s or 3.0) / 3))
+            piece = max(0.0, min(left, 10.0))
             v = self.call("wait_version", {"model": model, "after": after, "timeout": piece},
                           wait_s=piece)["version"]
             if v is not None or left <= piece:
