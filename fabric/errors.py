@@ -3,7 +3,12 @@
 Every error a user can cause is one of these, with a message that says what was
 wrong and what to do about it. `ClusterConfigError` is defined in `topology`
 (which must not import `fabric`) and re-exported here.
+
+Hub errors carry a stable wire ``code``: the hub sends the code and message,
+and the client raises the same class again (`hub_error_from_wire`).
 """
+
+from __future__ import annotations
 
 from topology.errors import ClusterConfigError
 
@@ -29,11 +34,131 @@ class ReadRefusedError(TransportError):
     out-of-range bytes, or chunks that did not arrive in time."""
 
 
+class HubError(FabricError):
+    """An error reported by (or about) the hub. ``code`` names it on the wire."""
+
+    code = "hub_error"
+
+
+class HubTimeoutError(HubError):
+    """The hub did not answer within the call's timeout (it may be overloaded or gone)."""
+
+    code = "timeout"
+
+
+class HubUnavailableError(HubError):
+    """The hub cannot be reached: bad URL, nothing listening, or the client was closed."""
+
+    code = "unavailable"
+
+
+class ProtocolError(HubError):
+    """A message was malformed, too large, or spoke another protocol version."""
+
+    code = "protocol"
+
+
+class BadRequestError(HubError, ValueError):
+    """A well-formed message asked for something invalid (missing or mistyped argument)."""
+
+    code = "bad_request"
+
+
+class UnknownWorkerError(HubError):
+    """The worker id is not registered (never registered, or its lease expired)."""
+
+    code = "unknown_worker"
+
+
+class DuplicateWorkerError(HubError):
+    """Another live client already registered this worker id."""
+
+    code = "duplicate_worker"
+
+
+class UnknownModelError(HubError):
+    """No version of this model name was ever published on this hub."""
+
+    code = "unknown_model"
+
+
+class UnknownVersionError(HubError):
+    """The version does not exist, was retired, or has no live replica any more."""
+
+    code = "unknown_version"
+
+
+class UnknownFetchError(HubError):
+    """The fetch id is unknown: it completed, was released, or its lease expired."""
+
+    code = "unknown_fetch"
+
+
+class ManifestMismatchError(HubError):
+    """A manifest differs from the one the version was published with."""
+
+    code = "manifest_mismatch"
+
+
+class InvalidStateError(HubError):
+    """The operation does not fit the current state (e.g. commit of a committed version)."""
+
+    code = "invalid_state"
+
+
+class RetentionError(HubError):
+    """A retract would drop a retained version below ``min_replicas``."""
+
+    code = "retention"
+
+
+class NoSourceError(HubError):
+    """No live replica holds some chunks of the version: they cannot be fetched now."""
+
+    code = "no_source"
+
+
+class GroupAbortedError(HubError):
+    """A model-parallel group publish or fetch was aborted (a member failed or left)."""
+
+    code = "group_aborted"
+
+
+_HUB_ERRORS: dict[str, type[HubError]] = {
+    cls.code: cls
+    for cls in (HubError, HubTimeoutError, HubUnavailableError, ProtocolError, BadRequestError,
+                UnknownWorkerError, DuplicateWorkerError, UnknownModelError,
+                UnknownVersionError, UnknownFetchError, ManifestMismatchError,
+                InvalidStateError, RetentionError, NoSourceError, GroupAbortedError)
+}
+
+
+def hub_error_from_wire(code: str, message: str) -> HubError:
+    """Rebuild the typed error a hub reported (unknown codes become `HubError`)."""
+    return _HUB_ERRORS.get(code, HubError)(message)
+
+
 __all__ = [
     "ArenaError",
+    "BadRequestError",
     "ClusterConfigError",
+    "DuplicateWorkerError",
     "FabricError",
+    "GroupAbortedError",
+    "HubError",
+    "HubTimeoutError",
+    "HubUnavailableError",
+    "InvalidStateError",
+    "ManifestMismatchError",
+    "NoSourceError",
+    "ProtocolError",
     "ReadRefusedError",
+    "RetentionError",
     "SourceLostError",
     "TransportError",
+    "UnknownFetchError",
+    "UnknownModelError",
+    "UnknownVersionError",
+    "UnknownWorkerError",
+    "hub_error_from_wire",
 ]

@@ -1,0 +1,506 @@
+"""The hub client: one DEALER socket, bounded waits, retries, transparent re-registration.
+
+Every call has a deadline (``timeout``); no call can hang. A call that gets no
+answer reconnects with exponential backoff and resends the *same* request id, so
+the hub runs it at most once (it answers repeats from its reply cache). When a
+reply carries a new hub epoch (the hub restarted), the client re-registers the
+worker and everything it holds (`HubState.restore`) and retries the call once if
+it failed for lack of that state. A daemon thread heartbeats every
+``lease_s / 3`` on a socket of its own, so a caller's long poll never delays
+it; the caller's threads share the main DEALER socket under a lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from fabric.errors import (
+    HubTimeoutError,
+    HubUnavailableError,
+    UnknownFetchError,
+    UnknownWorkerError,
+    hub_error_from_wire,
+)
+from fabric.locality import Location
+from fabric.manifest import Manifest
+from fabric.protocol import ERROR, MAX_MESSAGE_SIZE, REQUEST, decode, encode
+from fabric.zmq_util import endpoint, make_socket
+
+log = logging.getLogger("fabric.client")
+
+_RESTORE_RETRY = (UnknownWorkerError, UnknownFetchError)
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """A worker a plan names: where it is and how to reach it (endpoints: data plane's)."""
+
+    worker: str
+    location: Location
+    endpoints: dict[str, Any]
+    complete: bool
+
+
+@dataclass(frozen=True)
+class PlanRange:
+    """Chunks ``start..stop-1``: read from ``sources`` (best first; each has them), or
+    wait on the progress of ``wait`` (partial replicas ranked better, not there yet)."""
+
+    start: int
+    stop: int
+    sources: tuple[str, ...]
+    wait: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """What `HubClient.begin_fetch` / `replan` return."""
+
+    fetch_id: str
+    model: str
+    version: int
+    shard: int
+    num_shards: int
+    manifest: Manifest
+    ranges: tuple[PlanRange, ...]
+    workers: dict[str, SourceInfo]
+
+    @classmethod
+    def from_wire(cls, raw: dict[str, Any]) -> FetchPlan:
+        return cls(raw["fetch_id"], raw["model"], raw["version"], raw["shard"],
+                   raw["num_shards"], Manifest.from_wire(raw["manifest"]),
+                   tuple(PlanRange(r["start"], r["stop"], tuple(r["sources"]), tuple(r["wait"]))
+                         for r in raw["ranges"]),
+                   {w: SourceInfo(w, Location.from_wire(i["location"]), i["endpoints"],
+                                  i["complete"]) for w, i in raw["workers"].items()})
+
+    def chunks(self) -> list[int]:
+        """Every chunk index this plan covers."""
+        return [c for r in self.ranges for c in range(r.start, r.stop)]
+
+
+@dataclass
+class _Holding:
+    model: str
+    version: int
+    shard: int
+    num_shards: int
+    manifest: Manifest
+    state: str
+    complete: bool = False
+    publisher: bool = False
+    fetch_id: str | None = None
+    chunks: set[int] = field(default_factory=set)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"model": self.model, "version": self.version, "shard": self.shard,
+                "num_shards": self.num_shards, "manifest": self.manifest.to_wire(),
+                "state": self.state, "complete": self.complete, "publisher": self.publisher,
+                "fetch_id": self.fetch_id, "chunks": sorted(self.chunks)}
+
+
+class HubClient:
+    """A connection to a hub, optionally as a registered worker. Use `fabric.connect`."""
+
+    def __init__(self, url: str, *, worker: str | None = None,
+                 location: Location | dict[str, str] | None = None,
+                 endpoints: dict[str, Any] | None = None, timeout: float = 10.0,
+                 heartbeat: bool = True, max_message_size: int = MAX_MESSAGE_SIZE) -> None:
+        self.url = url
+        self.worker = worker
+        self.location = Location.from_wire(location)
+        self.endpoints = dict(endpoints or {})
+        self.timeout = float(timeout)
+        self.max_message_size = max_message_size
+        self.session = secrets.token_hex(8)
+        self.lease_s: float | None = None
+        self.epoch: str | None = None
+        self.lost: dict[str, set[str]] = {}
+        self.retired: set[tuple[str, int]] = set()
+        self._endpoint = endpoint(url, bind=False)
+        self._ids = itertools.count(1)
+        self._lock = threading.RLock()
+        self._chan_locks = {"main": threading.RLock(), "heartbeat": threading.RLock()}
+        self._holdings: dict[tuple[str, int, int], _Holding] = {}
+        self._socks: dict[str, zmq.Socket] = {}
+        self._closed = False
+        self._restoring = False
+        self._hb_stop = threading.Event()
+        self._hb_thread: threading.Thread | None = None
+        self._want_heartbeat = heartbeat
+
+    # ------------------------------------------------------------- lifecycle
+    def open(self) -> HubClient:
+        """Connect (and register the worker, starting heartbeats).
+
+        Raises:
+            HubUnavailableError: no hub answers at the URL within ``timeout``.
+            DuplicateWorkerError: the worker id is taken by another live client.
+        """
+        try:
+            self.call("ping", {})
+        except HubTimeoutError as exc:
+            self.close()
+            raise HubUnavailableError(f"no hub answered at {self.url} within "
+                                      f"{self.timeout:g} s; is `fabric hub serve` running "
+                                      "there?") from exc
+        if self.worker is not None:
+            self._register()
+            if self._want_heartbeat:
+                self._hb_thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                                   name=f"fabric-heartbeat-{self.worker}")
+                self._hb_thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop heartbeats and close the socket (the lease then runs out at the hub)."""
+        self._hb_stop.set()
+        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
+            self._hb_thread.join(5)
+        for name, lock in self._chan_locks.items():
+            with lock:
+                self._closed = True
+                sock = self._socks.pop(name, None)
+                if sock is not None:
+                    sock.close(0)
+
+    def __enter__(self) -> HubClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- transport
+    def call(self, op: str, args: dict[str, Any], *, timeout: float | None = None,
+             wait_s: float = 0.0, channel: str = "main") -> dict[str, Any]:
+        """Send one request and return the reply body (raises the hub's typed error).
+
+        Args:
+            timeout: overall deadline in seconds (default: the client's ``timeout``).
+            wait_s: how long the hub may hold the request (long-poll); added to the deadline.
+            channel: ``"main"`` or ``"heartbeat"`` (each has its own socket).
+
+        Raises:
+            HubTimeoutError: no answer before the deadline (after retries).
+            HubUnavailableError: the client is closed.
+            HubError subclasses: the hub's answer.
+        """
+        return self._call_once(op, args, timeout, wait_s, channel)
+
+    def _call_once(self, op: str, args: dict[str, Any], timeout: float | None,
+                   wait_s: float, channel: str, retried: bool = False) -> dict[str, Any]:
+        limit = (self.timeout if timeout is None else timeout) + wait_s
+        with self._chan_locks[channel]:
+            if self._closed:
+                raise HubUnavailableError("this hub client is closed; connect again")
+            with self._lock:
+                req_id = next(self._ids)
+            data = encode(REQUEST, req_id, self.session, op, args,
+                          max_size=self.max_message_size)
+            msg = self._exchange(channel, op, req_id, data, limit, wait_s)
+        with self._lock:
+            epoch_changed = self.epoch is not None and msg.tag != self.epoch
+            self.epoch = msg.tag
+        if epoch_changed and self.worker is not None and op not in ("register", "restore"):
+            log.warning("hub restarted (new epoch); re-registering worker=%s", self.worker)
+            self._register(channel)
+            if msg.kind == ERROR and not retried and msg.name in (
+                    e.code for e in _RESTORE_RETRY):
+                return self._call_once(op, args, timeout, wait_s, channel, retried=True)
+        if msg.kind == ERROR:
+            raise hub_error_from_wire(msg.name, str(msg.body.get("message", "")))
+        return msg.body
+
+    def _exchange(self, channel: str, op: str, req_id: int, data: bytes, limit: float,
+                  wait_s: float):
+        deadline = time.monotonic() + limit
+        attempt = 0
+        while True:
+            sock = self._socket(channel)
+            with contextlib.suppress(zmq.Again):
+                sock.send(data, zmq.NOBLOCK)
+            per_try = max(wait_s + min(2.0, self.timeout / 3), 0.5)
+            try_end = min(deadline, time.monotonic() + per_try)
+            while True:
+                left = try_end - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    break
+                try:
+                    raw = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                try:
+                    msg = decode(raw, max_size=self.max_message_size)
+                except Exception as exc:
+                    log.warning("undecodable reply dropped: %s", exc)
+                    continue
+                if msg.req_id == req_id:
+                    return msg
+            if time.monotonic() >= deadline:
+                raise HubTimeoutError(f"hub at {self.url} did not answer {op!r} within "
+                                      f"{limit:g} s ({attempt + 1} attempts); it may be down "
+                                      "or overloaded")
+            attempt += 1
+            self._reset_socket(channel)
+            time.sleep(min(0.05 * 2 ** attempt, 1.0, max(0.0, deadline - time.monotonic())))
+
+    def _socket(self, channel: str) -> zmq.Socket:
+        sock = self._socks.get(channel)
+        if sock is None:
+            sock = make_socket(zmq.DEALER, max_message_size=self.max_message_size)
+            sock.connect(self._endpoint)
+            self._socks[channel] = sock
+        return sock
+
+    def _reset_socket(self, channel: str) -> None:
+        sock = self._socks.pop(channel, None)
+        if sock is not None:
+            sock.close(0)
+
+    # ------------------------------------------------------------- liveness
+    def _register(self, channel: str = "main") -> None:
+        out = self.call("register", {"worker": self.worker, "location": self.location.to_wire(),
+                                     "endpoints": self.endpoints}, channel=channel)
+        self.lease_s = float(out["lease_s"])
+        with self._lock:
+            holdings = [h.to_wire() for h in self._holdings.values()]
+        if holdings:
+            res = self.call("restore", {"worker": self.worker, "holdings": holdings},
+                            channel=channel)
+            for model, version, shard, why in res["rejected"]:
+                log.warning("hub refused restored replica model=%s version=%s shard=%s: %s",
+                            model, version, shard, why)
+
+    def heartbeat(self, *, channel: str = "main") -> dict[str, Any]:
+        """Renew the lease now; returns the hub's news (see `HubState.heartbeat`)."""
+        try:
+            out = self.call("heartbeat", {"worker": self.worker}, channel=channel)
+        except UnknownWorkerError:
+            log.warning("lease of worker=%s had expired; registering again", self.worker)
+            self._register(channel)
+            out = self.call("heartbeat", {"worker": self.worker}, channel=channel)
+        for fid, workers in out["lost"].items():
+            self.lost.setdefault(fid, set()).update(workers)
+        self.retired.update((m, v) for m, v in out["retired"])
+        return out
+
+    def _heartbeat_loop(self) -> None:
+        while not self._hb_stop.wait((self.lease_s or 3.0) / 3):
+            try:
+                self.heartbeat(channel="heartbeat")
+            except Exception as exc:  # keep trying: the hub may come back
+                log.warning("heartbeat of worker=%s failed: %s", self.worker, exc)
+
+    # ------------------------------------------------------------ operations
+    def _w(self, **args: Any) -> dict[str, Any]:
+        if self.worker is None:
+            raise ValueError("this operation needs a worker id: connect(url, worker=...)")
+        return {"worker": self.worker, **{k: v for k, v in args.items() if v is not None}}
+
+    def begin_publish(self, model: str, manifest: Manifest, *, shard: int = 0,
+                      num_shards: int = 1, group: str | None = None) -> int:
+        """Start publishing this worker's shard of a new version; returns its number.
+
+        Raises:
+            ManifestMismatchError, InvalidStateError: see `HubState.begin_publish`.
+        """
+        out = self.call("begin_publish", self._w(model=model, manifest=manifest.to_wire(),
+                                                 shard=shard, num_shards=num_shards, group=group))
+        v = int(out["version"])
+        with self._lock:
+            self._holdings[(model, v, shard)] = _Holding(model, v, shard, num_shards, manifest,
+                                                         "publishing", publisher=True)
+        return v
+
+    def commit(self, model: str, version: int) -> str:
+        """Commit this worker's shards; returns ``"committed"`` or ``"publishing"`` (group
+        still waiting for other shards)."""
+        state = self.call("commit", self._w(model=model, version=version))["state"]
+        with self._lock:
+            for h in self._holdings.values():
+                if h.model == model and h.version == version and h.publisher:
+                    h.complete, h.state = True, state
+        return state
+
+    def begin_fetch(self, model: str, version: int | str = "latest", *, shard: int = 0,
+                    fingerprint: str | None = None, group: str | None = None,
+                    group_size: int = 1, have: list[int] | None = None,
+                    fetch_id: str | None = None) -> FetchPlan:
+        """Start fetching a shard of a version; this worker becomes a partial replica.
+
+        Returns:
+            The `FetchPlan`: per chunk range the ranked sources (and partial replicas worth
+            waiting for), the manifest, and each named worker's location and endpoints.
+
+        Raises:
+            UnknownModelError, UnknownVersionError, ManifestMismatchError, NoSourceError.
+        """
+        fetch_id = fetch_id or f"{self.worker}/{secrets.token_hex(6)}"
+        raw = self.call("begin_fetch", self._w(model=model, version=version, shard=shard,
+                                               fingerprint=fingerprint, group=group,
+                                               group_size=group_size, have=have,
+                                               fetch_id=fetch_id))
+        plan = FetchPlan.from_wire(raw)
+        with self._lock:
+            self._holdings[(model, plan.version, shard)] = _Holding(
+                model, plan.version, shard, plan.num_shards, plan.manifest, "committed",
+                fetch_id=fetch_id, chunks=set(have or ()))
+        return plan
+
+    def replan(self, fetch_id: str, *, chunks: list[int] | None = None,
+               exclude: list[str] | None = None) -> FetchPlan:
+        """New sources for the chunks still missing (or ``chunks``), avoiding ``exclude``."""
+        self.lost.pop(fetch_id, None)
+        return FetchPlan.from_wire(self.call("plan", self._w(fetch_id=fetch_id, chunks=chunks,
+                                                            exclude=exclude)))
+
+    def report_progress(self, fetch_id: str, chunks: list[int], *,
+                        sources: list[str] | None = None) -> dict[str, Any]:
+        """Tell the hub these chunks are held and verified; returns ``{"have", "num_chunks",
+        "lost"}`` (``lost``: sources that died: replan the chunks you miss)."""
+        out = self.call("report_progress", self._w(fetch_id=fetch_id, chunks=list(chunks),
+                                                   sources=sources))
+        with self._lock:
+            for h in self._holdings.values():
+                if h.fetch_id == fetch_id:
+                    h.chunks.update(chunks)
+        return out
+
+    def complete_fetch(self, fetch_id: str, *, wait: float = 0.0) -> dict[str, Any]:
+        """Become a complete replica. In a group, ``wait`` seconds for the other members;
+        returns ``{"complete": bool, "group": None | "open" | "committed" | "aborted"}``."""
+        out = self.call("complete_fetch", self._w(fetch_id=fetch_id, timeout=wait),
+                        wait_s=wait)
+        with self._lock:
+            for h in self._holdings.values():
+                if h.fetch_id == fetch_id:
+                    h.chunks = set(range(h.manifest.num_chunks))
+                    if out["complete"]:
+                        h.complete, h.fetch_id = True, None
+        return out
+
+    def group_status(self, model: str, group: str) -> dict[str, Any]:
+        """State of a fetch group: ``{"state", "version", "size", "done", "reason"}``."""
+        return self.call("group_status", {"model": model, "group": group})
+
+    def release(self, fetch_id: str) -> None:
+        """Abandon a fetch (its partial replica is retracted; a group aborts)."""
+        self.call("release", self._w(fetch_id=fetch_id))
+        with self._lock:
+            for key, h in list(self._holdings.items()):
+                if h.fetch_id == fetch_id:
+                    del self._holdings[key]
+
+    def retract(self, model: str, version: int, *, wait: float = 30.0,
+                delay: bool = False) -> str:
+        """Stop serving this worker's replicas of a version.
+
+        Args:
+            wait: seconds to wait until no read may be in flight (0: return at once).
+            delay: if retention forbids it now, keep serving until another replica exists
+                instead of raising.
+
+        Returns:
+            ``"done"`` (safe to overwrite), or ``"retracting"`` / ``"delayed"`` when
+            ``wait`` ran out first (not safe yet; poll `retract_status`).
+
+        Raises:
+            RetentionError: it would break ``min_replicas`` and ``delay`` is false.
+        """
+        state = self.call("retract", self._w(model=model, version=version, delay=delay,
+                                             timeout=wait), wait_s=wait)["state"]
+        if state == "done":
+            self._forget(model, version)
+        return state
+
+    def retract_status(self, model: str, version: int) -> str:
+        """``"done"``, ``"retracting"``, ``"delayed"`` or ``"live"``."""
+        state = self.call("retract_status", self._w(model=model, version=version))["state"]
+        if state == "done":
+            self._forget(model, version)
+        return state
+
+    def _forget(self, model: str, version: int) -> None:
+        with self._lock:
+            for key in [k for k in self._holdings if k[0] == model and k[1] == version]:
+                del self._holdings[key]
+
+    def set_retention(self, model: str, *, keep_last: int | None = None,
+                      min_replicas: int | None = None) -> dict[str, Any]:
+        """Set the retention policy; returns ``{"keep_last", "min_replicas", "pinned"}``."""
+        return self.call("set_retention", {"model": model, "keep_last": keep_last,
+                                           "min_replicas": min_replicas})
+
+    def pin(self, model: str, version: int) -> dict[str, Any]:
+        """Retain a version regardless of ``keep_last``."""
+        return self.call("pin", {"model": model, "version": version, "pinned": True})
+
+    def unpin(self, model: str, version: int) -> dict[str, Any]:
+        """Undo `pin`."""
+        return self.call("pin", {"model": model, "version": version, "pinned": False})
+
+    def latest(self, model: str) -> int | None:
+        """The newest committed version with a live complete replica, or None."""
+        return self.call("latest", {"model": model})["version"]
+
+    def wait_version(self, model: str, *, after: int = 0, timeout: float = 30.0) -> int | None:
+        """Block until `latest` is newer than ``after``; returns it, or None on timeout.
+
+        The hub holds the request (long-poll, no busy loop), in slices of at most 10 s
+        so other threads of this client get the main socket between them.
+        """
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            piece = max(0.0, min(left, 10.0))
+            v = self.call("wait_version", {"model": model, "after": after, "timeout": piece},
+                          wait_s=piece)["version"]
+            if v is not None or left <= piece:
+                return v
+
+    def status(self) -> dict[str, Any]:
+        """The hub's snapshot (what `fabric hub status` shows)."""
+        return self.call("status", {})
+
+    def unregister(self) -> None:
+        """Leave now: the hub drops this worker's replicas and fetches."""
+        self.call("unregister", self._w())
+        with self._lock:
+            self._holdings.clear()
+
+
+def connect(url: str, *, worker: str | None = None,
+            location: Location | dict[str, str] | None = None,
+            endpoints: dict[str, Any] | None = None, timeout: float = 10.0,
+            heartbeat: bool = True) -> HubClient:
+    """Connect to a hub; with ``worker``, register it and keep its lease by heartbeat.
+
+    Args:
+        url: ``tcp://HOST:PORT`` or ``memory://NAME``.
+        worker: unique worker id (None: an observer that can only query).
+        location: datacenter/node/device, used to rank sources.
+        endpoints: how peers reach this worker's data plane (opaque to the hub).
+        timeout: seconds any single call may take (long polls add their wait).
+        heartbeat: run the heartbeat thread (tests turn it off to simulate a hang).
+
+    Returns:
+        An open `HubClient`; ``close()`` it (or use ``with``).
+
+    Raises:
+        HubUnavailableError: nothing answers at ``url`` within ``timeout``.
+        DuplicateWorkerError: ``worker`` is already registered by a live client.
+    """
+    return HubClient(url, worker=worker, location=location, endpoints=endpoints,
+                     timeout=timeout, heartbeat=heartbeat).open()
+
+
+__all__ = ["FetchPlan", "HubClient", "PlanRange", "SourceInfo", "connect"]

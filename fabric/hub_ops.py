@@ -1,0 +1,220 @@
+"""The hub's operations as the wire names them: argument checks and dispatch.
+
+Each handler takes ``(state, session, args)`` and returns a reply body, or a
+`Park` when the answer must wait (long-polls): the server re-runs ``check``
+whenever the state changes and answers ``on_timeout()`` at the deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fabric.errors import BadRequestError
+from fabric.hub_state import HubState
+from fabric.locality import Location
+from fabric.manifest import Manifest
+
+MAX_WAIT_S = 300.0
+
+
+@dataclass
+class Park:
+    """A reply that waits: ``check()`` returns the body once ready, else None."""
+
+    check: Callable[[], dict[str, Any] | None]
+    timeout: float
+    on_timeout: Callable[[], dict[str, Any]]
+
+
+_MISSING = object()
+
+
+def _arg(args: dict[str, Any], key: str, kinds: type | tuple[type, ...], default: Any = _MISSING
+         ) -> Any:
+    value = args.get(key, default)
+    if value is _MISSING:
+        raise BadRequestError(f"missing argument {key!r}")
+    if value is None and default is None:
+        return None
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise BadRequestError(f"argument {key!r} must be {kinds}, got a bool")
+    if not isinstance(value, kinds):
+        raise BadRequestError(f"argument {key!r} must be {kinds}, got {type(value).__name__}")
+    return value
+
+
+def _ints(args: dict[str, Any], key: str) -> list[int] | None:
+    value = _arg(args, key, list, None)
+    if value is not None and not all(isinstance(c, int) and not isinstance(c, bool)
+                                     for c in value):
+        raise BadRequestError(f"argument {key!r} must be a list of ints")
+    return value
+
+
+def _strs(args: dict[str, Any], key: str) -> list[str] | None:
+    value = _arg(args, key, list, None)
+    if value is not None and not all(isinstance(c, str) for c in value):
+        raise BadRequestError(f"argument {key!r} must be a list of strings")
+    return value
+
+
+def _manifest(args: dict[str, Any]) -> Manifest:
+    try:
+        return Manifest.from_wire(_arg(args, "manifest", dict))
+    except ValueError as exc:
+        raise BadRequestError(f"bad manifest: {exc}") from exc
+
+
+def _wait(args: dict[str, Any]) -> float:
+    return min(max(float(_arg(args, "timeout", (int, float), 0.0)), 0.0), MAX_WAIT_S)
+
+
+def _worker(args: dict[str, Any]) -> str:
+    return _arg(args, "worker", str)
+
+
+def op_register(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    try:
+        loc = Location.from_wire(a.get("location"))
+    except ValueError as exc:
+        raise BadRequestError(str(exc)) from exc
+    return s.register(_worker(a), session=session, location=loc,
+                      endpoints=_arg(a, "endpoints", dict, None))
+
+
+def op_heartbeat(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.heartbeat(_worker(a), session=session)
+
+
+def op_unregister(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.unregister(_worker(a), session=session)
+
+
+def op_restore(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    holdings = []
+    for h in _arg(a, "holdings", list):
+        if not isinstance(h, dict):
+            raise BadRequestError("each holding must be a map")
+        try:
+            holdings.append({**h, "manifest": Manifest.from_wire(h.get("manifest"))})
+        except ValueError as exc:
+            raise BadRequestError(f"bad manifest in holding: {exc}") from exc
+    return s.restore(_worker(a), session=session, holdings=holdings)
+
+
+def op_begin_publish(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.begin_publish(_arg(a, "model", str), _worker(a), _manifest(a), session=session,
+                           shard=_arg(a, "shard", int, 0), num_shards=_arg(a, "num_shards", int, 1),
+                           group=_arg(a, "group", str, None))
+
+
+def op_commit(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.commit(_arg(a, "model", str), _arg(a, "version", int), _worker(a), session=session)
+
+
+def op_begin_fetch(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.begin_fetch(_arg(a, "model", str), _arg(a, "version", (int, str), "latest"),
+                         _worker(a), session=session, fetch_id=_arg(a, "fetch_id", str),
+                         shard=_arg(a, "shard", int, 0),
+                         fingerprint=_arg(a, "fingerprint", str, None),
+                         group=_arg(a, "group", str, None),
+                         group_size=_arg(a, "group_size", int, 1), have=_ints(a, "have"))
+
+
+def op_plan(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.plan(_arg(a, "fetch_id", str), _worker(a), session=session,
+                  chunks=_ints(a, "chunks"), exclude=_strs(a, "exclude"))
+
+
+def op_report_progress(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.report_progress(_arg(a, "fetch_id", str), _worker(a), session=session,
+                             chunks=_ints(a, "chunks") or [], sources=_strs(a, "sources"))
+
+
+def op_complete_fetch(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any] | Park:
+    fetch_id = _arg(a, "fetch_id", str)
+    rec = s.fetches.get(fetch_id)
+    out = s.complete_fetch(fetch_id, _worker(a), session=session)
+    timeout = _wait(a)
+    if out["group"] != "open" or timeout <= 0 or rec is None or rec.group is None:
+        return out
+    model, group = rec.model, rec.group
+
+    def check() -> dict[str, Any] | None:
+        g = s.group_status(model, group)
+        return None if g["state"] == "open" else {"complete": g["state"] == "committed",
+                                                  "group": g["state"]}
+    return Park(check, timeout, lambda: out)
+
+
+def op_group_status(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.group_status(_arg(a, "model", str), _arg(a, "group", str))
+
+
+def op_release(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.release(_arg(a, "fetch_id", str), _worker(a), session=session)
+
+
+def op_retract(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any] | Park:
+    model, version, worker = _arg(a, "model", str), _arg(a, "version", int), _worker(a)
+    out = s.retract(model, version, worker, session=session,
+                    delay=bool(_arg(a, "delay", bool, False)))
+    timeout = _wait(a)
+    if out["state"] == "done" or timeout <= 0:
+        return out
+
+    def check() -> dict[str, Any] | None:
+        st = s.retract_status(model, version, worker)
+        return st if st["state"] == "done" else None
+    return Park(check, timeout, lambda: s.retract_status(model, version, worker))
+
+
+def op_retract_status(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.retract_status(_arg(a, "model", str), _arg(a, "version", int), _worker(a))
+
+
+def op_set_retention(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return s.set_retention(_arg(a, "model", str), keep_last=_arg(a, "keep_last", int, None),
+                               min_replicas=_arg(a, "min_replicas", int, None))
+    except ValueError as exc:
+        raise BadRequestError(str(exc)) from exc
+
+
+def op_pin(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.pin(_arg(a, "model", str), _arg(a, "version", int),
+                 bool(_arg(a, "pinned", bool, True)))
+
+
+def op_latest(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return {"version": s.latest(_arg(a, "model", str))}
+
+
+def op_wait_version(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any] | Park:
+    model, after = _arg(a, "model", str), _arg(a, "after", int, 0)
+
+    def check() -> dict[str, Any] | None:
+        v = s.latest(model)
+        return {"version": v} if v is not None and v > after else None
+    ready = check()
+    timeout = _wait(a)
+    if ready is not None or timeout <= 0:
+        return ready or {"version": None}
+    return Park(check, timeout, lambda: {"version": None})
+
+
+def op_status(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.snapshot()
+
+
+def op_ping(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return {"pong": True}
+
+
+OPS: dict[str, Callable[[HubState, str, dict[str, Any]], dict[str, Any] | Park]] = {
+    name[3:]: fn for name, fn in globals().items() if name.startswith("op_")
+}
+
+__all__ = ["MAX_WAIT_S", "OPS", "Park"]

@@ -1,0 +1,150 @@
+"""The records the hub keeps: workers, versions, replicas, fetches, groups, policies.
+
+Plain mutable dataclasses owned by `fabric.hub_state.HubState`; nothing here does
+I/O or enforces rules (that is `HubState`'s job).
+
+Version lifecycle::
+
+    begin_publish ──> PUBLISHING ──(every shard committed)──> COMMITTED
+                          │                                      │
+          (a publisher lost / group aborted)           (out of retention)
+                          └──────────────> RETIRED <─────────────┘
+
+Replica lifecycle: ``live`` (routable; a partial one only for the chunks it has)
+──retract──> ``retracting`` (not routable; removed once no fetch in flight may
+read from it). A retract that would break retention may be ``delayed``: the replica
+stays live until another complete replica exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fabric.locality import Location
+from fabric.manifest import Manifest
+
+PUBLISHING, COMMITTED, RETIRED = "publishing", "committed", "retired"
+LIVE, RETRACTING = "live", "retracting"
+GROUP_OPEN, GROUP_COMMITTED, GROUP_ABORTED = "open", "committed", "aborted"
+
+
+@dataclass
+class WorkerRecord:
+    """A registered worker and its lease."""
+
+    worker_id: str
+    session: str
+    location: Location
+    endpoints: dict[str, Any]
+    expires: float
+
+
+@dataclass
+class Replica:
+    """One worker's copy of one shard of a version (``have[i]`` is 1 when chunk i is present)."""
+
+    worker: str
+    shard: int
+    have: bytearray
+    count: int = 0
+    complete: bool = False
+    status: str = LIVE
+    retract_delayed: bool = False
+
+    def add_chunks(self, chunks: list[int]) -> None:
+        for c in chunks:
+            if not self.have[c]:
+                self.have[c] = 1
+                self.count += 1
+
+    def fill(self) -> None:
+        self.have[:] = b"\x01" * len(self.have)
+        self.count = len(self.have)
+
+    @property
+    def routable(self) -> bool:
+        return self.status == LIVE and (self.complete or self.count > 0)
+
+
+@dataclass
+class VersionRecord:
+    """One version of a model: state, per-shard manifests, publishers and replicas."""
+
+    model: str
+    number: int
+    num_shards: int
+    state: str = PUBLISHING
+    manifests: dict[int, Manifest] = field(default_factory=dict)
+    publishers: dict[tuple[str, int], bool] = field(default_factory=dict)
+    replicas: dict[tuple[str, int], Replica] = field(default_factory=dict)
+    group: str | None = None
+    retire_reason: str = ""
+
+    def complete_replicas(self, shard: int) -> list[Replica]:
+        """Routable complete replicas of a shard."""
+        return [r for r in self.replicas.values()
+                if r.shard == shard and r.complete and r.status == LIVE]
+
+    def servable(self) -> bool:
+        """Committed, and every shard has at least one routable complete replica."""
+        return self.state == COMMITTED and all(
+            self.complete_replicas(s) for s in range(self.num_shards))
+
+
+@dataclass
+class FetchRecord:
+    """A reader's fetch in flight: also the lease that keeps its sources immutable."""
+
+    fetch_id: str
+    model: str
+    version: int
+    shard: int
+    worker: str
+    sources: set[str] = field(default_factory=set)
+    lost: set[str] = field(default_factory=set)
+    group: str | None = None
+    done: bool = False
+
+
+@dataclass
+class FetchGroup:
+    """Model-parallel readers fetching one version together: all commit or none."""
+
+    key: str
+    model: str
+    version: int
+    size: int
+    members: dict[str, bool] = field(default_factory=dict)
+    state: str = GROUP_OPEN
+    reason: str = ""
+
+
+@dataclass
+class RetentionPolicy:
+    """Per-model retention: the last ``keep_last`` committed versions plus pinned ones are
+    retained; a retract may not drop a retained version below ``min_replicas``."""
+
+    keep_last: int = 2
+    min_replicas: int = 1
+    pinned: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {self.keep_last}")
+        if self.min_replicas < 0:
+            raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"keep_last": self.keep_last, "min_replicas": self.min_replicas,
+                "pinned": sorted(self.pinned)}
+
+
+@dataclass
+class ModelRecord:
+    """Everything the hub knows about one model name."""
+
+    name: str
+    policy: RetentionPolicy = field(default_factory=RetentionPolicy)
+    versions: dict[int, VersionRecord] = field(default_factory=dict)
+    publish_groups: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,836 @@
+"""The hub's state machine: pure Python, no I/O, an injectable clock.
+
+`HubState` holds per model the versions (numbers assigned here, monotonic and
+never reused), their manifests and replicas, the fetches in flight and the
+retention policy; its methods are the hub's operations. The server
+(`fabric.hub_server`) only decodes requests, calls these methods and parks
+long-polls; tests drive this class directly.
+
+Invariants (checked by ``tests/test_hub_state_machine.py`` after every step):
+
+* version numbers of a model only grow and are never handed out twice;
+* `latest` is a committed version whose every shard has a live, complete,
+  routable replica held by a worker with a valid lease;
+* a plan names only live workers' routable replicas that have the chunk
+  (a partial replica only for chunks it reported), never the reader itself;
+* a retract never drops a retained version below ``min_replicas``;
+* a fetch group's replicas all become complete together, or none do.
+
+Liveness: every operation first expires leases against the clock; the server also
+calls `expire` on a timer. An expired worker's replicas leave every plan and its
+fetches end; fetches that could read from it learn so in their next heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from fabric.errors import (
+    DuplicateWorkerError,
+    GroupAbortedError,
+    InvalidStateError,
+    ManifestMismatchError,
+    NoSourceError,
+    RetentionError,
+    UnknownFetchError,
+    UnknownModelError,
+    UnknownVersionError,
+    UnknownWorkerError,
+)
+from fabric.hub_records import (
+    COMMITTED,
+    GROUP_ABORTED,
+    GROUP_COMMITTED,
+    GROUP_OPEN,
+    LIVE,
+    PUBLISHING,
+    RETIRED,
+    RETRACTING,
+    FetchGroup,
+    FetchRecord,
+    ModelRecord,
+    Replica,
+    RetentionPolicy,
+    VersionRecord,
+    WorkerRecord,
+)
+from fabric.locality import Location, RankSources, SourceCandidate, rank_by_locality
+from fabric.manifest import Manifest
+
+log = logging.getLogger("fabric.hub")
+
+DEFAULT_LEASE_S = 10.0
+MAX_FINISHED_GROUPS = 4096
+
+
+class HubState:
+    """All the hub knows, and its operations.
+
+    Args:
+        clock: returns the current time in seconds (monotonic); tests inject a fake.
+        lease_s: how long a heartbeat keeps a worker (and its replicas and fetches) alive.
+        rank_sources: orders candidate sources for a reader (see `fabric.locality`).
+        max_sources: sources named per chunk range in a plan.
+        next_versions: per model, the next version number to hand out (from a state dir).
+        policies: per model, retention policies restored from a state dir.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
+                 lease_s: float = DEFAULT_LEASE_S, rank_sources: RankSources = rank_by_locality,
+                 max_sources: int = 4, next_versions: dict[str, int] | None = None,
+                 policies: dict[str, RetentionPolicy] | None = None) -> None:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        self.clock = clock
+        self.lease_s = float(lease_s)
+        self.rank_sources = rank_sources
+        self.max_sources = max(1, int(max_sources))
+        self.workers: dict[str, WorkerRecord] = {}
+        self.models: dict[str, ModelRecord] = {}
+        self.fetches: dict[str, FetchRecord] = {}
+        self.groups: OrderedDict[tuple[str, str], FetchGroup] = OrderedDict()
+        self.next_versions: dict[str, int] = dict(next_versions or {})
+        self.load: Counter[str] = Counter()
+        self.generation = 0
+        self.durable_generation = 0
+        for name, policy in (policies or {}).items():
+            self.models[name] = ModelRecord(name, policy)
+
+    # ----------------------------------------------------------------- workers
+    def register(self, worker: str, *, session: str, location: Location | None = None,
+                 endpoints: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Register (or refresh) a worker and start its lease.
+
+        Raises:
+            DuplicateWorkerError: a live worker with this id belongs to another session.
+        """
+        self.expire()
+        if not worker:
+            raise ValueError("worker id must not be empty")
+        rec = self.workers.get(worker)
+        if rec is not None and rec.session != session:
+            raise DuplicateWorkerError(
+                f"worker id {worker!r} is already registered by another live client "
+                f"(lease ends in {rec.expires - self.clock():.1f} s); pick a unique worker id")
+        self.workers[worker] = WorkerRecord(worker, session, location or Location(),
+                                            dict(endpoints or {}), self.clock() + self.lease_s)
+        if rec is None:
+            log.info("worker registered worker=%s location=%s", worker, location)
+        self._touch()
+        return {"lease_s": self.lease_s}
+
+    def heartbeat(self, worker: str, *, session: str) -> dict[str, Any]:
+        """Renew a worker's lease; returns news for it.
+
+        Returns:
+            ``{"lease_s", "lost": {fetch_id: [workers]}, "retired": [[model, version]]}``:
+            sources that died under the worker's fetches (re-plan those chunks), and
+            versions it holds that left retention (it may retract them).
+
+        Raises:
+            UnknownWorkerError: not registered, or the lease already expired.
+        """
+        rec = self._worker(worker, session)
+        rec.expires = self.clock() + self.lease_s
+        lost: dict[str, list[str]] = {}
+        for f in self.fetches.values():
+            if f.worker == worker and f.lost:
+                lost[f.fetch_id] = sorted(f.lost)
+                f.lost.clear()
+        retired = [[m.name, v.number] for m in self.models.values() for v in m.versions.values()
+                   if v.state == RETIRED and any(w == worker for w, _ in v.replicas)]
+        return {"lease_s": self.lease_s, "lost": lost, "retired": retired}
+
+    def unregister(self, worker: str, *, session: str) -> dict[str, Any]:
+        """Remove a worker now, as if its lease expired."""
+        self._worker(worker, session)
+        self._drop_worker(worker, "unregistered")
+        self._settle()
+        return {}
+
+    def expire(self) -> list[str]:
+        """Drop every worker whose lease ended; returns their ids."""
+        now = self.clock()
+        dead = [w for w, rec in self.workers.items() if rec.expires <= now]
+        for w in dead:
+            self._drop_worker(w, "lease expired")
+        if dead:
+            self._settle()
+        return dead
+
+    # ----------------------------------------------------------------- publish
+    def begin_publish(self, model: str, worker: str, manifest: Manifest, *, session: str,
+                      shard: int = 0, num_shards: int = 1, group: str | None = None
+                      ) -> dict[str, Any]:
+        """Start publishing one shard of a new version; the hub assigns the number.
+
+        Model-parallel publishers pass the same ``group`` key and ``num_shards``: the
+        first call creates the version, the others join it.
+
+        Returns:
+            ``{"version": int}``.
+
+        Raises:
+            ManifestMismatchError: another publisher of this shard sent another manifest.
+            InvalidStateError: the group's version is no longer publishing, or the shard
+                numbers do not fit.
+        """
+        self._worker(worker, session)
+        _check_shard(shard, num_shards)
+        m = self.models.setdefault(model, ModelRecord(model))
+        v = None
+        if group is not None and group in m.publish_groups:
+            v = m.versions.get(m.publish_groups[group])
+            if v is None or v.state != PUBLISHING:
+                raise InvalidStateError(f"publish group {group!r} of {model!r} is no longer "
+                                        "publishing; use a new group key")
+            if v.num_shards != num_shards:
+                raise InvalidStateError(f"publish group {group!r} has {v.num_shards} shards, "
+                                        f"this call says {num_shards}")
+        if v is None:
+            number = max(self.next_versions.get(model, 1), 1)
+            self.next_versions[model] = number + 1
+            self.durable_generation += 1
+            v = VersionRecord(model, number, num_shards, group=group)
+            m.versions[number] = v
+            if group is not None:
+                m.publish_groups[group] = number
+        self._set_manifest(v, shard, manifest)
+        v.publishers[(worker, shard)] = False
+        v.replicas[(worker, shard)] = Replica(worker, shard, bytearray(manifest.num_chunks))
+        log.info("begin publish model=%s version=%d shard=%d worker=%s", model, v.number, shard,
+                 worker)
+        self._touch()
+        return {"version": v.number}
+
+    def commit(self, model: str, version: int, worker: str, *, session: str) -> dict[str, Any]:
+        """Commit the worker's shards of a publishing version.
+
+        The version becomes committed (and may become `latest`) once every shard has a
+        committed publisher; until then its state stays ``publishing``.
+
+        Returns:
+            ``{"state": "publishing" | "committed"}``.
+
+        Raises:
+            InvalidStateError: the worker is not a publisher of this version, or it was
+                retired (a publisher of the group was lost).
+        """
+        self._worker(worker, session)
+        v = self._version(model, version)
+        mine = [k for k in v.publishers if k[0] == worker]
+        if not mine:
+            raise InvalidStateError(f"{worker!r} did not begin publishing {model!r} v{version}")
+        if v.state == RETIRED:
+            raise GroupAbortedError(f"{model!r} v{version} was aborted ({v.retire_reason}); "
+                                    "publish again")
+        for key in mine:
+            v.publishers[key] = True
+            rep = v.replicas.get(key)
+            if rep is not None:
+                rep.fill()
+        if v.state == PUBLISHING and all(
+                any(done for (_, s), done in v.publishers.items() if s == shard)
+                for shard in range(v.num_shards)):
+            v.state = COMMITTED
+            for rep in v.replicas.values():
+                if v.publishers.get((rep.worker, rep.shard)):
+                    rep.complete = True
+            self.models[model].publish_groups.pop(v.group or "", None)
+            log.info("committed model=%s version=%d worker=%s", model, version, worker)
+        self._settle()
+        return {"state": v.state}
+
+    # ------------------------------------------------------------------- fetch
+    def begin_fetch(self, model: str, version: int | str, worker: str, *, session: str,
+                    fetch_id: str, shard: int = 0, fingerprint: str | None = None,
+                    group: str | None = None, group_size: int = 1,
+                    have: list[int] | None = None) -> dict[str, Any]:
+        """Start (or resume) a fetch of one shard; the reader becomes a partial replica.
+
+        Args:
+            version: a number or ``"latest"`` (a group resolves it once for all members).
+            fetch_id: chosen by the client, unique; calling again with it resumes.
+            fingerprint: the manifest fingerprint the reader expects, if it knows it.
+            group, group_size: model-parallel readers fetching together (all or none).
+            have: chunks the reader already holds (resume after a hub restart).
+
+        Returns:
+            The plan, see `plan`.
+
+        Raises:
+            UnknownModelError, UnknownVersionError: nothing to fetch.
+            ManifestMismatchError: ``fingerprint`` differs from the version's manifest.
+            NoSourceError: some chunks have no live source.
+        """
+        self._worker(worker, session)
+        if fetch_id in self.fetches:
+            f = self.fetches[fetch_id]
+            if f.worker != worker:
+                raise InvalidStateError(f"fetch id {fetch_id!r} belongs to {f.worker!r}")
+            return self.plan(fetch_id, worker, session=session)
+        m = self._model(model)
+        g = None
+        if group is not None:
+            g = self.groups.get((model, group))
+            if g is not None and g.state != GROUP_OPEN:
+                raise GroupAbortedError(f"fetch group {group!r} is already {g.state}"
+                                        f"{': ' + g.reason if g.reason else ''}; use a new key")
+            if g is not None and g.size != group_size:
+                raise InvalidStateError(f"fetch group {group!r} has size {g.size}, "
+                                        f"this call says {group_size}")
+            if g is not None and len(g.members) >= g.size:
+                raise InvalidStateError(f"fetch group {group!r} already has {g.size} members")
+        number = g.version if g is not None else self._resolve(m, version)
+        v = self._version(model, number)
+        if v.state != COMMITTED:
+            raise UnknownVersionError(f"{model!r} v{number} is {v.state}, not fetchable")
+        _check_shard(shard, v.num_shards)
+        manifest = v.manifests[shard]
+        if fingerprint is not None and fingerprint != manifest.fingerprint:
+            raise ManifestMismatchError(
+                f"{model!r} v{number} shard {shard} has manifest {manifest.fingerprint}, the "
+                f"reader expects {fingerprint}: tensor names, shapes, dtypes or chunking differ")
+        rep = v.replicas.get((worker, shard))
+        if rep is not None and (rep.complete or rep.status != LIVE):
+            raise InvalidStateError(f"{worker!r} already holds {model!r} v{number} shard {shard}"
+                                    + (" (retracting)" if rep.status != LIVE else ""))
+        if rep is None:
+            rep = Replica(worker, shard, bytearray(manifest.num_chunks))
+            v.replicas[(worker, shard)] = rep
+        if have:
+            rep.add_chunks(_check_chunks(have, manifest.num_chunks))
+        if group is not None and g is None:
+            if group_size < 1:
+                raise ValueError("group_size must be >= 1")
+            g = FetchGroup(group, model, number, group_size)
+            self.groups[(model, group)] = g
+            self._trim_groups()
+        f = FetchRecord(fetch_id, model, number, shard, worker, group=group)
+        self.fetches[fetch_id] = f
+        if g is not None:
+            g.members[fetch_id] = False
+        self._touch()
+        try:
+            return self.plan(fetch_id, worker, session=session)
+        except NoSourceError:
+            self._end_fetch(f, keep_replica=False)
+            raise
+
+    def plan(self, fetch_id: str, worker: str, *, session: str,
+             chunks: list[int] | None = None, exclude: list[str] | None = None
+             ) -> dict[str, Any]:
+        """(Re)plan a fetch: ranked sources for each chunk range the reader still needs.
+
+        Args:
+            chunks: the chunks to plan (default: those the reader has not reported).
+            exclude: workers the reader failed to read from; not named again in this plan.
+
+        Returns:
+            ``{"fetch_id", "model", "version", "shard", "num_shards", "manifest",
+            "ranges": [{"start", "stop", "sources": [worker...], "wait": [worker...]}],
+            "workers": {worker: {"location", "endpoints", "complete"}}}`` — chunks
+            ``start..stop-1`` can be read from any of ``sources`` (best first; each has
+            them now); ``wait`` names partial replicas ranked better than every source
+            that do not have them yet (advisory: wait on their progress or read a source).
+
+        Raises:
+            NoSourceError: no live source holds some of the chunks.
+        """
+        f = self._fetch(fetch_id, worker, session)
+        v = self._version(f.model, f.version)
+        manifest = v.manifests[f.shard]
+        rep = v.replicas[(worker, f.shard)]
+        need = (_check_chunks(chunks, manifest.num_chunks) if chunks is not None
+                else [i for i, h in enumerate(rep.have) if not h])
+        banned = set(exclude or ())
+        reader_loc = self.workers[worker].location
+        cands = [SourceCandidate(r.worker, self.workers[r.worker].location, r.complete,
+                                 self.load[r.worker])
+                 for r in v.replicas.values()
+                 if r.shard == f.shard and r.worker != worker and r.status == LIVE
+                 and r.worker in self.workers and r.worker not in banned]
+        allowed = {c.worker for c in cands}
+        ranked = [c for c in self.rank_sources(reader_loc, cands) if c.worker in allowed]
+        reps = [v.replicas[(c.worker, f.shard)] for c in ranked]
+        ranges: list[dict[str, Any]] = []
+        missing: list[int] = []
+        named: set[str] = set()
+        for c in sorted(set(need)):
+            srcs: list[str] = []
+            wait: list[str] = []
+            for r in reps:
+                if r.complete or r.have[c]:
+                    srcs.append(r.worker)
+                    if len(srcs) >= self.max_sources:
+                        break
+                elif not srcs and len(wait) < 2:
+                    wait.append(r.worker)
+            if not srcs:
+                missing.append(c)
+                continue
+            last = ranges[-1] if ranges else None
+            if (last is not None and last["stop"] == c and last["sources"] == srcs
+                    and last["wait"] == wait):
+                last["stop"] = c + 1
+            else:
+                ranges.append({"start": c, "stop": c + 1, "sources": srcs, "wait": wait})
+            named.update(srcs)
+            named.update(wait)
+        if missing:
+            raise NoSourceError(
+                f"{f.model!r} v{f.version} shard {f.shard}: no live replica holds chunks "
+                f"{_fmt_chunks(missing)}; wait for a holder to (re)register or fetch another version")
+        self._set_sources(f, named)
+        return {
+            "fetch_id": f.fetch_id, "model": f.model, "version": f.version, "shard": f.shard,
+            "num_shards": v.num_shards, "manifest": manifest.to_wire(),
+            "fingerprint": manifest.fingerprint, "ranges": ranges,
+            "workers": {w: {"location": self.workers[w].location.to_wire(),
+                            "endpoints": self.workers[w].endpoints,
+                            "complete": v.replicas[(w, f.shard)].complete}
+                        for w in sorted(named)},
+        }
+
+    def report_progress(self, fetch_id: str, worker: str, *, session: str,
+                        chunks: list[int], sources: list[str] | None = None
+                        ) -> dict[str, Any]:
+        """Record chunks the reader now holds (verified); others may read them from it.
+
+        Args:
+            chunks: newly held chunk indices.
+            sources: if given, the only workers the reader may still read from (lets
+                their retracts finish sooner).
+
+        Returns:
+            ``{"have": int, "num_chunks": int, "lost": [workers]}`` — ``lost``: sources
+            of this fetch that died since last told (re-plan the chunks you miss).
+        """
+        f = self._fetch(fetch_id, worker, session)
+        v = self._version(f.model, f.version)
+        rep = v.replicas[(worker, f.shard)]
+        rep.add_chunks(_check_chunks(chunks, len(rep.have)))
+        if sources is not None:
+            self._set_sources(f, set(sources) & f.sources)
+        lost = sorted(f.lost)
+        f.lost.clear()
+        self._settle()
+        return {"have": rep.count, "num_chunks": len(rep.have), "lost": lost}
+
+    def complete_fetch(self, fetch_id: str, worker: str, *, session: str) -> dict[str, Any]:
+        """The reader holds every chunk, verified: it becomes a complete replica.
+
+        In a fetch group the replicas become complete only when every member completed.
+
+        Returns:
+            ``{"complete": bool, "group": None | "open" | "committed"}``.
+
+        Raises:
+            GroupAbortedError: the reader's group was aborted.
+        """
+        f = self._fetch(fetch_id, worker, session)
+        v = self._version(f.model, f.version)
+        rep = v.replicas[(worker, f.shard)]
+        rep.fill()
+        if f.group is None:
+            rep.complete = True
+            self._end_fetch(f, keep_replica=True)
+            self._settle()
+            return {"complete": True, "group": None}
+        g = self.groups[(f.model, f.group)]
+        g.members[fetch_id] = True
+        f.done = True
+        self._set_sources(f, set())
+        if len(g.members) == g.size and all(g.members.values()):
+            g.state = GROUP_COMMITTED
+            for fid in list(g.members):
+                member = self.fetches.pop(fid)
+                mv = self._version(member.model, member.version)
+                mv.replicas[(member.worker, member.shard)].complete = True
+            log.info("fetch group committed group=%s model=%s version=%d", g.key, g.model, g.version)
+        self._settle()
+        return {"complete": g.state == GROUP_COMMITTED, "group": g.state}
+
+    def group_status(self, model: str, group: str) -> dict[str, Any]:
+        """``{"state", "version", "size", "done", "reason"}`` of a fetch group."""
+        self.expire()
+        g = self.groups.get((model, group))
+        if g is None:
+            raise UnknownFetchError(f"no fetch group {group!r} for {model!r}")
+        return {"state": g.state, "version": g.version, "size": g.size,
+                "done": sum(g.members.values()), "reason": g.reason}
+
+    def release(self, fetch_id: str, worker: str, *, session: str) -> dict[str, Any]:
+        """Abandon a fetch: its partial replica stops being routed (a group aborts)."""
+        f = self._fetch(fetch_id, worker, session)
+        self._end_fetch(f, keep_replica=False, reason=f"{worker} released its fetch")
+        self._settle()
+        return {}
+
+    # ----------------------------------------------------------------- retract
+    def retract(self, model: str, version: int, worker: str, *, session: str,
+                delay: bool = False) -> dict[str, Any]:
+        """Stop routing reads to the worker's replicas of a version.
+
+        Returns:
+            ``{"state": "done" | "retracting" | "delayed"}``: ``done`` — no read may be in
+            flight, the holder may overwrite; ``retracting`` — waiting for fetches that may
+            read from it (see `retract_status`); ``delayed`` — still routed until another
+            replica lets retention hold.
+
+        Raises:
+            UnknownVersionError: the worker holds no replica of this version.
+            RetentionError: the retract would drop a retained version below
+                ``min_replicas`` and ``delay`` is false.
+        """
+        self._worker(worker, session)
+        v = self._version(model, version)
+        mine = [r for r in v.replicas.values() if r.worker == worker]
+        if not mine:
+            raise UnknownVersionError(f"{worker!r} holds no replica of {model!r} v{version}")
+        if any(self._blocks_retention(v, r) for r in mine):
+            if not delay:
+                policy = self.models[model].policy
+                raise RetentionError(
+                    f"retracting {worker!r}'s replica of {model!r} v{version} would leave fewer "
+                    f"than min_replicas={policy.min_replicas} live copies of a retained version; "
+                    "retract with delay (waits for another replica), unpin it, or lower keep_last")
+            for r in mine:
+                r.retract_delayed = True
+            self._touch()
+            return {"state": "delayed"}
+        for f in list(self.fetches.values()):
+            if f.worker == worker and f.model == model and f.version == version and not f.done:
+                self._end_fetch(f, keep_replica=False, reason=f"{worker} retracted")
+        for r in mine:
+            r.status = RETRACTING
+            r.retract_delayed = False
+        self._settle()
+        return {"state": self._retract_state(v, worker)}
+
+    def retract_status(self, model: str, version: int, worker: str) -> dict[str, Any]:
+        """``{"state": "done" | "retracting" | "delayed" | "live"}`` of a retract."""
+        self.expire()
+        m = self.models.get(model)
+        v = m.versions.get(version) if m else None
+        if v is None:
+            return {"state": "done"}
+        return {"state": self._retract_state(v, worker)}
+
+    # --------------------------------------------------------------- retention
+    def set_retention(self, model: str, *, keep_last: int | None = None,
+                      min_replicas: int | None = None) -> dict[str, Any]:
+        """Change a model's retention policy (creates the model if new)."""
+        m = self.models.setdefault(model, ModelRecord(model))
+        policy = RetentionPolicy(keep_last if keep_last is not None else m.policy.keep_last,
+                                 min_replicas if min_replicas is not None
+                                 else m.policy.min_replicas, set(m.policy.pinned))
+        m.policy = policy
+        self.durable_generation += 1
+        self._settle()
+        return policy.to_wire()
+
+    def pin(self, model: str, version: int, pinned: bool = True) -> dict[str, Any]:
+        """Pin (retain regardless of ``keep_last``) or unpin a committed version."""
+        v = self._version(model, version)
+        policy = self.models[model].policy
+        if pinned:
+            if v.state == RETIRED:
+                raise InvalidStateError(f"{model!r} v{version} is retired; it cannot be pinned")
+            policy.pinned.add(version)
+        else:
+            policy.pinned.discard(version)
+        self.durable_generation += 1
+        self._settle()
+        return policy.to_wire()
+
+    # ------------------------------------------------------------------ queries
+    def latest(self, model: str) -> int | None:
+        """The newest committed version with a complete live replica of every shard."""
+        self.expire()
+        m = self.models.get(model)
+        if m is None:
+            return None
+        for number in sorted(m.versions, reverse=True):
+            if m.versions[number].servable():
+                return number
+        return None
+
+    def retained(self, model: str) -> set[int]:
+        """Version numbers the model's retention policy keeps."""
+        m = self.models[model]
+        committed = sorted(n for n, v in m.versions.items() if v.state == COMMITTED)
+        return set(committed[-m.policy.keep_last:]) | (m.policy.pinned & set(committed))
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything `fabric hub status` shows, as plain data."""
+        self.expire()
+        now = self.clock()
+        models = {}
+        for name, m in sorted(self.models.items()):
+            retained = self.retained(name)
+            versions = []
+            for n, v in sorted(m.versions.items()):
+                reps = list(v.replicas.values())
+                versions.append({
+                    "version": n, "state": v.state, "num_shards": v.num_shards,
+                    "fingerprints": [v.manifests[s].fingerprint for s in sorted(v.manifests)],
+                    "full": sum(1 for r in reps if r.complete and r.status == LIVE),
+                    "partial": sum(1 for r in reps if not r.complete and r.status == LIVE),
+                    "retracting": sum(1 for r in reps if r.status == RETRACTING),
+                    "retained": n in retained, "pinned": n in m.policy.pinned,
+                    "reason": v.retire_reason})
+            models[name] = {"latest": self.latest(name), "policy": m.policy.to_wire(),
+                            "next_version": self.next_versions.get(name, 1),
+                            "versions": versions}
+        fetches = []
+        for f in self.fetches.values():
+            rep = self.models[f.model].versions[f.version].replicas.get((f.worker, f.shard))
+            fetches.append({"fetch_id": f.fetch_id, "worker": f.worker, "model": f.model,
+                            "version": f.version, "shard": f.shard,
+                            "have": rep.count if rep else 0,
+                            "num_chunks": len(rep.have) if rep else 0,
+                            "sources": sorted(f.sources), "group": f.group})
+        workers = [{"worker": w.worker_id, "location": w.location.to_wire(),
+                    "expires_in": round(w.expires - now, 3)}
+                   for w in sorted(self.workers.values(), key=lambda w: w.expires)]
+        return {"lease_s": self.lease_s, "models": models, "fetches": fetches,
+                "workers": workers}
+
+    # ----------------------------------------------------------------- restore
+    def restore(self, worker: str, *, session: str, holdings: list[dict[str, Any]]
+                ) -> dict[str, Any]:
+        """Re-register what a worker holds after a hub restart (soft state).
+
+        Args:
+            holdings: dicts with ``model, version, shard, num_shards, manifest (Manifest),
+                state ("publishing" | "committed"), complete (bool), chunks (list),
+                fetch_id (str | None), publisher (bool)``.
+
+        Returns:
+            ``{"restored": int, "rejected": [[model, version, shard, why]]}``.
+        """
+        self._worker(worker, session)
+        restored, rejected = 0, []
+        for h in holdings:
+            model, number, shard = h["model"], int(h["version"]), int(h["shard"])
+            try:
+                self._restore_one(worker, h, model, number, shard)
+                restored += 1
+            except (ManifestMismatchError, InvalidStateError, ValueError) as exc:
+                rejected.append([model, number, shard, str(exc)])
+        self._settle()
+        return {"restored": restored, "rejected": rejected}
+
+    def _restore_one(self, worker: str, h: dict[str, Any], model: str, number: int,
+                     shard: int) -> None:
+        num_shards = int(h.get("num_shards", 1))
+        _check_shard(shard, num_shards)
+        manifest: Manifest = h["manifest"]
+        m = self.models.setdefault(model, ModelRecord(model))
+        if number >= self.next_versions.get(model, 1):
+            self.next_versions[model] = number + 1
+            self.durable_generation += 1
+        v = m.versions.get(number)
+        if v is None:
+            state = COMMITTED if h.get("state") == COMMITTED else PUBLISHING
+            v = VersionRecord(model, number, num_shards, state=state)
+            m.versions[number] = v
+        if v.num_shards != num_shards:
+            raise InvalidStateError(f"v{number} has {v.num_shards} shards, holder says {num_shards}")
+        if v.state == PUBLISHING and h.get("state") == COMMITTED:
+            v.state = COMMITTED
+        self._set_manifest(v, shard, manifest)
+        rep = Replica(worker, shard, bytearray(manifest.num_chunks))
+        if h.get("complete") and v.state == COMMITTED:
+            rep.fill()
+            rep.complete = True
+        else:
+            rep.add_chunks(_check_chunks(list(h.get("chunks", ())), manifest.num_chunks))
+        v.replicas[(worker, shard)] = rep
+        if h.get("publisher") and v.state == PUBLISHING:
+            v.publishers[(worker, shard)] = False
+        fid = h.get("fetch_id")
+        if fid and not rep.complete and v.state == COMMITTED:
+            self.fetches[fid] = FetchRecord(fid, model, number, shard, worker)
+
+    # ---------------------------------------------------------------- internals
+    def _touch(self) -> None:
+        self.generation += 1
+
+    def _worker(self, worker: str, session: str) -> WorkerRecord:
+        self.expire()
+        rec = self.workers.get(worker)
+        if rec is None:
+            raise UnknownWorkerError(f"worker {worker!r} is not registered (or its lease "
+                                     "expired); register it again")
+        if rec.session != session:
+            raise DuplicateWorkerError(f"worker id {worker!r} belongs to another client")
+        return rec
+
+    def _model(self, model: str) -> ModelRecord:
+        m = self.models.get(model)
+        if m is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise UnknownModelError(f"no model {model!r} on this hub (known: {known})")
+        return m
+
+    def _version(self, model: str, version: int) -> VersionRecord:
+        m = self._model(model)
+        v = m.versions.get(version) if isinstance(version, int) else None
+        if v is None:
+            raise UnknownVersionError(f"{model!r} has no version {version!r} "
+                                      f"(latest: {self.latest(model)})")
+        return v
+
+    def _resolve(self, m: ModelRecord, version: int | str) -> int:
+        if version == "latest":
+            number = self.latest(m.name)
+            if number is None:
+                raise UnknownVersionError(f"{m.name!r} has no committed version with a live "
+                                          "replica yet; wait for one (wait_version)")
+            return number
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ValueError(f"version must be an int or 'latest', got {version!r}")
+        return version
+
+    def _fetch(self, fetch_id: str, worker: str, session: str) -> FetchRecord:
+        self._worker(worker, session)
+        f = self.fetches.get(fetch_id)
+        if f is None or f.done:
+            raise UnknownFetchError(f"no fetch {fetch_id!r} in flight (completed, released, "
+                                    "or its lease expired); begin a new fetch")
+        if f.worker != worker:
+            raise InvalidStateError(f"fetch {fetch_id!r} belongs to {f.worker!r}")
+        return f
+
+    def _set_manifest(self, v: VersionRecord, shard: int, manifest: Manifest) -> None:
+        old = v.manifests.get(shard)
+        if old is not None and old.fingerprint != manifest.fingerprint:
+            raise ManifestMismatchError(
+                f"{v.model!r} v{v.number} shard {shard} was published with manifest "
+                f"{old.fingerprint}, this one is {manifest.fingerprint}")
+        v.manifests.setdefault(shard, manifest)
+
+    def _set_sources(self, f: FetchRecord, sources: set[str]) -> None:
+        for w in f.sources - sources:
+            self.load[w] -= 1
+            if self.load[w] <= 0:
+                del self.load[w]
+        for w in sources - f.sources:
+            self.load[w] += 1
+        f.sources = set(sources)
+
+    def _end_fetch(self, f: FetchRecord, *, keep_replica: bool, reason: str = "") -> None:
+        self._set_sources(f, set())
+        f.done = True
+        self.fetches.pop(f.fetch_id, None)
+        m = self.models.get(f.model)
+        v = m.versions.get(f.version) if m else None
+        if not keep_replica and v is not None:
+            rep = v.replicas.get((f.worker, f.shard))
+            if rep is not None and not rep.complete:
+                rep.status = RETRACTING
+        if f.group is not None:
+            g = self.groups.get((f.model, f.group))
+            if g is not None and g.state == GROUP_OPEN and not keep_replica:
+                self._abort_group(g, reason or f"{f.worker} left")
+        self._touch()
+
+    def _abort_group(self, g: FetchGroup, reason: str) -> None:
+        g.state, g.reason = GROUP_ABORTED, reason
+        log.warning("fetch group aborted group=%s model=%s version=%d why=%s", g.key, g.model,
+                    g.version, reason)
+        for fid in list(g.members):
+            f = self.fetches.pop(fid, None)
+            if f is None:
+                continue
+            self._set_sources(f, set())
+            f.done = True
+            v = self.models[f.model].versions.get(f.version)
+            rep = v.replicas.get((f.worker, f.shard)) if v else None
+            if rep is not None and not rep.complete:
+                rep.status = RETRACTING
+
+    def _drop_worker(self, worker: str, why: str) -> None:
+        log.warning("worker dropped worker=%s why=%s", worker, why)
+        self.workers.pop(worker, None)
+        for f in list(self.fetches.values()):
+            if f.worker == worker:
+                self._end_fetch(f, keep_replica=False, reason=f"{worker}: {why}")
+            elif worker in f.sources:
+                self._set_sources(f, f.sources - {worker})
+                f.lost.add(worker)
+        for m in self.models.values():
+            for v in m.versions.values():
+                for key in [k for k in v.replicas if k[0] == worker]:
+                    del v.replicas[key]
+                if v.state == PUBLISHING and any(w == worker for w, _ in v.publishers):
+                    v.state, v.retire_reason = RETIRED, f"publisher {worker} lost ({why})"
+                    m.publish_groups.pop(v.group or "", None)
+        self._touch()
+
+    def _blocks_retention(self, v: VersionRecord, r: Replica) -> bool:
+        if v.state != COMMITTED or not r.complete or r.status != LIVE:
+            return False
+        if v.number not in self.retained(v.model):
+            return False
+        others = [o for o in v.complete_replicas(r.shard)
+                  if o.worker != r.worker and not o.retract_delayed]
+        return len(others) < self.models[v.model].policy.min_replicas
+
+    def _retract_state(self, v: VersionRecord, worker: str) -> str:
+        mine = [r for r in v.replicas.values() if r.worker == worker]
+        if not mine:
+            return "done"
+        if any(r.status == LIVE and r.retract_delayed for r in mine):
+            return "delayed"
+        return "retracting" if any(r.status == RETRACTING for r in mine) else "live"
+
+    def _settle(self) -> None:
+        """Apply retention, start delayed retracts that may now go, drop finished retracts."""
+        busy = {w for f in self.fetches.values() if not f.done for w in f.sources}
+        for m in self.models.values():
+            retained = self.retained(m.name)
+            for n, v in m.versions.items():
+                if v.state == COMMITTED and n not in retained:
+                    v.state, v.retire_reason = RETIRED, "out of retention"
+                    m.policy.pinned.discard(n)
+                for r in list(v.replicas.values()):
+                    if r.status == LIVE and r.retract_delayed and not self._blocks_retention(v, r):
+                        r.status, r.retract_delayed = RETRACTING, False
+                    if r.status == RETRACTING and r.worker not in busy:
+                        del v.replicas[(r.worker, r.shard)]
+            for n in [n for n, v in m.versions.items() if v.state == RETIRED and not v.replicas]:
+                del m.versions[n]
+        self._touch()
+
+    def _trim_groups(self) -> None:
+        finished = [k for k, g in self.groups.items() if g.state != GROUP_OPEN]
+        for k in finished[:max(0, len(finished) - MAX_FINISHED_GROUPS)]:
+            del self.groups[k]
+
+
+def _check_shard(shard: int, num_shards: int) -> None:
+    if num_shards < 1 or not 0 <= shard < num_shards:
+        raise ValueError(f"shard must be in 0..num_shards-1, got shard={shard} "
+                         f"num_shards={num_shards}")
+
+
+def _check_chunks(chunks: list[int], num_chunks: int) -> list[int]:
+    bad = [c for c in chunks if isinstance(c, bool) or not isinstance(c, int)
+           or not 0 <= c < num_chunks]
+    if bad:
+        raise ValueError(f"chunk indices out of range 0..{num_chunks - 1}: {bad[:8]}")
+    return list(chunks)
+
+
+def _fmt_chunks(chunks: list[int]) -> str:
+    return ", ".join(map(str, chunks[:16])) + (" ..." if len(chunks) > 16 else "")
+
+
+__all__ = ["DEFAULT_LEASE_S", "HubState"]

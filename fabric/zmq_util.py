@@ -1,0 +1,54 @@
+"""One place that makes zmq sockets and turns hub URLs into zmq endpoints.
+
+URLs: ``tcp://HOST:PORT`` (``PORT`` 0 or ``*`` binds a port the OS picks) and
+``memory://NAME`` (in-process, zmq ``inproc`` on the shared context; for tests
+and single-process use).
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from fabric.errors import HubUnavailableError
+
+
+def context() -> zmq.Context:
+    """The process-wide zmq context (``memory://`` needs both ends on the same one)."""
+    return zmq.Context.instance()
+
+
+def endpoint(url: str, *, bind: bool) -> str:
+    """The zmq endpoint of a hub URL.
+
+    Raises:
+        HubUnavailableError: the URL has another scheme or no port.
+    """
+    if url.startswith("memory://") and len(url) > len("memory://"):
+        return "inproc://weightfabric-" + url[len("memory://"):]
+    if url.startswith("tcp://"):
+        host, _, port = url[len("tcp://"):].rpartition(":")
+        if host and port in ("0", "*") and bind:
+            return f"tcp://{host}:*"
+        if host and port.isdigit():
+            return url
+    raise HubUnavailableError(f"bad hub URL {url!r}: use tcp://HOST:PORT or memory://NAME")
+
+
+def url_of(bound_endpoint: str, url: str) -> str:
+    """The URL clients should use for a socket bound at ``bound_endpoint``."""
+    return url if url.startswith("memory://") else bound_endpoint
+
+
+def make_socket(kind: int, *, max_message_size: int, hwm: int = 10_000) -> zmq.Socket:
+    """A socket with the fabric's settings: no linger, bounded messages and queues."""
+    sock = context().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_size)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    return sock
+
+
+__all__ = ["context", "endpoint", "make_socket", "url_of"]

@@ -1,0 +1,60 @@
+"""Helpers shared by the hub tests: a fake clock, small manifests, subprocess cleanup."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+from fabric.manifest import Manifest, TensorSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def small_manifest(num_chunks: int = 4, chunk_size: int = 16, tag: str = "w") -> Manifest:
+    """A manifest of two tensors spanning ``num_chunks`` chunks."""
+    total = num_chunks * chunk_size
+    half = total // 2
+    tensors = (TensorSpec(f"{tag}.a", (half // 4,), "float32", half, 0),
+               TensorSpec(f"{tag}.b", ((total - half) // 2,), "bfloat16", total - half, half))
+    return Manifest(tensors, chunk_size, tuple(range(100, 100 + num_chunks)), total)
+
+
+def child_env() -> dict[str, str]:
+    """Environment for child processes: the repository on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """Kill and reap every child process (used in `finally`)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+
+
+class OffsetClock(FakeClock):
+    """Real monotonic time plus an offset the test can jump forward (server deadlines work)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+
+    def __call__(self) -> float:
+        import time
+        return time.monotonic() + self.now

@@ -1,0 +1,250 @@
+"""The hub over its real protocol, in one process (memory:// and loopback TCP)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+from hub_helpers import OffsetClock, small_manifest
+
+import fabric
+from fabric.errors import (
+    DuplicateWorkerError,
+    GroupAbortedError,
+    HubTimeoutError,
+    HubUnavailableError,
+    ManifestMismatchError,
+    NoSourceError,
+    RetentionError,
+    UnknownModelError,
+    UnknownVersionError,
+)
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def clock() -> OffsetClock:
+    return OffsetClock()
+
+
+@pytest.fixture
+def hub(clock):
+    server = fabric.serve(f"memory://test-{next(_names)}", lease_s=10.0, clock=clock)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def clients(hub):
+    made: list[fabric.HubClient] = []
+
+    def make(worker: str | None, **kw) -> fabric.HubClient:
+        c = fabric.connect(hub.url, worker=worker, heartbeat=False, timeout=5.0, **kw)
+        made.append(c)
+        return c
+    yield make
+    for c in made:
+        c.close()
+
+
+def publish(client: fabric.HubClient, model: str = "policy", **kw) -> int:
+    v = client.begin_publish(model, small_manifest(**kw))
+    assert client.commit(model, v) == "committed"
+    return v
+
+
+def test_publish_fetch_complete_makes_reader_a_source(clients) -> None:
+    t = clients("trainer", location={"datacenter": "dc1", "node": "n1"})
+    r1 = clients("r1", location={"datacenter": "dc1", "node": "n2"})
+    r2 = clients("r2", location={"datacenter": "dc1", "node": "n2"})
+    v = publish(t)
+    assert r1.latest("policy") == v
+    plan = r1.begin_fetch("policy", "latest", fingerprint=small_manifest().fingerprint)
+    assert plan.version == v and plan.chunks() == [0, 1, 2, 3]
+    assert plan.ranges[0].sources == ("trainer",)
+    assert plan.workers["trainer"].location.node == "n1"
+    r1.report_progress(plan.fetch_id, [0, 1])
+    plan2 = r2.begin_fetch("policy", v)
+    # r1 shares r2's node: it is ranked first for the chunks it has, waited for the others.
+    assert plan2.ranges[0].start == 0 and plan2.ranges[0].sources[0] == "r1"
+    assert plan2.ranges[-1].sources == ("trainer",) and plan2.ranges[-1].wait == ("r1",)
+    assert r1.complete_fetch(plan.fetch_id) == {"complete": True, "group": None}
+    assert r2.replan(plan2.fetch_id).ranges[0].sources[0] == "r1"
+
+
+def test_versions_are_monotonic_and_latest_needs_commit(clients) -> None:
+    t = clients("trainer")
+    v1 = publish(t)
+    v2 = t.begin_publish("policy", small_manifest())
+    assert v2 > v1 and t.latest("policy") == v1
+    with pytest.raises(UnknownVersionError):
+        clients("r").begin_fetch("policy", v2)
+    t.commit("policy", v2)
+    assert t.latest("policy") == v2
+
+
+def test_bad_input_gets_typed_errors(clients) -> None:
+    t = clients("trainer")
+    with pytest.raises(DuplicateWorkerError):
+        clients("trainer")
+    v = publish(t)
+    r = clients("r")
+    with pytest.raises(UnknownModelError):
+        r.begin_fetch("nope")
+    with pytest.raises(UnknownVersionError):
+        r.begin_fetch("policy", 99)
+    with pytest.raises(ManifestMismatchError):
+        r.begin_fetch("policy", v, fingerprint="0" * 32)
+    with pytest.raises(fabric.BadRequestError):
+        r.call("begin_fetch", {"worker": "r", "model": 5, "fetch_id": "x"})
+    with pytest.raises(fabric.BadRequestError):
+        r.call("no_such_op", {})
+
+
+def test_retract_waits_for_reads_in_flight(clients) -> None:
+    t, r1, r2 = clients("trainer"), clients("r1"), clients("r2")
+    v = publish(t)
+    done = r1.begin_fetch("policy", v)
+    r1.complete_fetch(done.fetch_id)          # two complete replicas: retention allows it
+    plan = r2.begin_fetch("policy", v)
+    assert "trainer" in plan.workers
+    assert t.retract("policy", v, wait=0) == "retracting"
+    assert "trainer" not in r2.replan(plan.fetch_id).workers   # no new reads routed
+    assert t.retract_status("policy", v) == "retracting"        # r2's old plan may still read
+    r2.report_progress(plan.fetch_id, [0, 1, 2, 3], sources=["r1"])
+    assert t.retract_status("policy", v) == "done"
+
+
+def test_retract_long_poll_returns_when_reader_finishes(clients) -> None:
+    t, r1, r2 = clients("trainer"), clients("r1"), clients("r2")
+    v = publish(t)
+    r1.complete_fetch(r1.begin_fetch("policy", v).fetch_id)
+    plan = r2.begin_fetch("policy", v)
+    finisher = threading.Timer(0.2, lambda: r2.complete_fetch(plan.fetch_id))
+    finisher.start()
+    try:
+        t0 = time.monotonic()
+        assert t.retract("policy", v, wait=5) == "done"
+        assert time.monotonic() - t0 < 4
+    finally:
+        finisher.join()
+
+
+def test_retention_refuses_or_delays_retract_below_min_replicas(clients) -> None:
+    t, r = clients("trainer"), clients("r")
+    v = publish(t)
+    with pytest.raises(RetentionError):
+        t.retract("policy", v, wait=0)
+    assert t.retract("policy", v, wait=0, delay=True) == "delayed"
+    assert r.begin_fetch("policy", v).ranges[0].sources == ("trainer",)  # still routed
+    plan = r.replan(r.status()["fetches"][0]["fetch_id"])
+    r.complete_fetch(plan.fetch_id)
+    assert t.retract_status("policy", v) == "done"
+    r.set_retention("policy", min_replicas=0)
+    assert r.retract("policy", v, wait=0) == "done"
+
+
+def test_keep_last_retires_old_versions_and_pin_keeps_them(clients) -> None:
+    t = clients("trainer")
+    t.set_retention("policy", keep_last=1)
+    v1 = publish(t)
+    t.pin("policy", v1)
+    v2 = publish(t)
+    v3 = publish(t)
+    models = t.status()["models"]["policy"]["versions"]
+    states = {x["version"]: x["state"] for x in models}
+    assert states == {v1: "committed", v2: "retired", v3: "committed"}
+    t.unpin("policy", v1)
+    assert {x["version"]: x["state"] for x in t.status()["models"]["policy"]["versions"]}[v1] \
+        == "retired"
+
+
+def test_wait_version_long_polls_until_commit(clients) -> None:
+    t, r = clients("trainer"), clients("r")
+    v1 = publish(t)
+    t0 = time.monotonic()
+    assert r.wait_version("policy", after=v1, timeout=0.3) is None
+    assert 0.25 < time.monotonic() - t0 < 3
+    committer = threading.Timer(0.2, lambda: publish(t))
+    committer.start()
+    try:
+        assert r.wait_version("policy", after=v1, timeout=5) == v1 + 1
+    finally:
+        committer.join()
+
+
+def test_group_publish_commits_when_every_shard_commits(clients) -> None:
+    a, b, r = clients("tp0"), clients("tp1"), clients("r")
+    va = a.begin_publish("policy", small_manifest(tag="s0"), shard=0, num_shards=2, group="s1")
+    vb = b.begin_publish("policy", small_manifest(tag="s1"), shard=1, num_shards=2, group="s1")
+    assert va == vb
+    assert a.commit("policy", va) == "publishing" and r.latest("policy") is None
+    assert b.commit("policy", vb) == "committed" and r.latest("policy") == va
+
+
+def test_group_fetch_is_all_or_nothing(clients) -> None:
+    t = clients("trainer")
+    t.set_retention("policy", min_replicas=0)
+    v = publish(t)
+    r0, r1 = clients("r0"), clients("r1")
+    p0 = r0.begin_fetch("policy", group="g", group_size=2)
+    p1 = r1.begin_fetch("policy", group="g", group_size=2)
+    assert p0.version == p1.version == v
+    assert r0.complete_fetch(p0.fetch_id) == {"complete": False, "group": "open"}
+    assert t.status()["models"]["policy"]["versions"][0]["full"] == 1   # not yet
+    assert r1.complete_fetch(p1.fetch_id)["group"] == "committed"
+    assert t.status()["models"]["policy"]["versions"][0]["full"] == 3
+    a0, a1 = clients("a0"), clients("a1")
+    f0 = a0.begin_fetch("policy", group="g3", group_size=2)
+    f1 = a1.begin_fetch("policy", group="g3", group_size=2)
+    a0.complete_fetch(f0.fetch_id)
+    a1.release(f1.fetch_id)
+    assert a0.group_status("policy", "g3")["state"] == "aborted"
+    assert t.status()["models"]["policy"]["versions"][0]["full"] == 3
+    with pytest.raises(GroupAbortedError):
+        clients("a2").begin_fetch("policy", group="g3", group_size=2)
+
+
+def test_expired_worker_leaves_plans_and_readers_learn(hub, clock, clients) -> None:
+    t, r1, r2 = clients("trainer"), clients("r1"), clients("r2")
+    v = publish(t)
+    r1.complete_fetch(r1.begin_fetch("policy", v).fetch_id)
+    plan = r2.begin_fetch("policy", v)
+    assert set(plan.workers) == {"trainer", "r1"}
+    clock.advance(6)
+    t.heartbeat()
+    r2.heartbeat()
+    clock.advance(6)                        # r1 missed its heartbeat: lease over
+    news = r2.heartbeat()
+    assert news["lost"] == {plan.fetch_id: ["r1"]}
+    assert set(r2.replan(plan.fetch_id).workers) == {"trainer"}
+    clock.advance(11)                       # everyone gone except r2, which holds no chunk
+    r2.heartbeat()
+    with pytest.raises(NoSourceError):
+        r2.replan(plan.fetch_id)
+    assert r2.latest("policy") is None
+
+
+def test_unreachable_hub_fails_fast_with_clear_error() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(HubUnavailableError, match="no hub answered"):
+        fabric.connect("tcp://127.0.0.1:9", timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(HubUnavailableError, match="bad hub URL"):
+        fabric.connect("http://example", timeout=0.5)
+
+
+def test_call_to_stopped_hub_times_out(clock) -> None:
+    server = fabric.serve("tcp://127.0.0.1:0", clock=clock)
+    client = fabric.connect(server.url, worker="w", heartbeat=False, timeout=0.5)
+    try:
+        server.stop()
+        t0 = time.monotonic()
+        with pytest.raises(HubTimeoutError, match="did not answer"):
+            client.latest("policy")
+        assert time.monotonic() - t0 < 3
+    finally:
+        client.close()

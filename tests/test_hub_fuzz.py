@@ -1,0 +1,119 @@
+"""Bad frames: random bytes, truncated and oversized messages, raw TCP garbage.
+
+The hub must answer with a typed error or drop the connection, and keep serving
+everyone else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+
+import msgpack
+import pytest
+import zmq
+from hub_helpers import small_manifest
+
+import fabric
+from fabric.errors import BadRequestError, ProtocolError
+from fabric.protocol import ERROR, PROTOCOL_VERSION, REQUEST, decode, encode
+from fabric.zmq_util import make_socket
+
+ITERATIONS = 300
+MAX_MSG = 64 * 1024
+
+
+@pytest.fixture
+def hub():
+    server = fabric.serve("tcp://127.0.0.1:0", max_message_size=MAX_MSG)
+    yield server
+    server.stop()
+
+
+def raw_dealer(url: str) -> zmq.Socket:
+    sock = make_socket(zmq.DEALER, max_message_size=10 * MAX_MSG)
+    sock.connect(url)
+    return sock
+
+
+def ask(sock: zmq.Socket, frames: list[bytes], timeout_ms: int = 2000):
+    sock.send_multipart(frames)
+    if not sock.poll(timeout_ms, zmq.POLLIN):
+        return None
+    return decode(sock.recv())
+
+
+def test_codec_rejects_garbage_and_oversize() -> None:
+    rng = random.Random(1)
+    good = encode(REQUEST, 7, "s", "ping", {})
+    for _ in range(ITERATIONS):
+        blob = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        with contextlib.suppress(ProtocolError):
+            decode(blob)
+    for cut in range(len(good)):
+        with pytest.raises(ProtocolError):
+            decode(good[:cut])
+    with pytest.raises(ProtocolError, match="over the"):
+        decode(b"\x00" * 101, max_size=100)
+    with pytest.raises(ProtocolError, match="over the"):
+        encode(REQUEST, 1, "s", "x", {"b": b"\x00" * 200}, max_size=100)
+    with pytest.raises(ProtocolError, match="protocol version"):
+        decode(msgpack.packb([PROTOCOL_VERSION + 1, REQUEST, 1, "s", "ping", {}]))
+
+
+def test_random_and_truncated_frames_get_typed_errors_and_hub_keeps_serving(hub) -> None:
+    rng = random.Random(5)
+    good = encode(REQUEST, 9, "fuzzer", "ping", {})
+    worker = fabric.connect(hub.url, worker="honest", heartbeat=False, timeout=5)
+    v = worker.begin_publish("policy", small_manifest())
+    worker.commit("policy", v)
+    sock = raw_dealer(hub.url)
+    try:
+        for i in range(ITERATIONS):
+            kind = i % 3
+            if kind == 0:
+                frames = [bytes(rng.randrange(256) for _ in range(rng.randrange(0, 200)))]
+            elif kind == 1:
+                frames = [good[:rng.randrange(len(good))]]
+            else:
+                frames = [good, b"extra frame"]
+            reply = ask(sock, frames)
+            assert reply is not None and reply.kind == ERROR
+            assert reply.name in ("protocol", "bad_request")
+            if i % 50 == 0:
+                assert worker.latest("policy") == v
+        # Well-formed but wrong: typed errors, not crashes.
+        bad_args = encode(REQUEST, 11, "fuzzer", "begin_fetch", {"model": ["x"]})
+        reply = ask(sock, [bad_args])
+        assert reply.kind == ERROR and reply.name == "bad_request"
+        with pytest.raises(BadRequestError):
+            worker.call("commit", {"worker": "honest", "model": "policy", "version": "1"})
+        assert ask(sock, [good]).body == {"pong": True}
+    finally:
+        sock.close(0)
+        worker.close()
+
+
+def test_oversized_frame_is_dropped_and_others_unaffected(hub) -> None:
+    client = fabric.connect(hub.url, timeout=5)
+    sock = raw_dealer(hub.url)
+    try:
+        big = encode(REQUEST, 1, "big", "ping", {"pad": b"\x00" * (2 * MAX_MSG)},
+                     max_size=10 * MAX_MSG)
+        assert ask(sock, [big], timeout_ms=500) is None      # zmq drops it
+        assert client.call("ping", {}) == {"pong": True}
+    finally:
+        sock.close(0)
+        client.close()
+
+
+def test_raw_tcp_garbage_does_not_stop_the_hub(hub) -> None:
+    host, port = hub.url[len("tcp://"):].rsplit(":", 1)
+    rng = random.Random(9)
+    for _ in range(20):
+        with socket.create_connection((host, int(port)), timeout=2) as s, \
+                contextlib.suppress(OSError):
+            s.sendall(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 512))))
+    with fabric.connect(hub.url, timeout=5) as client:
+        assert client.call("ping", {}) == {"pong": True}

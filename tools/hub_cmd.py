@@ -1,0 +1,130 @@
+"""`fabric hub ...`: run a hub, and show what a running hub knows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from fabric.errors import HubError
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+SOON_S = 0.5
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    hub = subparsers.add_parser(
+        "hub", help="the control plane: serve a hub, show its state",
+        description="The hub tracks which workers hold which version of which model and "
+                    "hands readers plans; bytes never pass through it.")
+    sub = hub.add_subparsers(dest="hub_command", metavar="SUBCOMMAND", required=True)
+    raw = argparse.RawDescriptionHelpFormatter
+
+    p = sub.add_parser("serve", help="run a hub in the foreground", formatter_class=raw,
+                       description="Run a hub until interrupted. Prints 'fabric hub serving at "
+                                   "URL' once bound; with --port 0 the OS picks the port.",
+                       epilog="example:\n  fabric hub serve --host 0.0.0.0 --port 7470 "
+                              "--state-dir /var/lib/fabric-hub")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=7470, help="TCP port, 0 = any free (default 7470)")
+    p.add_argument("--state-dir", help="directory keeping version numbers monotonic across "
+                                       "restarts (default: none, numbers restart from the "
+                                       "holders' versions)")
+    p.add_argument("--lease", type=float, default=10.0,
+                   help="seconds a worker stays alive without heartbeat (default 10)")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    p.set_defaults(handler=_serve)
+
+    p = sub.add_parser("status", help="show a hub's models, versions, fetches and leases",
+                       formatter_class=raw,
+                       description="Models, versions with state and replica counts "
+                                   "(full/partial), fetches in flight with progress, and "
+                                   "worker leases, soonest to expire first.",
+                       epilog="examples:\n  fabric hub status tcp://127.0.0.1:7470\n"
+                              "  fabric hub status tcp://hub:7470 --json | jq .models")
+    p.add_argument("url", help="hub URL, e.g. tcp://127.0.0.1:7470")
+    p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    p.set_defaults(handler=_status)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from fabric.hub_server import HubServer
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        server = HubServer(f"tcp://{args.host}:{args.port}", state_dir=args.state_dir,
+                           lease_s=args.lease)
+    except (ValueError, HubError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(0))
+
+    def ready(url: str) -> None:
+        print(f"fabric hub serving at {url}", flush=True)
+    try:
+        server.serve_forever(ready)
+    except KeyboardInterrupt:
+        server.stop(0)
+    except Exception as exc:
+        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    from fabric.client import connect
+
+    try:
+        with connect(args.url, timeout=args.timeout) as client:
+            snap = client.status()
+    except HubError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        print(json.dumps(snap, indent=2))
+        return EXIT_OK
+    render_status(snap, Console())
+    return EXIT_OK
+
+
+def render_status(snap: dict, console: Console) -> None:
+    """Print a hub snapshot as rich tables."""
+    lease = snap["lease_s"]
+    console.print(f"[bold]hub[/]: {len(snap['models'])} models, {len(snap['workers'])} workers, "
+                  f"{len(snap['fetches'])} fetches in flight, lease {lease:g} s")
+    versions = Table("model", "ver", "state", "shards", "full", "part", "retr", "kept", "note",
+                     title="versions (* = latest; full/partial/retracting replicas)")
+    for name, m in snap["models"].items():
+        for v in m["versions"]:
+            mark = "*" if v["version"] == m["latest"] else ""
+            versions.add_row(name, f"{v['version']}{mark}", v["state"], str(v["num_shards"]),
+                             str(v["full"]), str(v["partial"]), str(v["retracting"]),
+                             "pinned" if v["pinned"] else ("yes" if v["retained"] else "no"),
+                             v["reason"])
+        if not m["versions"]:
+            versions.add_row(name, "-", "-", "", "", "", "", "", "no versions held")
+    console.print(versions)
+    if snap["fetches"]:
+        fetches = Table("fetch", "worker", "model", "ver", "shard", "progress", "sources",
+                        title="fetches in flight")
+        for f in snap["fetches"]:
+            pct = 100 * f["have"] / max(1, f["num_chunks"])
+            fetches.add_row(f["fetch_id"], f["worker"], f["model"], str(f["version"]),
+                            str(f["shard"]), f"{f['have']}/{f['num_chunks']} ({pct:.0f}%)",
+                            ", ".join(f["sources"]))
+        console.print(fetches)
+    workers = Table("worker", "datacenter", "node", "device", "lease left", title="leases")
+    for w in snap["workers"]:
+        left = w["expires_in"]
+        style = "red" if left < SOON_S * lease else ""
+        loc = w["location"]
+        workers.add_row(w["worker"], loc["datacenter"], loc["node"], loc["device"],
+                        f"[{style}]{left:.1f} s[/]" if style else f"{left:.1f} s")
+    console.print(workers)
