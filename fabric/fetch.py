@@ -70,6 +70,7 @@ class FetchPlanner(Protocol):
 class FetchStats:
     """What one fetch did."""
 
+    version: int | None = None
     bytes: int = 0
     seconds: float = 0.0
     chunks: int = 0
@@ -83,7 +84,7 @@ class FetchStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, object]:
-        return {"bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
+        return {"version": self.version, "bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
                 "chunks": self.chunks, "chunks_reread": self.chunks_reread,
                 "corrupted_chunks": self.corrupted_chunks, "sources": dict(self.sources),
                 "failed_sources": list(self.failed_sources)}
@@ -107,6 +108,7 @@ class FetchOptions:
 def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress,
                  planner: FetchPlanner, choose: Callable[[SourceAddress], Transport],
                  checksums: list[int] | None = None, checksum_fn: ChecksumFn | None = None,
+                 verify: Callable[[Source], bool] = lambda source: True,
                  options: FetchOptions = FetchOptions(),
                  on_chunk: Callable[[int, int], None] | None = None) -> FetchStats:
     """Fill the missing chunks of `dest` (flat ``uint8``) from the planner's sources.
@@ -119,6 +121,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
         choose: the transport to use for a source.
         checksums, checksum_fn: expected per-chunk checksums and the function that
             computes one; verification is skipped when either is None.
+        verify: whether to verify the chunks read from a source (e.g. only over
+            slow or remote links).
         options: concurrency and time limits.
         on_chunk: called with (chunks done, chunks total) after every chunk.
 
@@ -145,7 +149,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                                         timeout=options.read_timeout)
         except TransportError as exc:
             return chunk, source, f"{type(exc).__name__}: {exc}"
-        if checksums is not None and checksum_fn is not None:
+        if checksums is not None and checksum_fn is not None and verify(source):
             got = checksum_fn(chunk, piece)
             if got != checksums[chunk]:
                 return chunk, source, "checksum"

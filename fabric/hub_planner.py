@@ -1,0 +1,75 @@
+"""The fetch engine's planner, backed by the hub's plans.
+
+Turns a `FetchPlan` (chunk ranges -> ranked worker names) into engine
+`Assignment`s (chunks -> sources with read addresses), asks the hub to re-plan
+the chunks still missing when sources fail, and reports verified chunks so the
+reader becomes a partial replica others can read from.
+
+Pipelining: a range's ``wait`` workers are partial replicas the hub ranks above
+every source that already has the chunks (a peer that is fetching the same
+version from nearer the origin). They come first: the read server of a partial
+replica holds a read until the chunk arrives, so readers form chains instead of
+all pulling from the origin. Sources of the best locality tier are striped; with partial replicas to wait for, only those are.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fabric.client import FetchPlan, HubClient
+from fabric.fetch import Assignment, Source
+from fabric.locality import Location, locality_tier
+from fabric.transports import SourceAddress
+
+log = logging.getLogger(__name__)
+
+
+def region_name(model: str, version: int, shard: int = 0) -> str:
+    """The name under which a worker's read server exposes a replica."""
+    return f"{model}/v{version}/s{shard}"
+
+
+class HubPlanner:
+    """`FetchPlanner` for one hub fetch."""
+
+    def __init__(self, hub: HubClient, plan: FetchPlan, *, me: Location) -> None:
+        self.hub = hub
+        self.current = plan
+        self.me = me
+        self._fresh = True
+
+    def plan(self, missing: list[int], failed: set[str]) -> list[Assignment]:
+        if not self._fresh or failed:
+            self.current = self.hub.replan(self.current.fetch_id, chunks=missing,
+                                           exclude=sorted(failed) or None)
+        self._fresh = False
+        wanted = set(missing)
+        out = []
+        for r in self.current.ranges:
+            chunks = tuple(c for c in range(r.start, r.stop) if c in wanted)
+            waits = [w for w in r.wait if w not in failed]
+            names = [w for w in dict.fromkeys((*waits, *r.sources)) if w not in failed]
+            sources = tuple(s for s in map(self._source, names) if s is not None)
+            if chunks and sources:
+                stripe = len(waits) if waits else self._best_tier(sources)
+                out.append(Assignment(chunks, sources, max(1, stripe)))
+        return out
+
+    def report(self, chunks: list[int]) -> None:
+        self.hub.report_progress(self.current.fetch_id, chunks)
+
+    def _source(self, worker: str) -> Source | None:
+        plan = self.current
+        info = plan.workers.get(worker)
+        read = info.endpoints.get("read") if info else None
+        if read is None:
+            log.warning("plan names %s without a read endpoint; skipping it", worker)
+            return None
+        return Source(worker, SourceAddress.from_dict(read),
+                      region_name(plan.model, plan.version, plan.shard))
+
+    def _best_tier(self, sources: tuple[Source, ...]) -> int:
+        """How many sources share the best locality tier (they are striped over)."""
+        tiers = [locality_tier(self.me, self.current.workers[s.worker].location)
+                 for s in sources]
+        return sum(1 for t in tiers if t == min(tiers))

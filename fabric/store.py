@@ -1,0 +1,412 @@
+"""`ModelStore`: publish and fetch the versions of one model.
+
+A store owns a few arena buffers, each the size of the model's tensor set. One is
+*active*: the tensors the engine uses are views of it (after `attach`). A fetch
+writes the next version into a spare buffer while the engine keeps using the
+active one, exposing the spare as a partial replica so peers can read it as it
+fills, then switches. A buffer that holds an older version is reused only after
+the hub agrees to its retract (no reader in flight, retention respected).
+
+Trainer::
+
+    store = worker.model("policy")
+    v = store.publish(model)                  # snapshot: copy, expose, commit
+    # or, with the weights already in the arena (store.attach(model) once):
+    v = store.publish(snapshot=False, hold=True)  # expose in place; wait for a peer
+
+Rollout::
+
+    store.attach(model)                       # parameters move into the arena, once
+    stats = store.fetch("latest")             # bytes land in the spare buffer, then switch
+    future = store.fetch_async("latest")      # keep generating with the old version...
+    stats = future.result()                   # ...switch when it suits you
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from fabric.arena import Region
+from fabric.errors import FabricError, ManifestMismatchError, RetentionError
+from fabric.fetch import FetchOptions, FetchStats, Source, fetch_chunks
+from fabric.hub_planner import HubPlanner, region_name
+from fabric.progress import ChunkProgress
+from fabric.tensorset import (
+    check_chunk_size,
+    check_compatible,
+    layout_from_manifest,
+    layout_of,
+    manifest_of,
+    named_tensors,
+    views,
+)
+from fabric.transports import local_host_id
+from kernels import PackLayout, chunk_checksums, pack
+
+if TYPE_CHECKING:
+    from fabric.worker import Worker
+
+log = logging.getLogger(__name__)
+
+MAX_BUFFERS = 4
+
+
+@dataclass
+class _Buffer:
+    region: Region
+    version: int | None = None
+    exposed: str | None = None  # name on the read server while peers may read it
+
+
+class FetchFuture:
+    """A fetch running in the background. `result` switches the store to the new
+    version (in the caller's thread, at a moment the caller chose)."""
+
+    def __init__(self, store: ModelStore, inner: Future) -> None:
+        self._store = store
+        self._inner = inner
+        self._switched = False
+
+    def done(self) -> bool:
+        """True when the bytes are in place (or the fetch failed)."""
+        return self._inner.done()
+
+    def result(self, timeout: float | None = None) -> FetchStats:
+        """Wait for the bytes, switch the store's tensors to them, return the stats.
+
+        Raises:
+            FetchError, HubError, ManifestMismatchError: the fetch failed; the store
+                still serves the previous version.
+        """
+        buffer, stats = self._inner.result(timeout)
+        if not self._switched and buffer is not None:
+            self._store._activate(buffer)
+            self._switched = True
+        return stats
+
+
+class ModelStore:
+    """Versions of one model as seen by one worker. Get it with `Worker.model`."""
+
+    def __init__(self, worker: Worker, model: str, *, chunk_size: int) -> None:
+        self.worker = worker
+        self.model = model
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.layout: PackLayout | None = None
+        self._buffers: list[_Buffer] = []
+        self._active: _Buffer | None = None
+        self._attached: dict[str, torch.Tensor] | None = None
+        self._lock = threading.RLock()
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"wf-fetch-{model}")
+
+    # --- state ---------------------------------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        """The version the store's tensors hold now (None before the first one)."""
+        return self._active.version if self._active else None
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """name -> tensor of the active version (views of arena memory: read only
+        while the version is exposed)."""
+        if self._active is None or self.layout is None:
+            raise FabricError(f"model {self.model!r} holds no version yet: attach or fetch first")
+        return views(self.layout, self._active.region.tensor)
+
+    # --- attach ----------------------------------------------------------------------
+
+    def attach(self, obj: nn.Module | Mapping[str, torch.Tensor]) -> None:
+        """Move a model's parameters and persistent buffers into arena memory, once.
+
+        Afterwards the module's tensors are views of the active buffer: `fetch`
+        switches them to each new version without a staging copy, and a trainer can
+        `publish(snapshot=False)` them in place.
+
+        If the store already holds a version (fetched before attaching), the module
+        takes that version's values.
+
+        Raises:
+            FabricError: already attached.
+            ManifestMismatchError: the tensors do not fit the version the store holds.
+            TypeError: not a module or a mapping of CPU tensors.
+        """
+        tensors = named_tensors(obj)
+        if any(t.device.type != "cpu" for t in tensors.values()):
+            raise TypeError("the CPU arena holds CPU tensors; GPU tensors need the GPU data plane")
+        with self._lock:
+            if self._attached is not None:
+                raise FabricError(f"model {self.model!r} is already attached to this worker")
+            layout = layout_of(tensors)
+            if self.layout is not None and layout != self.layout:
+                raise ManifestMismatchError(
+                    f"model {self.model!r}: the tensors to attach are laid out differently from "
+                    f"v{self.version}, which this store holds (names, shapes or dtypes differ)")
+            self.layout = layout
+            buffer = self._active
+            if buffer is None:  # keep the module's values; else it takes the version held
+                buffer = self._new_buffer()
+                pack({n: t.detach() for n, t in tensors.items()}, layout,
+                     out=buffer.region.tensor, backend="torch")
+            self._attached = tensors
+            self._activate(buffer)
+
+    # --- publish ---------------------------------------------------------------------
+
+    def publish(self, obj: nn.Module | Mapping[str, torch.Tensor] | None = None, *,
+                snapshot: bool = True, hold: bool = False, timeout: float = 120.0) -> int:
+        """Publish a new version; returns its number.
+
+        Args:
+            obj: the tensors (a module or name -> tensor); default: the attached ones.
+            snapshot: copy the tensors into a fresh buffer, so the caller may change
+                them at once. With False, expose the attached tensors in place: they
+                must not change until `retract` (or `hold`) returns.
+            hold: after committing, wait until another worker holds a complete replica
+                (the model's ``min_replicas``), then retract this one, so training can
+                go on (useful with ``snapshot=False``).
+            timeout: bound on `hold`.
+
+        Raises:
+            FabricError: in-place publish of tensors that are not attached, or `hold`
+                timed out (the version stays exposed).
+            HubError: the hub refused (e.g. unreachable).
+        """
+        with self._lock:
+            if snapshot:
+                tensors = named_tensors(obj) if obj is not None else self._require_attached()
+                layout = layout_of(tensors)
+                if self.layout is None:
+                    self.layout = layout
+                elif layout != self.layout:
+                    raise FabricError(f"model {self.model!r}: this tensor set's layout differs "
+                                      "from the one this store holds; use another model name")
+                buffer = self._spare_buffer()
+                pack({n: t.detach() for n, t in tensors.items()}, layout,
+                     out=buffer.region.tensor, backend="torch")
+            else:
+                self._check_in_place(obj)
+                buffer = self._active
+                if buffer.exposed is not None:
+                    raise FabricError(f"the attached tensors are still exposed as v{buffer.version};"
+                                      " retract that version before publishing them again")
+            manifest = manifest_of(self.layout, buffer.region.tensor, self.chunk_size)
+            hub = self.worker.hub
+            version = hub.begin_publish(self.model, manifest)
+            name = region_name(self.model, version)
+            self.worker.server.expose(name, buffer.region.tensor, chunk_size=self.chunk_size,
+                                      shm_path=str(buffer.region.path))
+            buffer.version, buffer.exposed = version, name
+            hub.commit(self.model, version)
+            if snapshot and self._attached is None:
+                self._active = buffer
+            log.info("published %s v%d (%d bytes, %d chunks)", self.model, version,
+                     manifest.total_bytes, manifest.num_chunks)
+        if hold:
+            state = self.retract(version, wait=timeout, delay=True)
+            if state != "done":
+                raise FabricError(f"{self.model!r} v{version}: no other replica within "
+                                  f"{timeout:g} s (retract is {state}); it stays exposed")
+        return version
+
+    # --- fetch -----------------------------------------------------------------------
+
+    def fetch(self, version: int | str = "latest", *, verify: bool | None = None,
+              options: FetchOptions | None = None,
+              on_chunk: Callable[[int, int], None] | None = None) -> FetchStats:
+        """Fetch a version and switch the store's tensors to it.
+
+        Args:
+            version: a number or ``"latest"``.
+            verify: check every chunk's checksum (True), none (False), or by default
+                only chunks read from other hosts.
+            options: concurrency and time limits of the fetch engine.
+            on_chunk: progress callback (chunks done, chunks total).
+
+        Returns:
+            FetchStats: bytes, seconds, GB/s, sources used, chunks re-read.
+
+        Raises:
+            UnknownModelError, UnknownVersionError: nothing to fetch.
+            ManifestMismatchError: the version's tensors do not fit the attached ones.
+            FetchError: some chunks could not be read from any source in time.
+        """
+        return self.fetch_async(version, verify=verify, options=options,
+                                on_chunk=on_chunk).result()
+
+    def fetch_async(self, version: int | str = "latest", *, verify: bool | None = None,
+                    options: FetchOptions | None = None,
+                    on_chunk: Callable[[int, int], None] | None = None) -> FetchFuture:
+        """Start `fetch` in the background; the store keeps its current version until
+        the returned future's `result` is called."""
+        inner = self._fetcher.submit(self._fetch, version, verify, options or FetchOptions(),
+                                     on_chunk)
+        return FetchFuture(self, inner)
+
+    def _fetch(self, version: int | str, verify: bool | None, options: FetchOptions,
+               on_chunk: Callable[[int, int], None] | None) -> tuple[_Buffer | None, FetchStats]:
+        hub = self.worker.hub
+        if version == "latest":
+            version = hub.latest(self.model) or "latest"
+        if version == self.version:
+            return None, FetchStats(version=self.version)
+        plan = hub.begin_fetch(self.model, version)
+        manifest = plan.manifest
+        try:
+            with self._lock:
+                if self.layout is None:
+                    self.layout = layout_from_manifest(manifest)
+                else:
+                    check_compatible(self.layout, manifest, model=self.model, version=plan.version)
+                buffer = self._spare_buffer()
+                name = region_name(self.model, plan.version)
+                progress = ChunkProgress(manifest.num_chunks)
+                self.worker.server.expose(name, buffer.region.tensor,
+                                          chunk_size=manifest.chunk_size, progress=progress,
+                                          shm_path=str(buffer.region.path))
+                buffer.version, buffer.exposed = plan.version, name
+        except BaseException:
+            _quietly(hub.release, plan.fetch_id)
+            raise
+        try:
+            stats = fetch_chunks(
+                buffer.region.tensor, chunk_size=manifest.chunk_size, progress=progress,
+                planner=HubPlanner(hub, plan, me=self.worker.location),
+                choose=self.worker.transport_for, checksums=list(manifest.checksums),
+                checksum_fn=lambda c, piece: int(chunk_checksums(
+                    piece, manifest.chunk_size, first_chunk=c)[0]),
+                verify=_verify_rule(verify), options=options, on_chunk=on_chunk)
+            hub.complete_fetch(plan.fetch_id)
+        except BaseException:
+            _quietly(hub.release, plan.fetch_id)
+            self.worker.server.retract(name, timeout=options.read_timeout)
+            buffer.version = buffer.exposed = None
+            raise
+        stats.version = plan.version
+        log.info("fetched %s v%d: %d bytes in %.3f s (%.2f GB/s) from %s", self.model,
+                 plan.version, stats.bytes, stats.seconds, stats.gbps,
+                 ", ".join(sorted(stats.sources)) or "nobody")
+        return buffer, stats
+
+    # --- retract / release -------------------------------------------------------------
+
+    def retract(self, version: int, *, wait: float = 30.0, delay: bool = False) -> str:
+        """Stop serving `version` to peers; keep the bytes.
+
+        Returns ``"done"`` once no read can be in flight (the memory may change), else
+        the hub's state (``"retracting"``, ``"delayed"``) when `wait` ran out.
+
+        Raises:
+            RetentionError: it would leave the version with too few replicas and
+                `delay` is false.
+        """
+        state = self.worker.hub.retract(self.model, version, wait=wait, delay=delay)
+        if state == "done":
+            with self._lock:
+                for buffer in self._buffers:
+                    if buffer.version == version and buffer.exposed:
+                        self.worker.server.retract(buffer.exposed, timeout=wait)
+                        buffer.exposed = None
+        return state
+
+    def release(self, version: int, *, wait: float = 30.0) -> None:
+        """Retract `version` and free its memory.
+
+        Raises:
+            FabricError: it is the version the store's tensors use now.
+            RetentionError: the hub still needs this replica.
+        """
+        with self._lock:
+            buffer = next((b for b in self._buffers if b.version == version), None)
+            if buffer is None:
+                return
+            if buffer is self._active:
+                raise FabricError(f"{self.model!r} v{version} is the active version; fetch or "
+                                  "publish another before releasing it")
+        if buffer.exposed and self.retract(version, wait=wait) != "done":
+            raise FabricError(f"{self.model!r} v{version}: reads still in flight after {wait:g} s")
+        with self._lock:
+            self._buffers.remove(buffer)
+            buffer.region.close()
+
+    def close(self) -> None:
+        """Stop serving every version of this model and free the buffers."""
+        self._fetcher.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for buffer in self._buffers:
+                if buffer.exposed:
+                    self.worker.server.retract(buffer.exposed, timeout=5.0)
+                buffer.region.close()
+            self._buffers.clear()
+            self._active = None
+
+    # --- buffers -----------------------------------------------------------------------
+
+    def _new_buffer(self) -> _Buffer:
+        assert self.layout is not None
+        region = Region.create(f"{self.worker.name}-{self.model}", self.layout.nbytes)
+        buffer = _Buffer(region)
+        self._buffers.append(buffer)
+        return buffer
+
+    def _spare_buffer(self) -> _Buffer:
+        """A buffer that is neither active nor needed by readers, reclaiming the oldest
+        versions whose retract the hub allows, or allocating a new one."""
+        for buffer in sorted((b for b in self._buffers if b is not self._active),
+                             key=lambda b: b.version or -1):
+            if buffer.version is None:
+                return buffer
+            try:
+                if buffer.exposed is None or self.retract(buffer.version, wait=5.0) == "done":
+                    buffer.version = None
+                    return buffer
+            except RetentionError:
+                continue  # another reader may still need it; try the next one
+        if len(self._buffers) >= MAX_BUFFERS:
+            raise FabricError(f"model {self.model!r}: all {MAX_BUFFERS} buffers hold versions "
+                              "readers still need; retract or release one first")
+        return self._new_buffer()
+
+    def _activate(self, buffer: _Buffer) -> None:
+        with self._lock:
+            self._active = buffer
+            if self._attached is not None and self.layout is not None:
+                for name, view in views(self.layout, buffer.region.tensor).items():
+                    self._attached[name].data = view
+
+    def _require_attached(self) -> dict[str, torch.Tensor]:
+        if self._attached is None:
+            raise FabricError(f"model {self.model!r}: nothing to publish; pass the tensors or "
+                              "attach them first")
+        return self._attached
+
+    def _check_in_place(self, obj: nn.Module | Mapping[str, torch.Tensor] | None) -> None:
+        attached = self._require_attached()
+        if obj is not None:
+            given = named_tensors(obj)
+            if set(given) != set(attached) or any(
+                    given[n].data_ptr() != attached[n].data_ptr() for n in given):
+                raise FabricError("publish(snapshot=False) exposes attached tensors in place; "
+                                  "these are not the attached ones (use snapshot=True)")
+
+
+def _verify_rule(verify: bool | None) -> Callable[[Source], bool]:
+    if verify is None:
+        here = local_host_id()
+        return lambda source: source.address.host_id != here
+    return lambda source: verify
+
+
+def _quietly(fn: Callable[..., object], *args: object) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:  # cleanup after a failure must not hide the failure
+        log.warning("cleanup %s failed: %s", getattr(fn, "__name__", fn), exc)

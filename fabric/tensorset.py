@@ -1,0 +1,100 @@
+"""Tensor sets as flat byte spaces: layouts, manifests, and the checks between them.
+
+A model's tensors are laid out with `kernels.plan_layout` (large tensors aligned,
+tiny ones compacted) in one arena region; the manifest published to the hub is
+that layout plus a chunk size and one checksum per chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from fabric.errors import ManifestMismatchError
+from fabric.manifest import Manifest, TensorSpec
+from kernels import PackLayout, Slot, chunk_checksums, plan_layout
+
+DEFAULT_CHUNK_SIZE = 4 << 20
+ALIGNMENT = 256
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of a module (its state_dict names), or a mapping.
+
+    Raises:
+        TypeError: not a module or a mapping of tensors.
+    """
+    if isinstance(obj, nn.Module):
+        return {name: t for name, t in obj.state_dict(keep_vars=True).items()}
+    if isinstance(obj, Mapping) and all(isinstance(t, torch.Tensor) for t in obj.values()):
+        return dict(obj)
+    raise TypeError(f"expected an nn.Module or a mapping of name -> tensor, got {type(obj).__name__}")
+
+
+def layout_of(tensors: Mapping[str, torch.Tensor]) -> PackLayout:
+    """The byte layout of a tensor set (no casts: bytes travel as they are)."""
+    if not tensors:
+        raise ValueError("an empty tensor set cannot be published or fetched")
+    return plan_layout({n: (tuple(t.shape), t.dtype) for n, t in tensors.items()},
+                       alignment=ALIGNMENT)
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % ALIGNMENT:
+        raise ValueError(f"chunk_size must be a positive multiple of {ALIGNMENT}, got {chunk_size!r}")
+    return chunk_size
+
+
+def manifest_of(layout: PackLayout, buffer: torch.Tensor, chunk_size: int) -> Manifest:
+    """The manifest of `buffer` (laid out by `layout`) with per-chunk checksums."""
+    data = buffer[:layout.nbytes]
+    checksums = chunk_checksums(data, chunk_size).tolist()
+    specs = tuple(TensorSpec(s.name, s.shape, dtype_name(s.dtype), s.nbytes, s.offset)
+                  for s in layout)
+    return Manifest(specs, chunk_size, tuple(checksums), layout.nbytes)
+
+
+def check_compatible(layout: PackLayout, manifest: Manifest, *, model: str, version: int) -> None:
+    """Raise `ManifestMismatchError` naming what differs when the published bytes cannot
+    land in `layout` as they are (names, shapes, dtypes or offsets differ)."""
+    where = f"{model!r} v{version}"
+    theirs = {t.name: t for t in manifest.tensors}
+    for slot in layout:
+        spec = theirs.pop(slot.name, None)
+        if spec is None:
+            raise ManifestMismatchError(f"{where} has no tensor {slot.name!r}; the local model "
+                                        "expects it (different architecture?)")
+        mine = (slot.shape, dtype_name(slot.dtype))
+        if (spec.shape, spec.dtype) != mine:
+            raise ManifestMismatchError(
+                f"{where}: tensor {slot.name!r} is {spec.dtype}{list(spec.shape)} there, "
+                f"{mine[1]}{list(mine[0])} here; reshape or cast the local model to match")
+        if spec.offset != slot.offset:
+            raise ManifestMismatchError(f"{where}: tensor {slot.name!r} lies at byte "
+                                        f"{spec.offset} there, {slot.offset} here (tensor order "
+                                        "differs); build the model with the same parameter order")
+    if theirs:
+        raise ManifestMismatchError(f"{where} has tensors the local model lacks: "
+                                    f"{', '.join(sorted(theirs)[:5])}")
+    if manifest.total_bytes != layout.nbytes:
+        raise ManifestMismatchError(f"{where} spans {manifest.total_bytes} bytes, the local "
+                                    f"layout {layout.nbytes}")
+
+
+def layout_from_manifest(manifest: Manifest) -> PackLayout:
+    """The layout a reader without a local model uses: exactly the publisher's."""
+    slots = tuple(Slot(t.name, t.shape, getattr(torch, t.dtype), getattr(torch, t.dtype),
+                       t.offset, t.nbytes) for t in manifest.tensors)
+    return PackLayout(slots, manifest.total_bytes, ALIGNMENT)
+
+
+def views(layout: PackLayout, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """name -> tensor viewing its slot of `buffer`."""
+    return {s.name: buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
+            for s in layout}
