@@ -1,0 +1,234 @@
+"""NVSHMEM symmetric-heap arenas: bootstrap, ordered allocation, attach, progress flags.
+
+Every PE of a job runs the same sequence (allocation is a collective)::
+
+    rt = NvshmemRuntime.start(rendezvous, session="job-7", rank=r, nranks=n, local_rank=lr)
+    region = rt.allocate_region("v12", nbytes, chunk_size)   # data + progress flags, collective
+    attach_views(region.data, model.named_parameters(), layout)  # weights now live in it
+    ...
+    rt.close()        # frees every region in reverse allocation order, then finalize
+
+Frees are collectives too, so `AllocationRegistry` frees explicitly, in one
+deterministic order on every PE, never from ``__del__`` (a garbage-collector free
+on one PE only deadlocks or raises). Its ``fingerprint`` lets PEs compare their
+allocation histories through the rendezvous before they diverge silently.
+
+Progress: each region has one uint64 flag per chunk in symmetric memory. The
+holder sets a flag (``signal_op`` SET on its own PE, on the stream that wrote the
+chunk, so the flag follows the bytes); a reader reads a peer's flags one-sidedly
+(`SymmetricRegion.peer_flags`) and waits for its chunks before issuing ``get_nbi``.
+Only `AllocationRegistry` and `attach_views` run without a GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fabric.gpu.uid import Rendezvous, exchange_unique_id, uid_from_bytes, uid_to_bytes
+from fabric.progress import ChunkProgress
+from kernels import PackLayout
+
+
+class AllocationRegistry:
+    """Named collective allocations, freed explicitly in one order on every PE.
+
+    Args:
+        allocate: ``allocate(nbytes) -> tensor`` (collective on NVSHMEM).
+        free: ``free(tensor)`` (collective on NVSHMEM).
+    """
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor],
+                 free: Callable[[torch.Tensor], None]) -> None:
+        self._allocate, self._free = allocate, free
+        self._live: dict[str, torch.Tensor] = {}
+        self._history = hashlib.sha256()
+        self.closed = False
+
+    def allocate(self, name: str, nbytes: int) -> torch.Tensor:
+        """Allocate ``nbytes`` under ``name``. Every PE must make the same calls in order."""
+        if self.closed:
+            raise RuntimeError(f"allocation of {name!r} after the registry was closed")
+        if name in self._live:
+            raise ValueError(f"symmetric allocation {name!r} exists; free it first")
+        if nbytes <= 0:
+            raise ValueError(f"symmetric allocation {name!r}: nbytes must be positive, got {nbytes}")
+        tensor = self._allocate(nbytes)
+        self._live[name] = tensor
+        self._history.update(f"+{name}:{nbytes};".encode())
+        return tensor
+
+    def free(self, name: str) -> None:
+        """Free ``name`` now (a collective: every PE frees the same name at the same point)."""
+        tensor = self._live.pop(name, None)
+        if tensor is None:
+            raise KeyError(f"no live symmetric allocation {name!r}")
+        self._history.update(f"-{name};".encode())
+        self._free(tensor)
+
+    def names(self) -> list[str]:
+        """Live allocations, oldest first."""
+        return list(self._live)
+
+    def fingerprint(self) -> str:
+        """Digest of every allocate/free so far; equal on PEs that stayed in step."""
+        return self._history.hexdigest()[:16]
+
+    def close(self) -> None:
+        """Free every live allocation, newest first. Safe to call twice."""
+        while self._live:
+            self.free(next(reversed(self._live)))
+        self.closed = True
+
+
+def attach_views(buffer: torch.Tensor, params: Iterable[tuple[str, torch.Tensor]],
+                 layout: PackLayout) -> dict[str, torch.Tensor]:
+    """Move parameters into ``buffer`` (flat uint8) at ``layout``'s offsets, as views.
+
+    Each tensor's values are copied into its slot and its ``.data`` rebound to the
+    view, so the engine keeps using the same Parameter objects and later fetches
+    write straight into the weights.
+
+    Returns:
+        name -> the view now backing that parameter.
+
+    Raises:
+        ValueError: buffer too small, not flat uint8, names or shapes differ from the layout.
+    """
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError("attach: the buffer must be a flat contiguous uint8 tensor")
+    if buffer.numel() < layout.nbytes:
+        raise ValueError(f"attach: buffer of {buffer.numel()} bytes, layout needs {layout.nbytes}")
+    params = list(params)
+    if sorted(n for n, _ in params) != sorted(layout.names):
+        raise ValueError(f"attach: tensors {sorted(n for n, _ in params)} differ from the layout's "
+                         f"{sorted(layout.names)}")
+    views: dict[str, torch.Tensor] = {}
+    for name, tensor in params:
+        slot = layout[name]
+        if tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            raise ValueError(f"attach: {name!r} is {tuple(tensor.shape)} {tensor.dtype}, the layout "
+                             f"has {slot.shape} {slot.dtype}")
+        view = buffer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        with torch.no_grad():
+            view.copy_(tensor)
+        tensor.data = view
+        views[name] = view
+    return views
+
+
+def _buffer(ptr: int, nbytes: int) -> Any:
+    """A cuda.core Buffer over a byte range (nvshmem4py takes exact allocations or Buffers)."""
+    from cuda.core import Buffer
+
+    return Buffer.from_handle(ptr, nbytes)
+
+
+@dataclass
+class SymmetricRegion:
+    """A region in the symmetric heap: data bytes, per-chunk flags, a scratch for peers' flags."""
+
+    name: str
+    data: torch.Tensor
+    flags: torch.Tensor
+    peer_scratch: torch.Tensor
+    chunk_size: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.flags.numel()
+
+    def flag_buffer(self, chunk: int) -> Any:
+        return _buffer(self.flags.data_ptr() + 8 * chunk, 8)
+
+    def peer_flags(self, pe: int, stream: torch.cuda.Stream) -> torch.Tensor:
+        """PE ``pe``'s chunk flags of this region, read one-sidedly (blocking)."""
+        import nvshmem.core as nvshmem
+
+        n = 8 * self.num_chunks
+        nvshmem.get(_buffer(self.peer_scratch.data_ptr(), n), _buffer(self.flags.data_ptr(), n),
+                    remote_pe=pe, stream=nvshmem.NvshmemStream(stream))
+        stream.synchronize()
+        return self.peer_scratch.cpu()
+
+
+class SymmetricProgress(ChunkProgress):
+    """`ChunkProgress` that also sets the region's symmetric flag of each marked chunk."""
+
+    def __init__(self, region: SymmetricRegion, *, complete: bool = False) -> None:
+        super().__init__(region.num_chunks, complete=complete)
+        self.region = region
+
+    def mark(self, chunk: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Set the flag on ``stream`` (after the chunk's writes on it), then mark on the host."""
+        import nvshmem.core as nvshmem
+
+        stream = stream or torch.cuda.current_stream()
+        nvshmem.signal_op(self.region.flag_buffer(chunk), 1, nvshmem.SignalOp.SIGNAL_SET,
+                          remote_pe=nvshmem.my_pe(), stream=nvshmem.NvshmemStream(stream))
+        stream.synchronize()
+        super().mark(chunk)
+
+
+class NvshmemRuntime:
+    """NVSHMEM for this process: device binding, uid bootstrap, the allocation registry."""
+
+    def __init__(self, rank: int, nranks: int, device: int) -> None:
+        import nvshmem.core as nvshmem
+
+        self.rank, self.nranks, self.device = rank, nranks, device
+        self.registry = AllocationRegistry(
+            lambda n: nvshmem.tensor((n,), dtype=torch.uint8), nvshmem.free_tensor)
+        self.regions: dict[str, SymmetricRegion] = {}
+
+    @classmethod
+    def start(cls, rendezvous: Rendezvous, *, session: str, rank: int, nranks: int,
+              local_rank: int, timeout: float = 60.0) -> NvshmemRuntime:
+        """Bind GPU ``local_rank`` (before init), share the uid, ``init`` with method "uid"."""
+        import nvshmem.core as nvshmem
+        from cuda.core import Device
+
+        dev = Device(local_rank)
+        dev.set_current()
+        torch.cuda.set_device(local_rank)
+        raw = exchange_unique_id(rendezvous, session=session, rank=rank, nranks=nranks,
+                                 create=lambda: uid_to_bytes(nvshmem.get_unique_id()),
+                                 timeout=timeout)
+        nvshmem.init(device=dev, uid=uid_from_bytes(raw), rank=rank, nranks=nranks,
+                     initializer_method="uid")
+        return cls(rank, nranks, local_rank)
+
+    def allocate_region(self, name: str, nbytes: int, chunk_size: int) -> SymmetricRegion:
+        """Collective: data, flags (zeroed) and peer scratch of region ``name``."""
+        import nvshmem.core as nvshmem
+
+        num_chunks = -(-nbytes // chunk_size)
+        data = self.registry.allocate(f"{name}/data", nbytes)
+        flags = self.registry.allocate(f"{name}/flags", 8 * num_chunks).view(torch.int64)
+        scratch = self.registry.allocate(f"{name}/scratch", 8 * num_chunks).view(torch.int64)
+        flags.zero_()
+        torch.cuda.current_stream().synchronize()
+        nvshmem.barrier_all(stream=nvshmem.NvshmemStream(torch.cuda.current_stream()))
+        torch.cuda.current_stream().synchronize()
+        region = SymmetricRegion(name, data, flags, scratch, chunk_size)
+        self.regions[name] = region
+        return region
+
+    def free_region(self, name: str) -> None:
+        """Collective: free region ``name`` (same point on every PE)."""
+        self.regions.pop(name)
+        for part in ("scratch", "flags", "data"):
+            self.registry.free(f"{name}/{part}")
+
+    def close(self) -> None:
+        """Free everything in reverse allocation order, then ``finalize``."""
+        import nvshmem.core as nvshmem
+
+        torch.cuda.synchronize()
+        self.regions.clear()
+        self.registry.close()
+        nvshmem.finalize()

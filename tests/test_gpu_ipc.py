@@ -1,0 +1,127 @@
+"""CUDA IPC: handle serialisation and the GPU read server on CPU; the 4 GB fetch on a GPU."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import msgpack
+import pytest
+import torch
+
+from fabric.errors import ReadRefusedError
+from fabric.gpu.probe import probe
+from fabric.gpu.server import GpuReadServer
+from fabric.progress import ChunkProgress
+from fabric.transports import client
+from fabric.transports.cuda_ipc import HANDLE_NBYTES, CudaIpcTransport, IpcHandle
+from fabric.transports.wire import Op
+
+UUID = "GPU-58a5f2a4-1c2b-3d4e-5f60-718293a4b5c6"
+MISSING_CUDA = probe().missing("cuda")
+
+
+def handle() -> IpcHandle:
+    return IpcHandle(bytes(range(HANDLE_NBYTES)), 4096, 1 << 32, UUID)
+
+
+def test_ipc_handle_round_trips_through_msgpack_with_a_normalised_uuid():
+    h = handle()
+    back = IpcHandle.unpack(h.pack())
+    assert back == h and back.device_uuid == "58a5f2a41c2b3d4e5f60718293a4b5c6"
+    assert len(h.pack()) < 200
+
+
+def test_malformed_ipc_handles_are_errors():
+    with pytest.raises(ValueError, match="64 bytes"):
+        IpcHandle(b"x" * 63, 0, 1, UUID)
+    with pytest.raises(ValueError, match="bad IPC range"):
+        IpcHandle(bytes(64), -1, 1, UUID)
+    with pytest.raises(ValueError, match="not a CUDA IPC descriptor"):
+        IpcHandle.from_dict({"kind": "nvshmem", "pe": 0})
+    with pytest.raises(ValueError, match="malformed"):
+        IpcHandle.unpack(msgpack.packb({"kind": "cuda_ipc", "offset": 0}))
+    with pytest.raises(ValueError, match="not msgpack"):
+        IpcHandle.unpack(b"\xc1")
+
+
+def test_gpu_read_server_describes_leases_refuses_reads_and_retracts():
+    progress = ChunkProgress(4)
+    with GpuReadServer() as server:
+        server.expose_gpu("w", 4000, handle().to_dict(), chunk_size=1000, progress=progress)
+        transport = CudaIpcTransport()  # describe and leases need no GPU
+        try:
+            info = transport.describe_gpu(server.address, "w", timeout=5)
+            assert IpcHandle.from_dict(info["gpu"]) == handle()
+            assert (info["nbytes"], info["num_chunks"], info["present"]) == (4000, 4, 0)
+            assert transport.progress(server.address, "w", timeout=5) == bytes(4)
+            pool = client.ConnectionPool()
+            with pool.connection(server.address) as conn, pytest.raises(ReadRefusedError,
+                                                                        match="BAD_REQUEST.*GPU"):
+                client.request(conn, server.address, Op.READ, "w", offset=0, nbytes=10, timeout=5)
+            with pool.connection(server.address) as conn, pytest.raises(ReadRefusedError,
+                                                                        match="NOT_READY"):
+                client.request(conn, server.address, Op.LEASE, "w", offset=0, nbytes=10, timeout=0.05)
+            progress.mark(0)
+            with pool.connection(server.address) as conn:  # a lease blocks retract until END
+                client.request(conn, server.address, Op.LEASE, "w", offset=0, nbytes=10, timeout=5)
+                assert server.retract("w", timeout=0.1) is False
+                client.request(conn, server.address, Op.END, "w", timeout=5)
+            assert server.retract("w", timeout=5) is True
+            with pytest.raises(ReadRefusedError, match="NOT_FOUND"):
+                transport.describe_gpu(server.address, "w", timeout=5)
+            pool.close()
+        finally:
+            transport.close()
+        with pytest.raises(ValueError, match="expose_gpu"):
+            server.expose("x", torch.zeros(4, dtype=torch.uint8), chunk_size=1)
+        with pytest.raises(TypeError):
+            server.expose_gpu("bad", 10, {"x": object()}, chunk_size=1)
+
+
+# --- on a GPU ---------------------------------------------------------------------------
+
+NBYTES = 4 << 30
+CHUNK = 256 << 20
+
+
+def pattern(nbytes: int, device: str) -> torch.Tensor:
+    """Deterministic bytes every process can regenerate."""
+    i = torch.arange(nbytes // 8, dtype=torch.int64, device=device)
+    return (i * 0x5851F42D4C957F2D + 12345).view(torch.uint8)
+
+
+def _holder(conn) -> None:
+    from fabric.transports.cuda_ipc import export_tensor
+
+    data = pattern(NBYTES, "cuda:0")
+    torch.cuda.synchronize()
+    with GpuReadServer() as server:
+        server.expose_gpu("w", NBYTES, export_tensor(data).to_dict(), chunk_size=CHUNK)
+        conn.send(server.address.to_dict())
+        conn.recv()  # reader done
+        assert server.retract("w", timeout=30)
+
+
+@pytest.mark.skipif(MISSING_CUDA is not None, reason=str(MISSING_CUDA))
+def test_two_processes_fetch_4gb_over_cuda_ipc_bit_exact():
+    from fabric.transports.base import SourceAddress
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_holder, args=(child,))
+    proc.start()
+    transport = CudaIpcTransport()
+    try:
+        assert parent.poll(120), "holder did not start"
+        source = SourceAddress.from_dict(parent.recv())
+        out = torch.empty(NBYTES, dtype=torch.uint8, device="cuda:0")
+        for lo in range(0, NBYTES, CHUNK):
+            transport.read(source, "w", lo, out[lo:lo + CHUNK], timeout=30)
+        assert torch.equal(out, pattern(NBYTES, "cuda:0"))
+    finally:
+        transport.close()
+        parent.send("done")
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
