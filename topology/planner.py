@@ -51,8 +51,11 @@ from collections.abc import Iterable, Mapping
 
 import networkx as nx
 
-from topology.layout import Layout, Machine
+from topology.layout import Layout, Machine, dedupe
 from topology.plan import (
+    HOST,
+    NIC_LOOP,
+    TREE,
     EmptyTransferError,
     Interval,
     Plan,
@@ -76,7 +79,8 @@ SourceSpec = Iterable[str] | Mapping[str, list[Interval] | None] | None
 def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
                    sources: SourceSpec = None, readers: Iterable[str] | None = None,
                    needs: Mapping[str, list[Interval]] | None = None,
-                   chunk: int | None = None, stripes: list[Interval] | None = None) -> Plan:
+                   chunk: int | None = None, stripes: list[Interval] | None = None,
+                   planes: list[str] | None = None) -> Plan:
     """Plan how every reader gets the bytes it needs of a version of `size` bytes.
 
     Parameters
@@ -98,6 +102,8 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
         Pipelining unit in bytes; default from the pipelining optimum.
     stripes : list of (start, end)
         Stripe boundaries to reuse (a re-plan keeps the original plan's).
+    planes : list of str
+        With `stripes`: the plane of each stripe (`Plan.planes`; default all `TREE`).
 
     Returns
     -------
@@ -129,16 +135,56 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
     started = time.perf_counter()
     layout = _layout(cluster)
     held, need = _endpoints(cluster, layout, int(size), sources, readers, needs)
+    rebalance = stripes is None
     if stripes is None:
-        stripes = _stripes(layout, int(size), need, held)
-    transfers = _Builder(layout, held, need, stripes).build()
-    plan = Plan(size=int(size), chunk=0, stripes=list(stripes), transfers=transfers,
-                sources=held, needs=need)
+        stripes, planes = _stripes(layout, int(size), need, held)
+    planes = list(planes or [])
+    if planes and len(planes) != len(stripes):
+        raise PlanError(f"{len(planes)} planes for {len(stripes)} stripes; pass one per stripe")
+    plan = _build(layout, int(size), held, need, stripes, planes, chunk)
+    if rebalance and any(p != TREE for p in planes):
+        # second pass: move bytes off the planes that finish late (deep chains lag)
+        stripes, planes = _rebalance(layout, plan, need, held)
+        plan = _build(layout, int(size), held, need, stripes, planes, chunk)
+    plan.plan_seconds = time.perf_counter() - started
+    return plan
+
+
+def _build(layout: Layout, size: int, held: dict[str, list[Interval]],
+           need: dict[str, list[Interval]], stripes: list[Interval], planes: list[str],
+           chunk: int | None) -> Plan:
+    transfers = _Builder(layout, held, need, stripes, planes).build()
+    plan = Plan(size=size, chunk=0, stripes=list(stripes), transfers=transfers,
+                sources=held, needs=need, planes=planes)
     rates = share_rates(layout.graph, transfers)
     plan.chunk = int(chunk) if chunk else choose_chunk(plan, rates)
     plan.predicted = predict(layout.graph, transfers, plan.chunk, rates)
-    plan.plan_seconds = time.perf_counter() - started
     return plan
+
+
+def _rebalance(layout: Layout, plan: Plan, need: dict[str, list[Interval]],
+               held: dict[str, list[Interval]]) -> tuple[list[Interval], list[str]]:
+    """Re-cut the planes so that they finish together, given each one's fixed lag.
+
+    Plane p with b_p bytes finishing at T_p has rate R_p = b_p / (T_p - L_p); its lag
+    L_p (pipeline fill, latency) is taken from the first pass's prediction as
+    T_p - b_p / R_p with R_p from `side_planes`. All finish at
+    T* = (S + sum R_p L_p) / sum R_p when b_p = R_p (T* - L_p).
+    """
+    rates = side_planes(layout, held, need, plan.size)
+    ends = _ends(layout.graph, plan.transfers, plan.chunk)
+    finish: dict[str, float] = defaultdict(float)
+    nbytes: dict[str, int] = defaultdict(int)
+    for s, (lo, hi) in enumerate(plan.stripes):
+        nbytes[plan.planes[s]] += hi - lo
+    for t, end in zip(plan.transfers, ends, strict=True):
+        p = plan.planes[t.stripe]
+        finish[p] = max(finish[p], end)
+    rates = {p: r for p, r in rates.items() if p in finish}
+    lag = {p: max(0.0, finish[p] - nbytes[p] / r) for p, r in rates.items()}
+    target = (plan.size + sum(r * lag[p] for p, r in rates.items())) / sum(rates.values())
+    share = {p: max(0.0, r * (target - lag[p])) for p, r in rates.items()}
+    return _stripes(layout, plan.size, need, held, share)
 
 
 def replan(plan: Plan, cluster: Cluster | nx.DiGraph | Layout, *, lost: Iterable[str],
@@ -182,9 +228,9 @@ def replan(plan: Plan, cluster: Cluster | nx.DiGraph | Layout, *, lost: Iterable
             holders[reader] = merge_intervals(got + holders.get(reader, []))
     if not missing:
         return Plan(size=plan.size, chunk=plan.chunk, stripes=plan.stripes, transfers=[],
-                    sources=holders, needs={})
+                    sources=holders, needs={}, planes=plan.planes)
     return plan_broadcast(cluster, plan.size, sources=holders, needs=missing,
-                          chunk=plan.chunk, stripes=plan.stripes)
+                          chunk=plan.chunk, stripes=plan.stripes, planes=plan.planes)
 
 
 # --- inputs -----------------------------------------------------------------------
@@ -292,16 +338,89 @@ def _subtract(ranges: list[Interval], remove: list[Interval]) -> list[Interval]:
 
 
 def _stripes(layout: Layout, size: int, need: dict[str, list[Interval]],
-             held: dict[str, list[Interval]]) -> list[Interval]:
+             held: dict[str, list[Interval]], weights: dict[str, float] | None = None
+             ) -> tuple[list[Interval], list[str]]:
+    """Stripe boundaries and the plane of each stripe (bytes per plane in proportion
+    to `weights`, default the planes' rates)."""
     machines = {layout.machine_of[d] for d in need}
     k = max((len(layout.machines[m].nics) for m in machines), default=1)
     single = {layout.machine_of[d] for d in list(need) + list(held)}
+    cuts = [(TREE, size)]
     if len(single) == 1:  # one machine: one stripe per reader (scatter, then all-gather)
         k = len(need)
-    k = max(1, min(k, size))
-    bounds = sorted({size * i // k for i in range(k + 1)}
+        cuts = _plane_cuts(size, weights or side_planes(layout, held, need, size))
+    tree_end = cuts[0][1]
+    k = max(1, min(k, tree_end))
+    bounds = sorted({tree_end * i // k for i in range(k + 1)} | {end for _, end in cuts}
                     | {b for rs in held.values() for r in rs for b in r if 0 < b < size})
-    return [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    stripes = [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+    return stripes, [next(p for p, end in cuts if b <= end) for _, b in stripes]
+
+
+def _plane_cuts(size: int, rates: dict[str, float]) -> list[tuple[str, int]]:
+    """(plane, end byte) per plane: bytes in proportion to each plane's rate, so that
+    all planes finish together; planes that would get under one chunk are dropped."""
+    total = sum(rates.values())
+    cuts, end = [], 0
+    for plane, rate in rates.items():
+        share = int(size * rate / total)
+        if plane != TREE and share < MIN_CHUNK:
+            continue
+        end += share
+        cuts.append((plane, end))
+    cuts[-1] = (cuts[-1][0], size)
+    return cuts
+
+
+def side_planes(layout: Layout, held: dict[str, list[Interval]],
+                need: dict[str, list[Interval]], size: int) -> dict[str, float]:
+    """Per-reader rate of each plane a one-machine broadcast can use in parallel.
+
+    Parameters
+    ----------
+    layout : Layout
+        The indexed cluster.
+    held, need : mapping device -> byte ranges
+        Holders and readers, all on one machine.
+    size : int
+        Bytes of the version.
+
+    Returns
+    -------
+    dict
+        ``{TREE: NVLink rate}`` plus, where the graph has them, ``HOST`` (a chain
+        holder -> reader -> reader ... over PCIe through the host's root complex) and
+        ``NIC_LOOP`` (a chain over each GPU's rail NIC and the leaf: GPUDirect RDMA
+        loopback through the switch). Only
+        ``{TREE: 1.0}`` when the machine has no NVSwitch joining all of them or no
+        device holds every byte (the planes then bring nothing measurable).
+
+    Notes
+    -----
+    On an NVSwitch machine the NVLink scatter/all-gather gives each reader the NVLink
+    bandwidth B_nv; the host and NIC planes reach every reader over links NVLink does
+    not use, so splitting the bytes in proportion to the rates finishes at
+    ``S / (B_nv + B_host + B_nic)`` instead of ``S / B_nv`` (DGX H100: 450 -> 564 GB/s
+    per GPU in the graph's model). O(readers) edge look-ups.
+    """
+    devices = list(need) + list(held)
+    m = layout.machine(devices[0])
+    full = [h for h, r in held.items() if covers(r, 0, size)]
+    if not full or m.nvswitch is None or not all(d in m.gpus for d in devices):
+        return {TREE: 1.0}
+    edges, src, readers = layout.graph.edges, full[0], list(need)
+    rates = {TREE: min([edges[src, m.nvswitch]["bandwidth"]]
+                       + [edges[m.nvswitch, r]["bandwidth"] for r in readers])}
+    host = [a for d in [src] + readers for a in ((d, m.host), (m.host, d))]
+    if all(a in edges for a in host):
+        rates[HOST] = min(edges[a]["bandwidth"] for a in host)
+    nics = [layout.rail_nic(d) for d in [src] + readers]
+    if m.leaf is not None and all(nics):
+        arcs = [a for d, n in zip([src] + readers, nics, strict=True)
+                for a in ((d, n), (n, m.leaf), (m.leaf, n), (n, d))]
+        if all(a in edges for a in arcs):
+            rates[NIC_LOOP] = min(edges[a]["bandwidth"] for a in arcs)
+    return rates
 
 
 # --- the forest -------------------------------------------------------------------
@@ -310,8 +429,10 @@ class _Builder:
     """Builds the transfers of every stripe tree (see the module docstring)."""
 
     def __init__(self, layout: Layout, held: dict[str, list[Interval]],
-                 need: dict[str, list[Interval]], stripes: list[Interval]) -> None:
+                 need: dict[str, list[Interval]], stripes: list[Interval],
+                 planes: list[str]) -> None:
         self.layout, self.held, self.need, self.stripes = layout, held, need, stripes
+        self.planes = planes
         self.k = len(stripes)
         self.transfers: list[Transfer] = []
         self.incoming: dict[tuple[str, int], int] = {}
@@ -326,8 +447,43 @@ class _Builder:
             if not holders:
                 raise PlanError(f"bytes [{lo}, {hi}) are held by no source; add a source "
                                 "that holds them")
-            self._stripe(s, lo, hi, holders)
+            plane = self.planes[s] if self.planes else TREE
+            if plane == TREE or not self._side_plane(s, lo, hi, holders, plane):
+                self._stripe(s, lo, hi, holders)
         return self.transfers
+
+    def _side_plane(self, s: int, lo: int, hi: int, holders: list[str], plane: str) -> bool:
+        """Stripe `s` over the host or the NIC loopback of one machine; False (and
+        nothing added) when that plane does not fit these holders and readers."""
+        lay, edges = self.layout, self.layout.graph.edges
+        readers = [d for d, r in self.need.items() if intersect(r, lo, hi)]
+        if not readers:
+            return True
+        m = lay.machine(readers[0])
+        local = [h for h in holders if lay.machine_of[h] == m.name]
+        if any(lay.machine_of[r] != m.name for r in readers) or not local:
+            return False
+        # a chain (each link carries the stripe once); relays need all of it to forward
+        if any(not covers(self.need[r], lo, hi) for r in readers):
+            return False
+        if plane == HOST:  # PCIe peer-to-peer through the root complex
+            src = next((h for h in local if (h, m.host) in edges), None)
+            if src is None or any((m.host, r) not in edges or (r, m.host) not in edges
+                                  for r in readers):
+                return False
+            hops = [(m.host,)] * len(readers)
+        else:  # NIC_LOOP: GPUDirect RDMA out of one rail NIC, back in through the next
+            src = next((h for h in local if lay.rail_nic(h)), None)
+            if src is None or m.leaf is None or not all(lay.rail_nic(r) for r in readers):
+                return False
+            hops = [(m.leaf,)] * len(readers)
+        prev = src
+        for r, middle in zip(sorted(readers, key=lay.rail_of), hops, strict=True):
+            if plane == NIC_LOOP:
+                middle = (lay.rail_nic(prev), *middle, lay.rail_nic(r))
+            self._add(s, prev, r, path=dedupe((prev, *middle, r)))
+            prev = r
+        return True
 
     # one stripe
     def _stripe(self, s: int, lo: int, hi: int, holders: list[str]) -> None:
@@ -497,9 +653,10 @@ class _Builder:
             prev = d
 
     def _add(self, s: int, source: str, reader: str, *, egress: int | None = None,
-             ingress: int | None = None) -> None:
+             ingress: int | None = None, path: tuple[str, ...] | None = None) -> None:
         lo, hi = self.stripes[s]
-        path = self.layout.route(source, reader, egress=egress, ingress=ingress)
+        if path is None:
+            path = self.layout.route(source, reader, egress=egress, ingress=ingress)
         if path is None:
             raise UnreachableReaderError(
                 f"reader {reader!r} has no route from {source!r} (no NIC, leaf or WAN link "
@@ -553,15 +710,23 @@ def choose_chunk(plan: Plan, rates: list[float]) -> int:
 def predict(graph: nx.DiGraph, transfers: list[Transfer], chunk: int,
             rates: list[float] | None = None) -> dict[str, float]:
     """Predicted completion time of each reader under the equal-share estimate."""
+    done: dict[str, float] = defaultdict(float)
+    for t, end in zip(transfers, _ends(graph, transfers, chunk, rates), strict=True):
+        done[t.reader] = max(done[t.reader], end)
+    return dict(done)
+
+
+def _ends(graph: nx.DiGraph, transfers: list[Transfer], chunk: int,
+          rates: list[float] | None = None) -> list[float]:
+    """Predicted time each transfer's last byte lands."""
     rates = rates if rates is not None else share_rates(graph, transfers)
     start = [0.0] * len(transfers)
-    done: dict[str, float] = defaultdict(float)
+    ends = []
     for i, t in enumerate(transfers):
         if t.upstream is not None:
             u = transfers[t.upstream]
             lag = min(chunk, t.nbytes)
             start[i] = start[t.upstream] + lag / rates[t.upstream] \
                 + path_latency(graph, u.path) + HOP_OVERHEAD
-        end = start[i] + t.nbytes / rates[i] + path_latency(graph, t.path)
-        done[t.reader] = max(done[t.reader], end)
-    return dict(done)
+        ends.append(start[i] + t.nbytes / rates[i] + path_latency(graph, t.path))
+    return ends
