@@ -240,3 +240,25 @@ def test_a_relay_of_the_loopback_chains_vanishing_is_routed_around():
     have = {r: [(0, plan.size // 3)] for r in plan.needs}
     partial = replan(plan, lay, lost=lost, have=have)
     check_plan(partial, lay.graph)
+
+
+# --- oversubscribed leaves ----------------------------------------------------------
+
+def test_oversubscribed_leaves_get_each_stripe_over_the_spine_once():
+    from topology.synthetic import synthetic_cluster
+
+    cluster = synthetic_cluster([15], oversubscription=3.0, nodes_per_leaf=4)
+    lay = Layout(cluster.graph())
+    plan = plan_broadcast(cluster, 16 * GB)
+    check_plan(plan, lay.graph)
+    into: dict[str, int] = {}
+    for t in plan.transfers:
+        for a, b in zip(t.path, t.path[1:], strict=False):
+            if a.endswith("/spine"):
+                into[b] = into.get(b, 0) + t.nbytes
+    # 16 machines, 4 leaves; the trainer's leaf reads it under the leaf
+    assert sorted(into.values()) == [plan.size] * 3
+    result = _run(lay, plan)
+    assert result.max_utilisation <= 1 + 1e-6
+    bound = lower_bound(lay, plan.sources, plan.needs)
+    assert bound.seconds / result.makespan > 0.9

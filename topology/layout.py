@@ -71,6 +71,13 @@ class Layout:
                     if kinds[u] == "nvswitch":
                         m.nvswitch = u
         self.kinds = kinds
+        self.uplink: dict[str, float] = {}    # leaf -> bandwidth to the spine
+        self.downlink: dict[str, float] = {}  # leaf -> sum of its NICs' bandwidth
+        for u, v, bw in graph.edges(data="bandwidth"):
+            if kinds.get(u) == "leaf" and kinds.get(v) == "spine":
+                self.uplink[u] = bw
+            elif kinds.get(u) == "nic" and kinds.get(v) == "leaf":
+                self.downlink[v] = self.downlink.get(v, 0.0) + bw
         gateways = [v for v, k in kinds.items() if k == "wan"]
         self._wan = graph.subgraph(gateways).copy()
 
@@ -99,6 +106,12 @@ class Layout:
             if g == device:
                 return k
         return 0
+
+    def oversubscribed(self, leaf: str | None) -> bool:
+        """True when `leaf` has less bandwidth to the spine than its NICs have to it."""
+        if leaf is None or leaf not in self.uplink:
+            return False
+        return self.uplink[leaf] < self.downlink.get(leaf, 0.0) * (1 - 1e-9)
 
     # --- routes -------------------------------------------------------------------
     def route(self, src: str, dst: str, *, egress: int | None = None,

@@ -438,6 +438,7 @@ class _Builder:
         self.incoming: dict[tuple[str, int], int] = {}
         self.egress_load: dict[str, list[int]] = {}
         self.home: dict[str, int] = {}  # the tree a machine is interior in
+        self.leaf_budget: dict[str | None, int] = {}  # cross-leaf streams a leaf may send
         order = {m: i for i, m in enumerate(layout.machines)}
         self.order = order
 
@@ -538,6 +539,9 @@ class _Builder:
             if m != entry:
                 self._inside(s, m, by_machine[m], holder_machines[m])
         rest = [m for m in machines if m not in inner]
+        if any(lay.oversubscribed(lay.machines[m].leaf) for m in rest):
+            self._by_leaf(s, rest, slots, exports, by_machine, entry_slot)
+            return
         for i, m in enumerate(rest):
             self.home.setdefault(m, i % self.k)
         designated = [m for i, m in enumerate(rest) if i % self.k == s % self.k]
@@ -575,6 +579,117 @@ class _Builder:
                 slots.append([item, self.k, s, by_machine[item]])
             else:
                 spare.append(item)
+
+    def _by_leaf(self, s: int, rest: list[str], slots: deque[list], exports: list[str],
+                 by_machine: dict[str, list[str]], entry_slot: dict[str, list[list]]) -> None:
+        """Stripe `s` into the machines `rest` of an oversubscribed datacenter.
+
+        The SplitStream construction one level up. Each leaf receives the stripe
+        once over the spine, on an *entry* machine, and fans it out under the leaf
+        (a breadth-first tree of fan-out K, rotated with the stripe so that every
+        machine relays about once); a leaf under a holder reads the holder's stream
+        without crossing the spine. Relaying under a leaf of L machines costs
+        (L-1)·K of the leaf's K·L NIC streams, so each leaf has a budget of K
+        cross-leaf streams over all trees. The leaf-level trees are built breadth
+        first: when no slot is left, the leaf that has the stripe and the most
+        budget left gets min(K, budget) slots, spread over its machines by NIC
+        egress committed. A leaf's uplink then carries each stripe in at most once
+        and at most about K streams out (S in, S out: the least possible without a
+        holder under it), and every machine sends about K streams, one per NIC.
+        """
+        lay = self.layout
+        groups: dict[str | None, list[str]] = defaultdict(list)
+        for m in rest:
+            groups[lay.machines[m].leaf].append(m)
+        for leaf in groups:
+            self.leaf_budget.setdefault(leaf, self.k)
+        rooted = [lf for lf in groups if any(lay.machines[r[0]].leaf == lf for r in slots)]
+        free = [lf for lf in groups if lf not in rooted]
+        if free:
+            shift = (s * max(1, len(free) // self.k)) % len(free)
+            free = free[shift:] + free[:shift]
+        roots, have = list(slots), []
+        for leaf in rooted + free:
+            members = self._leaf_order(groups[leaf], s)
+            parent, egress, senders = self._cross(s, slots, roots, have, rooted, groups,
+                                                  by_machine, leaf)
+            head = members[0]
+            self._land(s, self._sender(parent, egress, senders, s), head, by_machine[head],
+                       egress)
+            local: deque[list] = deque([[head, self.k, s, by_machine[head]]])
+            for m in members[1:]:  # breadth first under the leaf, fan-out K
+                parent, egress, senders = self._use(local, leaf)
+                self._land(s, self._sender(parent, egress, senders, s), m, by_machine[m],
+                           egress)
+                local.append([m, self.k, s, by_machine[m]])
+            have.append(leaf)
+        for dc in exports:
+            parent, egress, senders = self._cross(s, slots, roots, have, rooted, groups,
+                                                  by_machine, None)
+            target = self._entry(dc, by_machine)
+            self._land(s, self._sender(parent, egress, senders, s), target, by_machine[target],
+                       egress)
+            entry_slot[dc] = [[target, 1, s, by_machine[target]]]
+
+    def _cross(self, s: int, slots: deque[list], roots: list[list], have: list,
+               rooted: list, groups: dict[str | None, list[str]], by_machine: dict[str, list[str]],
+               leaf: str | None) -> tuple[str, int, list[str]]:
+        """A slot to send stripe `s` into `leaf` (see `_by_leaf`); one under `leaf`
+        first, else promote the leaf in `have` with the most budget, else overload
+        the roots."""
+        lay = self.layout
+        if not any(lay.machines[x[0]].leaf == leaf for x in slots) and not slots:
+            if have:
+                best = max(have, key=lambda lf: (self.leaf_budget[lf], -have.index(lf)))
+                have.remove(best)
+                # a leaf under a holder is the only one with the stripe at first in every
+                # tree: keep one stream of its budget for each later tree
+                reserve = self.k - 1 - s if best in rooted else 0
+                grant = min(self.k, max(1, self.leaf_budget[best] - reserve))
+                slots.extend(self._leaf_slots(groups[best], s, by_machine, grant))
+            else:
+                slots.extend([r[0], 1, r[2], r[3]] for r in roots)
+        parent, egress, senders = self._use(slots, leaf)
+        source_leaf = lay.machines[parent].leaf
+        if source_leaf != leaf and source_leaf in self.leaf_budget:
+            self.leaf_budget[source_leaf] -= 1
+        return parent, egress, senders
+
+    def _use(self, slots: deque[list], leaf: str | None) -> tuple[str, int, list[str]]:
+        """Use one slot, preferring one under `leaf`: (parent, egress NIC, devices)."""
+        lay = self.layout
+        slot = next((x for x in slots if lay.machines[x[0]].leaf == leaf), slots[0])
+        egress = self._egress(slot[0], slot[2])
+        slot[1] -= 1
+        slot[2] += 1
+        if slot[1] == 0:
+            slots.remove(slot)
+        return slot[0], egress, slot[3]
+
+    def _leaf_order(self, members: list[str], s: int) -> list[str]:
+        """`members` rotated for stripe `s` so that the relays under a leaf change
+        from tree to tree (the first is the entry)."""
+        shift = (s * max(1, len(members) // self.k)) % len(members)
+        return members[shift:] + members[:shift]
+
+    def _leaf_slots(self, members: list[str], s: int, by_machine: dict[str, list[str]],
+                    count: int) -> list[list]:
+        """`count` one-stream slots over `members`, least NIC egress committed first
+        (used so far, plus what it will relay under the leaf in later trees)."""
+        load = {m: sum(self.egress_load.get(m, ())) for m in members}
+        for later in range(s + 1, self.k):
+            left = len(members) - 1
+            for m in self._leaf_order(members, later):  # breadth first, fan-out K
+                load[m] += min(self.k, left)
+                left -= min(self.k, left)
+                if not left:
+                    break
+        out = []
+        for _ in range(count):
+            m = min(members, key=load.__getitem__)
+            load[m] += 1
+            out.append([m, 1, s, by_machine[m]])
+        return out
 
     def _committed(self, machine: str, s: int) -> int:
         """NIC streams `machine` sends: used so far, plus K if it is still to be
