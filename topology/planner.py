@@ -23,9 +23,17 @@ its own tree, built in three levels:
    so they are ``O(log_K N)`` machines deep. When a tree runs out of slots (fewer
    machines than stripes) the leaf with the most unused NIC egress (a machine interior in a tree that
    had slots to spare) is promoted.
+   Under oversubscribed leaves the construction is applied one level up
+   (`_Builder._by_leaf`): each leaf gets each stripe over the spine once, on an
+   entry machine that fans it out under the leaf, with a per-leaf budget of K
+   cross-leaf streams over all trees.
 3. **Inside a machine.** The landing device forwards the stripe to the machine's
    other readers: one hop over NVSwitch (star) or, without a switch, a chain over
-   PCIe / NVLink pairs (each device forwards each byte once).
+   PCIe / NVLink pairs (each device forwards each byte once). A broadcast within
+   one NVSwitch machine also uses the links NVLink leaves idle: the bytes are split
+   over planes (`side_planes`: NVSwitch all-gather, a PCIe peer-to-peer chain
+   through the host, a GPUDirect NIC-loopback chain through the leaf) in proportion
+   to their rates, then re-cut once so that all planes finish together.
 
 Every tree edge is a `Transfer` whose ``upstream`` is the transfer that feeds its
 source, so a fetch engine (and `topology.simulator`) pipelines chunks down the
@@ -39,7 +47,9 @@ reader already has.
 Complexity: O(V + E) to index the graph, then O(R·K·h) for R readers, K stripes
 and routes of h ≤ 12 hops; predicted times are an equal-share estimate in
 O(transfers·h). No max-flow, arborescence or shortest-path search runs per reader
-(a 10,000-GPU plan takes a few seconds; see docs/benchmarks.md).
+(a 10,000-GPU plan takes a few seconds; see docs/benchmarks.md). Leaf-aware
+placement adds O(leaves·machines-per-leaf) per stripe; the one-machine planes plan
+twice (O(readers²) transfers at most).
 """
 
 from __future__ import annotations
@@ -80,7 +90,7 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
                    sources: SourceSpec = None, readers: Iterable[str] | None = None,
                    needs: Mapping[str, list[Interval]] | None = None,
                    chunk: int | None = None, stripes: list[Interval] | None = None,
-                   planes: list[str] | None = None) -> Plan:
+                   planes: list[str] | None = None, leaf_aware: bool = True) -> Plan:
     """Plan how every reader gets the bytes it needs of a version of `size` bytes.
 
     Parameters
@@ -104,6 +114,9 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
         Stripe boundaries to reuse (a re-plan keeps the original plan's).
     planes : list of str
         With `stripes`: the plane of each stripe (`Plan.planes`; default all `TREE`).
+    leaf_aware : bool
+        Place tree children leaf by leaf under oversubscribed leaves (default);
+        False builds the trees in machine order (for comparison).
 
     Returns
     -------
@@ -141,19 +154,19 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
     planes = list(planes or [])
     if planes and len(planes) != len(stripes):
         raise PlanError(f"{len(planes)} planes for {len(stripes)} stripes; pass one per stripe")
-    plan = _build(layout, int(size), held, need, stripes, planes, chunk)
+    plan = _build(layout, int(size), held, need, stripes, planes, chunk, leaf_aware)
     if rebalance and any(p != TREE for p in planes):
         # second pass: move bytes off the planes that finish late (deep chains lag)
         stripes, planes = _rebalance(layout, plan, need, held)
-        plan = _build(layout, int(size), held, need, stripes, planes, chunk)
+        plan = _build(layout, int(size), held, need, stripes, planes, chunk, leaf_aware)
     plan.plan_seconds = time.perf_counter() - started
     return plan
 
 
 def _build(layout: Layout, size: int, held: dict[str, list[Interval]],
            need: dict[str, list[Interval]], stripes: list[Interval], planes: list[str],
-           chunk: int | None) -> Plan:
-    transfers = _Builder(layout, held, need, stripes, planes).build()
+           chunk: int | None, leaf_aware: bool = True) -> Plan:
+    transfers = _Builder(layout, held, need, stripes, planes, leaf_aware).build()
     plan = Plan(size=size, chunk=0, stripes=list(stripes), transfers=transfers,
                 sources=held, needs=need, planes=planes)
     rates = share_rates(layout.graph, transfers)
@@ -430,9 +443,9 @@ class _Builder:
 
     def __init__(self, layout: Layout, held: dict[str, list[Interval]],
                  need: dict[str, list[Interval]], stripes: list[Interval],
-                 planes: list[str]) -> None:
+                 planes: list[str], leaf_aware: bool = True) -> None:
         self.layout, self.held, self.need, self.stripes = layout, held, need, stripes
-        self.planes = planes
+        self.planes, self.leaf_aware = planes, leaf_aware
         self.k = len(stripes)
         self.transfers: list[Transfer] = []
         self.incoming: dict[tuple[str, int], int] = {}
@@ -539,7 +552,7 @@ class _Builder:
             if m != entry:
                 self._inside(s, m, by_machine[m], holder_machines[m])
         rest = [m for m in machines if m not in inner]
-        if any(lay.oversubscribed(lay.machines[m].leaf) for m in rest):
+        if self.leaf_aware and any(lay.oversubscribed(lay.machines[m].leaf) for m in rest):
             self._by_leaf(s, rest, slots, exports, by_machine, entry_slot)
             return
         for i, m in enumerate(rest):
