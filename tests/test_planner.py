@@ -11,13 +11,17 @@ from topology import reference_cluster
 from topology.bounds import lower_bound
 from topology.layout import Layout
 from topology.plan import (
+    HOST,
+    NIC_LOOP,
+    PLANES,
+    TREE,
     EmptyTransferError,
     PlanError,
     UnknownDeviceError,
     UnreachableReaderError,
 )
 from topology.planner import plan_broadcast, replan
-from topology.simulator import simulate
+from topology.simulator import Vanish, simulate
 
 GB = 10**9
 
@@ -182,3 +186,79 @@ def test_random_plans_deliver_every_byte_once_and_never_beat_the_bound(case, siz
         check_exactly_once(result.delivered[reader], plan.needs[reader])
     classes = lower_bound(lay, plan.sources, plan.needs, method="classes")
     assert classes.seconds <= bound.seconds * (1 + 1e-9)  # contraction stays a valid bound
+
+
+# --- one machine: NVLink, host PCIe and NIC loopback in parallel ----------------------
+
+def test_one_dgx_splits_the_bytes_over_nvlink_host_and_nic_loopback():
+    cluster = reference_cluster("dgx-h100")
+    lay = Layout(cluster.graph())
+    plan = plan_broadcast(cluster, 140 * GB)
+    check_plan(plan, lay.graph)
+    share = {p: 0 for p in PLANES}
+    for (lo, hi), plane in zip(plan.stripes, plan.planes, strict=True):
+        share[plane] += hi - lo
+    # bytes in proportion to the per-GPU rates: NVLink 450, PCIe 64, NIC 50 GB/s
+    assert share[TREE] / plan.size == pytest.approx(450 / 564, abs=0.02)
+    assert share[HOST] / share[NIC_LOOP] == pytest.approx(64 / 50, rel=0.1)
+    tiers = {p: {lay.graph.edges[a]["tier"] for t in plan.transfers if plan.planes[t.stripe] == p
+                 for a in zip(t.path, t.path[1:], strict=False)} for p in PLANES}
+    assert tiers == {TREE: {"nvlink"}, HOST: {"pcie"}, NIC_LOOP: {"pcie", "nic"}}
+    result = _run(lay, plan)
+    assert result.max_utilisation <= 1 + 1e-6
+    bound = lower_bound(lay, plan.sources, plan.needs, method="exact")
+    # NVLink alone would give 450/578 = 0.78 of the bound
+    assert bound.seconds / result.makespan > 0.95
+    assert result.makespan == pytest.approx(plan.predicted_s, rel=0.01)
+
+
+def test_one_machine_without_nics_or_nvswitch_uses_one_plane():
+    lay = _cluster("  box:\n    gpus: 4\n    gpu: {model: X}\n    pcie: {bandwidth: 32GB/s}\n",
+                   "  - name: dc\n    nodes: [{name: n, type: box}]\n")
+    plan = plan_broadcast(lay, 4 * GB, sources=["n/gpu0"], readers=["n"])
+    check_plan(plan, lay.graph)
+    assert set(plan.planes) == {TREE}
+
+
+def test_a_relay_of_the_loopback_chains_vanishing_is_routed_around():
+    cluster = reference_cluster("dgx-h100")
+    lay = Layout(cluster.graph())
+    plan = plan_broadcast(cluster, 16 * GB)
+
+    def again(holders, missing):
+        return plan_broadcast(lay, plan.size, sources=holders, needs=missing, chunk=plan.chunk,
+                              stripes=plan.stripes, planes=plan.planes).transfers
+
+    lost = ("dgx/gpu3",)
+    result = simulate(lay.graph, plan.transfers, chunk=plan.chunk, size=plan.size,
+                      holders=plan.sources, events=[Vanish(0.4 * plan.predicted_s, lost)],
+                      replanner=again)
+    assert result.max_utilisation <= 1 + 1e-6
+    for reader in plan.needs:
+        if reader not in lost:
+            check_exactly_once(result.delivered[reader], plan.needs[reader])
+    have = {r: [(0, plan.size // 3)] for r in plan.needs}
+    partial = replan(plan, lay, lost=lost, have=have)
+    check_plan(partial, lay.graph)
+
+
+# --- oversubscribed leaves ----------------------------------------------------------
+
+def test_oversubscribed_leaves_get_each_stripe_over_the_spine_once():
+    from topology.synthetic import synthetic_cluster
+
+    cluster = synthetic_cluster([15], oversubscription=3.0, nodes_per_leaf=4)
+    lay = Layout(cluster.graph())
+    plan = plan_broadcast(cluster, 16 * GB)
+    check_plan(plan, lay.graph)
+    into: dict[str, int] = {}
+    for t in plan.transfers:
+        for a, b in zip(t.path, t.path[1:], strict=False):
+            if a.endswith("/spine"):
+                into[b] = into.get(b, 0) + t.nbytes
+    # 16 machines, 4 leaves; the trainer's leaf reads it under the leaf
+    assert sorted(into.values()) == [plan.size] * 3
+    result = _run(lay, plan)
+    assert result.max_utilisation <= 1 + 1e-6
+    bound = lower_bound(lay, plan.sources, plan.needs)
+    assert bound.seconds / result.makespan > 0.9

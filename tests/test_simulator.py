@@ -22,7 +22,7 @@ GB = 10**9
 def _replanner(lay, plan):
     def replan(holders, missing):
         return plan_broadcast(lay, plan.size, sources=holders, needs=missing, chunk=plan.chunk,
-                              stripes=plan.stripes).transfers
+                              stripes=plan.stripes, planes=plan.planes).transfers
     return replan
 
 

@@ -71,6 +71,13 @@ class Layout:
                     if kinds[u] == "nvswitch":
                         m.nvswitch = u
         self.kinds = kinds
+        self.uplink: dict[str, float] = {}    # leaf -> bandwidth to the spine
+        self.downlink: dict[str, float] = {}  # leaf -> sum of its NICs' bandwidth
+        for u, v, bw in graph.edges(data="bandwidth"):
+            if kinds.get(u) == "leaf" and kinds.get(v) == "spine":
+                self.uplink[u] = bw
+            elif kinds.get(u) == "nic" and kinds.get(v) == "leaf":
+                self.downlink[v] = self.downlink.get(v, 0.0) + bw
         gateways = [v for v, k in kinds.items() if k == "wan"]
         self._wan = graph.subgraph(gateways).copy()
 
@@ -84,6 +91,14 @@ class Layout:
     def datacenter(self, device: str) -> str:
         return self.machine(device).datacenter
 
+    def rail_nic(self, device: str) -> str | None:
+        """The NIC on `device`'s own rail (a direct PCIe link), or None."""
+        m = self.machine(device)
+        for k, g in m.rail_gpu.items():
+            if g == device and self.graph.has_edge(device, m.nics[k]):
+                return m.nics[k]
+        return None
+
     def rail_of(self, device: str) -> int:
         """The NIC index on the device's rail (0 for hosts and rail-less GPUs)."""
         m = self.machine(device)
@@ -91,6 +106,12 @@ class Layout:
             if g == device:
                 return k
         return 0
+
+    def oversubscribed(self, leaf: str | None) -> bool:
+        """True when `leaf` has less bandwidth to the spine than its NICs have to it."""
+        if leaf is None or leaf not in self.uplink:
+            return False
+        return self.uplink[leaf] < self.downlink.get(leaf, 0.0) * (1 - 1e-9)
 
     # --- routes -------------------------------------------------------------------
     def route(self, src: str, dst: str, *, egress: int | None = None,
@@ -108,7 +129,7 @@ class Layout:
                 and dst in md.gpus:
             return (src, ms.nvswitch, dst)
         if ms is md:
-            return _dedupe((src, ms.host, dst))
+            return dedupe((src, ms.host, dst))
         if not ms.nics or not md.nics or ms.leaf is None or md.leaf is None:
             return None
         nic_s = ms.nics[(self.rail_of(src) if egress is None else egress) % len(ms.nics)]
@@ -116,7 +137,7 @@ class Layout:
         middle = self._network(ms, md)
         if middle is None:
             return None
-        return _dedupe(self._to_nic(ms, src, nic_s) + (ms.leaf,) + middle + (md.leaf,)
+        return dedupe(self._to_nic(ms, src, nic_s) + (ms.leaf,) + middle + (md.leaf,)
                        + tuple(reversed(self._to_nic(md, dst, nic_d))))
 
     def via_spine(self, src: str | None, dst: str | None, dc: str,
@@ -139,7 +160,7 @@ class Layout:
             middle = middle[:-1] + (spine,)
         half = self._to_nic(m, device, m.nics[self.rail_of(device) % len(m.nics)])
         out = half + (m.leaf,) + middle + (vertex,)
-        return _dedupe(out if src is not None else tuple(reversed(out)))
+        return dedupe(out if src is not None else tuple(reversed(out)))
 
     def _to_nic(self, m: Machine, device: str, nic: str) -> tuple[str, ...]:
         g = self.graph
@@ -150,7 +171,7 @@ class Layout:
             return (device, m.nvswitch, rail, nic)
         if rail is not None and g.has_edge(device, rail):
             return (device, rail, nic)
-        return _dedupe((device, m.host, nic))
+        return dedupe((device, m.host, nic))
 
     def rail_gpu_of_nic(self, m: Machine, nic: str) -> str | None:
         return m.rail_gpu.get(m.nics.index(nic))
@@ -200,7 +221,8 @@ class Layout:
         return {dc: p for dc, p in parent.items() if dc in needed and dc not in roots and p}
 
 
-def _dedupe(path: tuple[str, ...]) -> tuple[str, ...]:
+def dedupe(path: tuple[str, ...]) -> tuple[str, ...]:
+    """`path` without consecutive repeats (a device that is its own host, say)."""
     out: list[str] = []
     for v in path:
         if not out or out[-1] != v:

@@ -16,6 +16,11 @@ from typing import Any
 
 Interval = tuple[int, int]
 
+TREE = "tree"          # network trees, then NVSwitch / NVLink fan-out inside machines
+HOST = "host"          # holder -> host memory over PCIe -> every reader over PCIe
+NIC_LOOP = "nic-loop"  # a chain GPU -> its NIC -> leaf -> next GPU's NIC -> GPU (RDMA loopback)
+PLANES = (TREE, HOST, NIC_LOOP)
+
 
 class PlanError(ValueError):
     """A broadcast cannot be planned as asked; the message says what to change."""
@@ -74,6 +79,9 @@ class Plan:
         Reader -> byte ranges it must receive.
     predicted : dict
         Reader -> predicted completion time in seconds (equal-share estimate).
+    planes : list of str
+        The plane each stripe travels on (`TREE`, `HOST` or `NIC_LOOP`; see
+        `topology.planner`); empty means every stripe is a `TREE`.
     """
 
     size: int
@@ -84,6 +92,7 @@ class Plan:
     needs: dict[str, list[Interval]]
     predicted: dict[str, float] = field(default_factory=dict)
     plan_seconds: float = 0.0
+    planes: list[str] = field(default_factory=list)
 
     @property
     def readers(self) -> list[str]:
@@ -107,7 +116,7 @@ class Plan:
                 "sources": {d: [list(r) for r in rs] for d, rs in self.sources.items()},
                 "needs": {d: [list(r) for r in rs] for d, rs in self.needs.items()},
                 "transfers": [t.to_dict() for t in self.transfers],
-                "predicted": self.predicted}
+                "planes": list(self.planes), "predicted": self.predicted}
 
 
 def merge_intervals(intervals: list[Interval]) -> list[Interval]:

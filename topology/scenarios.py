@@ -111,7 +111,7 @@ def run_scenario(cluster: Cluster, name: str, size: int, *,
 
     def ours_replanner(hold, missing):
         return plan_broadcast(layout, size, sources=hold, needs=missing, chunk=plan.chunk,
-                              stripes=plan.stripes).transfers
+                              stripes=plan.stripes, planes=plan.planes).transfers
 
     started = time.perf_counter()
     ours = simulate(layout.graph, plan.transfers, chunk=plan.chunk, size=size,

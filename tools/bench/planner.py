@@ -18,6 +18,8 @@ from topology.synthetic import synthetic_cluster
 
 SIZE = 140 * 10**9  # a 70B model in bf16
 SCALES = [[1], [4], [32], [128], [625, 625], [1250]]  # rollout nodes per datacenter
+# oversubscribed leaves: (rollout nodes, oversubscription, nodes per leaf)
+OVERSUBSCRIBED = [(31, 3.0, 4), (127, 3.0, 4), (31, 3.0, 8), (127, 4.0, 16)]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,6 +48,27 @@ def _scale_row(rollout_nodes: list[int]) -> dict[str, object]:
     return row
 
 
+def _oversubscribed_row(nodes: int, over: float, per_leaf: int) -> dict[str, object]:
+    """Leaf-aware trees against the same planner with leaf placement switched off."""
+    from tools.plan_cmd import plan_summary
+
+    cluster = synthetic_cluster([nodes], oversubscription=over, nodes_per_leaf=per_leaf)
+    layout = Layout(cluster.graph())
+    sources, readers = default_endpoints(cluster, layout)
+    row: dict[str, object] = {"gpus": nodes * 8, "oversubscription": over,
+                              "nodes_per_leaf": per_leaf}
+    for name, aware in (("leaf_aware", True), ("machine_order", False)):
+        plan = plan_broadcast(layout, SIZE, sources=sources, readers=readers, leaf_aware=aware)
+        summary = plan_summary(plan, layout)
+        spine = sum(t.nbytes for t in plan.transfers
+                    for a in zip(t.path, t.path[1:], strict=False) if a[0].endswith("/spine"))
+        row[name] = {"simulated_s": summary["simulated_s"],
+                     "lower_bound_s": summary["lower_bound_s"],
+                     "simulated_efficiency": summary["simulated_efficiency"],
+                     "spine_bytes_per_s": spine / SIZE, "depth": summary["depth"]}
+    return row
+
+
 def run(args: argparse.Namespace) -> int:
     from tools.plan_cmd import plan_summary
 
@@ -62,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         refs[name] = plan_summary(plan, layout)
     out["reference"] = refs
     out["scale"] = [_scale_row(n) for n in SCALES if sum(n) * 8 <= args.max_gpus]
+    out["oversubscribed"] = [_oversubscribed_row(*c) for c in OVERSUBSCRIBED
+                             if c[0] * 8 <= args.max_gpus]
     scen = {"standalone-256": run_scenario(synthetic_cluster([32]), "standalone", SIZE),
             "elastic-256": run_scenario(synthetic_cluster([32]), "elastic", SIZE),
             "preemption-256": run_scenario(synthetic_cluster([32]), "preemption", SIZE),
@@ -100,6 +125,17 @@ def _print(out: dict) -> None:
                   f"{r['plan_seconds']:.2f}", f"{r['bound_seconds']:.2f}",
                   f"{r['simulate_seconds']:.2f}", f"{r['efficiency']:.3f}",
                   f"{r['simulated_efficiency']:.3f}")
+    console.print(t)
+    t = Table("GPUs", "over.", "nodes/leaf", "leaf-aware s", "machine-order s", "bound s",
+              "eff. (aware)", "eff. (order)", "spine/S (aware)", "spine/S (order)",
+              title="oversubscribed leaves (simulated)")
+    for r in out["oversubscribed"]:
+        a, o = r["leaf_aware"], r["machine_order"]
+        t.add_row(str(r["gpus"]), f"{r['oversubscription']:g}", str(r["nodes_per_leaf"]),
+                  f"{a['simulated_s']:.4g}", f"{o['simulated_s']:.4g}",
+                  f"{a['lower_bound_s']:.4g}", f"{a['simulated_efficiency']:.3f}",
+                  f"{o['simulated_efficiency']:.3f}", f"{a['spine_bytes_per_s']:.1f}",
+                  f"{o['spine_bytes_per_s']:.1f}")
     console.print(t)
     t = Table("scenario", "readers", "ours s", "star s", "ring s", "storage s", "vs star",
               "vs ring", "WAN/S", title="scenarios (stall until the last reader has it)")
