@@ -176,10 +176,11 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                     if source.worker in failed:
                         continue
                     pending.add(pool.submit(read_one, chunk, source))
-                done, pending = wait(pending, timeout=options.read_timeout * 2,
-                                     return_when=FIRST_COMPLETED)
+                left = options.deadline - (time.monotonic() - start)
+                done, pending = wait(pending, timeout=max(0.0, left), return_when=FIRST_COMPLETED)
                 if not done:
-                    raise FetchError("a chunk read outlived its timeout; the source hangs")
+                    raise FetchError(f"fetch ran past its deadline of {options.deadline:g} s "
+                                     f"with {len(pending)} reads still waiting on sources")
                 finished: list[int] = []
                 for future in done:
                     chunk, source, error = future.result()

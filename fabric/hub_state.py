@@ -336,7 +336,8 @@ class HubState:
             "workers": {worker: {"location", "endpoints", "complete"}}}`` — chunks
             ``start..stop-1`` can be read from any of ``sources`` (best first; each has
             them now); ``wait`` names partial replicas ranked better than every source
-            that do not have them yet (advisory: wait on their progress or read a source).
+            that do not have them yet and began fetching before this reader (so waits
+            never form a cycle; advisory: wait on their progress or read a source).
 
         Raises:
             NoSourceError: no live source holds some of the chunks.
@@ -357,6 +358,10 @@ class HubState:
         allowed = {c.worker for c in cands}
         ranked = [c for c in self.rank_sources(reader_loc, cands) if c.worker in allowed]
         reps = [v.replicas[(c.worker, f.shard)] for c in ranked]
+        # A reader waits only on partial replicas that began fetching before it did:
+        # waits then follow start order, so two readers never wait on each other.
+        order = {key: i for i, key in enumerate(v.replicas)}
+        mine = order[(worker, f.shard)]
         ranges: list[dict[str, Any]] = []
         missing: list[int] = []
         named: set[str] = set()
@@ -368,7 +373,7 @@ class HubState:
                     srcs.append(r.worker)
                     if len(srcs) >= self.max_sources:
                         break
-                elif not srcs and len(wait) < 2:
+                elif not srcs and len(wait) < 2 and order[(r.worker, r.shard)] < mine:
                     wait.append(r.worker)
             if not srcs:
                 missing.append(c)

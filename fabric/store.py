@@ -258,7 +258,16 @@ class ModelStore:
             version = hub.latest(self.model) or "latest"
         if version == self.version:
             return None, FetchStats(version=self.version)
-        plan = hub.begin_fetch(self.model, version)
+        # Expose the buffer before the hub lists this worker as a partial replica, so
+        # peers told to wait on it find the region at once.
+        early = (self._expose_spare(version, self.chunk_size)
+                 if self.layout is not None and isinstance(version, int) else None)
+        try:
+            plan = hub.begin_fetch(self.model, version)
+        except BaseException:
+            if early is not None:
+                self._unexpose(early[0])
+            raise
         manifest = plan.manifest
         try:
             with self._lock:
@@ -266,15 +275,14 @@ class ModelStore:
                     self.layout = layout_from_manifest(manifest)
                 else:
                     check_compatible(self.layout, manifest, model=self.model, version=plan.version)
-                buffer = self._spare_buffer()
-                name = region_name(self.model, plan.version)
-                progress = ChunkProgress(manifest.num_chunks)
-                self.worker.server.expose(name, buffer.region.tensor,
-                                          chunk_size=manifest.chunk_size, progress=progress,
-                                          shm_path=str(buffer.region.path))
-                buffer.version, buffer.exposed = plan.version, name
+                if early is not None and manifest.chunk_size != self.chunk_size:
+                    self._unexpose(early[0])
+                    early = None
+                buffer, progress = early or self._expose_spare(plan.version, manifest.chunk_size)
         except BaseException:
             _quietly(hub.release, plan.fetch_id)
+            if early is not None:
+                self._unexpose(early[0])
             raise
         try:
             stats = fetch_chunks(
@@ -287,8 +295,7 @@ class ModelStore:
             hub.complete_fetch(plan.fetch_id)
         except BaseException:
             _quietly(hub.release, plan.fetch_id)
-            self.worker.server.retract(name, timeout=options.read_timeout)
-            buffer.version = buffer.exposed = None
+            self._unexpose(buffer, timeout=options.read_timeout)
             raise
         stats.version = plan.version
         log.info("fetched %s v%d: %d bytes in %.3f s (%.2f GB/s) from %s", self.model,
@@ -374,6 +381,23 @@ class ModelStore:
             raise FabricError(f"model {self.model!r}: all {MAX_BUFFERS} buffers hold versions "
                               "readers still need; retract or release one first")
         return self._new_buffer()
+
+    def _expose_spare(self, version: int, chunk_size: int) -> tuple[_Buffer, ChunkProgress]:
+        """A spare buffer, exposed empty as `version` (a partial replica that fills)."""
+        assert self.layout is not None
+        with self._lock:
+            buffer = self._spare_buffer()
+            name = region_name(self.model, version)
+            progress = ChunkProgress(-(-self.layout.nbytes // chunk_size))
+            self.worker.server.expose(name, buffer.region.tensor, chunk_size=chunk_size,
+                                      progress=progress, shm_path=str(buffer.region.path))
+            buffer.version, buffer.exposed = version, name
+            return buffer, progress
+
+    def _unexpose(self, buffer: _Buffer, *, timeout: float = 5.0) -> None:
+        if buffer.exposed is not None:
+            self.worker.server.retract(buffer.exposed, timeout=timeout)
+        buffer.version = buffer.exposed = None
 
     def _activate(self, buffer: _Buffer) -> None:
         with self._lock:

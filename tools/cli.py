@@ -13,7 +13,7 @@ import sys
 
 import fabric
 
-COMMAND_MODULES = ["tools.topo_cmd", "tools.bench_cmd", "tools.hub_cmd"]
+COMMAND_MODULES = ["tools.demo_cmd", "tools.topo_cmd", "tools.bench_cmd", "tools.hub_cmd"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
