@@ -205,6 +205,25 @@ def op_wait_version(s: HubState, session: str, a: dict[str, Any]) -> dict[str, A
     return Park(check, timeout, lambda: {"version": None})
 
 
+def op_kv_put(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    ttl = _arg(a, "ttl", (int, float), None)
+    return s.kv_put(_arg(a, "key", str), _arg(a, "value", bytes),
+                    ttl=None if ttl is None else float(ttl))
+
+
+def op_kv_get(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any] | Park:
+    key = _arg(a, "key", str)
+
+    def check() -> dict[str, Any] | None:
+        value = s.kv_get(key)
+        return None if value is None else {"value": value}
+    ready = check()
+    timeout = _wait(a)
+    if ready is not None or timeout <= 0:
+        return ready or {"value": None}
+    return Park(check, timeout, lambda: {"value": None})
+
+
 def op_status(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
     return s.snapshot()
 

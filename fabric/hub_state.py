@@ -23,6 +23,7 @@ fetches end; fetches that could read from it learn so in their next heartbeat.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -40,6 +41,7 @@ from fabric.errors import (
     UnknownModelError,
     UnknownVersionError,
     UnknownWorkerError,
+    ValueTooLargeError,
 )
 from fabric.hub_records import (
     COMMITTED,
@@ -65,6 +67,9 @@ log = logging.getLogger("fabric.hub")
 
 DEFAULT_LEASE_S = 10.0
 MAX_FINISHED_GROUPS = 4096
+MAX_KV_VALUE = 64 * 1024
+MAX_KV_KEY = 256
+MAX_KV_KEYS = 65_536
 
 
 class HubState:
@@ -97,6 +102,8 @@ class HubState:
         self.load: Counter[str] = Counter()
         self.generation = 0
         self.durable_generation = 0
+        self.kv: dict[str, tuple[bytes, float | None]] = {}
+        self._kv_ttl: list[tuple[float, str]] = []
         for name, policy in (policies or {}).items():
             self.models[name] = ModelRecord(name, policy)
 
@@ -153,7 +160,9 @@ class HubState:
         return {}
 
     def expire(self) -> list[str]:
-        """Drop every worker whose lease ended; returns their ids."""
+        """Drop every worker whose lease ended (and rendezvous keys whose ttl ran out);
+        returns the dropped workers' ids."""
+        self._expire_kv()
         now = self.clock()
         dead = [w for w, rec in self.workers.items() if rec.expires <= now]
         for w in dead:
@@ -548,6 +557,66 @@ class HubState:
         self._settle()
         return policy.to_wire()
 
+    # --------------------------------------------------------------- rendezvous
+    def kv_put(self, key: str, value: bytes, *, ttl: float | None = None) -> dict[str, Any]:
+        """Store a small value under ``key`` (last writer wins); soft state.
+
+        Args:
+            key: 1..`MAX_KV_KEY` bytes of UTF-8; one flat namespace per hub (use prefixes
+                such as ``"job-7/nvshmem-uid"``).
+            value: at most `MAX_KV_VALUE` bytes.
+            ttl: seconds until the key vanishes (None: until the hub stops).
+
+        Returns:
+            ``{"size": len(value)}``.
+
+        Raises:
+            ValueTooLargeError: the key or value is over its limit, or the hub already
+                holds `MAX_KV_KEYS` keys.
+            ValueError: empty key or a ``ttl`` that is not positive.
+        """
+        self._expire_kv()
+        _check_kv_key(key)
+        if len(value) > MAX_KV_VALUE:
+            raise ValueTooLargeError(f"value for key {key!r} is {len(value)} bytes, over the "
+                                     f"{MAX_KV_VALUE}-byte limit; the rendezvous store is for "
+                                     "small handshakes (ids, addresses), not data")
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds or None, got {ttl}")
+        if key not in self.kv and len(self.kv) >= MAX_KV_KEYS:
+            raise ValueTooLargeError(f"the hub already holds {MAX_KV_KEYS} rendezvous keys; "
+                                     "use a ttl so old keys vanish")
+        expires = None if ttl is None else self.clock() + float(ttl)
+        self.kv[key] = (bytes(value), expires)
+        if expires is not None:
+            heapq.heappush(self._kv_ttl, (expires, key))
+        self._touch()
+        return {"size": len(value)}
+
+    def kv_get(self, key: str) -> bytes | None:
+        """The value stored under ``key``, or None when it is absent (or its ttl ran out).
+
+        Raises:
+            ValueTooLargeError: the key is over `MAX_KV_KEY` bytes.
+            ValueError: empty key.
+        """
+        _check_kv_key(key)
+        item = self.kv.get(key)
+        if item is None:
+            return None
+        if item[1] is not None and item[1] <= self.clock():
+            self._expire_kv()
+            return None
+        return item[0]
+
+    def _expire_kv(self) -> None:
+        now = self.clock()
+        while self._kv_ttl and self._kv_ttl[0][0] <= now:
+            expires, key = heapq.heappop(self._kv_ttl)
+            item = self.kv.get(key)
+            if item is not None and item[1] == expires:
+                del self.kv[key]
+
     # ------------------------------------------------------------------ queries
     def latest(self, model: str) -> int | None:
         """The newest committed version with a complete live replica of every shard."""
@@ -829,8 +898,15 @@ def _check_chunks(chunks: list[int], num_chunks: int) -> list[int]:
     return list(chunks)
 
 
+def _check_kv_key(key: str) -> None:
+    if not key:
+        raise ValueError("a rendezvous key must not be empty")
+    if len(key.encode()) > MAX_KV_KEY:
+        raise ValueTooLargeError(f"rendezvous key {key[:40]!r}... is over {MAX_KV_KEY} bytes")
+
+
 def _fmt_chunks(chunks: list[int]) -> str:
     return ", ".join(map(str, chunks[:16])) + (" ..." if len(chunks) > 16 else "")
 
 
-__all__ = ["DEFAULT_LEASE_S", "HubState"]
+__all__ = ["DEFAULT_LEASE_S", "MAX_KV_KEY", "MAX_KV_KEYS", "MAX_KV_VALUE", "HubState"]
