@@ -250,6 +250,11 @@ class HubMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------- invariants
     @invariant()
+    def indexes_match_a_full_scan(self) -> None:
+        """The incremental indexes (by worker, by replica, by model) never drift."""
+        self.hub._check_indexes()
+
+    @invariant()
     def latest_is_committed_with_live_complete_replica(self) -> None:
         for m in MODELS:
             n = self.hub.latest(m)
