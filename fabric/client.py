@@ -248,6 +248,9 @@ class HubClient:
                 if msg.req_id == req_id:
                     return msg
             if time.monotonic() >= deadline:
+                # Drop the queued request so it cannot reach a hub that comes back later
+                # (it would run there with nobody waiting for the answer).
+                self._reset_socket(channel)
                 raise HubTimeoutError(f"hub at {self.url} did not answer {op!r} within "
                                       f"{limit:g} s ({attempt + 1} attempts); it may be down "
                                       "or overloaded")
@@ -284,12 +287,16 @@ class HubClient:
 
     def heartbeat(self, *, channel: str = "main") -> dict[str, Any]:
         """Renew the lease now; returns the hub's news (see `HubState.heartbeat`)."""
+        with self._lock:       # the versions we know we publish keep their publish claim
+            publishing = sorted({(h.model, h.version) for h in self._holdings.values()
+                                 if h.publisher and h.state == "publishing"})
+        args = {"worker": self.worker, "publishing": [list(p) for p in publishing]}
         try:
-            out = self.call("heartbeat", {"worker": self.worker}, channel=channel)
+            out = self.call("heartbeat", args, channel=channel)
         except UnknownWorkerError:
             log.warning("lease of worker=%s had expired; registering again", self.worker)
             self._register(channel)
-            out = self.call("heartbeat", {"worker": self.worker}, channel=channel)
+            out = self.call("heartbeat", args, channel=channel)
         for fid, workers in out["lost"].items():
             self.lost.setdefault(fid, set()).update(workers)
         self.retired.update((m, v) for m, v in out["retired"])

@@ -85,7 +85,12 @@ def op_register(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_heartbeat(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.heartbeat(_worker(a), session=session)
+    publishing = _arg(a, "publishing", list, None)
+    if publishing is not None and not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+            and isinstance(p[1], int) and not isinstance(p[1], bool) for p in publishing):
+        raise BadRequestError("argument 'publishing' must be a list of [model, version]")
+    return s.heartbeat(_worker(a), session=session, publishing=publishing)
 
 
 def op_unregister(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:

@@ -80,6 +80,9 @@ class VersionRecord:
     replicas: dict[tuple[str, int], Replica] = field(default_factory=dict)
     group: str | None = None
     retire_reason: str = ""
+    claimed_until: float = 0.0
+    """While publishing: a publisher must claim the version (begin_publish, commit, or a
+    heartbeat listing it) before this time, else it is retired as orphaned."""
     complete_live: dict[int, set[str]] = field(default_factory=dict)
     """Index: per shard, the workers whose replica is complete and live (`reindex`)."""
 
@@ -159,3 +162,5 @@ class ModelRecord:
     policy: RetentionPolicy = field(default_factory=RetentionPolicy)
     versions: dict[int, VersionRecord] = field(default_factory=dict)
     publish_groups: dict[str, int] = field(default_factory=dict)
+    retired_log: dict[int, str] = field(default_factory=dict)
+    """Recently retired version numbers and why (newest last, bounded), for status."""

@@ -43,6 +43,7 @@ from fabric.errors import (
     UnknownWorkerError,
     ValueTooLargeError,
 )
+from fabric.hub_persist import MAX_RETIRED_KEPT, DurableState
 from fabric.hub_records import (
     COMMITTED,
     GROUP_ABORTED,
@@ -82,12 +83,15 @@ class HubState:
         max_sources: sources named per chunk range in a plan.
         next_versions: per model, the next version number to hand out (from a state dir).
         policies: per model, retention policies restored from a state dir.
+        durable: everything a state dir kept (`fabric.hub_persist`); its counters and
+            policies are used where ``next_versions`` / ``policies`` do not say otherwise.
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  lease_s: float = DEFAULT_LEASE_S, rank_sources: RankSources = rank_by_locality,
                  max_sources: int = 4, next_versions: dict[str, int] | None = None,
-                 policies: dict[str, RetentionPolicy] | None = None) -> None:
+                 policies: dict[str, RetentionPolicy] | None = None,
+                 durable: DurableState | None = None) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.clock = clock
@@ -98,7 +102,9 @@ class HubState:
         self.models: dict[str, ModelRecord] = {}
         self.fetches: dict[str, FetchRecord] = {}
         self.groups: OrderedDict[tuple[str, str], FetchGroup] = OrderedDict()
-        self.next_versions: dict[str, int] = dict(next_versions or {})
+        durable = durable or DurableState()
+        self.next_versions: dict[str, int] = {**durable.next_versions, **(next_versions or {})}
+        self.known_below: dict[str, int] = dict(durable.known_below)
         self.load: Counter[str] = Counter()
         self.generation = 0
         self.durable_generation = 0
@@ -116,8 +122,18 @@ class HubState:
         self._delayed: set[tuple[str, int, int, str]] = set()
         self._dirty_models: set[str] = set()
         self._gc: set[tuple[str, int]] = set()
-        for name, policy in (policies or {}).items():
+        self._claims: list[tuple[float, str, int]] = []    # heap: publish claim deadlines
+        for name, policy in {**durable.policies, **(policies or {})}.items():
             self.models[name] = ModelRecord(name, policy)
+        for name, reasons in durable.retired.items():
+            self.models.setdefault(name, ModelRecord(name)).retired_log.update(reasons)
+        for name, versions in (durable.versions or {}).items():
+            m = self.models.setdefault(name, ModelRecord(name))
+            for n, (state, num_shards) in versions.items():
+                v = VersionRecord(name, n, num_shards, state=state)
+                m.versions[n] = v
+                if state == PUBLISHING:     # its publisher must come back within a lease
+                    self._claim(v)
 
     # ----------------------------------------------------------------- workers
     def register(self, worker: str, *, session: str, location: Location | None = None,
@@ -144,8 +160,15 @@ class HubState:
         self._touch()
         return {"lease_s": self.lease_s}
 
-    def heartbeat(self, worker: str, *, session: str) -> dict[str, Any]:
+    def heartbeat(self, worker: str, *, session: str,
+                  publishing: list[tuple[str, int]] | None = None) -> dict[str, Any]:
         """Renew a worker's lease; returns news for it.
+
+        Args:
+            publishing: ``[(model, version)]`` the worker knows it is publishing; only
+                those keep their publish claim (a version it began but never heard of —
+                its reply was lost — is then retired as orphaned after a lease). None:
+                every version it publishes is claimed (older clients).
 
         Returns:
             ``{"lease_s", "lost": {fetch_id: [workers]}, "retired": [[model, version]]}``:
@@ -158,6 +181,11 @@ class HubState:
         rec = self._worker(worker, session)
         rec.expires = self.clock() + self.lease_s
         self._lease_order.move_to_end(worker)
+        claimed = (self._publishing.get(worker, set()) if publishing is None
+                   else {(str(m), int(n)) for m, n in publishing}
+                   & self._publishing.get(worker, set()))
+        for model, number in claimed:
+            self._claim(self.models[model].versions[number])
         lost: dict[str, list[str]] = {}
         for fid in self._own_fetches.get(worker, ()):
             f = self.fetches[fid]
@@ -187,7 +215,21 @@ class HubState:
             dead.append(w)
         for w in dead:
             self._drop_worker(w, "lease expired")
-        if dead:
+        orphans = False
+        while self._claims and self._claims[0][0] <= now:
+            _, model, number = heapq.heappop(self._claims)
+            m = self.models.get(model)
+            v = m.versions.get(number) if m else None
+            if v is None or v.state != PUBLISHING:
+                continue
+            if v.claimed_until > now:                    # renewed since: check again later
+                heapq.heappush(self._claims, (v.claimed_until, model, number))
+                continue
+            self._retire(v, f"orphaned: no publisher claimed it for {self.lease_s:g} s (its "
+                            "begin_publish reply was lost, e.g. retried across a hub restart, "
+                            "or no publisher came back after one); publish again")
+            orphans = True
+        if dead or orphans:
             self._settle()
         return dead
 
@@ -223,6 +265,8 @@ class HubState:
         if v is None:
             number = max(self.next_versions.get(model, 1), 1)
             self.next_versions[model] = number + 1
+            if self.known_below.get(model, 1) == number:   # every number below is known
+                self.known_below[model] = number + 1
             self.durable_generation += 1
             v = VersionRecord(model, number, num_shards, group=group)
             m.versions[number] = v
@@ -231,6 +275,7 @@ class HubState:
         self._set_manifest(v, shard, manifest)
         v.publishers[(worker, shard)] = False
         self._publishing.setdefault(worker, set()).add((model, v.number))
+        self._claim(v)
         self._add_replica(v, Replica(worker, shard, bytearray(manifest.num_chunks)))
         log.info("begin publish model=%s version=%d shard=%d worker=%s", model, v.number, shard,
                  worker)
@@ -258,6 +303,8 @@ class HubState:
         if v.state == RETIRED:
             raise GroupAbortedError(f"{model!r} v{version} was aborted ({v.retire_reason}); "
                                     "publish again")
+        if v.state == PUBLISHING:
+            self._claim(v)
         for key in mine:
             v.publishers[key] = True
             rep = v.replicas.get(key)
@@ -274,6 +321,7 @@ class HubState:
                     v.reindex(rep)
             self.models[model].publish_groups.pop(v.group or "", None)
             self._dirty_models.add(model)
+            self.durable_generation += 1
             log.info("committed model=%s version=%d worker=%s", model, version, worker)
         self._settle()
         return {"state": v.state}
@@ -701,7 +749,10 @@ class HubState:
                     "reason": v.retire_reason})
             models[name] = {"latest": self.latest(name), "policy": m.policy.to_wire(),
                             "next_version": self.next_versions.get(name, 1),
-                            "versions": versions}
+                            "versions": versions,
+                            "retired": [{"version": n, "reason": why}
+                                        for n, why in sorted(m.retired_log.items())
+                                        if n not in m.versions]}
         fetches = []
         for f in self.fetches.values():
             rep = self.models[f.model].versions[f.version].replicas.get((f.worker, f.shard))
@@ -751,15 +802,25 @@ class HubState:
             self.next_versions[model] = number + 1
             self.durable_generation += 1
         v = m.versions.get(number)
-        if v is None:
+        if v is None and number < self.known_below.get(model, 1):
+            # Retired earlier (in this run, or before a restart with a state dir): it stays
+            # retired; the holder hears so in its heartbeat news and may retract.
+            v = VersionRecord(model, number, num_shards, state=RETIRED, retire_reason=(
+                m.retired_log.get(number) or "retired before the hub restarted"))
+            m.versions[number] = v
+        elif v is None:
             state = COMMITTED if h.get("state") == COMMITTED else PUBLISHING
             v = VersionRecord(model, number, num_shards, state=state)
             m.versions[number] = v
+            self.durable_generation += 1
+            if state == PUBLISHING:
+                self._claim(v)
         if v.num_shards != num_shards:
             raise InvalidStateError(f"v{number} has {v.num_shards} shards, holder says {num_shards}")
         if v.state == PUBLISHING and h.get("state") == COMMITTED:
             v.state = COMMITTED
             self._unpublish(v)
+            self.durable_generation += 1
         self._dirty_models.add(model)
         self._set_manifest(v, shard, manifest)
         rep = Replica(worker, shard, bytearray(manifest.num_chunks))
@@ -772,6 +833,7 @@ class HubState:
         if h.get("publisher") and v.state == PUBLISHING:
             v.publishers[(worker, shard)] = False
             self._publishing.setdefault(worker, set()).add((model, number))
+            self._claim(v)
         fid = h.get("fetch_id")
         if fid and not rep.complete and v.state == COMMITTED and fid not in self.fetches:
             self._add_fetch(FetchRecord(fid, model, number, shard, worker))
@@ -894,7 +956,28 @@ class HubState:
         m.policy.pinned.discard(v.number)
         if not v.replicas:
             self._gc.add((v.model, v.number))
+        m.retired_log[v.number] = reason
+        while len(m.retired_log) > MAX_RETIRED_KEPT:
+            del m.retired_log[next(iter(m.retired_log))]
+        self.durable_generation += 1
         log.info("retired model=%s version=%d why=%s", v.model, v.number, reason)
+
+    def _claim(self, v: VersionRecord) -> None:
+        """A publisher vouched for publishing version ``v``: renew its publish claim."""
+        first = v.claimed_until == 0.0
+        v.claimed_until = self.clock() + self.lease_s
+        if first:        # one heap entry per version; `expire` re-queues renewed ones
+            heapq.heappush(self._claims, (v.claimed_until, v.model, v.number))
+
+    def durable(self) -> DurableState:
+        """What a state dir must keep so a restarted hub goes on (`fabric.hub_persist`)."""
+        return DurableState(
+            next_versions=dict(self.next_versions),
+            policies={n: m.policy for n, m in self.models.items()},
+            versions={n: {k: (v.state, v.num_shards) for k, v in m.versions.items()
+                          if v.state != RETIRED} for n, m in self.models.items()},
+            known_below=dict(self.known_below),
+            retired={n: dict(m.retired_log) for n, m in self.models.items() if m.retired_log})
 
     def _set_sources(self, f: FetchRecord, sources: set[str]) -> None:
         for w in f.sources - sources:
