@@ -297,12 +297,12 @@ class HubState:
         """
         self._worker(worker, session)
         v = self._version(model, version)
+        if v.state == RETIRED:
+            raise GroupAbortedError(f"{model!r} v{version} was retired ({v.retire_reason}); "
+                                    "publish again")
         mine = [k for k in v.publishers if k[0] == worker]
         if not mine:
             raise InvalidStateError(f"{worker!r} did not begin publishing {model!r} v{version}")
-        if v.state == RETIRED:
-            raise GroupAbortedError(f"{model!r} v{version} was aborted ({v.retire_reason}); "
-                                    "publish again")
         if v.state == PUBLISHING:
             self._claim(v)
         for key in mine:
