@@ -286,7 +286,13 @@ class HubClient:
                             model, version, shard, why)
 
     def heartbeat(self, *, channel: str = "main") -> dict[str, Any]:
-        """Renew the lease now; returns the hub's news (see `HubState.heartbeat`)."""
+        """Renew the lease now, and claim the versions this client is publishing (a
+        publishing version nobody claims for a lease is retired as orphaned).
+
+        Returns:
+            The hub's news (see `HubState.heartbeat`): ``lost`` sources per fetch,
+            ``retired`` versions this worker holds.
+        """
         with self._lock:       # the versions we know we publish keep their publish claim
             publishing = sorted({(h.model, h.version) for h in self._holdings.values()
                                  if h.publisher and h.state == "publishing"})

@@ -14,7 +14,10 @@ Invariants (checked by ``tests/test_hub_state_machine.py`` after every step):
 * a plan names only live workers' routable replicas that have the chunk
   (a partial replica only for chunks it reported), never the reader itself;
 * a retract never drops a retained version below ``min_replicas``;
-* a fetch group's replicas all become complete together, or none do.
+* a fetch group's replicas all become complete together, or none do;
+* a publishing version nobody claims for a lease is retired (orphaned), and a retired
+  version never becomes publishing or committed again (lease loss, hub restart);
+* every index (by worker, by replica, lease order) equals a full scan (`_check_indexes`).
 
 Liveness: every operation first expires leases against the clock; the server also
 calls `expire` on a timer. An expired worker's replicas leave every plan and its
