@@ -28,6 +28,7 @@ from fabric.errors import (
     HubUnavailableError,
     UnknownFetchError,
     UnknownWorkerError,
+    ValueTooLargeError,
     hub_error_from_wire,
 )
 from fabric.locality import Location
@@ -38,6 +39,7 @@ from fabric.zmq_util import endpoint, make_socket
 log = logging.getLogger("fabric.client")
 
 _RESTORE_RETRY = (UnknownWorkerError, UnknownFetchError)
+MAX_KV_VALUE = 64 * 1024      # the hub's limit (fabric.hub_state.MAX_KV_VALUE), checked early
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,9 @@ class HubClient:
                 if msg.req_id == req_id:
                     return msg
             if time.monotonic() >= deadline:
+                # Drop the queued request so it cannot reach a hub that comes back later
+                # (it would run there with nobody waiting for the answer).
+                self._reset_socket(channel)
                 raise HubTimeoutError(f"hub at {self.url} did not answer {op!r} within "
                                       f"{limit:g} s ({attempt + 1} attempts); it may be down "
                                       "or overloaded")
@@ -281,13 +286,23 @@ class HubClient:
                             model, version, shard, why)
 
     def heartbeat(self, *, channel: str = "main") -> dict[str, Any]:
-        """Renew the lease now; returns the hub's news (see `HubState.heartbeat`)."""
+        """Renew the lease now, and claim the versions this client is publishing (a
+        publishing version nobody claims for a lease is retired as orphaned).
+
+        Returns:
+            The hub's news (see `HubState.heartbeat`): ``lost`` sources per fetch,
+            ``retired`` versions this worker holds.
+        """
+        with self._lock:       # the versions we know we publish keep their publish claim
+            publishing = sorted({(h.model, h.version) for h in self._holdings.values()
+                                 if h.publisher and h.state == "publishing"})
+        args = {"worker": self.worker, "publishing": [list(p) for p in publishing]}
         try:
-            out = self.call("heartbeat", {"worker": self.worker}, channel=channel)
+            out = self.call("heartbeat", args, channel=channel)
         except UnknownWorkerError:
             log.warning("lease of worker=%s had expired; registering again", self.worker)
             self._register(channel)
-            out = self.call("heartbeat", {"worker": self.worker}, channel=channel)
+            out = self.call("heartbeat", args, channel=channel)
         for fid, workers in out["lost"].items():
             self.lost.setdefault(fid, set()).update(workers)
         self.retired.update((m, v) for m, v in out["retired"])
@@ -466,6 +481,66 @@ class HubClient:
                           wait_s=piece)["version"]
             if v is not None or left <= piece:
                 return v
+
+    def kv_put(self, key: str, value: bytes, *, ttl: float | None = None) -> None:
+        """Publish a small value under ``key`` for others to `kv_get` (rendezvous).
+
+        For bootstrapping handshakes (an NVSHMEM unique id, an address). Keys share one
+        namespace per hub (prefix them, e.g. ``"job-7/nvshmem-uid"``); a put overwrites.
+        Soft state: the hub keeps values in memory only, so they are lost when it restarts.
+
+        Args:
+            key: non-empty, at most 256 bytes of UTF-8.
+            value: at most 64 KiB.
+            ttl: seconds until the key vanishes (None: while the hub runs).
+
+        Raises:
+            ValueTooLargeError: ``value`` or ``key`` over the limit (or the hub is full).
+            BadRequestError: empty key or non-positive ``ttl``.
+            HubTimeoutError: the hub did not answer.
+
+        Example::
+
+            client.kv_put("job-7/nvshmem-uid", uid_bytes, ttl=600)   # rank 0
+            uid = client.kv_get("job-7/nvshmem-uid", timeout=60)     # every other rank
+        """
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError(f"value must be bytes, got {type(value).__name__}")
+        value = bytes(value)
+        if len(value) > MAX_KV_VALUE:
+            raise ValueTooLargeError(f"value for key {key!r} is {len(value)} bytes, over the "
+                                     f"{MAX_KV_VALUE}-byte limit of the rendezvous store")
+        args: dict[str, Any] = {"key": key, "value": value}
+        if ttl is not None:
+            args["ttl"] = float(ttl)
+        self.call("kv_put", args)
+
+    def kv_get(self, key: str, *, timeout: float = 30.0) -> bytes:
+        """The value under ``key``, waiting (hub-side long poll) until someone puts it.
+
+        Args:
+            key: the key a peer passed to `kv_put`.
+            timeout: seconds to wait for the key to appear (0: answer at once).
+
+        Returns:
+            The value's bytes.
+
+        Raises:
+            HubTimeoutError: the key did not appear within ``timeout`` (or the hub did
+                not answer).
+            BadRequestError: empty key.
+        """
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            piece = max(0.0, min(left, 10.0))
+            value = self.call("kv_get", {"key": key, "timeout": piece}, wait_s=piece)["value"]
+            if value is not None:
+                return bytes(value)
+            if left <= piece:
+                raise HubTimeoutError(f"rendezvous key {key!r} did not appear on {self.url} "
+                                      f"within {timeout:g} s; did the peer kv_put it (to this "
+                                      "hub, before it restarted)?")
 
     def status(self) -> dict[str, Any]:
         """The hub's snapshot (what `fabric hub status` shows)."""

@@ -124,12 +124,19 @@ class GroupAbortedError(HubError):
     code = "group_aborted"
 
 
+class ValueTooLargeError(BadRequestError):
+    """A key/value rendezvous value (or key) is over the hub's size limit."""
+
+    code = "value_too_large"
+
+
 _HUB_ERRORS: dict[str, type[HubError]] = {
     cls.code: cls
     for cls in (HubError, HubTimeoutError, HubUnavailableError, ProtocolError, BadRequestError,
                 UnknownWorkerError, DuplicateWorkerError, UnknownModelError,
                 UnknownVersionError, UnknownFetchError, ManifestMismatchError,
-                InvalidStateError, RetentionError, NoSourceError, GroupAbortedError)
+                InvalidStateError, RetentionError, NoSourceError, GroupAbortedError,
+                ValueTooLargeError)
 }
 
 
@@ -160,5 +167,6 @@ __all__ = [
     "UnknownModelError",
     "UnknownVersionError",
     "UnknownWorkerError",
+    "ValueTooLargeError",
     "hub_error_from_wire",
 ]

@@ -85,7 +85,12 @@ def op_register(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
 
 
 def op_heartbeat(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.heartbeat(_worker(a), session=session)
+    publishing = _arg(a, "publishing", list, None)
+    if publishing is not None and not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+            and isinstance(p[1], int) and not isinstance(p[1], bool) for p in publishing):
+        raise BadRequestError("argument 'publishing' must be a list of [model, version]")
+    return s.heartbeat(_worker(a), session=session, publishing=publishing)
 
 
 def op_unregister(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
@@ -203,6 +208,25 @@ def op_wait_version(s: HubState, session: str, a: dict[str, Any]) -> dict[str, A
     if ready is not None or timeout <= 0:
         return ready or {"version": None}
     return Park(check, timeout, lambda: {"version": None})
+
+
+def op_kv_put(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    ttl = _arg(a, "ttl", (int, float), None)
+    return s.kv_put(_arg(a, "key", str), _arg(a, "value", bytes),
+                    ttl=None if ttl is None else float(ttl))
+
+
+def op_kv_get(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any] | Park:
+    key = _arg(a, "key", str)
+
+    def check() -> dict[str, Any] | None:
+        value = s.kv_get(key)
+        return None if value is None else {"value": value}
+    ready = check()
+    timeout = _wait(a)
+    if ready is not None or timeout <= 0:
+        return ready or {"value": None}
+    return Park(check, timeout, lambda: {"value": None})
 
 
 def op_status(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:

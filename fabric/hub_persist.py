@@ -1,8 +1,20 @@
-"""The hub's small durable state: next version numbers and retention policies.
+"""The hub's small durable state: what must survive a hub restart.
 
 Written as JSON to ``STATE_DIR/hub-state.json`` atomically (temp file, fsync,
-rename), before a reply that hands out a new version number leaves the hub, so
-numbers stay monotonic across hub restarts.
+rename) before a reply that depends on it leaves the hub. Per model it keeps:
+
+* ``next_versions``: the next version number (numbers stay monotonic);
+* ``policies``: the retention policy;
+* ``versions``: every version not retired yet, with its state and shard count,
+  so holders re-registering after a restart find it (and a publishing version
+  nobody comes back for is retired as orphaned);
+* ``known_below``: every version number below it is either in ``versions`` or
+  retired, so a holder restoring a version retired before the restart gets it
+  back as retired, never as committed;
+* ``retired``: the most recent retired versions with the reason (for status).
+
+Soft state (replicas, fetches, leases, rendezvous keys) is not kept: workers
+re-register what they hold.
 """
 
 from __future__ import annotations
@@ -10,41 +22,71 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fabric.hub_records import RetentionPolicy
 
 STATE_FILE = "hub-state.json"
+MAX_RETIRED_KEPT = 32
 
 
-def load_state(state_dir: Path) -> tuple[dict[str, int], dict[str, RetentionPolicy]]:
-    """Read the counters and policies (empty when the file does not exist yet).
+@dataclass
+class DurableState:
+    """What the state file holds (see the module docstring).
+
+    ``versions`` is None when the file predates it (nothing is known about old
+    versions then).
+    """
+
+    next_versions: dict[str, int] = field(default_factory=dict)
+    policies: dict[str, RetentionPolicy] = field(default_factory=dict)
+    versions: dict[str, dict[int, tuple[str, int]]] | None = None
+    known_below: dict[str, int] = field(default_factory=dict)
+    retired: dict[str, dict[int, str]] = field(default_factory=dict)
+
+
+def load_state(state_dir: Path) -> DurableState:
+    """Read the state file (an empty `DurableState` when it does not exist yet).
 
     Raises:
         ValueError: the file exists but is not a state file this hub wrote.
     """
     path = Path(state_dir) / STATE_FILE
     if not path.exists():
-        return {}, {}
+        return DurableState(versions={})
     try:
         raw = json.loads(path.read_text())
-        counters = {str(k): int(v) for k, v in raw["next_versions"].items()}
-        policies = {str(k): RetentionPolicy(int(p["keep_last"]), int(p["min_replicas"]),
-                                            {int(x) for x in p.get("pinned", ())})
-                    for k, p in raw.get("policies", {}).items()}
+        out = DurableState(
+            next_versions={str(k): int(v) for k, v in raw["next_versions"].items()},
+            policies={str(k): RetentionPolicy(int(p["keep_last"]), int(p["min_replicas"]),
+                                              {int(x) for x in p.get("pinned", ())})
+                      for k, p in raw.get("policies", {}).items()})
+        if "versions" in raw:
+            out.versions = {str(m): {int(n): (str(s), int(k)) for n, (s, k) in vs.items()}
+                            for m, vs in raw["versions"].items()}
+            out.known_below = {str(m): int(n) for m, n in raw.get("known_below", {}).items()}
+            out.retired = {str(m): {int(n): str(r) for n, r in rs.items()}
+                           for m, rs in raw.get("retired", {}).items()}
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a valid hub state file ({exc}); move it away to start "
                          "fresh (version numbers may then repeat)") from exc
-    return counters, policies
+    return out
 
 
-def save_state(state_dir: Path, next_versions: dict[str, int],
-               policies: dict[str, RetentionPolicy]) -> None:
+def save_state(state_dir: Path, state: DurableState) -> None:
     """Atomically replace the state file."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({"next_versions": next_versions,
-                       "policies": {k: p.to_wire() for k, p in policies.items()}}, indent=1)
+    body = json.dumps({
+        "next_versions": state.next_versions,
+        "policies": {k: p.to_wire() for k, p in state.policies.items()},
+        "versions": {m: {str(n): list(v) for n, v in vs.items()}
+                     for m, vs in (state.versions or {}).items()},
+        "known_below": state.known_below,
+        "retired": {m: {str(n): r for n, r in sorted(rs.items())[-MAX_RETIRED_KEPT:]}
+                    for m, rs in state.retired.items()},
+    }, indent=1)
     fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".hub-state.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -57,4 +99,4 @@ def save_state(state_dir: Path, next_versions: dict[str, int],
         raise
 
 
-__all__ = ["STATE_FILE", "load_state", "save_state"]
+__all__ = ["MAX_RETIRED_KEPT", "STATE_FILE", "DurableState", "load_state", "save_state"]

@@ -80,16 +80,30 @@ class VersionRecord:
     replicas: dict[tuple[str, int], Replica] = field(default_factory=dict)
     group: str | None = None
     retire_reason: str = ""
+    claimed_until: float = 0.0
+    """While publishing: a publisher must claim the version (begin_publish, commit, or a
+    heartbeat listing it) before this time, else it is retired as orphaned."""
+    complete_live: dict[int, set[str]] = field(default_factory=dict)
+    """Index: per shard, the workers whose replica is complete and live (`reindex`)."""
+
+    def reindex(self, rep: Replica) -> None:
+        """Update `complete_live` after ``rep`` was added or its ``complete``/``status``
+        changed (the hub calls this after every such change)."""
+        workers = self.complete_live.setdefault(rep.shard, set())
+        if (rep.complete and rep.status == LIVE
+                and self.replicas.get((rep.worker, rep.shard)) is rep):
+            workers.add(rep.worker)
+        else:
+            workers.discard(rep.worker)
 
     def complete_replicas(self, shard: int) -> list[Replica]:
-        """Routable complete replicas of a shard."""
-        return [r for r in self.replicas.values()
-                if r.shard == shard and r.complete and r.status == LIVE]
+        """Routable complete replicas of a shard (O(their number), via the index)."""
+        return [self.replicas[(w, shard)] for w in sorted(self.complete_live.get(shard, ()))]
 
     def servable(self) -> bool:
         """Committed, and every shard has at least one routable complete replica."""
         return self.state == COMMITTED and all(
-            self.complete_replicas(s) for s in range(self.num_shards))
+            self.complete_live.get(s) for s in range(self.num_shards))
 
 
 @dataclass
@@ -148,3 +162,5 @@ class ModelRecord:
     policy: RetentionPolicy = field(default_factory=RetentionPolicy)
     versions: dict[int, VersionRecord] = field(default_factory=dict)
     publish_groups: dict[str, int] = field(default_factory=dict)
+    retired_log: dict[int, str] = field(default_factory=dict)
+    """Recently retired version numbers and why (newest last, bounded), for status."""

@@ -69,9 +69,9 @@ class HubServer:
                  max_message_size: int = MAX_MESSAGE_SIZE) -> None:
         self.requested_url = url
         self.state_dir = Path(state_dir) if state_dir is not None else None
-        counters, policies = load_state(self.state_dir) if self.state_dir else ({}, {})
+        durable = load_state(self.state_dir) if self.state_dir else None
         self.state = HubState(clock=clock, lease_s=lease_s, rank_sources=rank_sources,
-                              next_versions=counters, policies=policies)
+                              durable=durable)
         self.clock = clock
         self.max_message_size = max_message_size
         self.epoch = secrets.token_hex(8)
@@ -232,8 +232,7 @@ class HubServer:
     def _persist(self) -> None:
         if self.state_dir is None or self.state.durable_generation == self._saved_generation:
             return
-        save_state(self.state_dir, self.state.next_versions,
-                   {n: m.policy for n, m in self.state.models.items()})
+        save_state(self.state_dir, self.state.durable())
         self._saved_generation = self.state.durable_generation
 
     # --------------------------------------------------------------- replies

@@ -14,7 +14,10 @@ Invariants (checked by ``tests/test_hub_state_machine.py`` after every step):
 * a plan names only live workers' routable replicas that have the chunk
   (a partial replica only for chunks it reported), never the reader itself;
 * a retract never drops a retained version below ``min_replicas``;
-* a fetch group's replicas all become complete together, or none do.
+* a fetch group's replicas all become complete together, or none do;
+* a publishing version nobody claims for a lease is retired (orphaned), and a retired
+  version never becomes publishing or committed again (lease loss, hub restart);
+* every index (by worker, by replica, lease order) equals a full scan (`_check_indexes`).
 
 Liveness: every operation first expires leases against the clock; the server also
 calls `expire` on a timer. An expired worker's replicas leave every plan and its
@@ -23,6 +26,7 @@ fetches end; fetches that could read from it learn so in their next heartbeat.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -40,7 +44,9 @@ from fabric.errors import (
     UnknownModelError,
     UnknownVersionError,
     UnknownWorkerError,
+    ValueTooLargeError,
 )
+from fabric.hub_persist import MAX_RETIRED_KEPT, DurableState
 from fabric.hub_records import (
     COMMITTED,
     GROUP_ABORTED,
@@ -65,6 +71,9 @@ log = logging.getLogger("fabric.hub")
 
 DEFAULT_LEASE_S = 10.0
 MAX_FINISHED_GROUPS = 4096
+MAX_KV_VALUE = 64 * 1024
+MAX_KV_KEY = 256
+MAX_KV_KEYS = 65_536
 
 
 class HubState:
@@ -77,12 +86,15 @@ class HubState:
         max_sources: sources named per chunk range in a plan.
         next_versions: per model, the next version number to hand out (from a state dir).
         policies: per model, retention policies restored from a state dir.
+        durable: everything a state dir kept (`fabric.hub_persist`); its counters and
+            policies are used where ``next_versions`` / ``policies`` do not say otherwise.
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  lease_s: float = DEFAULT_LEASE_S, rank_sources: RankSources = rank_by_locality,
                  max_sources: int = 4, next_versions: dict[str, int] | None = None,
-                 policies: dict[str, RetentionPolicy] | None = None) -> None:
+                 policies: dict[str, RetentionPolicy] | None = None,
+                 durable: DurableState | None = None) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.clock = clock
@@ -93,12 +105,38 @@ class HubState:
         self.models: dict[str, ModelRecord] = {}
         self.fetches: dict[str, FetchRecord] = {}
         self.groups: OrderedDict[tuple[str, str], FetchGroup] = OrderedDict()
-        self.next_versions: dict[str, int] = dict(next_versions or {})
+        durable = durable or DurableState()
+        self.next_versions: dict[str, int] = {**durable.next_versions, **(next_versions or {})}
+        self.known_below: dict[str, int] = dict(durable.known_below)
         self.load: Counter[str] = Counter()
         self.generation = 0
         self.durable_generation = 0
-        for name, policy in (policies or {}).items():
+        self.kv: dict[str, tuple[bytes, float | None]] = {}
+        self._kv_ttl: list[tuple[float, str]] = []
+        # Indexes, so an operation costs what the workers and versions it touches cost,
+        # not the size of the hub (see `_check_indexes` for what each one must equal).
+        self._lease_order: OrderedDict[str, None] = OrderedDict()   # soonest expiry first
+        self._held: dict[str, set[tuple[str, int, int]]] = {}       # worker -> (model, v, shard)
+        self._publishing: dict[str, set[tuple[str, int]]] = {}      # worker -> publishing (m, v)
+        self._own_fetches: dict[str, set[str]] = {}                  # worker -> its fetch ids
+        self._reading: dict[str, set[str]] = {}                      # source -> fetch ids
+        self._readers: dict[tuple[str, int, int, str], set[str]] = {}  # (m, v, shard, src)
+        self._pending_retracts: set[tuple[str, int, int, str]] = set()
+        self._delayed: set[tuple[str, int, int, str]] = set()
+        self._dirty_models: set[str] = set()
+        self._gc: set[tuple[str, int]] = set()
+        self._claims: list[tuple[float, str, int]] = []    # heap: publish claim deadlines
+        for name, policy in {**durable.policies, **(policies or {})}.items():
             self.models[name] = ModelRecord(name, policy)
+        for name, reasons in durable.retired.items():
+            self.models.setdefault(name, ModelRecord(name)).retired_log.update(reasons)
+        for name, versions in (durable.versions or {}).items():
+            m = self.models.setdefault(name, ModelRecord(name))
+            for n, (state, num_shards) in versions.items():
+                v = VersionRecord(name, n, num_shards, state=state)
+                m.versions[n] = v
+                if state == PUBLISHING:     # its publisher must come back within a lease
+                    self._claim(v)
 
     # ----------------------------------------------------------------- workers
     def register(self, worker: str, *, session: str, location: Location | None = None,
@@ -118,13 +156,22 @@ class HubState:
                 f"(lease ends in {rec.expires - self.clock():.1f} s); pick a unique worker id")
         self.workers[worker] = WorkerRecord(worker, session, location or Location(),
                                             dict(endpoints or {}), self.clock() + self.lease_s)
+        self._lease_order[worker] = None
+        self._lease_order.move_to_end(worker)
         if rec is None:
             log.info("worker registered worker=%s location=%s", worker, location)
         self._touch()
         return {"lease_s": self.lease_s}
 
-    def heartbeat(self, worker: str, *, session: str) -> dict[str, Any]:
+    def heartbeat(self, worker: str, *, session: str,
+                  publishing: list[tuple[str, int]] | None = None) -> dict[str, Any]:
         """Renew a worker's lease; returns news for it.
+
+        Args:
+            publishing: ``[(model, version)]`` the worker knows it is publishing; only
+                those keep their publish claim (a version it began but never heard of —
+                its reply was lost — is then retired as orphaned after a lease). None:
+                every version it publishes is claimed (older clients).
 
         Returns:
             ``{"lease_s", "lost": {fetch_id: [workers]}, "retired": [[model, version]]}``:
@@ -136,14 +183,21 @@ class HubState:
         """
         rec = self._worker(worker, session)
         rec.expires = self.clock() + self.lease_s
+        self._lease_order.move_to_end(worker)
+        claimed = (self._publishing.get(worker, set()) if publishing is None
+                   else {(str(m), int(n)) for m, n in publishing}
+                   & self._publishing.get(worker, set()))
+        for model, number in claimed:
+            self._claim(self.models[model].versions[number])
         lost: dict[str, list[str]] = {}
-        for f in self.fetches.values():
-            if f.worker == worker and f.lost:
-                lost[f.fetch_id] = sorted(f.lost)
+        for fid in self._own_fetches.get(worker, ()):
+            f = self.fetches[fid]
+            if f.lost:
+                lost[fid] = sorted(f.lost)
                 f.lost.clear()
-        retired = [[m.name, v.number] for m in self.models.values() for v in m.versions.values()
-                   if v.state == RETIRED and any(w == worker for w, _ in v.replicas)]
-        return {"lease_s": self.lease_s, "lost": lost, "retired": retired}
+        retired = sorted({(m, n) for m, n, _ in self._held.get(worker, ())
+                          if self.models[m].versions[n].state == RETIRED})
+        return {"lease_s": self.lease_s, "lost": lost, "retired": [list(x) for x in retired]}
 
     def unregister(self, worker: str, *, session: str) -> dict[str, Any]:
         """Remove a worker now, as if its lease expired."""
@@ -153,12 +207,32 @@ class HubState:
         return {}
 
     def expire(self) -> list[str]:
-        """Drop every worker whose lease ended; returns their ids."""
+        """Drop every worker whose lease ended (and rendezvous keys whose ttl ran out);
+        returns the dropped workers' ids."""
+        self._expire_kv()
         now = self.clock()
-        dead = [w for w, rec in self.workers.items() if rec.expires <= now]
+        dead = []
+        for w in self._lease_order:     # leases end in the order they were last renewed
+            if self.workers[w].expires > now:
+                break
+            dead.append(w)
         for w in dead:
             self._drop_worker(w, "lease expired")
-        if dead:
+        orphans = False
+        while self._claims and self._claims[0][0] <= now:
+            _, model, number = heapq.heappop(self._claims)
+            m = self.models.get(model)
+            v = m.versions.get(number) if m else None
+            if v is None or v.state != PUBLISHING:
+                continue
+            if v.claimed_until > now:                    # renewed since: check again later
+                heapq.heappush(self._claims, (v.claimed_until, model, number))
+                continue
+            self._retire(v, f"orphaned: no publisher claimed it for {self.lease_s:g} s (its "
+                            "begin_publish reply was lost, e.g. retried across a hub restart, "
+                            "or no publisher came back after one); publish again")
+            orphans = True
+        if dead or orphans:
             self._settle()
         return dead
 
@@ -194,6 +268,8 @@ class HubState:
         if v is None:
             number = max(self.next_versions.get(model, 1), 1)
             self.next_versions[model] = number + 1
+            if self.known_below.get(model, 1) == number:   # every number below is known
+                self.known_below[model] = number + 1
             self.durable_generation += 1
             v = VersionRecord(model, number, num_shards, group=group)
             m.versions[number] = v
@@ -201,7 +277,9 @@ class HubState:
                 m.publish_groups[group] = number
         self._set_manifest(v, shard, manifest)
         v.publishers[(worker, shard)] = False
-        v.replicas[(worker, shard)] = Replica(worker, shard, bytearray(manifest.num_chunks))
+        self._publishing.setdefault(worker, set()).add((model, v.number))
+        self._claim(v)
+        self._add_replica(v, Replica(worker, shard, bytearray(manifest.num_chunks)))
         log.info("begin publish model=%s version=%d shard=%d worker=%s", model, v.number, shard,
                  worker)
         self._touch()
@@ -222,12 +300,14 @@ class HubState:
         """
         self._worker(worker, session)
         v = self._version(model, version)
+        if v.state == RETIRED:
+            raise GroupAbortedError(f"{model!r} v{version} was retired ({v.retire_reason}); "
+                                    "publish again")
         mine = [k for k in v.publishers if k[0] == worker]
         if not mine:
             raise InvalidStateError(f"{worker!r} did not begin publishing {model!r} v{version}")
-        if v.state == RETIRED:
-            raise GroupAbortedError(f"{model!r} v{version} was aborted ({v.retire_reason}); "
-                                    "publish again")
+        if v.state == PUBLISHING:
+            self._claim(v)
         for key in mine:
             v.publishers[key] = True
             rep = v.replicas.get(key)
@@ -237,10 +317,14 @@ class HubState:
                 any(done for (_, s), done in v.publishers.items() if s == shard)
                 for shard in range(v.num_shards)):
             v.state = COMMITTED
+            self._unpublish(v)
             for rep in v.replicas.values():
                 if v.publishers.get((rep.worker, rep.shard)):
                     rep.complete = True
+                    v.reindex(rep)
             self.models[model].publish_groups.pop(v.group or "", None)
+            self._dirty_models.add(model)
+            self.durable_generation += 1
             log.info("committed model=%s version=%d worker=%s", model, version, worker)
         self._settle()
         return {"state": v.state}
@@ -290,18 +374,27 @@ class HubState:
         if v.state != COMMITTED:
             raise UnknownVersionError(f"{model!r} v{number} is {v.state}, not fetchable")
         _check_shard(shard, v.num_shards)
-        manifest = v.manifests[shard]
+        manifest = v.manifests.get(shard)
+        if manifest is None:     # restored after a hub restart without this shard's holders
+            raise NoSourceError(f"{model!r} v{number} shard {shard}: no live replica holds it "
+                                "(its holders did not come back after a hub restart)")
         if fingerprint is not None and fingerprint != manifest.fingerprint:
             raise ManifestMismatchError(
                 f"{model!r} v{number} shard {shard} has manifest {manifest.fingerprint}, the "
                 f"reader expects {fingerprint}: tensor names, shapes, dtypes or chunking differ")
         rep = v.replicas.get((worker, shard))
+        for fid in self._own_fetches.get(worker, ()):
+            other = self.fetches[fid]
+            if (other.model, other.version, other.shard) == (model, number, shard):
+                raise InvalidStateError(
+                    f"{worker!r} is already fetching {model!r} v{number} shard {shard} as "
+                    f"fetch {fid!r}; resume it with fetch_id={fid!r} or release it first")
         if rep is not None and (rep.complete or rep.status != LIVE):
             raise InvalidStateError(f"{worker!r} already holds {model!r} v{number} shard {shard}"
                                     + (" (retracting)" if rep.status != LIVE else ""))
         if rep is None:
             rep = Replica(worker, shard, bytearray(manifest.num_chunks))
-            v.replicas[(worker, shard)] = rep
+            self._add_replica(v, rep)
         if have:
             rep.add_chunks(_check_chunks(have, manifest.num_chunks))
         if group is not None and g is None:
@@ -311,7 +404,7 @@ class HubState:
             self.groups[(model, group)] = g
             self._trim_groups()
         f = FetchRecord(fetch_id, model, number, shard, worker, group=group)
-        self.fetches[fetch_id] = f
+        self._add_fetch(f)
         if g is not None:
             g.members[fetch_id] = False
         self._touch()
@@ -319,6 +412,7 @@ class HubState:
             return self.plan(fetch_id, worker, session=session)
         except NoSourceError:
             self._end_fetch(f, keep_replica=False)
+            self._settle()
             raise
 
     def plan(self, fetch_id: str, worker: str, *, session: str,
@@ -390,7 +484,11 @@ class HubState:
             raise NoSourceError(
                 f"{f.model!r} v{f.version} shard {f.shard}: no live replica holds chunks "
                 f"{_fmt_chunks(missing)}; wait for a holder to (re)register or fetch another version")
-        self._set_sources(f, named)
+        # Reads from an earlier plan may still be in flight: sources accumulate until the
+        # reader narrows them (report_progress(sources=)), excludes them, or finishes.
+        self._set_sources(f, (f.sources - banned) | named)
+        if self._pending_retracts:          # an excluded retracting source may be done
+            self._settle()
         return {
             "fetch_id": f.fetch_id, "model": f.model, "version": f.version, "shard": f.shard,
             "num_shards": v.num_shards, "manifest": manifest.to_wire(),
@@ -443,6 +541,7 @@ class HubState:
         rep.fill()
         if f.group is None:
             rep.complete = True
+            v.reindex(rep)
             self._end_fetch(f, keep_replica=True)
             self._settle()
             return {"complete": True, "group": None}
@@ -453,9 +552,11 @@ class HubState:
         if len(g.members) == g.size and all(g.members.values()):
             g.state = GROUP_COMMITTED
             for fid in list(g.members):
-                member = self.fetches.pop(fid)
+                member = self._pop_fetch(fid)
                 mv = self._version(member.model, member.version)
-                mv.replicas[(member.worker, member.shard)].complete = True
+                mrep = mv.replicas[(member.worker, member.shard)]
+                mrep.complete = True
+                mv.reindex(mrep)
             log.info("fetch group committed group=%s model=%s version=%d", g.key, g.model, g.version)
         self._settle()
         return {"complete": g.state == GROUP_COMMITTED, "group": g.state}
@@ -494,7 +595,7 @@ class HubState:
         """
         self._worker(worker, session)
         v = self._version(model, version)
-        mine = [r for r in v.replicas.values() if r.worker == worker]
+        mine = _mine(v, worker)
         if not mine:
             raise UnknownVersionError(f"{worker!r} holds no replica of {model!r} v{version}")
         if any(self._blocks_retention(v, r) for r in mine):
@@ -506,14 +607,17 @@ class HubState:
                     "retract with delay (waits for another replica), unpin it, or lower keep_last")
             for r in mine:
                 r.retract_delayed = True
+                self._delayed.add((model, version, r.shard, worker))
             self._touch()
             return {"state": "delayed"}
-        for f in list(self.fetches.values()):
-            if f.worker == worker and f.model == model and f.version == version and not f.done:
+        for fid in list(self._own_fetches.get(worker, ())):
+            f = self.fetches[fid]
+            if f.model == model and f.version == version and not f.done:
                 self._end_fetch(f, keep_replica=False, reason=f"{worker} retracted")
         for r in mine:
-            r.status = RETRACTING
             r.retract_delayed = False
+            self._delayed.discard((model, version, r.shard, worker))
+            self._set_status(v, r, RETRACTING)
         self._settle()
         return {"state": self._retract_state(v, worker)}
 
@@ -536,6 +640,7 @@ class HubState:
                                  else m.policy.min_replicas, set(m.policy.pinned))
         m.policy = policy
         self.durable_generation += 1
+        self._dirty_models.add(model)
         self._settle()
         return policy.to_wire()
 
@@ -550,8 +655,69 @@ class HubState:
         else:
             policy.pinned.discard(version)
         self.durable_generation += 1
+        self._dirty_models.add(model)
         self._settle()
         return policy.to_wire()
+
+    # --------------------------------------------------------------- rendezvous
+    def kv_put(self, key: str, value: bytes, *, ttl: float | None = None) -> dict[str, Any]:
+        """Store a small value under ``key`` (last writer wins); soft state.
+
+        Args:
+            key: 1..`MAX_KV_KEY` bytes of UTF-8; one flat namespace per hub (use prefixes
+                such as ``"job-7/nvshmem-uid"``).
+            value: at most `MAX_KV_VALUE` bytes.
+            ttl: seconds until the key vanishes (None: until the hub stops).
+
+        Returns:
+            ``{"size": len(value)}``.
+
+        Raises:
+            ValueTooLargeError: the key or value is over its limit, or the hub already
+                holds `MAX_KV_KEYS` keys.
+            ValueError: empty key or a ``ttl`` that is not positive.
+        """
+        self._expire_kv()
+        _check_kv_key(key)
+        if len(value) > MAX_KV_VALUE:
+            raise ValueTooLargeError(f"value for key {key!r} is {len(value)} bytes, over the "
+                                     f"{MAX_KV_VALUE}-byte limit; the rendezvous store is for "
+                                     "small handshakes (ids, addresses), not data")
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds or None, got {ttl}")
+        if key not in self.kv and len(self.kv) >= MAX_KV_KEYS:
+            raise ValueTooLargeError(f"the hub already holds {MAX_KV_KEYS} rendezvous keys; "
+                                     "use a ttl so old keys vanish")
+        expires = None if ttl is None else self.clock() + float(ttl)
+        self.kv[key] = (bytes(value), expires)
+        if expires is not None:
+            heapq.heappush(self._kv_ttl, (expires, key))
+        self._touch()
+        return {"size": len(value)}
+
+    def kv_get(self, key: str) -> bytes | None:
+        """The value stored under ``key``, or None when it is absent (or its ttl ran out).
+
+        Raises:
+            ValueTooLargeError: the key is over `MAX_KV_KEY` bytes.
+            ValueError: empty key.
+        """
+        _check_kv_key(key)
+        item = self.kv.get(key)
+        if item is None:
+            return None
+        if item[1] is not None and item[1] <= self.clock():
+            self._expire_kv()
+            return None
+        return item[0]
+
+    def _expire_kv(self) -> None:
+        now = self.clock()
+        while self._kv_ttl and self._kv_ttl[0][0] <= now:
+            expires, key = heapq.heappop(self._kv_ttl)
+            item = self.kv.get(key)
+            if item is not None and item[1] == expires:
+                del self.kv[key]
 
     # ------------------------------------------------------------------ queries
     def latest(self, model: str) -> int | None:
@@ -591,7 +757,10 @@ class HubState:
                     "reason": v.retire_reason})
             models[name] = {"latest": self.latest(name), "policy": m.policy.to_wire(),
                             "next_version": self.next_versions.get(name, 1),
-                            "versions": versions}
+                            "versions": versions,
+                            "retired": [{"version": n, "reason": why}
+                                        for n, why in sorted(m.retired_log.items())
+                                        if n not in m.versions]}
         fetches = []
         for f in self.fetches.values():
             rep = self.models[f.model].versions[f.version].replicas.get((f.worker, f.shard))
@@ -641,14 +810,26 @@ class HubState:
             self.next_versions[model] = number + 1
             self.durable_generation += 1
         v = m.versions.get(number)
-        if v is None:
+        if v is None and number < self.known_below.get(model, 1):
+            # Retired earlier (in this run, or before a restart with a state dir): it stays
+            # retired; the holder hears so in its heartbeat news and may retract.
+            v = VersionRecord(model, number, num_shards, state=RETIRED, retire_reason=(
+                m.retired_log.get(number) or "retired before the hub restarted"))
+            m.versions[number] = v
+        elif v is None:
             state = COMMITTED if h.get("state") == COMMITTED else PUBLISHING
             v = VersionRecord(model, number, num_shards, state=state)
             m.versions[number] = v
+            self.durable_generation += 1
+            if state == PUBLISHING:
+                self._claim(v)
         if v.num_shards != num_shards:
             raise InvalidStateError(f"v{number} has {v.num_shards} shards, holder says {num_shards}")
         if v.state == PUBLISHING and h.get("state") == COMMITTED:
             v.state = COMMITTED
+            self._unpublish(v)
+            self.durable_generation += 1
+        self._dirty_models.add(model)
         self._set_manifest(v, shard, manifest)
         rep = Replica(worker, shard, bytearray(manifest.num_chunks))
         if h.get("complete") and v.state == COMMITTED:
@@ -656,12 +837,14 @@ class HubState:
             rep.complete = True
         else:
             rep.add_chunks(_check_chunks(list(h.get("chunks", ())), manifest.num_chunks))
-        v.replicas[(worker, shard)] = rep
+        self._add_replica(v, rep)
         if h.get("publisher") and v.state == PUBLISHING:
             v.publishers[(worker, shard)] = False
+            self._publishing.setdefault(worker, set()).add((model, number))
+            self._claim(v)
         fid = h.get("fetch_id")
-        if fid and not rep.complete and v.state == COMMITTED:
-            self.fetches[fid] = FetchRecord(fid, model, number, shard, worker)
+        if fid and not rep.complete and v.state == COMMITTED and fid not in self.fetches:
+            self._add_fetch(FetchRecord(fid, model, number, shard, worker))
 
     # ---------------------------------------------------------------- internals
     def _touch(self) -> None:
@@ -721,25 +904,117 @@ class HubState:
                 f"{old.fingerprint}, this one is {manifest.fingerprint}")
         v.manifests.setdefault(shard, manifest)
 
+    # Index upkeep: every change to replicas, fetches, sources and publishers goes
+    # through these, so the indexes in __init__ stay equal to what a full scan finds.
+    def _add_replica(self, v: VersionRecord, rep: Replica) -> None:
+        key = (rep.worker, rep.shard)
+        if key in v.replicas:
+            self._remove_replica(v, key)
+        v.replicas[key] = rep
+        v.reindex(rep)
+        self._held.setdefault(rep.worker, set()).add((v.model, v.number, rep.shard))
+
+    def _remove_replica(self, v: VersionRecord, key: tuple[str, int]) -> None:
+        rep = v.replicas.pop(key)
+        v.reindex(rep)
+        held = self._held.get(rep.worker)
+        if held is not None:
+            held.discard((v.model, v.number, rep.shard))
+            if not held:
+                del self._held[rep.worker]
+        self._delayed.discard((v.model, v.number, rep.shard, rep.worker))
+        if v.state == RETIRED and not v.replicas:
+            self._gc.add((v.model, v.number))
+
+    def _set_status(self, v: VersionRecord, rep: Replica, status: str) -> None:
+        rep.status = status
+        v.reindex(rep)
+        if status == RETRACTING:
+            self._pending_retracts.add((v.model, v.number, rep.shard, rep.worker))
+
+    def _add_fetch(self, f: FetchRecord) -> None:
+        self.fetches[f.fetch_id] = f
+        self._own_fetches.setdefault(f.worker, set()).add(f.fetch_id)
+
+    def _pop_fetch(self, fetch_id: str) -> FetchRecord | None:
+        f = self.fetches.pop(fetch_id, None)
+        if f is not None:
+            self._set_sources(f, set())
+            own = self._own_fetches.get(f.worker)
+            if own is not None:
+                own.discard(fetch_id)
+                if not own:
+                    del self._own_fetches[f.worker]
+        return f
+
+    def _unpublish(self, v: VersionRecord) -> None:
+        """``v`` left ``publishing``: forget it in the publishers' index."""
+        for w, _ in v.publishers:
+            pubs = self._publishing.get(w)
+            if pubs is not None:
+                pubs.discard((v.model, v.number))
+                if not pubs:
+                    del self._publishing[w]
+
+    def _retire(self, v: VersionRecord, reason: str) -> None:
+        v.state, v.retire_reason = RETIRED, reason
+        self._unpublish(v)
+        m = self.models[v.model]
+        m.publish_groups.pop(v.group or "", None)
+        m.policy.pinned.discard(v.number)
+        if not v.replicas:
+            self._gc.add((v.model, v.number))
+        m.retired_log[v.number] = reason
+        while len(m.retired_log) > MAX_RETIRED_KEPT:
+            del m.retired_log[next(iter(m.retired_log))]
+        self.durable_generation += 1
+        log.info("retired model=%s version=%d why=%s", v.model, v.number, reason)
+
+    def _claim(self, v: VersionRecord) -> None:
+        """A publisher vouched for publishing version ``v``: renew its publish claim."""
+        first = v.claimed_until == 0.0
+        v.claimed_until = self.clock() + self.lease_s
+        if first:        # one heap entry per version; `expire` re-queues renewed ones
+            heapq.heappush(self._claims, (v.claimed_until, v.model, v.number))
+
+    def durable(self) -> DurableState:
+        """What a state dir must keep so a restarted hub goes on (`fabric.hub_persist`)."""
+        return DurableState(
+            next_versions=dict(self.next_versions),
+            policies={n: m.policy for n, m in self.models.items()},
+            versions={n: {k: (v.state, v.num_shards) for k, v in m.versions.items()
+                          if v.state != RETIRED} for n, m in self.models.items()},
+            known_below=dict(self.known_below),
+            retired={n: dict(m.retired_log) for n, m in self.models.items() if m.retired_log})
+
     def _set_sources(self, f: FetchRecord, sources: set[str]) -> None:
         for w in f.sources - sources:
             self.load[w] -= 1
             if self.load[w] <= 0:
                 del self.load[w]
+            _discard(self._reading, w, f.fetch_id)
+            key = (f.model, f.version, f.shard, w)
+            if _discard(self._readers, key, f.fetch_id):   # its last reader left
+                m = self.models.get(f.model)
+                v = m.versions.get(f.version) if m else None
+                r = v.replicas.get((w, f.shard)) if v else None
+                if r is not None and r.status == RETRACTING:
+                    self._pending_retracts.add(key)
         for w in sources - f.sources:
             self.load[w] += 1
+            self._reading.setdefault(w, set()).add(f.fetch_id)
+            self._readers.setdefault((f.model, f.version, f.shard, w), set()).add(f.fetch_id)
         f.sources = set(sources)
 
     def _end_fetch(self, f: FetchRecord, *, keep_replica: bool, reason: str = "") -> None:
-        self._set_sources(f, set())
         f.done = True
-        self.fetches.pop(f.fetch_id, None)
+        self._pop_fetch(f.fetch_id)
         m = self.models.get(f.model)
         v = m.versions.get(f.version) if m else None
         if not keep_replica and v is not None:
             rep = v.replicas.get((f.worker, f.shard))
             if rep is not None and not rep.complete:
-                rep.status = RETRACTING
+                self._set_status(v, rep, RETRACTING)
         if f.group is not None:
             g = self.groups.get((f.model, f.group))
             if g is not None and g.state == GROUP_OPEN and not keep_replica:
@@ -751,32 +1026,31 @@ class HubState:
         log.warning("fetch group aborted group=%s model=%s version=%d why=%s", g.key, g.model,
                     g.version, reason)
         for fid in list(g.members):
-            f = self.fetches.pop(fid, None)
+            f = self._pop_fetch(fid)
             if f is None:
                 continue
-            self._set_sources(f, set())
             f.done = True
             v = self.models[f.model].versions.get(f.version)
             rep = v.replicas.get((f.worker, f.shard)) if v else None
             if rep is not None and not rep.complete:
-                rep.status = RETRACTING
+                self._set_status(v, rep, RETRACTING)
 
     def _drop_worker(self, worker: str, why: str) -> None:
         log.warning("worker dropped worker=%s why=%s", worker, why)
         self.workers.pop(worker, None)
-        for f in list(self.fetches.values()):
-            if f.worker == worker:
+        self._lease_order.pop(worker, None)
+        for fid in list(self._own_fetches.get(worker, ())):
+            f = self.fetches.get(fid)
+            if f is not None:
                 self._end_fetch(f, keep_replica=False, reason=f"{worker}: {why}")
-            elif worker in f.sources:
-                self._set_sources(f, f.sources - {worker})
-                f.lost.add(worker)
-        for m in self.models.values():
-            for v in m.versions.values():
-                for key in [k for k in v.replicas if k[0] == worker]:
-                    del v.replicas[key]
-                if v.state == PUBLISHING and any(w == worker for w, _ in v.publishers):
-                    v.state, v.retire_reason = RETIRED, f"publisher {worker} lost ({why})"
-                    m.publish_groups.pop(v.group or "", None)
+        for fid in list(self._reading.get(worker, ())):
+            f = self.fetches[fid]
+            self._set_sources(f, f.sources - {worker})
+            f.lost.add(worker)
+        for model, number, shard in list(self._held.get(worker, ())):
+            self._remove_replica(self.models[model].versions[number], (worker, shard))
+        for model, number in list(self._publishing.get(worker, ())):
+            self._retire(self.models[model].versions[number], f"publisher {worker} lost ({why})")
         self._touch()
 
     def _blocks_retention(self, v: VersionRecord, r: Replica) -> bool:
@@ -784,12 +1058,12 @@ class HubState:
             return False
         if v.number not in self.retained(v.model):
             return False
-        others = [o for o in v.complete_replicas(r.shard)
-                  if o.worker != r.worker and not o.retract_delayed]
+        others = [w for w in v.complete_live.get(r.shard, ())
+                  if w != r.worker and not v.replicas[(w, r.shard)].retract_delayed]
         return len(others) < self.models[v.model].policy.min_replicas
 
     def _retract_state(self, v: VersionRecord, worker: str) -> str:
-        mine = [r for r in v.replicas.values() if r.worker == worker]
+        mine = _mine(v, worker)
         if not mine:
             return "done"
         if any(r.status == LIVE and r.retract_delayed for r in mine):
@@ -797,22 +1071,76 @@ class HubState:
         return "retracting" if any(r.status == RETRACTING for r in mine) else "live"
 
     def _settle(self) -> None:
-        """Apply retention, start delayed retracts that may now go, drop finished retracts."""
-        busy = {w for f in self.fetches.values() if not f.done for w in f.sources}
-        for m in self.models.values():
-            retained = self.retained(m.name)
+        """Apply retention, start delayed retracts that may now go, drop finished retracts.
+
+        Incremental: retention runs for the models whose committed set or policy changed,
+        delayed retracts are few, and only retracting replicas whose last reader just
+        left (or that just started retracting) are looked at.
+        """
+        for name in sorted(self._dirty_models):
+            m = self.models.get(name)
+            if m is None:
+                continue
+            retained = self.retained(name)
             for n, v in m.versions.items():
                 if v.state == COMMITTED and n not in retained:
-                    v.state, v.retire_reason = RETIRED, "out of retention"
-                    m.policy.pinned.discard(n)
-                for r in list(v.replicas.values()):
-                    if r.status == LIVE and r.retract_delayed and not self._blocks_retention(v, r):
-                        r.status, r.retract_delayed = RETRACTING, False
-                    if r.status == RETRACTING and r.worker not in busy:
-                        del v.replicas[(r.worker, r.shard)]
-            for n in [n for n, v in m.versions.items() if v.state == RETIRED and not v.replicas]:
-                del m.versions[n]
+                    self._retire(v, "out of retention")
+        self._dirty_models.clear()
+        for key in sorted(self._delayed):
+            model, number, shard, worker = key
+            v = self.models[model].versions[number]
+            r = v.replicas[(worker, shard)]
+            if r.status != LIVE or not r.retract_delayed:
+                self._delayed.discard(key)
+            elif not self._blocks_retention(v, r):
+                self._delayed.discard(key)
+                r.retract_delayed = False
+                self._set_status(v, r, RETRACTING)
+        while self._pending_retracts:
+            model, number, shard, worker = key = self._pending_retracts.pop()
+            m = self.models.get(model)
+            v = m.versions.get(number) if m else None
+            r = v.replicas.get((worker, shard)) if v else None
+            if r is not None and r.status == RETRACTING and key not in self._readers:
+                self._remove_replica(v, (worker, shard))
+        for model, number in self._gc:
+            m = self.models.get(model)
+            v = m.versions.get(number) if m else None
+            if v is not None and v.state == RETIRED and not v.replicas:
+                del m.versions[number]
+        self._gc.clear()
         self._touch()
+
+    def _check_indexes(self) -> None:
+        """Assert every index equals what a full scan finds (tests call this)."""
+        held: dict[str, set] = {}
+        publishing: dict[str, set] = {}
+        readers: dict[tuple, set] = {}
+        for m in self.models.values():
+            for n, v in m.versions.items():
+                for (w, s), r in v.replicas.items():
+                    held.setdefault(w, set()).add((m.name, n, s))
+                    assert (r.complete and r.status == LIVE) == (
+                        w in v.complete_live.get(s, ())), (m.name, n, w, s)
+                    if r.retract_delayed and r.status == LIVE:
+                        assert (m.name, n, s, w) in self._delayed
+                if v.state == PUBLISHING:
+                    for w, _ in v.publishers:
+                        publishing.setdefault(w, set()).add((m.name, n))
+                assert all(w in self.workers for ws in v.complete_live.values() for w in ws)
+        assert held == self._held, (held, self._held)
+        assert publishing == self._publishing, (publishing, self._publishing)
+        own: dict[str, set] = {}
+        for fid, f in self.fetches.items():
+            own.setdefault(f.worker, set()).add(fid)
+            for w in f.sources:
+                readers.setdefault((f.model, f.version, f.shard, w), set()).add(fid)
+        assert own == self._own_fetches
+        assert readers == self._readers
+        assert {k: len(v) for k, v in self._reading.items()} == dict(self.load)
+        expiries = [self.workers[w].expires for w in self._lease_order]
+        assert expiries == sorted(expiries) and set(self._lease_order) == set(self.workers)
+        assert not self._pending_retracts and not self._gc and not self._dirty_models
 
     def _trim_groups(self) -> None:
         finished = [k for k, g in self.groups.items() if g.state != GROUP_OPEN]
@@ -834,8 +1162,32 @@ def _check_chunks(chunks: list[int], num_chunks: int) -> list[int]:
     return list(chunks)
 
 
+def _mine(v: VersionRecord, worker: str) -> list[Replica]:
+    """The worker's replicas of a version (one per shard at most)."""
+    return [v.replicas[(worker, s)] for s in range(v.num_shards) if (worker, s) in v.replicas]
+
+
+def _discard(index: dict, key: Any, item: str) -> bool:
+    """Remove ``item`` from ``index[key]``; True when that emptied (and removed) the set."""
+    items = index.get(key)
+    if items is None:
+        return False
+    items.discard(item)
+    if not items:
+        del index[key]
+        return True
+    return False
+
+
+def _check_kv_key(key: str) -> None:
+    if not key:
+        raise ValueError("a rendezvous key must not be empty")
+    if len(key.encode()) > MAX_KV_KEY:
+        raise ValueTooLargeError(f"rendezvous key {key[:40]!r}... is over {MAX_KV_KEY} bytes")
+
+
 def _fmt_chunks(chunks: list[int]) -> str:
     return ", ".join(map(str, chunks[:16])) + (" ..." if len(chunks) > 16 else "")
 
 
-__all__ = ["DEFAULT_LEASE_S", "HubState"]
+__all__ = ["DEFAULT_LEASE_S", "MAX_KV_KEY", "MAX_KV_KEYS", "MAX_KV_VALUE", "HubState"]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from fabric.errors import HubError, NoSourceError, RetentionError
-from fabric.hub_records import COMMITTED, LIVE
+from fabric.hub_records import COMMITTED, LIVE, PUBLISHING, RETIRED
 from fabric.hub_state import HubState
 from fabric.locality import Location
 
@@ -33,6 +33,9 @@ class HubMachine(RuleBasedStateMachine):
         self.group_members: dict[tuple[str, str], list[tuple[str, int, str, int]]] = {}
         self.group_ids = itertools.count()
         self.before: dict | None = None
+        self.orphans: dict[tuple[str, int], float] = {}   # begun, reply "lost": claim from
+        self.retired_ever: set[tuple[str, int]] = set()
+        self.seen: set[tuple[str, int]] = set()
         for i, w in enumerate(WORKERS):
             self.hub.register(w, session=w, location=LOCATIONS[i % len(LOCATIONS)])
         for m in MODELS:
@@ -41,6 +44,45 @@ class HubMachine(RuleBasedStateMachine):
             self.issued[m].append(v)
 
     # ---------------------------------------------------------------- helpers
+    def _heartbeat(self, w: str) -> None:
+        """A client's heartbeat: it claims the versions it knows it publishes."""
+        mine = [(m.name, n) for m in self.hub.models.values() for n, v in m.versions.items()
+                if v.state == PUBLISHING and any(pw == w for pw, _ in v.publishers)
+                and (m.name, n) not in self.orphans]
+        self.hub.heartbeat(w, session=w, publishing=mine)
+
+    def _note_retired(self) -> None:
+        """Record retired versions; a version that vanished was retired (only retired,
+        unheld versions are forgotten)."""
+        now = {(m.name, n) for m in self.hub.models.values() for n in m.versions}
+        self.retired_ever |= self.seen - now
+        self.retired_ever |= {(m.name, n) for m in self.hub.models.values()
+                              for n, v in m.versions.items() if v.state == RETIRED}
+        self.seen = now
+
+    def _holdings(self, w: str, old: HubState) -> list[dict]:
+        """What worker ``w``'s client would restore: every live replica it holds (retired
+        versions included: a holder may not have heard), except versions it never knew."""
+        out = []
+        for m in old.models.values():
+            for v in m.versions.values():
+                if (m.name, v.number) in self.orphans:
+                    continue
+                for (hw, s), r in v.replicas.items():
+                    if hw != w or r.status != LIVE:
+                        continue
+                    fid = next((f.fetch_id for f in old.fetches.values() if f.worker == w
+                                and f.model == m.name and f.version == v.number
+                                and f.shard == s and not f.done and f.group is None), None)
+                    out.append({
+                        "model": m.name, "version": v.number, "shard": s,
+                        "num_shards": v.num_shards, "manifest": v.manifests[s],
+                        "state": COMMITTED if r.complete else PUBLISHING,
+                        "complete": r.complete,
+                        "chunks": [i for i, h in enumerate(r.have) if h],
+                        "fetch_id": fid, "publisher": (w, s) in v.publishers})
+        return out
+
     def _counts(self) -> dict[tuple[str, int, int], int]:
         out = {}
         for name, m in self.hub.models.items():
@@ -79,16 +121,37 @@ class HubMachine(RuleBasedStateMachine):
     def heartbeat_all(self) -> None:
         self._guarded()
         for w in list(self.hub.workers):
-            self.hub.heartbeat(w, session=w)
+            self._heartbeat(w)
 
-    @rule(dt=st.floats(0, 1.5 * LEASE), victim=st.one_of(st.none(), st.sampled_from(WORKERS)))
-    def advance_clock(self, dt: float, victim: str | None) -> None:
-        """Every worker but ``victim`` heartbeats, then time passes: the victim may expire."""
+    @rule(dt=st.floats(0, 1.5 * LEASE), victim=st.one_of(st.none(), st.sampled_from(WORKERS)),
+          comes_back=st.booleans())
+    def advance_clock(self, dt: float, victim: str | None, comes_back: bool) -> None:
+        """Every worker but ``victim`` heartbeats, then time passes: the victim may expire.
+        If it does and ``comes_back`` (a long pause, not a crash), it re-registers and
+        restores what it held, as its client would."""
         self.before = None
-        for w in set(self.hub.workers) - {victim}:
-            self.hub.heartbeat(w, session=w)
+        for w in sorted(set(self.hub.workers) - {victim}):
+            self._heartbeat(w)
+        held = self._holdings(victim, self.hub) if victim in self.hub.workers else []
+        loc = self.hub.workers[victim].location if victim in self.hub.workers else None
         self.clock.advance(dt)
-        self.hub.expire()
+        dead = self.hub.expire()
+        self._note_retired()
+        if victim in dead and comes_back:
+            self.hub.register(victim, session=victim, location=loc)
+            self.hub.restore(victim, session=victim, holdings=held)
+
+    @rule(m=st.sampled_from(MODELS), w=st.sampled_from(WORKERS))
+    def publish_reply_lost(self, m: str, w: str) -> None:
+        """begin_publish runs but its reply never reaches the client (e.g. a request
+        retried across a hub restart): the version must end retired, never stuck."""
+        self._guarded()
+        try:
+            v = self.hub.begin_publish(m, w, small_manifest(2, tag=m), session=w)["version"]
+        except HubError:
+            return
+        self.issued[m].append(v)
+        self.orphans[(m, v)] = self.clock()
 
     @rule(w=st.sampled_from(WORKERS))
     def crash(self, w: str) -> None:
@@ -221,34 +284,41 @@ class HubMachine(RuleBasedStateMachine):
 
     @rule()
     def restart_hub(self) -> None:
-        """New hub from the persisted counters and policies; live workers restore holdings."""
+        """New hub from its state dir (`HubState.durable`); live workers restore holdings."""
         self.before = None
         old = self.hub
-        holdings: dict[str, list[dict]] = {w: [] for w in old.workers}
-        for m in old.models.values():
-            for v in m.versions.values():
-                if v.state == "retired":
-                    continue
-                for (w, s), r in v.replicas.items():
-                    if w in holdings and r.status == LIVE:
-                        fid = next((f.fetch_id for f in old.fetches.values() if f.worker == w
-                                    and f.model == m.name and f.version == v.number
-                                    and f.shard == s and not f.done and f.group is None), None)
-                        holdings[w].append({
-                            "model": m.name, "version": v.number, "shard": s,
-                            "num_shards": v.num_shards, "manifest": v.manifests[s],
-                            "state": v.state, "complete": r.complete,
-                            "chunks": [i for i, h in enumerate(r.have) if h],
-                            "fetch_id": fid, "publisher": (w, s) in v.publishers})
+        holdings = {w: self._holdings(w, old) for w in old.workers}
         self.hub = HubState(clock=self.clock, lease_s=LEASE, max_sources=2,
-                            next_versions=dict(old.next_versions),
-                            policies={n: m.policy for n, m in old.models.items()})
+                            durable=old.durable())
+        for key in self.orphans:         # their publish claim restarts with the hub
+            self.orphans[key] = self.clock()
         for w, rec in old.workers.items():
             self.hub.register(w, session=w, location=rec.location)
             self.hub.restore(w, session=w, holdings=holdings[w])
         self.group_members.clear()
 
     # ------------------------------------------------------------- invariants
+    @invariant()
+    def orphans_are_retired_within_a_lease(self) -> None:
+        for (m, n), since in self.orphans.items():
+            v = self.hub.models[m].versions.get(n)
+            assert v is None or v.state != COMMITTED, "nobody committed it"
+            if v is not None and v.state == PUBLISHING:
+                assert self.clock() < since + LEASE, f"{m} v{n} stuck in publishing"
+
+    @invariant()
+    def retired_versions_stay_retired(self) -> None:
+        """Across lease loss and re-registration, and across hub restarts."""
+        for m, n in self.retired_ever:
+            v = self.hub.models[m].versions.get(n)
+            assert v is None or v.state == RETIRED, f"{m} v{n} came back as {v.state}"
+        self._note_retired()
+
+    @invariant()
+    def indexes_match_a_full_scan(self) -> None:
+        """The incremental indexes (by worker, by replica, by model) never drift."""
+        self.hub._check_indexes()
+
     @invariant()
     def latest_is_committed_with_live_complete_replica(self) -> None:
         for m in MODELS:

@@ -108,7 +108,10 @@ def render_status(snap: dict, console: Console) -> None:
                              str(v["full"]), str(v["partial"]), str(v["retracting"]),
                              "pinned" if v["pinned"] else ("yes" if v["retained"] else "no"),
                              v["reason"])
-        if not m["versions"]:
+        for r in m.get("retired", []):        # retired and no longer held by anyone
+            versions.add_row(name, str(r["version"]), "retired", "", "0", "0", "0", "no",
+                             r["reason"])
+        if not m["versions"] and not m.get("retired"):
             versions.add_row(name, "-", "-", "", "", "", "", "", "no versions held")
     console.print(versions)
     if snap["fetches"]:

@@ -1,0 +1,118 @@
+"""`fabric hub serve` and `fabric hub status` as a person runs them (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import select
+import signal
+import subprocess
+import sys
+
+import pytest
+from hub_helpers import REPO_ROOT, child_env, kill_all, small_manifest
+
+import fabric
+
+HARD_TIMEOUT_S = 60
+
+
+@pytest.fixture(autouse=True)
+def hard_timeout():
+    """Fail (reaching each test's `finally` cleanup) if a test runs too long."""
+    def expired(*_):
+        raise TimeoutError(f"test exceeded {HARD_TIMEOUT_S} s")
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(HARD_TIMEOUT_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def fabric_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO_ROOT,
+                          env={**child_env(), "COLUMNS": "200"})
+
+
+def start_serve(procs: list[subprocess.Popen]) -> str:
+    """`fabric hub serve --port 0`; returns the URL it prints once bound (no sleeps)."""
+    p = subprocess.Popen([sys.executable, "-m", "tools", "hub", "serve", "--port", "0",
+                          "--lease", "30", "--log-level", "WARNING"],
+                         stdout=subprocess.PIPE, text=True, env=child_env(), cwd=REPO_ROOT)
+    procs.append(p)
+    ready, _, _ = select.select([p.stdout], [], [], 30)
+    assert ready, "fabric hub serve printed nothing within 30 s"
+    line = p.stdout.readline()
+    assert line.startswith("fabric hub serving at tcp://127.0.0.1:"), line
+    return line.split()[-1]
+
+
+def test_status_shows_versions_fetches_and_leases_as_table_and_json() -> None:
+    procs: list[subprocess.Popen] = []
+    clients: list[fabric.HubClient] = []
+    try:
+        url = start_serve(procs)
+        t = fabric.connect(url, worker="trainer", location={"datacenter": "dc1", "node": "n1"},
+                           timeout=5)
+        r = fabric.connect(url, worker="rollout-7", location={"datacenter": "dc2"}, timeout=5)
+        clients += [t, r]
+        v1 = t.begin_publish("policy", small_manifest())
+        t.commit("policy", v1)
+        v2 = t.begin_publish("policy", small_manifest())
+        plan = r.begin_fetch("policy", v1)
+        r.report_progress(plan.fetch_id, [0, 1])
+
+        out = fabric_cli("hub", "status", url, "--json")
+        assert out.returncode == 0, out.stderr
+        snap = json.loads(out.stdout)
+        policy = snap["models"]["policy"]
+        assert policy["latest"] == v1
+        assert {v["version"]: (v["state"], v["full"], v["partial"])
+                for v in policy["versions"]} == {v1: ("committed", 1, 1),
+                                                  v2: ("publishing", 0, 1)}
+        assert [(f["fetch_id"], f["worker"], f["have"], f["num_chunks"], f["sources"])
+                for f in snap["fetches"]] == [(plan.fetch_id, "rollout-7", 2, 4, ["trainer"])]
+        assert {w["worker"] for w in snap["workers"]} == {"trainer", "rollout-7"}
+        assert all(0 < w["expires_in"] <= 30 for w in snap["workers"])
+
+        out = fabric_cli("hub", "status", url)
+        assert out.returncode == 0, out.stderr
+        text = out.stdout
+        assert "2 workers, 1 fetches in flight" in text
+        assert f"{v1}*" in text and "committed" in text and "publishing" in text
+        assert plan.fetch_id in text and "2/4 (50%)" in text
+        assert "rollout-7" in text and "dc2" in text and "n1" in text
+    finally:
+        for c in clients:
+            c.close()
+        kill_all(procs)
+
+
+def test_serve_stops_cleanly_on_sigterm() -> None:
+    procs: list[subprocess.Popen] = []
+    try:
+        url = start_serve(procs)
+        with fabric.connect(url, timeout=5) as c:
+            assert c.status()["models"] == {}
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(10) == 0
+    finally:
+        kill_all(procs)
+
+
+def test_status_of_an_unreachable_hub_fails_with_a_clear_message() -> None:
+    out = fabric_cli("hub", "status", "tcp://127.0.0.1:9", "--timeout", "0.5")
+    assert out.returncode == 1
+    assert "no hub answered at tcp://127.0.0.1:9" in out.stderr
+    out = fabric_cli("hub", "status", "http://nope", "--timeout", "0.5")
+    assert out.returncode == 1 and "bad hub URL" in out.stderr
+
+
+@pytest.mark.parametrize("command, example", [
+    ("serve", "fabric hub serve --host 0.0.0.0 --port 7470 --state-dir"),
+    ("status", "fabric hub status tcp://127.0.0.1:7470"),
+])
+def test_help_shows_an_example(command: str, example: str) -> None:
+    out = fabric_cli("hub", command, "--help")
+    assert out.returncode == 0
+    assert "example" in out.stdout and example in out.stdout

@@ -1,0 +1,132 @@
+"""Orphaned publishing versions, and what a state dir keeps across a hub restart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hub_helpers import OffsetClock, small_manifest
+
+import fabric
+from fabric.errors import GroupAbortedError
+from fabric.hub_persist import STATE_FILE
+
+LEASE = 10.0
+
+
+def versions(client: fabric.HubClient, model: str = "policy") -> dict[int, dict]:
+    return {v["version"]: v for v in client.status()["models"][model]["versions"]}
+
+
+def test_publish_whose_reply_was_lost_is_retired_after_a_lease() -> None:
+    clock = OffsetClock()
+    hub = fabric.serve("memory://orphan", lease_s=LEASE, clock=clock)
+    try:
+        with fabric.connect(hub.url, worker="trainer", heartbeat=False, timeout=5) as t:
+            known = t.begin_publish("policy", small_manifest())
+            # The hub runs this begin_publish, but the client never learns the number
+            # (as when a reply is lost around a hub restart): nobody will ever commit it.
+            lost = t.call("begin_publish", {"worker": "trainer", "model": "policy",
+                                            "manifest": small_manifest().to_wire()})["version"]
+            for _ in range(3):                  # the worker stays alive all along
+                clock.advance(LEASE / 2)
+                news = t.heartbeat()
+            states = versions(t)
+            assert states[known]["state"] == "publishing"        # claimed by heartbeats
+            assert states[lost]["state"] == "retired"
+            assert "orphaned" in states[lost]["reason"]
+            assert ["policy", lost] in news["retired"]          # the holder may retract it
+            assert t.commit("policy", known) == "committed"
+            with pytest.raises(GroupAbortedError, match="orphaned"):
+                t.commit("policy", lost)
+    finally:
+        hub.stop()
+
+
+def test_old_style_heartbeat_still_claims_every_version_it_publishes() -> None:
+    state = fabric.HubState(lease_s=LEASE, clock=(clock := OffsetClock()))
+    state.register("w", session="s")
+    v = state.begin_publish("m", "w", small_manifest(), session="s")["version"]
+    for _ in range(3):
+        clock.advance(LEASE / 2)
+        state.heartbeat("w", session="s")                     # no `publishing` list
+    assert state.models["m"].versions[v].state == "publishing"
+
+
+def test_version_retired_before_a_restart_stays_retired(tmp_path: Path) -> None:
+    clock = OffsetClock()
+    url = "memory://restart-retired"
+    hub = fabric.serve(url, state_dir=tmp_path, lease_s=LEASE, clock=clock)
+    try:
+        t = fabric.connect(url, worker="trainer", heartbeat=False, timeout=5)
+        obs = fabric.connect(url, timeout=5)
+        v1 = t.begin_publish("policy", small_manifest())
+        t.commit("policy", v1)
+        v2 = t.begin_publish("policy", small_manifest())     # never committed in time...
+        clock.advance(LEASE + 1)                              # ...the trainer paused too long
+        assert v2 not in versions(obs)                        # retired, nobody holds it
+        assert obs.status()["models"]["policy"]["retired"][0]["version"] == v2
+        saved = json.loads((tmp_path / STATE_FILE).read_text())
+        assert str(v2) in saved["retired"]["policy"] and str(v2) not in saved["versions"]["policy"]
+        hub.stop()
+        hub = fabric.serve(url, state_dir=tmp_path, lease_s=LEASE, clock=clock)
+        # The trainer comes back and re-registers v1 and v2 (it still believes v2 is
+        # publishing): v1 is served again, v2 stays retired and cannot be committed.
+        with pytest.raises(GroupAbortedError, match="publisher trainer lost"):
+            t.commit("policy", v2)
+        got = versions(obs)
+        assert got[v1]["state"] == "committed" and obs.latest("policy") == v1
+        assert got[v2]["state"] == "retired" and "lost" in got[v2]["reason"]
+        assert ["policy", v2] in t.heartbeat()["retired"]
+        assert t.retract("policy", v2, wait=1) == "done"
+        assert {"version": v2, "reason": got[v2]["reason"]} in \
+            obs.status()["models"]["policy"]["retired"]
+        assert t.begin_publish("policy", small_manifest()) == v2 + 1
+        t.close()
+        obs.close()
+    finally:
+        hub.stop()
+
+
+def test_unclaimed_publishing_version_is_retired_after_restart(tmp_path: Path) -> None:
+    clock = OffsetClock()
+    hub = fabric.serve("memory://restart-orphan", state_dir=tmp_path, lease_s=LEASE, clock=clock)
+    try:
+        with fabric.connect(hub.url, worker="trainer", heartbeat=False, timeout=5) as t:
+            v = t.begin_publish("policy", small_manifest())
+        hub.stop()                               # the trainer never comes back
+        hub = fabric.serve("memory://restart-orphan", state_dir=tmp_path, lease_s=LEASE,
+                           clock=clock)
+        with fabric.connect(hub.url, timeout=5) as obs:
+            assert versions(obs)[v]["state"] == "publishing"
+            clock.advance(LEASE + 1)
+            assert v not in versions(obs)
+            retired = obs.status()["models"]["policy"]["retired"]
+            assert retired[0]["version"] == v and "orphaned" in retired[0]["reason"]
+    finally:
+        hub.stop()
+
+
+def test_unregister_drops_replicas_and_publishes_now() -> None:
+    hub = fabric.serve("memory://unregister", lease_s=LEASE)
+    try:
+        with fabric.connect(hub.url, worker="trainer", heartbeat=False, timeout=5) as t, \
+                fabric.connect(hub.url, timeout=5) as obs:
+            v1 = t.begin_publish("policy", small_manifest())
+            t.commit("policy", v1)
+            v2 = t.begin_publish("policy", small_manifest())
+            assert obs.latest("policy") == v1
+            t.unregister()
+            assert obs.latest("policy") is None
+            assert obs.status()["workers"] == []
+            got = {v["version"]: v for v in obs.status()["models"]["policy"]["versions"]}
+            assert got[v1]["full"] == 0
+            assert v2 not in got and any(
+                r["version"] == v2 and "unregistered" in r["reason"]
+                for r in obs.status()["models"]["policy"]["retired"])
+            # The id is free again right away (no lease to wait out).
+            with fabric.connect(hub.url, worker="trainer", heartbeat=False, timeout=5):
+                pass
+    finally:
+        hub.stop()
