@@ -1036,7 +1036,8 @@ class HubState:
                 self._set_status(v, rep, RETRACTING)
 
     def _drop_worker(self, worker: str, why: str) -> None:
-        log.warning("worker dropped worker=%s why=%s", worker, why)
+        level = logging.INFO if why == "unregistered" else logging.WARNING
+        log.log(level, "worker dropped worker=%s why=%s", worker, why)
         self.workers.pop(worker, None)
         self._lease_order.pop(worker, None)
         for fid in list(self._own_fetches.get(worker, ())):

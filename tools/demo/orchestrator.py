@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 import fabric
@@ -64,13 +65,13 @@ class VersionRecord:
     version: int
     nbytes: int
     published_at: float
-    trainer_logits: torch.Tensor
+    trainer_logits: np.ndarray
     expected: list[str]
     fetches: dict[str, dict[str, Any]] = field(default_factory=dict)
     logits_match: dict[str, bool] = field(default_factory=dict)
     trainer_egress: int = 0
     reward: float | None = None
-    tokens: list[torch.Tensor] = field(default_factory=list)
+    tokens: list[np.ndarray] = field(default_factory=list)
 
 
 class Demo:
@@ -184,7 +185,7 @@ class Demo:
             event = self._wait(lambda e, n=name: e["kind"] == "rollout" and e["worker"] == n
                                and e["version"] == v)
             record.fetches[name] = {**event["stats"], "stall_seconds": event["stall"]}
-            record.logits_match[name] = bool(torch.equal(event["logits"], record.trainer_logits))
+            record.logits_match[name] = bool(np.array_equal(event["logits"], record.trainer_logits))
             stats = event["stats"]
             self.log(f"  {name} has v{v}: {stats['bytes'] / 1e6:.1f} MB in "
                      f"{stats['seconds'] * 1e3:.0f} ms from {', '.join(sorted(stats['sources']))}"

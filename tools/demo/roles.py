@@ -2,7 +2,8 @@
 
 Each runs in its own process (multiprocessing, spawn), joins the fabric as a
 worker, and talks to the orchestrator through two queues: commands in, events
-out. Every event is a dict with a ``kind``. Torch runs single-threaded in every
+out. Every event is a dict with a ``kind``; tensors travel as numpy arrays (by
+value: torch would share them through file descriptors that die with the sender). Torch runs single-threaded in every
 process so that the same weights give bit-identical logits everywhere.
 """
 
@@ -69,7 +70,7 @@ def trainer_main(cfg: RoleConfig, commands: Any, events: Any) -> None:
             with torch.no_grad():
                 logits = model(probe)
             version = store.publish(snapshot=False)
-            events.put({"kind": "published", "version": version, "logits": logits,
+            events.put({"kind": "published", "version": version, "logits": logits.numpy(),
                         "time": time.time(), "bytes": store.layout.nbytes})
             state = store.retract(version, wait=cfg.lease_timeout, delay=True)
             events.put({"kind": "retracted", "version": version, "state": state,
@@ -78,7 +79,7 @@ def trainer_main(cfg: RoleConfig, commands: Any, events: Any) -> None:
             command = commands.get(timeout=cfg.lease_timeout * 4)
             if command["kind"] == "stop":
                 break
-            tokens = torch.cat(command["tokens"])
+            tokens = torch.cat([torch.from_numpy(t) for t in command["tokens"]])
             rewards = reward(tokens, PROMPT_LEN)
             loss = reinforce_step(model, optimizer, tokens, PROMPT_LEN, rewards)
             events.put({"kind": "trained", "version": version, "loss": loss,
@@ -129,5 +130,5 @@ def rollout_main(cfg: RoleConfig, name: str, commands: Any, events: Any) -> None
                                     generator=generator)
             tokens = sample(model, prompts, NEW_TOKENS, generator=generator)
             events.put({"kind": "rollout", "worker": name, "version": version,
-                        "stats": stats.to_dict(), "stall": stall, "logits": logits,
-                        "tokens": tokens})
+                        "stats": stats.to_dict(), "stall": stall, "logits": logits.numpy(),
+                        "tokens": tokens.numpy()})

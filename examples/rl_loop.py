@@ -1,0 +1,71 @@
+"""The smallest weightfabric integration: a trainer publishes, a rollout fetches, each step.
+
+Run it:  python examples/rl_loop.py
+It starts its own hub; in a cluster, run `fabric hub serve` once and pass its URL.
+Copy `trainer` into your training loop and `rollout` into your inference workers.
+"""
+
+import multiprocessing as mp
+import sys
+
+import torch
+from torch import nn
+
+import fabric
+
+STEPS = 3
+
+
+def make_policy() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 16))
+
+
+def trainer(url: str, samples: mp.Queue) -> None:
+    policy = make_policy()
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+    with fabric.join(url, worker="trainer") as worker:
+        store = worker.model("policy")
+        for _ in range(STEPS):
+            version = store.publish(policy)  # a snapshot: training may go on at once
+            obs, actions, rewards = map(torch.from_numpy, samples.get(timeout=120))
+            logp = torch.log_softmax(policy(obs), -1).gather(1, actions[:, None]).squeeze(1)
+            loss = -((rewards - rewards.mean()) * logp).mean()  # REINFORCE
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            print(f"trainer: published v{version}, then trained on its samples "
+                  f"(reward {rewards.mean():.2f})", flush=True)
+
+
+def rollout(url: str, samples: mp.Queue) -> None:
+    policy = make_policy()  # whatever weights: every fetch overwrites them
+    with fabric.join(url, worker="rollout-0") as worker:
+        store = worker.model("policy")
+        store.attach(policy)  # parameters move into shared memory, once
+        version = 0
+        for _ in range(STEPS):
+            version = worker.hub.wait_version("policy", after=version, timeout=120)
+            stats = store.fetch(version)  # lands in the parameters, from whoever holds it
+            obs = torch.randn(32, 64)
+            with torch.no_grad():
+                actions = torch.distributions.Categorical(logits=policy(obs)).sample()
+            rewards = (actions % 2 == 0).float()  # a toy reward
+            samples.put((obs.numpy(), actions.numpy(), rewards.numpy()))  # by value
+            print(f"rollout: v{version}: {stats.bytes / 1e3:.0f} kB in "
+                  f"{stats.seconds * 1e3:.1f} ms from {', '.join(stats.sources)}", flush=True)
+
+
+if __name__ == "__main__":
+    hub = fabric.serve("tcp://127.0.0.1:0")
+    ctx = mp.get_context("spawn")
+    samples = ctx.Queue()
+    procs = [ctx.Process(target=role, args=(hub.url, samples)) for role in (trainer, rollout)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        if p.is_alive():
+            p.kill()
+    hub.stop()
+    sys.exit(max(abs(p.exitcode or 0) for p in procs))
