@@ -116,3 +116,12 @@ def test_help_shows_an_example(command: str, example: str) -> None:
     out = fabric_cli("hub", command, "--help")
     assert out.returncode == 0
     assert "example" in out.stdout and example in out.stdout
+
+
+def test_serve_with_a_broken_cluster_file_exits_2_naming_the_line(tmp_path) -> None:
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("version: 1\nname: x\nnode_types:\n  a: {gpus: 0, nics: {count: 1, "
+                   "bandwidth: 10GBs}}\ndatacenters: [{name: d, nodes: [{name: n, type: a}]}]\n")
+    result = fabric_cli("hub", "serve", "--port", "0", "--cluster", str(bad))
+    assert result.returncode == 2
+    assert f"{bad}:4: node_types.a.nics.bandwidth" in result.stderr

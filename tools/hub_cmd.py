@@ -28,13 +28,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run a hub in the foreground", formatter_class=raw,
                        description="Run a hub until interrupted. Prints 'fabric hub serving at "
                                    "URL' once bound; with --port 0 the OS picks the port.",
-                       epilog="example:\n  fabric hub serve --host 0.0.0.0 --port 7470 "
-                              "--state-dir /var/lib/fabric-hub")
+                       epilog="examples:\n  fabric hub serve --host 0.0.0.0 --port 7470 "
+                              "--state-dir /var/lib/fabric-hub\n"
+                              "  fabric hub serve --port 0 --cluster topology/clusters/two-datacenters.yaml")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=7470, help="TCP port, 0 = any free (default 7470)")
     p.add_argument("--state-dir", help="directory keeping version numbers monotonic across "
                                        "restarts (default: none, numbers restart from the "
                                        "holders' versions)")
+    p.add_argument("--cluster", help="cluster YAML: rank sources by the widest path to each "
+                                     "reader on this topology (workers name their datacenter, "
+                                     "node and device as in the file); default: by locality")
     p.add_argument("--lease", type=float, default=10.0,
                    help="seconds a worker stays alive without heartbeat (default 10)")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
@@ -59,8 +63,13 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
+        ranking = {}
+        if args.cluster:
+            from fabric.topology_ranking import topology_ranker
+
+            ranking["rank_sources"] = topology_ranker(args.cluster)
         server = HubServer(f"tcp://{args.host}:{args.port}", state_dir=args.state_dir,
-                           lease_s=args.lease)
+                           lease_s=args.lease, **ranking)
     except (ValueError, HubError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
