@@ -22,10 +22,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: setup
-	mkdir -p build
-	$(BIN)/fabric topo discover -o build/local.yaml
-	$(BIN)/fabric topo validate build/local.yaml
-	$(BIN)/fabric topo show build/local.yaml
+	$(BIN)/fabric demo
 
 lint: setup
 	$(BIN)/ruff check .

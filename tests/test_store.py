@@ -1,0 +1,135 @@
+"""ModelStore in one process: switching versions, in-place publish, and bad input."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fabric
+from fabric.errors import (
+    FabricError,
+    HubUnavailableError,
+    ManifestMismatchError,
+    RetentionError,
+    UnknownModelError,
+    UnknownVersionError,
+)
+
+CHUNK = 64 * 1024
+
+
+def net(width: int = 64, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(width, 300), nn.LayerNorm(300), nn.Linear(300, 7))
+
+
+@pytest.fixture
+def hub():
+    server = fabric.serve("tcp://127.0.0.1:0", lease_s=5.0)
+    workers = []
+
+    def join(name):
+        workers.append(fabric.join(server.url, worker=name, timeout=5))
+        return workers[-1]
+
+    yield join
+    for w in workers:
+        w.close()
+    server.stop()
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values(), strict=True))
+
+
+def test_fetch_async_keeps_the_old_version_until_result(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    source, model = net(seed=1), net(seed=2)
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    v1 = t_store.publish(source)
+    r_store = rollout.model("m", chunk_size=CHUNK)
+    r_store.attach(model)
+    assert r_store.fetch(v1).version == v1 and same(model, source) and r_store.version == v1
+    old = net(seed=1)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.mul_(2)
+    v2 = t_store.publish(source)
+    future = r_store.fetch_async("latest")
+    while not future.done():
+        time.sleep(0.01)
+    assert same(model, old) and r_store.version == v1  # not switched yet
+    assert future.result().version == v2
+    assert same(model, source) and r_store.version == v2
+    assert r_store.fetch("latest").bytes == 0  # already there: nothing moves
+
+
+def test_in_place_publish_and_hold(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    model = net(seed=3)
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    t_store.attach(model)
+    version = t_store.publish(snapshot=False)
+    with pytest.raises(FabricError, match="still exposed"):
+        t_store.publish(snapshot=False)
+    replica = net(seed=4)
+    r_store = rollout.model("m", chunk_size=CHUNK)
+    r_store.attach(replica)
+    r_store.fetch(version)
+    assert t_store.retract(version, delay=True, wait=10) == "done"
+    assert same(replica, model)
+    with torch.no_grad():  # safe now: nobody may read these bytes any more
+        model[0].weight.add_(1)
+    v2 = t_store.publish(snapshot=False, hold=False)
+    assert v2 == version + 1
+
+
+def test_mismatched_tensors_are_refused_naming_the_tensor(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    trainer.model("m", chunk_size=CHUNK).publish(net(width=64))
+    store = rollout.model("m", chunk_size=CHUNK)
+    store.attach(net(width=65))
+    with pytest.raises(ManifestMismatchError, match=r"'0\.weight'.*float32\[300, 64\] there"):
+        store.fetch("latest")
+    assert store.version is None  # nothing half-switched
+
+
+def test_unknown_model_and_version(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    trainer.model("m", chunk_size=CHUNK).publish(net())
+    with pytest.raises(UnknownModelError):
+        rollout.model("other", chunk_size=CHUNK).fetch("latest")
+    with pytest.raises(UnknownVersionError):
+        rollout.model("m", chunk_size=CHUNK).fetch(42)
+
+
+def test_unreachable_hub_fails_fast():
+    start = time.monotonic()
+    with pytest.raises(HubUnavailableError, match="fabric hub serve"):
+        fabric.join("tcp://127.0.0.1:9", worker="w", timeout=1.0)
+    assert time.monotonic() - start < 10
+
+
+def test_misuse_is_refused_with_a_reason(hub):
+    worker = hub("w")
+    store = worker.model("m", chunk_size=CHUNK)
+    with pytest.raises(FabricError, match="attach them first"):
+        store.publish(snapshot=False)
+    model = net()
+    store.attach(model)
+    with pytest.raises(FabricError, match="already attached"):
+        store.attach(model)
+    version = store.publish()
+    with pytest.raises(RetentionError, match="min_replicas"):  # the only copy of v1
+        store.release(version)
+    reader = hub("reader").model("m", chunk_size=CHUNK)
+    reader.fetch(version)
+    with pytest.raises(FabricError, match="active version"):
+        reader.release(version)
+    store.release(version)  # now another replica exists
+    with pytest.raises(ValueError, match="multiple of 256"):
+        worker.model("n", chunk_size=1000)
+    with pytest.raises(TypeError, match="nn.Module or a mapping"):
+        store.attach([1, 2])
