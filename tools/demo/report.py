@@ -82,7 +82,8 @@ def print_summary(out: dict[str, Any], console: Console) -> None:
     console.print(table)
     console.print("MB: bytes fetched by all rollouts; ms: until the last rollout had the "
                   "version; trainer MB: the trainer's egress; stall s: rollouts' fetch time, "
-                  "summed; logits: every rollout's logits vs the trainer's, bit for bit.")
+                  "summed; read from: the trainer and/or N peer rollouts; logits: every "
+                  "rollout's logits vs the trainer's, bit for bit.")
     if out["killed"]:
         k = out["killed"]
         rereads = ", ".join(f"{n} re-read {c} chunks" for n, c in k["reread_by"].items())
