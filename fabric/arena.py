@@ -89,8 +89,8 @@ class Region:
             raise
 
     @classmethod
-    def attach(cls, path: str | os.PathLike[str], nbytes: int) -> Region:
-        """Map a peer's region (same host) by path.
+    def attach(cls, path: str | os.PathLike[str], nbytes: int | None = None) -> Region:
+        """Map a peer's region (same host) by path: its first `nbytes`, or all of it.
 
         Raises:
             ArenaError: the file is gone or smaller than `nbytes`.
@@ -101,7 +101,8 @@ class Region:
         except OSError as exc:
             raise ArenaError(f"cannot attach {path}: {exc.strerror}") from exc
         size = os.fstat(fd).st_size
-        if size < nbytes:
+        nbytes = size if nbytes is None else nbytes
+        if size < nbytes or nbytes <= 0:
             os.close(fd)
             raise ArenaError(f"{path} holds {size} bytes, expected at least {nbytes}")
         return cls(path, nbytes, fd, owner=False)

@@ -226,3 +226,25 @@ def test_expose_rejects_bad_regions():
         server.expose("x", torch.zeros(8, dtype=torch.uint8), chunk_size=4)
         with pytest.raises(ValueError, match="already exposed"):
             server.expose("x", torch.zeros(8, dtype=torch.uint8), chunk_size=4)
+
+
+def test_shm_reader_follows_a_region_moved_to_another_file(tmp_path):
+    """A holder that re-exposes a name from another buffer must never be read stale."""
+    from fabric.arena import Region
+
+    with Region.create("a", 4096, directory=tmp_path) as first, \
+            Region.create("b", 4096, directory=tmp_path) as second, ReadServer() as server:
+        first.tensor.fill_(1)
+        second.tensor.fill_(2)
+        shm = ShmTransport()
+        try:
+            out = torch.empty(16, dtype=torch.uint8)
+            server.expose("v1", first.tensor, chunk_size=1024, shm_path=str(first.path))
+            shm.read(server.address, "v1", 100, out, timeout=5)
+            assert out.eq(1).all()
+            assert server.retract("v1", timeout=5)
+            server.expose("v1", second.tensor, chunk_size=1024, shm_path=str(second.path))
+            shm.read(server.address, "v1", 100, out, timeout=5)
+            assert out.eq(2).all()
+        finally:
+            shm.close()

@@ -86,6 +86,14 @@ def receive_payload(conn: socket.socket, source: SourceAddress, nbytes: int) -> 
         raise SourceLostError(f"source {source.host}:{source.port} vanished mid-reply: {exc}") from exc
 
 
+def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: int, nbytes: int,
+          timeout: float) -> str:
+    """LEASE: wait until the bytes are present and hold them as a read in flight until
+    ``END``; returns the region's shared-memory path ('' when it has none)."""
+    n = request(conn, source, Op.LEASE, region, offset=offset, nbytes=nbytes, timeout=timeout)
+    return receive_payload(conn, source, n).decode() if n else ""
+
+
 def describe(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> RegionInfo:
     with pool.connection(source) as conn:
         n = request(conn, source, Op.DESCRIBE, region, timeout=timeout)

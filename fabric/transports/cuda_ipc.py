@@ -195,7 +195,7 @@ class CudaIpcTransport(Transport):
         mapped = self._mapping(source, region, timeout)
         n = out.numel()
         with self._pool.connection(source) as conn:
-            client.request(conn, source, Op.LEASE, region, offset=offset, nbytes=n, timeout=timeout)
+            client.lease(conn, source, region, offset=offset, nbytes=n, timeout=timeout)
             try:
                 stream = self._stream(out.device)
                 stream.wait_stream(torch.cuda.current_stream(out.device))  # out may be in use

@@ -98,8 +98,7 @@ class NvshmemTransport(Transport):
             self._wait_chunks(pe, local, offset // local.chunk_size,
                               (offset + n - 1) // local.chunk_size, timeout)
             with self._pool.connection(source) as conn:
-                client.request(conn, source, Op.LEASE, region, offset=offset, nbytes=n,
-                               timeout=timeout)
+                client.lease(conn, source, region, offset=offset, nbytes=n, timeout=timeout)
                 try:
                     stream = nvshmem.NvshmemStream(self._stream)
                     self._stream.wait_stream(torch.cuda.current_stream(out.device))

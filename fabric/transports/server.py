@@ -200,7 +200,7 @@ class ReadServer:
                 with self._lock:
                     self.bytes_served += nbytes
                 if op == Op.LEASE:
-                    self._reply(conn, Status.OK)
+                    self._reply(conn, Status.OK, payload=(region.shm_path or "").encode())
                     keep = True
                     return region
                 self._reply(conn, Status.OK, payload=region.data[offset:offset + nbytes])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -12,48 +13,57 @@ from fabric.transports import client
 from fabric.transports.base import RegionInfo, SourceAddress, Transport
 from fabric.transports.wire import Op
 
+MAX_MAPPINGS = 16
+
 
 class ShmTransport(Transport):
     """Copies from the holder's mapped region under a lease from its `ReadServer`.
 
     The lease makes the copy a read in flight, so the holder's retract waits for
-    it (contract 1); if the reader dies, the lease ends with its connection.
+    it (contract 1); if the reader dies, the lease ends with its connection. The
+    lease names the file the region lives in, so a holder that moves a version to
+    another buffer is followed; the `MAX_MAPPINGS` most recently used files stay
+    mapped (a holder's buffers are few and reused across versions).
     """
 
     name = "shm"
 
     def __init__(self) -> None:
         self._pool = client.ConnectionPool()
-        self._maps: dict[tuple[str, int, str], Region] = {}
+        self._maps: OrderedDict[str, Region] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _mapping(self, source: SourceAddress, region: str, timeout: float) -> Region:
-        key = (source.host, source.port, region)
+    def _mapping(self, path: str, end: int) -> Region:
         with self._lock:
-            mapped = self._maps.get(key)
-        if mapped is not None:
-            return mapped
-        info = self.describe(source, region, timeout=timeout)
-        if info.shm_path is None:
-            raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} "
-                                   "is not in shared memory; read it over tcp")
+            mapped = self._maps.get(path)
+            if mapped is not None and mapped.nbytes >= end:
+                self._maps.move_to_end(path)
+                return mapped
         try:
-            mapped = Region.attach(info.shm_path, info.nbytes)
+            mapped = Region.attach(path)
         except ArenaError as exc:
             raise SourceLostError(str(exc)) from exc
         with self._lock:
-            return self._maps.setdefault(key, mapped)
+            old = self._maps.pop(path, None)
+            self._maps[path] = mapped
+            evicted = [self._maps.popitem(last=False)[1] for _ in range(len(self._maps) - MAX_MAPPINGS)]
+        for region in [r for r in (old, *evicted) if r is not None]:
+            region.close()  # the memory stays valid for copies still using it
+        return mapped
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float) -> None:
         if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cpu":
             raise ValueError("read into a contiguous uint8 CPU tensor")
-        mapped = self._mapping(source, region, timeout)
+        end = offset + out.numel()
         with self._pool.connection(source) as conn:
-            client.request(conn, source, Op.LEASE, region, offset=offset, nbytes=out.numel(),
-                           timeout=timeout)
+            path = client.lease(conn, source, region, offset=offset, nbytes=out.numel(),
+                                timeout=timeout)
             try:
-                out.copy_(mapped.tensor[offset:offset + out.numel()])
+                if not path:
+                    raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} "
+                                           "is not in shared memory; read it over tcp")
+                out.copy_(self._mapping(path, end).tensor[offset:end])
             finally:
                 client.request(conn, source, Op.END, region, timeout=timeout)
 
@@ -62,13 +72,6 @@ class ShmTransport(Transport):
 
     def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
         return client.bitmap(self._pool, source, region, timeout)
-
-    def forget(self, source: SourceAddress, region: str) -> None:
-        """Drop the mapping of a region (after its holder retracted it)."""
-        with self._lock:
-            mapped = self._maps.pop((source.host, source.port, region), None)
-        if mapped is not None:
-            mapped.close()
 
     def close(self) -> None:
         self._pool.close()

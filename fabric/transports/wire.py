@@ -12,8 +12,8 @@ A connection carries one request at a time. Ops:
 
 - ``READ``: wait (up to timeout) until the chunks covering ``[offset, offset+nbytes)``
   are present, then send those bytes as the payload.
-- ``LEASE``: the same wait, then no payload; the reader copies the bytes through
-  shared memory and sends ``END``. The server counts the lease as a read in flight
+- ``LEASE``: the same wait; the payload is the region's shared-memory path (empty
+  when it has none), from which the reader copies the bytes, then sends ``END``. The server counts the lease as a read in flight
   until ``END`` arrives or the connection drops.
 - ``END``: ends the connection's lease (no reply).
 - ``DESCRIBE``: payload is msgpack ``{nbytes, chunk_size, num_chunks, present, shm_path}``.
