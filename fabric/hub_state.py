@@ -6,6 +6,12 @@ retention policy; its methods are the hub's operations. The server
 (`fabric.hub_server`) only decodes requests, calls these methods and parks
 long-polls; tests drive this class directly.
 
+Its parts, each owned by `HubState`: `fabric.hub_index` (incremental indexes and
+work queues), `fabric.hub_leases` (worker leases, publish claims),
+`fabric.hub_retention` (retention, retract settling), `fabric.hub_routing` (a
+plan's sources), `fabric.hub_kv` (rendezvous store), `fabric.hub_status`
+(status snapshot); records are in `fabric.hub_records`.
+
 Invariants (checked by ``tests/test_hub_state_machine.py`` after every step):
 
 * version numbers of a model only grow and are never handed out twice;
@@ -17,7 +23,8 @@ Invariants (checked by ``tests/test_hub_state_machine.py`` after every step):
 * a fetch group's replicas all become complete together, or none do;
 * a publishing version nobody claims for a lease is retired (orphaned), and a retired
   version never becomes publishing or committed again (lease loss, hub restart);
-* every index (by worker, by replica, lease order) equals a full scan (`_check_indexes`).
+* every index (by worker, by replica, lease order) equals a full scan (`_check_indexes`;
+  the indexes live in `fabric.hub_index`, leases and publish claims in `fabric.hub_leases`).
 
 Liveness: every operation first expires leases against the clock; the server also
 calls `expire` on a timer. An expired worker's replicas leave every plan and its
@@ -26,7 +33,6 @@ fetches end; fetches that could read from it learn so in their next heartbeat.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -44,8 +50,10 @@ from fabric.errors import (
     UnknownModelError,
     UnknownVersionError,
     UnknownWorkerError,
-    ValueTooLargeError,
 )
+from fabric.hub_index import HubIndex
+from fabric.hub_kv import MAX_KV_KEY, MAX_KV_KEYS, MAX_KV_VALUE, KvStore
+from fabric.hub_leases import Leases
 from fabric.hub_persist import MAX_RETIRED_KEPT, DurableState
 from fabric.hub_records import (
     COMMITTED,
@@ -64,16 +72,16 @@ from fabric.hub_records import (
     VersionRecord,
     WorkerRecord,
 )
-from fabric.locality import Location, RankSources, SourceCandidate, rank_by_locality
+from fabric.hub_retention import blocks_retention, held_by, retained, retract_state, settle
+from fabric.hub_routing import route
+from fabric.hub_status import status_snapshot
+from fabric.locality import Location, RankSources, rank_by_locality
 from fabric.manifest import Manifest
 
 log = logging.getLogger("fabric.hub")
 
 DEFAULT_LEASE_S = 10.0
 MAX_FINISHED_GROUPS = 4096
-MAX_KV_VALUE = 64 * 1024
-MAX_KV_KEY = 256
-MAX_KV_KEYS = 65_536
 
 
 class HubState:
@@ -108,24 +116,11 @@ class HubState:
         durable = durable or DurableState()
         self.next_versions: dict[str, int] = {**durable.next_versions, **(next_versions or {})}
         self.known_below: dict[str, int] = dict(durable.known_below)
-        self.load: Counter[str] = Counter()
         self.generation = 0
         self.durable_generation = 0
-        self.kv: dict[str, tuple[bytes, float | None]] = {}
-        self._kv_ttl: list[tuple[float, str]] = []
-        # Indexes, so an operation costs what the workers and versions it touches cost,
-        # not the size of the hub (see `_check_indexes` for what each one must equal).
-        self._lease_order: OrderedDict[str, None] = OrderedDict()   # soonest expiry first
-        self._held: dict[str, set[tuple[str, int, int]]] = {}       # worker -> (model, v, shard)
-        self._publishing: dict[str, set[tuple[str, int]]] = {}      # worker -> publishing (m, v)
-        self._own_fetches: dict[str, set[str]] = {}                  # worker -> its fetch ids
-        self._reading: dict[str, set[str]] = {}                      # source -> fetch ids
-        self._readers: dict[tuple[str, int, int, str], set[str]] = {}  # (m, v, shard, src)
-        self._pending_retracts: set[tuple[str, int, int, str]] = set()
-        self._delayed: set[tuple[str, int, int, str]] = set()
-        self._dirty_models: set[str] = set()
-        self._gc: set[tuple[str, int]] = set()
-        self._claims: list[tuple[float, str, int]] = []    # heap: publish claim deadlines
+        self.kv = KvStore(clock)
+        self._index = HubIndex(self.models, self.fetches)
+        self._leases = Leases(clock, self.lease_s)
         for name, policy in {**durable.policies, **(policies or {})}.items():
             self.models[name] = ModelRecord(name, policy)
         for name, reasons in durable.retired.items():
@@ -136,7 +131,12 @@ class HubState:
                 v = VersionRecord(name, n, num_shards, state=state)
                 m.versions[n] = v
                 if state == PUBLISHING:     # its publisher must come back within a lease
-                    self._claim(v)
+                    self._leases.claim(v)
+
+    @property
+    def load(self) -> Counter[str]:
+        """Per source worker, the fetches in flight that may read from it."""
+        return self._index.load
 
     # ----------------------------------------------------------------- workers
     def register(self, worker: str, *, session: str, location: Location | None = None,
@@ -156,8 +156,7 @@ class HubState:
                 f"(lease ends in {rec.expires - self.clock():.1f} s); pick a unique worker id")
         self.workers[worker] = WorkerRecord(worker, session, location or Location(),
                                             dict(endpoints or {}), self.clock() + self.lease_s)
-        self._lease_order[worker] = None
-        self._lease_order.move_to_end(worker)
+        self._leases.renew(worker)
         if rec is None:
             log.info("worker registered worker=%s location=%s", worker, location)
         self._touch()
@@ -183,19 +182,19 @@ class HubState:
         """
         rec = self._worker(worker, session)
         rec.expires = self.clock() + self.lease_s
-        self._lease_order.move_to_end(worker)
-        claimed = (self._publishing.get(worker, set()) if publishing is None
+        self._leases.renew(worker)
+        claimed = (self._index.publishing.get(worker, set()) if publishing is None
                    else {(str(m), int(n)) for m, n in publishing}
-                   & self._publishing.get(worker, set()))
+                   & self._index.publishing.get(worker, set()))
         for model, number in claimed:
-            self._claim(self.models[model].versions[number])
+            self._leases.claim(self.models[model].versions[number])
         lost: dict[str, list[str]] = {}
-        for fid in self._own_fetches.get(worker, ()):
+        for fid in self._index.own_fetches.get(worker, ()):
             f = self.fetches[fid]
             if f.lost:
                 lost[fid] = sorted(f.lost)
                 f.lost.clear()
-        retired = sorted({(m, n) for m, n, _ in self._held.get(worker, ())
+        retired = sorted({(m, n) for m, n, _ in self._index.held.get(worker, ())
                           if self.models[m].versions[n].state == RETIRED})
         return {"lease_s": self.lease_s, "lost": lost, "retired": [list(x) for x in retired]}
 
@@ -209,25 +208,13 @@ class HubState:
     def expire(self) -> list[str]:
         """Drop every worker whose lease ended (and rendezvous keys whose ttl ran out);
         returns the dropped workers' ids."""
-        self._expire_kv()
+        self.kv.expire()
         now = self.clock()
-        dead = []
-        for w in self._lease_order:     # leases end in the order they were last renewed
-            if self.workers[w].expires > now:
-                break
-            dead.append(w)
+        dead = self._leases.expired(self.workers, now)
         for w in dead:
             self._drop_worker(w, "lease expired")
         orphans = False
-        while self._claims and self._claims[0][0] <= now:
-            _, model, number = heapq.heappop(self._claims)
-            m = self.models.get(model)
-            v = m.versions.get(number) if m else None
-            if v is None or v.state != PUBLISHING:
-                continue
-            if v.claimed_until > now:                    # renewed since: check again later
-                heapq.heappush(self._claims, (v.claimed_until, model, number))
-                continue
+        for v in self._leases.lapsed(self.models, now):
             self._retire(v, f"orphaned: no publisher claimed it for {self.lease_s:g} s (its "
                             "begin_publish reply was lost, e.g. retried across a hub restart, "
                             "or no publisher came back after one); publish again")
@@ -277,9 +264,9 @@ class HubState:
                 m.publish_groups[group] = number
         self._set_manifest(v, shard, manifest)
         v.publishers[(worker, shard)] = False
-        self._publishing.setdefault(worker, set()).add((model, v.number))
-        self._claim(v)
-        self._add_replica(v, Replica(worker, shard, bytearray(manifest.num_chunks)))
+        self._index.add_publisher(worker, v)
+        self._leases.claim(v)
+        self._index.add_replica(v, Replica(worker, shard, bytearray(manifest.num_chunks)))
         log.info("begin publish model=%s version=%d shard=%d worker=%s", model, v.number, shard,
                  worker)
         self._touch()
@@ -307,7 +294,7 @@ class HubState:
         if not mine:
             raise InvalidStateError(f"{worker!r} did not begin publishing {model!r} v{version}")
         if v.state == PUBLISHING:
-            self._claim(v)
+            self._leases.claim(v)
         for key in mine:
             v.publishers[key] = True
             rep = v.replicas.get(key)
@@ -317,13 +304,13 @@ class HubState:
                 any(done for (_, s), done in v.publishers.items() if s == shard)
                 for shard in range(v.num_shards)):
             v.state = COMMITTED
-            self._unpublish(v)
+            self._index.unpublish(v)
             for rep in v.replicas.values():
                 if v.publishers.get((rep.worker, rep.shard)):
                     rep.complete = True
                     v.reindex(rep)
             self.models[model].publish_groups.pop(v.group or "", None)
-            self._dirty_models.add(model)
+            self._index.dirty_models.add(model)
             self.durable_generation += 1
             log.info("committed model=%s version=%d worker=%s", model, version, worker)
         self._settle()
@@ -383,7 +370,7 @@ class HubState:
                 f"{model!r} v{number} shard {shard} has manifest {manifest.fingerprint}, the "
                 f"reader expects {fingerprint}: tensor names, shapes, dtypes or chunking differ")
         rep = v.replicas.get((worker, shard))
-        for fid in self._own_fetches.get(worker, ()):
+        for fid in self._index.own_fetches.get(worker, ()):
             other = self.fetches[fid]
             if (other.model, other.version, other.shard) == (model, number, shard):
                 raise InvalidStateError(
@@ -394,7 +381,7 @@ class HubState:
                                     + (" (retracting)" if rep.status != LIVE else ""))
         if rep is None:
             rep = Replica(worker, shard, bytearray(manifest.num_chunks))
-            self._add_replica(v, rep)
+            self._index.add_replica(v, rep)
         if have:
             rep.add_chunks(_check_chunks(have, manifest.num_chunks))
         if group is not None and g is None:
@@ -404,7 +391,7 @@ class HubState:
             self.groups[(model, group)] = g
             self._trim_groups()
         f = FetchRecord(fetch_id, model, number, shard, worker, group=group)
-        self._add_fetch(f)
+        self._index.add_fetch(f)
         if g is not None:
             g.members[fetch_id] = False
         self._touch()
@@ -443,51 +430,18 @@ class HubState:
         need = (_check_chunks(chunks, manifest.num_chunks) if chunks is not None
                 else [i for i, h in enumerate(rep.have) if not h])
         banned = set(exclude or ())
-        reader_loc = self.workers[worker].location
-        cands = [SourceCandidate(r.worker, self.workers[r.worker].location, r.complete,
-                                 self.load[r.worker])
-                 for r in v.replicas.values()
-                 if r.shard == f.shard and r.worker != worker and r.status == LIVE
-                 and r.worker in self.workers and r.worker not in banned]
-        allowed = {c.worker for c in cands}
-        ranked = [c for c in self.rank_sources(reader_loc, cands) if c.worker in allowed]
-        reps = [v.replicas[(c.worker, f.shard)] for c in ranked]
-        # A reader waits only on partial replicas that began fetching before it did:
-        # waits then follow start order, so two readers never wait on each other.
-        order = {key: i for i, key in enumerate(v.replicas)}
-        mine = order[(worker, f.shard)]
-        ranges: list[dict[str, Any]] = []
-        missing: list[int] = []
-        named: set[str] = set()
-        for c in sorted(set(need)):
-            srcs: list[str] = []
-            wait: list[str] = []
-            for r in reps:
-                if r.complete or r.have[c]:
-                    srcs.append(r.worker)
-                    if len(srcs) >= self.max_sources:
-                        break
-                elif not srcs and len(wait) < 2 and order[(r.worker, r.shard)] < mine:
-                    wait.append(r.worker)
-            if not srcs:
-                missing.append(c)
-                continue
-            last = ranges[-1] if ranges else None
-            if (last is not None and last["stop"] == c and last["sources"] == srcs
-                    and last["wait"] == wait):
-                last["stop"] = c + 1
-            else:
-                ranges.append({"start": c, "stop": c + 1, "sources": srcs, "wait": wait})
-            named.update(srcs)
-            named.update(wait)
+        ranges, named, missing = route(v, f.shard, worker, need, banned=banned,
+                                       workers=self.workers, load=self._index.load,
+                                       rank_sources=self.rank_sources,
+                                       max_sources=self.max_sources)
         if missing:
             raise NoSourceError(
                 f"{f.model!r} v{f.version} shard {f.shard}: no live replica holds chunks "
                 f"{_fmt_chunks(missing)}; wait for a holder to (re)register or fetch another version")
         # Reads from an earlier plan may still be in flight: sources accumulate until the
         # reader narrows them (report_progress(sources=)), excludes them, or finishes.
-        self._set_sources(f, (f.sources - banned) | named)
-        if self._pending_retracts:          # an excluded retracting source may be done
+        self._index.set_sources(f, (f.sources - banned) | named)
+        if self._index.pending_retracts:          # an excluded retracting source may be done
             self._settle()
         return {
             "fetch_id": f.fetch_id, "model": f.model, "version": f.version, "shard": f.shard,
@@ -518,7 +472,7 @@ class HubState:
         rep = v.replicas[(worker, f.shard)]
         rep.add_chunks(_check_chunks(chunks, len(rep.have)))
         if sources is not None:
-            self._set_sources(f, set(sources) & f.sources)
+            self._index.set_sources(f, set(sources) & f.sources)
         lost = sorted(f.lost)
         f.lost.clear()
         self._settle()
@@ -548,11 +502,11 @@ class HubState:
         g = self.groups[(f.model, f.group)]
         g.members[fetch_id] = True
         f.done = True
-        self._set_sources(f, set())
+        self._index.set_sources(f, set())
         if len(g.members) == g.size and all(g.members.values()):
             g.state = GROUP_COMMITTED
             for fid in list(g.members):
-                member = self._pop_fetch(fid)
+                member = self._index.pop_fetch(fid)
                 mv = self._version(member.model, member.version)
                 mrep = mv.replicas[(member.worker, member.shard)]
                 mrep.complete = True
@@ -595,31 +549,31 @@ class HubState:
         """
         self._worker(worker, session)
         v = self._version(model, version)
-        mine = _mine(v, worker)
-        if not mine:
+        reps = held_by(v, worker)
+        if not reps:
             raise UnknownVersionError(f"{worker!r} holds no replica of {model!r} v{version}")
-        if any(self._blocks_retention(v, r) for r in mine):
+        if any(blocks_retention(self.models[model], v, r) for r in reps):
             if not delay:
                 policy = self.models[model].policy
                 raise RetentionError(
                     f"retracting {worker!r}'s replica of {model!r} v{version} would leave fewer "
                     f"than min_replicas={policy.min_replicas} live copies of a retained version; "
                     "retract with delay (waits for another replica), unpin it, or lower keep_last")
-            for r in mine:
+            for r in reps:
                 r.retract_delayed = True
-                self._delayed.add((model, version, r.shard, worker))
+                self._index.delayed.add((model, version, r.shard, worker))
             self._touch()
             return {"state": "delayed"}
-        for fid in list(self._own_fetches.get(worker, ())):
+        for fid in list(self._index.own_fetches.get(worker, ())):
             f = self.fetches[fid]
             if f.model == model and f.version == version and not f.done:
                 self._end_fetch(f, keep_replica=False, reason=f"{worker} retracted")
-        for r in mine:
+        for r in reps:
             r.retract_delayed = False
-            self._delayed.discard((model, version, r.shard, worker))
-            self._set_status(v, r, RETRACTING)
+            self._index.delayed.discard((model, version, r.shard, worker))
+            self._index.set_status(v, r, RETRACTING)
         self._settle()
-        return {"state": self._retract_state(v, worker)}
+        return {"state": retract_state(v, worker)}
 
     def retract_status(self, model: str, version: int, worker: str) -> dict[str, Any]:
         """``{"state": "done" | "retracting" | "delayed" | "live"}`` of a retract."""
@@ -628,7 +582,7 @@ class HubState:
         v = m.versions.get(version) if m else None
         if v is None:
             return {"state": "done"}
-        return {"state": self._retract_state(v, worker)}
+        return {"state": retract_state(v, worker)}
 
     # --------------------------------------------------------------- retention
     def set_retention(self, model: str, *, keep_last: int | None = None,
@@ -640,7 +594,7 @@ class HubState:
                                  else m.policy.min_replicas, set(m.policy.pinned))
         m.policy = policy
         self.durable_generation += 1
-        self._dirty_models.add(model)
+        self._index.dirty_models.add(model)
         self._settle()
         return policy.to_wire()
 
@@ -655,7 +609,7 @@ class HubState:
         else:
             policy.pinned.discard(version)
         self.durable_generation += 1
-        self._dirty_models.add(model)
+        self._index.dirty_models.add(model)
         self._settle()
         return policy.to_wire()
 
@@ -677,21 +631,7 @@ class HubState:
                 holds `MAX_KV_KEYS` keys.
             ValueError: empty key or a ``ttl`` that is not positive.
         """
-        self._expire_kv()
-        _check_kv_key(key)
-        if len(value) > MAX_KV_VALUE:
-            raise ValueTooLargeError(f"value for key {key!r} is {len(value)} bytes, over the "
-                                     f"{MAX_KV_VALUE}-byte limit; the rendezvous store is for "
-                                     "small handshakes (ids, addresses), not data")
-        if ttl is not None and not ttl > 0:
-            raise ValueError(f"ttl must be > 0 seconds or None, got {ttl}")
-        if key not in self.kv and len(self.kv) >= MAX_KV_KEYS:
-            raise ValueTooLargeError(f"the hub already holds {MAX_KV_KEYS} rendezvous keys; "
-                                     "use a ttl so old keys vanish")
-        expires = None if ttl is None else self.clock() + float(ttl)
-        self.kv[key] = (bytes(value), expires)
-        if expires is not None:
-            heapq.heappush(self._kv_ttl, (expires, key))
+        self.kv.put(key, value, ttl=ttl)
         self._touch()
         return {"size": len(value)}
 
@@ -702,22 +642,7 @@ class HubState:
             ValueTooLargeError: the key is over `MAX_KV_KEY` bytes.
             ValueError: empty key.
         """
-        _check_kv_key(key)
-        item = self.kv.get(key)
-        if item is None:
-            return None
-        if item[1] is not None and item[1] <= self.clock():
-            self._expire_kv()
-            return None
-        return item[0]
-
-    def _expire_kv(self) -> None:
-        now = self.clock()
-        while self._kv_ttl and self._kv_ttl[0][0] <= now:
-            expires, key = heapq.heappop(self._kv_ttl)
-            item = self.kv.get(key)
-            if item is not None and item[1] == expires:
-                del self.kv[key]
+        return self.kv.get(key)
 
     # ------------------------------------------------------------------ queries
     def latest(self, model: str) -> int | None:
@@ -733,47 +658,11 @@ class HubState:
 
     def retained(self, model: str) -> set[int]:
         """Version numbers the model's retention policy keeps."""
-        m = self.models[model]
-        committed = sorted(n for n, v in m.versions.items() if v.state == COMMITTED)
-        return set(committed[-m.policy.keep_last:]) | (m.policy.pinned & set(committed))
+        return retained(self.models[model])
 
     def snapshot(self) -> dict[str, Any]:
-        """Everything `fabric hub status` shows, as plain data."""
-        self.expire()
-        now = self.clock()
-        models = {}
-        for name, m in sorted(self.models.items()):
-            retained = self.retained(name)
-            versions = []
-            for n, v in sorted(m.versions.items()):
-                reps = list(v.replicas.values())
-                versions.append({
-                    "version": n, "state": v.state, "num_shards": v.num_shards,
-                    "fingerprints": [v.manifests[s].fingerprint for s in sorted(v.manifests)],
-                    "full": sum(1 for r in reps if r.complete and r.status == LIVE),
-                    "partial": sum(1 for r in reps if not r.complete and r.status == LIVE),
-                    "retracting": sum(1 for r in reps if r.status == RETRACTING),
-                    "retained": n in retained, "pinned": n in m.policy.pinned,
-                    "reason": v.retire_reason})
-            models[name] = {"latest": self.latest(name), "policy": m.policy.to_wire(),
-                            "next_version": self.next_versions.get(name, 1),
-                            "versions": versions,
-                            "retired": [{"version": n, "reason": why}
-                                        for n, why in sorted(m.retired_log.items())
-                                        if n not in m.versions]}
-        fetches = []
-        for f in self.fetches.values():
-            rep = self.models[f.model].versions[f.version].replicas.get((f.worker, f.shard))
-            fetches.append({"fetch_id": f.fetch_id, "worker": f.worker, "model": f.model,
-                            "version": f.version, "shard": f.shard,
-                            "have": rep.count if rep else 0,
-                            "num_chunks": len(rep.have) if rep else 0,
-                            "sources": sorted(f.sources), "group": f.group})
-        workers = [{"worker": w.worker_id, "location": w.location.to_wire(),
-                    "expires_in": round(w.expires - now, 3)}
-                   for w in sorted(self.workers.values(), key=lambda w: w.expires)]
-        return {"lease_s": self.lease_s, "models": models, "fetches": fetches,
-                "workers": workers}
+        """Everything `fabric hub status` shows, as plain data (`fabric.hub_status`)."""
+        return status_snapshot(self)
 
     # ----------------------------------------------------------------- restore
     def restore(self, worker: str, *, session: str, holdings: list[dict[str, Any]]
@@ -822,14 +711,14 @@ class HubState:
             m.versions[number] = v
             self.durable_generation += 1
             if state == PUBLISHING:
-                self._claim(v)
+                self._leases.claim(v)
         if v.num_shards != num_shards:
             raise InvalidStateError(f"v{number} has {v.num_shards} shards, holder says {num_shards}")
         if v.state == PUBLISHING and h.get("state") == COMMITTED:
             v.state = COMMITTED
-            self._unpublish(v)
+            self._index.unpublish(v)
             self.durable_generation += 1
-        self._dirty_models.add(model)
+        self._index.dirty_models.add(model)
         self._set_manifest(v, shard, manifest)
         rep = Replica(worker, shard, bytearray(manifest.num_chunks))
         if h.get("complete") and v.state == COMMITTED:
@@ -837,14 +726,14 @@ class HubState:
             rep.complete = True
         else:
             rep.add_chunks(_check_chunks(list(h.get("chunks", ())), manifest.num_chunks))
-        self._add_replica(v, rep)
+        self._index.add_replica(v, rep)
         if h.get("publisher") and v.state == PUBLISHING:
             v.publishers[(worker, shard)] = False
-            self._publishing.setdefault(worker, set()).add((model, number))
-            self._claim(v)
+            self._index.add_publisher(worker, v)
+            self._leases.claim(v)
         fid = h.get("fetch_id")
         if fid and not rep.complete and v.state == COMMITTED and fid not in self.fetches:
-            self._add_fetch(FetchRecord(fid, model, number, shard, worker))
+            self._index.add_fetch(FetchRecord(fid, model, number, shard, worker))
 
     # ---------------------------------------------------------------- internals
     def _touch(self) -> None:
@@ -904,78 +793,19 @@ class HubState:
                 f"{old.fingerprint}, this one is {manifest.fingerprint}")
         v.manifests.setdefault(shard, manifest)
 
-    # Index upkeep: every change to replicas, fetches, sources and publishers goes
-    # through these, so the indexes in __init__ stay equal to what a full scan finds.
-    def _add_replica(self, v: VersionRecord, rep: Replica) -> None:
-        key = (rep.worker, rep.shard)
-        if key in v.replicas:
-            self._remove_replica(v, key)
-        v.replicas[key] = rep
-        v.reindex(rep)
-        self._held.setdefault(rep.worker, set()).add((v.model, v.number, rep.shard))
-
-    def _remove_replica(self, v: VersionRecord, key: tuple[str, int]) -> None:
-        rep = v.replicas.pop(key)
-        v.reindex(rep)
-        held = self._held.get(rep.worker)
-        if held is not None:
-            held.discard((v.model, v.number, rep.shard))
-            if not held:
-                del self._held[rep.worker]
-        self._delayed.discard((v.model, v.number, rep.shard, rep.worker))
-        if v.state == RETIRED and not v.replicas:
-            self._gc.add((v.model, v.number))
-
-    def _set_status(self, v: VersionRecord, rep: Replica, status: str) -> None:
-        rep.status = status
-        v.reindex(rep)
-        if status == RETRACTING:
-            self._pending_retracts.add((v.model, v.number, rep.shard, rep.worker))
-
-    def _add_fetch(self, f: FetchRecord) -> None:
-        self.fetches[f.fetch_id] = f
-        self._own_fetches.setdefault(f.worker, set()).add(f.fetch_id)
-
-    def _pop_fetch(self, fetch_id: str) -> FetchRecord | None:
-        f = self.fetches.pop(fetch_id, None)
-        if f is not None:
-            self._set_sources(f, set())
-            own = self._own_fetches.get(f.worker)
-            if own is not None:
-                own.discard(fetch_id)
-                if not own:
-                    del self._own_fetches[f.worker]
-        return f
-
-    def _unpublish(self, v: VersionRecord) -> None:
-        """``v`` left ``publishing``: forget it in the publishers' index."""
-        for w, _ in v.publishers:
-            pubs = self._publishing.get(w)
-            if pubs is not None:
-                pubs.discard((v.model, v.number))
-                if not pubs:
-                    del self._publishing[w]
-
     def _retire(self, v: VersionRecord, reason: str) -> None:
         v.state, v.retire_reason = RETIRED, reason
-        self._unpublish(v)
+        self._index.unpublish(v)
         m = self.models[v.model]
         m.publish_groups.pop(v.group or "", None)
         m.policy.pinned.discard(v.number)
         if not v.replicas:
-            self._gc.add((v.model, v.number))
+            self._index.gc.add((v.model, v.number))
         m.retired_log[v.number] = reason
         while len(m.retired_log) > MAX_RETIRED_KEPT:
             del m.retired_log[next(iter(m.retired_log))]
         self.durable_generation += 1
         log.info("retired model=%s version=%d why=%s", v.model, v.number, reason)
-
-    def _claim(self, v: VersionRecord) -> None:
-        """A publisher vouched for publishing version ``v``: renew its publish claim."""
-        first = v.claimed_until == 0.0
-        v.claimed_until = self.clock() + self.lease_s
-        if first:        # one heap entry per version; `expire` re-queues renewed ones
-            heapq.heappush(self._claims, (v.claimed_until, v.model, v.number))
 
     def durable(self) -> DurableState:
         """What a state dir must keep so a restarted hub goes on (`fabric.hub_persist`)."""
@@ -987,34 +817,15 @@ class HubState:
             known_below=dict(self.known_below),
             retired={n: dict(m.retired_log) for n, m in self.models.items() if m.retired_log})
 
-    def _set_sources(self, f: FetchRecord, sources: set[str]) -> None:
-        for w in f.sources - sources:
-            self.load[w] -= 1
-            if self.load[w] <= 0:
-                del self.load[w]
-            _discard(self._reading, w, f.fetch_id)
-            key = (f.model, f.version, f.shard, w)
-            if _discard(self._readers, key, f.fetch_id):   # its last reader left
-                m = self.models.get(f.model)
-                v = m.versions.get(f.version) if m else None
-                r = v.replicas.get((w, f.shard)) if v else None
-                if r is not None and r.status == RETRACTING:
-                    self._pending_retracts.add(key)
-        for w in sources - f.sources:
-            self.load[w] += 1
-            self._reading.setdefault(w, set()).add(f.fetch_id)
-            self._readers.setdefault((f.model, f.version, f.shard, w), set()).add(f.fetch_id)
-        f.sources = set(sources)
-
     def _end_fetch(self, f: FetchRecord, *, keep_replica: bool, reason: str = "") -> None:
         f.done = True
-        self._pop_fetch(f.fetch_id)
+        self._index.pop_fetch(f.fetch_id)
         m = self.models.get(f.model)
         v = m.versions.get(f.version) if m else None
         if not keep_replica and v is not None:
             rep = v.replicas.get((f.worker, f.shard))
             if rep is not None and not rep.complete:
-                self._set_status(v, rep, RETRACTING)
+                self._index.set_status(v, rep, RETRACTING)
         if f.group is not None:
             g = self.groups.get((f.model, f.group))
             if g is not None and g.state == GROUP_OPEN and not keep_replica:
@@ -1026,122 +837,43 @@ class HubState:
         log.warning("fetch group aborted group=%s model=%s version=%d why=%s", g.key, g.model,
                     g.version, reason)
         for fid in list(g.members):
-            f = self._pop_fetch(fid)
+            f = self._index.pop_fetch(fid)
             if f is None:
                 continue
             f.done = True
             v = self.models[f.model].versions.get(f.version)
             rep = v.replicas.get((f.worker, f.shard)) if v else None
             if rep is not None and not rep.complete:
-                self._set_status(v, rep, RETRACTING)
+                self._index.set_status(v, rep, RETRACTING)
 
     def _drop_worker(self, worker: str, why: str) -> None:
         level = logging.INFO if why == "unregistered" else logging.WARNING
         log.log(level, "worker dropped worker=%s why=%s", worker, why)
         self.workers.pop(worker, None)
-        self._lease_order.pop(worker, None)
-        for fid in list(self._own_fetches.get(worker, ())):
+        self._leases.drop(worker)
+        for fid in list(self._index.own_fetches.get(worker, ())):
             f = self.fetches.get(fid)
             if f is not None:
                 self._end_fetch(f, keep_replica=False, reason=f"{worker}: {why}")
-        for fid in list(self._reading.get(worker, ())):
+        for fid in list(self._index.reading.get(worker, ())):
             f = self.fetches[fid]
-            self._set_sources(f, f.sources - {worker})
+            self._index.set_sources(f, f.sources - {worker})
             f.lost.add(worker)
-        for model, number, shard in list(self._held.get(worker, ())):
-            self._remove_replica(self.models[model].versions[number], (worker, shard))
-        for model, number in list(self._publishing.get(worker, ())):
+        for model, number, shard in list(self._index.held.get(worker, ())):
+            self._index.remove_replica(self.models[model].versions[number], (worker, shard))
+        for model, number in list(self._index.publishing.get(worker, ())):
             self._retire(self.models[model].versions[number], f"publisher {worker} lost ({why})")
         self._touch()
 
-    def _blocks_retention(self, v: VersionRecord, r: Replica) -> bool:
-        if v.state != COMMITTED or not r.complete or r.status != LIVE:
-            return False
-        if v.number not in self.retained(v.model):
-            return False
-        others = [w for w in v.complete_live.get(r.shard, ())
-                  if w != r.worker and not v.replicas[(w, r.shard)].retract_delayed]
-        return len(others) < self.models[v.model].policy.min_replicas
-
-    def _retract_state(self, v: VersionRecord, worker: str) -> str:
-        mine = _mine(v, worker)
-        if not mine:
-            return "done"
-        if any(r.status == LIVE and r.retract_delayed for r in mine):
-            return "delayed"
-        return "retracting" if any(r.status == RETRACTING for r in mine) else "live"
-
     def _settle(self) -> None:
-        """Apply retention, start delayed retracts that may now go, drop finished retracts.
-
-        Incremental: retention runs for the models whose committed set or policy changed,
-        delayed retracts are few, and only retracting replicas whose last reader just
-        left (or that just started retracting) are looked at.
-        """
-        for name in sorted(self._dirty_models):
-            m = self.models.get(name)
-            if m is None:
-                continue
-            retained = self.retained(name)
-            for n, v in m.versions.items():
-                if v.state == COMMITTED and n not in retained:
-                    self._retire(v, "out of retention")
-        self._dirty_models.clear()
-        for key in sorted(self._delayed):
-            model, number, shard, worker = key
-            v = self.models[model].versions[number]
-            r = v.replicas[(worker, shard)]
-            if r.status != LIVE or not r.retract_delayed:
-                self._delayed.discard(key)
-            elif not self._blocks_retention(v, r):
-                self._delayed.discard(key)
-                r.retract_delayed = False
-                self._set_status(v, r, RETRACTING)
-        while self._pending_retracts:
-            model, number, shard, worker = key = self._pending_retracts.pop()
-            m = self.models.get(model)
-            v = m.versions.get(number) if m else None
-            r = v.replicas.get((worker, shard)) if v else None
-            if r is not None and r.status == RETRACTING and key not in self._readers:
-                self._remove_replica(v, (worker, shard))
-        for model, number in self._gc:
-            m = self.models.get(model)
-            v = m.versions.get(number) if m else None
-            if v is not None and v.state == RETIRED and not v.replicas:
-                del m.versions[number]
-        self._gc.clear()
+        """Apply retention and finish what retracts may (`fabric.hub_retention.settle`)."""
+        settle(self._index, self._retire)
         self._touch()
 
     def _check_indexes(self) -> None:
         """Assert every index equals what a full scan finds (tests call this)."""
-        held: dict[str, set] = {}
-        publishing: dict[str, set] = {}
-        readers: dict[tuple, set] = {}
-        for m in self.models.values():
-            for n, v in m.versions.items():
-                for (w, s), r in v.replicas.items():
-                    held.setdefault(w, set()).add((m.name, n, s))
-                    assert (r.complete and r.status == LIVE) == (
-                        w in v.complete_live.get(s, ())), (m.name, n, w, s)
-                    if r.retract_delayed and r.status == LIVE:
-                        assert (m.name, n, s, w) in self._delayed
-                if v.state == PUBLISHING:
-                    for w, _ in v.publishers:
-                        publishing.setdefault(w, set()).add((m.name, n))
-                assert all(w in self.workers for ws in v.complete_live.values() for w in ws)
-        assert held == self._held, (held, self._held)
-        assert publishing == self._publishing, (publishing, self._publishing)
-        own: dict[str, set] = {}
-        for fid, f in self.fetches.items():
-            own.setdefault(f.worker, set()).add(fid)
-            for w in f.sources:
-                readers.setdefault((f.model, f.version, f.shard, w), set()).add(fid)
-        assert own == self._own_fetches
-        assert readers == self._readers
-        assert {k: len(v) for k, v in self._reading.items()} == dict(self.load)
-        expiries = [self.workers[w].expires for w in self._lease_order]
-        assert expiries == sorted(expiries) and set(self._lease_order) == set(self.workers)
-        assert not self._pending_retracts and not self._gc and not self._dirty_models
+        self._index.check(self.workers)
+        self._leases.check(self.workers)
 
     def _trim_groups(self) -> None:
         finished = [k for k, g in self.groups.items() if g.state != GROUP_OPEN]
@@ -1161,30 +893,6 @@ def _check_chunks(chunks: list[int], num_chunks: int) -> list[int]:
     if bad:
         raise ValueError(f"chunk indices out of range 0..{num_chunks - 1}: {bad[:8]}")
     return list(chunks)
-
-
-def _mine(v: VersionRecord, worker: str) -> list[Replica]:
-    """The worker's replicas of a version (one per shard at most)."""
-    return [v.replicas[(worker, s)] for s in range(v.num_shards) if (worker, s) in v.replicas]
-
-
-def _discard(index: dict, key: Any, item: str) -> bool:
-    """Remove ``item`` from ``index[key]``; True when that emptied (and removed) the set."""
-    items = index.get(key)
-    if items is None:
-        return False
-    items.discard(item)
-    if not items:
-        del index[key]
-        return True
-    return False
-
-
-def _check_kv_key(key: str) -> None:
-    if not key:
-        raise ValueError("a rendezvous key must not be empty")
-    if len(key.encode()) > MAX_KV_KEY:
-        raise ValueTooLargeError(f"rendezvous key {key[:40]!r}... is over {MAX_KV_KEY} bytes")
 
 
 def _fmt_chunks(chunks: list[int]) -> str:
