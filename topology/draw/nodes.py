@@ -1,0 +1,156 @@
+"""Node boxes: a node's name and roles, its GPUs, NVLink bars, NICs and PCIe lines.
+
+Also the "+N more" boxes standing for nodes not drawn, and the green bands behind
+the nodes of one NVLink domain. Every box of a picture has the same size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from topology.draw.cells import Cell, roles_tag
+from topology.draw.labels import cpu_label, plural
+from topology.draw.painter import Painter
+from topology.draw.style import (
+    BAND,
+    BAND_PAD,
+    CELL_GAP,
+    EDGE,
+    GPU,
+    GPU_GAP,
+    GPUS_PER_ROW,
+    MUTED,
+    NAME_H,
+    NIC,
+    NIC_H,
+    NIC_W,
+    NVLINK,
+    NVLINK_GAP,
+    NVLINK_H,
+    PAD,
+    PCIE,
+    PCIE_H,
+    TRAINER,
+)
+from topology.schema import Cluster, NodeType
+
+
+@dataclass
+class NodeDrawer:
+    """Draws node boxes of one size (``cell_w`` by ``cell_h`` inches).
+
+    ``colours`` maps GPU models to their colour; ``gpu_rows`` is the number of GPU
+    rows every box has room for.
+    """
+
+    p: Painter
+    cluster: Cluster
+    colours: dict[str, str]
+    cell_w: float
+    cell_h: float
+    gpu_rows: int
+
+    def domain_bands(self, row: list[Cell], gx: float, cy: float) -> None:
+        """A green band behind each run of cells of one NVLink domain, with a shared bar."""
+        step = self.cell_w + CELL_GAP
+        start = 0
+        while start < len(row):
+            end = start
+            domain = row[start].domain
+            while end + 1 < len(row) and domain and row[end + 1].domain == domain:
+                end += 1
+            t = row[start].type
+            if domain and t and t.nvlink and t.nvlink.groups is None:
+                x0, x1 = gx + start * step, gx + end * step + self.cell_w
+                self.p.box(x0 - BAND_PAD, cy - BAND_PAD, x1 - x0 + 2 * BAND_PAD,
+                           self.cell_h + 2 * BAND_PAD, face=BAND, edge=NVLINK, lw=1.0,
+                           radius=0.1, z=1)
+                self.p.rect(x0 + PAD, self._nvlink_y(cy), x1 - x0 - 2 * PAD, NVLINK_H,
+                            face=NVLINK, z=5)
+            start = end + 1
+
+    def _nvlink_y(self, cy: float) -> float:
+        return (cy + PAD + NAME_H + self.gpu_rows * GPU + (self.gpu_rows - 1) * GPU_GAP
+                + NVLINK_GAP)
+
+    def node(self, cell: Cell, x: float, y: float) -> None:
+        """The box of node `cell`, its top-left corner at (x, y)."""
+        p, t = self.p, cell.type
+        assert t is not None
+        inner = self.cell_w - 2 * PAD
+        tag, trainer = roles_tag(self.cluster, cell.label)
+        p.box(x, y, self.cell_w, self.cell_h, face="white", edge=TRAINER if trainer else EDGE,
+              lw=1.8 if trainer else 0.9, z=3)
+        room = inner
+        if tag:  # right of the name, the trainer's in colour
+            room -= p.width(tag, 8, bold=trainer) + 0.1
+            p.text(x + self.cell_w - PAD, y + PAD, tag, 8, bold=trainer,
+                   color=TRAINER if trainer else MUTED, ha="right")
+        p.text(x + PAD, y + PAD - 0.01, p.fit(cell.label, room, 8.5), 8.5)
+        gy = y + PAD + NAME_H
+        nv_y = self._nvlink_y(y)
+        nic_y = nv_y + NVLINK_H + PCIE_H
+        gpus: list[tuple[float, float]] = []  # top-left corners
+        if t.gpus == 0:
+            p.box(x + PAD, gy, inner, GPU + 0.04, face="#EDEDED", edge="#BDBDBD", lw=0.8,
+                  radius=0.03, z=4)
+            p.text(x + self.cell_w / 2, gy + (GPU + 0.04) / 2, p.fit(cpu_label(t), inner, 8),
+                   8, color=MUTED, ha="center", va="center")
+        else:
+            colour = self.colours[t.gpu.model if t.gpu else "GPU"]
+            per_row = min(t.gpus, GPUS_PER_ROW)
+            x0 = x + (self.cell_w - (per_row * GPU + (per_row - 1) * GPU_GAP)) / 2
+            for j in range(t.gpus):
+                gx = x0 + (j % per_row) * (GPU + GPU_GAP)
+                gpus.append((gx, gy + (j // per_row) * (GPU + GPU_GAP)))
+                p.rect(gx, gpus[-1][1], GPU, GPU, face=colour, edge="white")
+            if t.nvlink is not None and (cell.domain is None or t.nvlink.groups is not None):
+                for group in t.nvlink.groups or (tuple(range(t.gpus)),):
+                    left = min(gpus[j][0] for j in group)
+                    right = max(gpus[j][0] for j in group) + GPU
+                    p.rect(left, nv_y, right - left, NVLINK_H, face=NVLINK, z=5)
+        if t.nics is not None:
+            self._nics(t, x, nic_y, gpus)
+
+    def _nics(self, t: NodeType, x: float, nic_y: float, gpus: list[tuple[float, float]]) -> None:
+        """NIC marks under the GPUs they serve, joined to them by PCIe lines."""
+        nics = t.nics
+        assert nics is not None
+        inner = self.cell_w - 2 * PAD
+        mark_w = min(NIC_W, 0.8 * inner / nics.count)
+        if gpus and nics.count <= len(gpus):
+            served: dict[int, list[float]] = {}
+            for j, k in nics.rails(t.gpus):
+                served.setdefault(k, []).append(gpus[j][0] + GPU / 2)
+            centres = [sum(served[k]) / len(served[k]) for k in range(nics.count)]
+        else:  # spread evenly, under the GPUs if there is room
+            mid = x + self.cell_w / 2
+            span = min(inner, max(2 * (mid - gpus[0][0]) if gpus else inner,
+                                  1.5 * mark_w * nics.count))
+            step = span / nics.count
+            centres = [mid - span / 2 + (k + 0.5) * step for k in range(nics.count)]
+        if gpus:
+            rows_bottom = max(g[1] for g in gpus) + GPU
+            self.p.lines([((gpus[j][0] + GPU / 2, rows_bottom if gpus[j][1] + GPU >= rows_bottom
+                            else gpus[j][1] + GPU), (centres[k], nic_y))
+                          for j, k in nics.rails(t.gpus)], color=PCIE, lw=0.8, z=3.5)
+        rdma = nics.kind == "rdma"
+        for c in centres:
+            self.p.rect(c - mark_w / 2, nic_y, mark_w, NIC_H, face=NIC if rdma else "white",
+                        edge=NIC, z=5)
+
+    def more(self, cell: Cell, x: float, y: float) -> None:
+        """The box standing for nodes not drawn."""
+        p = self.p
+        inner = self.cell_w - 2 * PAD
+        p.box(x, y, self.cell_w, self.cell_h, face="#F1F1F1", edge=EDGE, lw=0.9, ls="--", z=3)
+        p.text(x + self.cell_w / 2, y + PAD, cell.label, 10, bold=True, ha="center")
+        p.text(x + self.cell_w / 2, y + PAD + NAME_H + 0.03, p.fit(cell.detail, inner, 8.5),
+               8.5, color=MUTED, ha="center")
+        if cell.type is not None and cell.type.gpus:
+            gpus = cell.hidden * cell.type.gpus
+            p.text(x + self.cell_w / 2, y + self.cell_h - PAD, plural(gpus, "GPU"), 8.5,
+                   color=MUTED, ha="center", va="bottom")
+
+
+__all__ = ["NodeDrawer"]

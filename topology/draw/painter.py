@@ -1,0 +1,60 @@
+"""Drawing primitives on axes whose data unit is one inch, and text measurement."""
+
+from __future__ import annotations
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import LineCollection
+from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+from matplotlib.patches import FancyBboxPatch, Rectangle
+
+from topology.draw.style import INK
+
+
+class Painter:
+    """Draws on axes whose data unit is one inch (y downwards); measures text."""
+
+    def __init__(self, fig: Figure) -> None:
+        self.ax = fig.add_axes((0, 0, 1, 1))
+        self.ax.set_axis_off()
+        self._renderer = FigureCanvasAgg(fig).get_renderer()
+        self._dpi = fig.dpi
+
+    def width(self, text: str, size: float, *, bold: bool = False) -> float:
+        prop = FontProperties(size=size, weight="bold" if bold else "normal")
+        w, _, _ = self._renderer.get_text_width_height_descent(text, prop, ismath=False)
+        return w / self._dpi
+
+    def fit(self, text: str, width: float, size: float, *, bold: bool = False) -> str:
+        """`text`, shortened with an ellipsis until it is at most `width` wide."""
+        if self.width(text, size, bold=bold) <= width:
+            return text
+        while len(text) > 1 and self.width(text + "…", size, bold=bold) > width:
+            text = text[:-1]
+        return text + "…"
+
+    def text(self, x: float, y: float, text: str, size: float, *, bold: bool = False,
+             color: str = INK, ha: str = "left", va: str = "top", z: float = 6,
+             **kwargs: object) -> None:
+        self.ax.text(x, y, text, fontsize=size, fontweight="bold" if bold else "normal",
+                     color=color, ha=ha, va=va, zorder=z, parse_math=False, **kwargs)
+
+    def box(self, x: float, y: float, w: float, h: float, *, face: str, edge: str = "none",
+            lw: float = 1.0, radius: float = 0.06, ls: str = "-", z: float = 1) -> None:
+        self.ax.add_patch(FancyBboxPatch(
+            (x, y), w, h, boxstyle=f"round,pad=0,rounding_size={radius}", facecolor=face,
+            edgecolor=edge, linewidth=lw, linestyle=ls, zorder=z))
+
+    def rect(self, x: float, y: float, w: float, h: float, *, face: str,
+             edge: str = "none", z: float = 4) -> None:
+        self.ax.add_patch(Rectangle((x, y), w, h, facecolor=face, edgecolor=edge,
+                                    linewidth=0.8, zorder=z))
+
+    def lines(self, segments: list[tuple[tuple[float, float], tuple[float, float]]], *,
+              color: str, lw: float, z: float) -> None:
+        if segments:
+            self.ax.add_collection(LineCollection(segments, colors=color, linewidths=lw,
+                                                  zorder=z, capstyle="butt"))
+
+
+__all__ = ["Painter"]
