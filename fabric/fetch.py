@@ -176,6 +176,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                     if source.worker in failed:
                         continue
                     pending.add(pool.submit(read_one, chunk, source))
+                if not pending:  # the rest was assigned to sources that failed: re-plan
+                    break
                 left = options.deadline - (time.monotonic() - start)
                 done, pending = wait(pending, timeout=max(0.0, left), return_when=FIRST_COMPLETED)
                 if not done:

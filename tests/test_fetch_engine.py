@@ -163,3 +163,21 @@ def test_progress_callback_and_reports(tcp):
         assert seen[-1] == (NUM_CHUNKS, NUM_CHUNKS)
     finally:
         a.close()
+
+
+def test_chunks_queued_for_a_source_that_failed_are_replanned_not_an_error(tcp):
+    """One in flight at a time: the dead source fails its first read, and every other
+    chunk queued for it must go back to the planner (not end the fetch)."""
+    good, src_good = serve("good", data())
+    dead, src_dead = serve("dead", data())
+    dead.close()
+    try:
+        planner = StaticPlanner([src_dead, src_good])
+        dest = torch.zeros(NBYTES, dtype=torch.uint8)
+        stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
+                             planner=planner, choose=lambda _: tcp, checksums=EXPECTED,
+                             checksum_fn=crc, options=FetchOptions(max_inflight=1,
+                                                                   read_timeout=5, deadline=60))
+        assert torch.equal(dest, data()) and stats.failed_sources == ["dead"]
+    finally:
+        good.close()
