@@ -9,7 +9,7 @@ Pipelining: a range's ``wait`` workers are partial replicas the hub ranks above
 every source that already has the chunks (a peer that is fetching the same
 version from nearer the origin). They come first: the read server of a partial
 replica holds a read until the chunk arrives, so readers form chains instead of
-all pulling from the origin. Sources of the best locality tier are striped; with partial replicas to wait for, only those are.
+all pulling from the origin. Sources of the best locality tier are striped; with partial replicas to wait for, only the nearest of those are.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class HubPlanner:
         out = []
         for r in self.current.ranges:
             chunks = tuple(c for c in range(r.start, r.stop) if c in wanted)
-            waits = [w for w in r.wait if w not in failed]
+            waits = self._nearest([w for w in r.wait if w not in failed])
             names = [w for w in dict.fromkeys((*waits, *r.sources)) if w not in failed]
             sources = tuple(s for s in map(self._source, names) if s is not None)
             if chunks and sources:
@@ -67,6 +67,13 @@ class HubPlanner:
             return None
         return Source(worker, SourceAddress.from_dict(read),
                       region_name(plan.model, plan.version, plan.shard))
+
+    def _nearest(self, workers: list[str]) -> list[str]:
+        """The workers of the best locality tier among `workers` (so a reader never
+        stripes a remote partial replica beside a near one)."""
+        tiers = {w: locality_tier(self.me, self.current.workers[w].location)
+                 for w in workers if w in self.current.workers}
+        return [w for w in workers if tiers.get(w) == min(tiers.values())] if tiers else []
 
     def _best_tier(self, sources: tuple[Source, ...]) -> int:
         """How many sources share the best locality tier (they are striped over)."""
