@@ -9,7 +9,8 @@ Run as ``python -m tools.bench.agent`` (the benchmarks start it through
   named ``trainer`` as a source (every reader pulls from the trainer).
 - ``{"op": "join", "url", "name", "location", "host", "chunk_size"}`` -> ``{}``.
 - ``{"op": "publish", "size": N, "seed": S}`` -> ``{"version", "bytes", "tensor_bytes"}``:
-  publish `bench_tensors(N, S)` (snapshot).
+  publish `bench_tensors(N, S)` (snapshot); each later publish first adds 1 to
+  every byte, so versions differ without generating them again.
 - ``{"op": "fetch", "version": V}`` -> fetch stats plus ``start`` / ``end`` (wall
   clock). While it runs, ``{"progress": [done, total]}`` lines come first.
 - ``{"op": "digest"}`` -> ``{"sha256": hex}`` of the active version's bytes.
@@ -107,6 +108,7 @@ class Agent:
         self.hub: fabric.HubServer | None = None
         self.worker: fabric.Worker | None = None
         self.store: fabric.ModelStore | None = None
+        self._tensors: dict[str, torch.Tensor] | None = None
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd["op"]
@@ -123,7 +125,12 @@ class Agent:
             return {}
         assert self.worker is not None and self.store is not None, "join first"
         if op == "publish":
-            tensors = bench_tensors(int(cmd["size"]), int(cmd.get("seed", 0)))
+            if self._tensors is None:
+                self._tensors = bench_tensors(int(cmd["size"]), int(cmd.get("seed", 0)))
+            else:
+                for t in self._tensors.values():
+                    t.reshape(-1).view(torch.uint8).add_(1)
+            tensors = self._tensors
             version = self.store.publish(tensors)
             return {"version": version, "bytes": self.store.layout.nbytes,
                     "tensor_bytes": [t.numel() * t.element_size() for t in tensors.values()]}

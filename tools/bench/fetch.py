@@ -46,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-size", default="4MiB", help="fetch chunk size (default 4MiB)")
     p.add_argument("--max-inflight", type=int, default=4,
                    help="chunks in flight per reader (default 4)")
+    p.add_argument("--versions", type=int, default=3,
+                   help="versions published and fetched; the last one is reported, the first "
+                        "(into fresh memory) as cold_aggregate_gbps (default 3)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip memcpy and gloo (for profiling the fetch alone)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -53,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int = 4,
-                baselines: bool = True,
+                versions: int = 3, baselines: bool = True,
                 on_phase: Callable[[str, int | None], None] = lambda name, total: None,
                 on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run the benchmark once; returns the JSON result (see the module docstring).
@@ -64,6 +67,8 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
     """
     if readers < 1:
         raise ValueError(f"--readers must be >= 1, got {readers}")
+    if versions < 1:
+        raise ValueError(f"--versions must be >= 1, got {versions}")
     if size < 1 << 20:
         raise ValueError(f"--size must be at least 1MiB, got {size} bytes")
     if chunk_size <= 0 or chunk_size % 256:
@@ -89,37 +94,54 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
             a.reply(120)
             a.ask("join", url=url, name=a.name, chunk_size=chunk_size)
         trainer, reader_agents = started[0], started[1:]
-        on_phase("publish", None)
-        pub = trainer.ask("publish", size=size, seed=SEED, timeout=300)
-        model_bytes = int(pub["bytes"])
-        on_phase("fetch", None)
-        for r in reader_agents:
-            r.send("fetch", version=pub["version"], options={"max_inflight": max_inflight})
-        fetched = [r.reply(600) for r in reader_agents]
-        egress = int(trainer.ask("served")["bytes"])
-        on_phase("verify", None)
-        want = trainer.ask("digest", timeout=300)["sha256"]
-        digests = [r.ask("digest", timeout=300)["sha256"] for r in reader_agents]
+        trainer, reader_agents = started[0], started[1:]
+        rounds = []
+        for i in range(versions):
+            on_phase(f"v{i + 1}: publish", None)
+            pub = trainer.ask("publish", size=size, seed=SEED, timeout=300)
+            served = int(trainer.ask("served")["bytes"])
+            on_phase(f"v{i + 1}: fetch", None)
+            for r in reader_agents:
+                r.send("fetch", version=pub["version"], options={"max_inflight": max_inflight})
+            fetched = [r.reply(600) for r in reader_agents]
+            egress = int(trainer.ask("served")["bytes"]) - served
+            on_phase(f"v{i + 1}: verify", None)
+            want = trainer.ask("digest", timeout=300)["sha256"]
+            digests = [r.ask("digest", timeout=300)["sha256"] for r in reader_agents]
+            rounds.append(_round(pub, fetched, egress, all(d == want for d in digests)))
     finally:
         close_all(agents)
         remove_stale_regions()
-    span = max(f["end"] for f in fetched) - min(f["start"] for f in fetched)
-    result.update({
-        "bytes": model_bytes,
-        "verified": all(d == want for d in digests),
-        "per_reader_gbps": [model_bytes / (f["end"] - f["start"]) / 1e9 for f in fetched],
-        "per_reader_seconds": [f["end"] - f["start"] for f in fetched],
-        "per_reader_sources": [f["sources"] for f in fetched],
-        "aggregate_gbps": readers * model_bytes / span / 1e9,
-        "seconds": span,
-        "trainer_egress_bytes": egress,
-        "trainer_egress_per_model": egress / model_bytes,
-    })
+    last = rounds[-1]
+    result.update(last)
+    result["verified"] = all(r["verified"] for r in rounds)
+    result["versions"] = rounds
+    result["cold_aggregate_gbps"] = rounds[0]["aggregate_gbps"]
     if baselines:
         on_phase("gloo broadcast", None)
         result["gloo_broadcast_gbps"] = base.gloo_broadcast_gbps(pub["tensor_bytes"], readers)
         result["targets"] = _targets(result)
     return result
+
+
+def _round(pub: dict[str, Any], fetched: list[dict[str, Any]], egress: int,
+           verified: bool) -> dict[str, Any]:
+    """The figures of one version: every reader's fetch, the trainer's egress."""
+    model_bytes = int(pub["bytes"])
+    span = max(f["end"] for f in fetched) - min(f["start"] for f in fetched)
+    return {
+        "version": pub["version"],
+        "bytes": model_bytes,
+        "verified": verified,
+        "per_reader_gbps": [model_bytes / (f["end"] - f["start"]) / 1e9 for f in fetched],
+        "per_reader_seconds": [f["end"] - f["start"] for f in fetched],
+        "per_reader_engine_seconds": [f["seconds"] for f in fetched],
+        "per_reader_sources": [f["sources"] for f in fetched],
+        "aggregate_gbps": len(fetched) * model_bytes / span / 1e9,
+        "seconds": span,
+        "trainer_egress_bytes": egress,
+        "trainer_egress_per_model": egress / model_bytes,
+    }
 
 
 def _targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -158,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
 
         try:
             result = bench_fetch(readers=args.readers, size=size, chunk_size=chunk,
-                                 max_inflight=args.max_inflight,
+                                 max_inflight=args.max_inflight, versions=args.versions,
                                  baselines=not args.no_baselines, on_phase=on_phase,
                                  on_progress=on_progress)
         except ValueError as exc:
