@@ -109,23 +109,30 @@ class Agent:
                 return f"\n--- {self.name} stderr ---\n{text}"
         return ""
 
-    def close(self, timeout: float = 15.0) -> None:
-        """Ask the process to exit; kill it when it does not in time."""
+    def request_exit(self) -> None:
+        """Ask the process to exit (see `close`)."""
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
                 assert self.proc.stdin is not None
                 self.proc.stdin.write('{"op": "exit"}\n')
                 self.proc.stdin.flush()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+
+    def close(self, timeout: float = 15.0) -> None:
+        """Ask the process to exit; kill it when it does not in time."""
+        self.request_exit()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
         self._stderr.close()
 
 
-def close_all(agents: Sequence[Agent]) -> None:
-    """Close agents in reverse start order (readers before sources, the hub last)."""
+def close_all(agents: Sequence[Agent], timeout: float = 15.0) -> None:
+    """Ask every agent to exit, readers first (reverse start order), then wait for
+    each; whichever is still running after `timeout` s is killed."""
+    for agent in reversed(agents):
+        agent.request_exit()
     for agent in reversed(agents):
         with contextlib.suppress(Exception):
-            agent.close()
+            agent.close(timeout)
