@@ -46,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-size", default="4MiB", help="fetch chunk size (default 4MiB)")
     p.add_argument("--max-inflight", type=int, default=4,
                    help="chunks in flight per reader (default 4)")
+    p.add_argument("--report-interval", type=float, default=None,
+                   help="seconds between a reader's progress reports to the hub "
+                        "(FetchOptions.report_interval; default: the engine's)")
     p.add_argument("--versions", type=int, default=3,
                    help="versions published and fetched; the last one is reported, the first "
                         "(into fresh memory) as cold_aggregate_gbps (default 3)")
@@ -56,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int = 4,
-                versions: int = 3, baselines: bool = True,
+                versions: int = 3, baselines: bool = True, report_interval: float | None = None,
                 on_phase: Callable[[str, int | None], None] = lambda name, total: None,
                 on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run the benchmark once; returns the JSON result (see the module docstring).
@@ -78,6 +81,9 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
 
     result: dict[str, Any] = {"readers": readers, "size_requested": size,
                               "chunk_size": chunk_size, "max_inflight": max_inflight}
+    options: dict[str, float] = {"max_inflight": max_inflight}
+    if report_interval is not None:
+        options["report_interval"] = report_interval
     if baselines:
         on_phase("memcpy", None)
         result["memcpy_gbps"] = base.memcpy_gbps(size)
@@ -102,7 +108,7 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
             served = int(trainer.ask("served")["bytes"])
             on_phase(f"v{i + 1}: fetch", None)
             for r in reader_agents:
-                r.send("fetch", version=pub["version"], options={"max_inflight": max_inflight})
+                r.send("fetch", version=pub["version"], options=options)
             fetched = [r.reply(600) for r in reader_agents]
             egress = int(trainer.ask("served")["bytes"]) - served
             on_phase(f"v{i + 1}: verify", None)
@@ -181,6 +187,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             result = bench_fetch(readers=args.readers, size=size, chunk_size=chunk,
                                  max_inflight=args.max_inflight, versions=args.versions,
+                                 report_interval=args.report_interval,
                                  baselines=not args.no_baselines, on_phase=on_phase,
                                  on_progress=on_progress)
         except ValueError as exc:
