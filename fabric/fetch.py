@@ -103,6 +103,11 @@ class FetchOptions:
     """Longest the whole fetch may take."""
     max_rounds: int = 50
     """Re-plans allowed before giving up."""
+    report_interval: float = 0.02
+    """Seconds between progress reports to the planner (a hub round trip each):
+    verified chunks are batched in between, and flushed when the fetch ends. Peers
+    reading this partial replica are not delayed by it: they wait on the local
+    chunk bitmap, which is marked per chunk."""
 
 
 def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress,
@@ -139,6 +144,15 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
     total = progress.num_chunks
     attempted: set[int] = set()
     corrupt_from: dict[int, set[str]] = {}  # chunk -> workers that sent it wrong
+    unreported: list[int] = []
+    last_report = start
+
+    def flush_reports() -> None:
+        nonlocal last_report
+        if unreported:
+            planner.report(sorted(unreported))
+            unreported.clear()
+        last_report = time.monotonic()
 
     def read_one(chunk: int, source: Source) -> tuple[int, Source, str | None]:
         lo = chunk * chunk_size
@@ -209,9 +223,12 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                             log.warning("source %s failed (%s); re-planning its chunks",
                                         source.worker, error)
                 if finished:
-                    planner.report(sorted(finished))
+                    unreported.extend(finished)
+                    if time.monotonic() - last_report >= options.report_interval:
+                        flush_reports()
                     if on_chunk is not None:
                         on_chunk(progress.count, total)
+            flush_reports()
         else:
             missing = [c for c in range(total) if not progress.has(c, c)]
             if missing:

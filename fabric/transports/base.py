@@ -15,6 +15,7 @@ reader interface.
 
 from __future__ import annotations
 
+import os
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -23,10 +24,21 @@ from pathlib import Path
 
 import torch
 
+HOST_ID_ENV = "WEIGHTFABRIC_HOST_ID"
+
+
+def local_host_id() -> str:
+    """Identifies this machine: equal ids share /dev/shm (readers use shm, else tcp).
+
+    Hostname + boot id, unless the environment variable ``WEIGHTFABRIC_HOST_ID`` is
+    set (read at each call): processes given different ids read each other over
+    TCP even on one machine, e.g. in network namespaces emulating datacenters.
+    """
+    return os.environ.get(HOST_ID_ENV) or _machine_id()
+
 
 @cache
-def local_host_id() -> str:
-    """Identifies this machine (hostname + boot id): equal ids share /dev/shm."""
+def _machine_id() -> str:
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:

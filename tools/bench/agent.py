@@ -1,0 +1,183 @@
+"""A benchmark child process: a hub or a fabric worker, driven by JSON lines.
+
+Run as ``python -m tools.bench.agent`` (the benchmarks start it through
+`tools.bench.launch`, possibly inside a network namespace). It prints
+``{"ready": true}``, then answers each command line with one JSON line:
+
+- ``{"op": "hub", "host": H, "port": P, "ranking": "locality" | "origin"}`` ->
+  ``{"url": U}``: serve a hub in this process. ``origin`` ranks only the worker
+  named ``trainer`` as a source (every reader pulls from the trainer).
+- ``{"op": "join", "url", "name", "location", "host", "chunk_size"}`` -> ``{}``.
+- ``{"op": "publish", "size": N, "seed": S}`` -> ``{"version", "bytes", "tensor_bytes"}``:
+  publish `bench_tensors(N, S)` (snapshot); each later publish first adds 1 to
+  every byte, so versions differ without generating them again.
+- ``{"op": "fetch", "version": V}`` -> fetch stats plus ``start`` / ``end`` (wall
+  clock). While it runs, ``{"progress": [done, total]}`` lines come first.
+- ``{"op": "digest"}`` -> ``{"sha256": hex}`` of the active version's bytes.
+- ``{"op": "served"}`` -> ``{"bytes": N}`` this worker served (egress).
+- ``{"op": "exit"}``: leave the fabric and exit.
+
+Errors come back as ``{"error": "TypeName", "message": ...}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import fabric
+from fabric.fetch import FetchOptions
+from fabric.locality import Location, SourceCandidate, rank_by_locality
+
+_print_lock = threading.Lock()
+
+
+def emit(obj: dict[str, Any]) -> None:
+    """Write one JSON line to stdout (thread-safe)."""
+    with _print_lock:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+
+def bench_tensors(nbytes: int, seed: int) -> dict[str, torch.Tensor]:
+    """About `nbytes` of Llama-shaped, mixed-dtype tensors (bf16 weights, fp32 norms),
+    deterministic in `seed`: views of one random byte buffer, so generating 1 GB is cheap."""
+    hidden = 1024
+    while hidden > 64 and 4 * 26 * hidden * hidden > nbytes:  # at least 4 layers
+        hidden //= 2
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (nbytes + (1 << 20),), dtype=torch.uint8, generator=g)
+    out: dict[str, torch.Tensor] = {}
+    pos = 0
+
+    def take(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        nonlocal pos
+        size = torch.Size(shape).numel() * dtype.itemsize
+        pos = -(-pos // 16) * 16
+        out[name] = raw[pos:pos + size].view(dtype).view(shape)
+        pos += size
+
+    inter = 3 * hidden
+    per_layer = (4 * hidden * hidden + 3 * hidden * inter) * 2 + 2 * hidden * 4
+    num_layers = max(1, (nbytes - 2 * hidden * 4) // per_layer)
+    for i in range(num_layers):
+        p = f"model.layers.{i}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            take(f"{p}.self_attn.{proj}.weight", (hidden, hidden), torch.bfloat16)
+        take(f"{p}.mlp.gate_proj.weight", (inter, hidden), torch.bfloat16)
+        take(f"{p}.mlp.up_proj.weight", (inter, hidden), torch.bfloat16)
+        take(f"{p}.mlp.down_proj.weight", (hidden, inter), torch.bfloat16)
+        take(f"{p}.input_layernorm.weight", (hidden,), torch.float32)
+        take(f"{p}.post_attention_layernorm.weight", (hidden,), torch.float32)
+    take("model.norm.weight", (hidden,), torch.float32)
+    rest = (nbytes - pos) // 2 // hidden  # an embedding takes up what is left
+    if rest > 0:
+        take("model.embed_tokens.weight", (rest, hidden), torch.bfloat16)
+    take("step", (1,), torch.int64)
+    return out
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names and raw bytes of `tensors`, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def origin_only(reader: Location, candidates: Sequence[SourceCandidate]) -> list[SourceCandidate]:
+    """A hub ranking that names only the trainer: the no-fabric baseline."""
+    return [c for c in candidates if c.worker == "trainer"]
+
+
+RANKINGS = {"locality": rank_by_locality, "origin": origin_only}
+
+
+class Agent:
+    """Holds this process's hub or worker between commands."""
+
+    def __init__(self) -> None:
+        self.hub: fabric.HubServer | None = None
+        self.worker: fabric.Worker | None = None
+        self.store: fabric.ModelStore | None = None
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["op"]
+        if op == "hub":
+            self.hub = fabric.serve(f"tcp://{cmd['host']}:{cmd.get('port', 0)}",
+                                    lease_s=cmd.get("lease_s", 30.0),
+                                    rank_sources=RANKINGS[cmd.get("ranking", "locality")])
+            return {"url": self.hub.url}
+        if op == "join":
+            self.worker = fabric.join(cmd["url"], worker=cmd["name"],
+                                      location=cmd.get("location"),
+                                      host=cmd.get("host", "127.0.0.1"))
+            self.store = self.worker.model("bench", chunk_size=int(cmd["chunk_size"]))
+            return {}
+        assert self.worker is not None and self.store is not None, "join first"
+        if op == "publish":
+            if self._tensors is None:
+                self._tensors = bench_tensors(int(cmd["size"]), int(cmd.get("seed", 0)))
+            else:
+                for t in self._tensors.values():
+                    t.reshape(-1).view(torch.uint8).add_(1)
+            tensors = self._tensors
+            version = self.store.publish(tensors)
+            return {"version": version, "bytes": self.store.layout.nbytes,
+                    "tensor_bytes": [t.numel() * t.element_size() for t in tensors.values()]}
+        if op == "fetch":
+            last = [0.0]
+
+            def on_chunk(done: int, total: int) -> None:
+                now = time.monotonic()
+                if now - last[0] > 0.1 or done == total:
+                    last[0] = now
+                    emit({"progress": [done, total]})
+
+            start = time.time()
+            stats = self.store.fetch(cmd.get("version", "latest"), verify=cmd.get("verify"),
+                                     options=FetchOptions(**cmd.get("options", {})),
+                                     on_chunk=on_chunk)
+            end = time.time()
+            return {**stats.to_dict(), "start": start, "end": end}
+        if op == "digest":
+            return {"sha256": digest(self.store.tensors)}
+        if op == "served":
+            return {"bytes": self.worker.bytes_served}
+        raise ValueError(f"unknown op {op!r}")
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.hub is not None:
+            self.hub.stop()
+
+
+def main() -> None:
+    agent = Agent()
+    emit({"ready": True})
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd.get("op") == "exit":
+                break
+            try:
+                reply = agent.handle(cmd)
+            except Exception as exc:  # reported to the driver, which decides
+                reply = {"error": type(exc).__name__, "message": str(exc)}
+            emit(reply)
+    finally:
+        agent.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""`fabric bench fetch`: the CPU data plane on localhost against what users have today.
+
+A hub, a trainer and N readers run as separate processes. The trainer publishes
+``--size`` bytes of Llama-shaped tensors; the readers fetch them concurrently
+(shared memory on one host, pipelined: readers feed each other). Reported beside
+them, in the same run: a single-process ``copy_`` of the same bytes (this
+machine's limit) and a gloo broadcast of the same tensors to the same number of
+processes (what RL frameworks do without a fabric).
+
+GB/s are 1e9 bytes/s. Per reader: model bytes / its fetch time (hub plan
+included). Aggregate: readers x model bytes / (last reader's end - first
+reader's start). Gloo: readers x bytes / slowest reader's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tools.bench.launch import Agent, AgentError, close_all
+from topology.units import parse_size
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+SEED = 1234
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "fetch", help="CPU fetch GB/s, N readers, vs memcpy and gloo broadcast",
+        description="Trainer and N readers as separate processes on localhost; the readers "
+                    "fetch one version concurrently. Reports aggregate and per-reader GB/s, "
+                    "the trainer's egress and a bit-exact check, beside a memcpy and a gloo "
+                    "broadcast of the same bytes.",
+        epilog="example:\n  fabric bench fetch --readers 4 --size 1GB --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--readers", type=int, default=4, help="reader processes (default 4)")
+    p.add_argument("--size", default="1GB", help="model bytes, e.g. 256MB, 1GB (default 1GB)")
+    p.add_argument("--chunk-size", default="4MiB", help="fetch chunk size (default 4MiB)")
+    p.add_argument("--max-inflight", type=int, default=4,
+                   help="chunks in flight per reader (default 4)")
+    p.add_argument("--report-interval", type=float, default=None,
+                   help="seconds between a reader's progress reports to the hub "
+                        "(FetchOptions.report_interval; default: the engine's)")
+    p.add_argument("--versions", type=int, default=3,
+                   help="versions published and fetched; the last one is reported, the first "
+                        "(into fresh memory) as cold_aggregate_gbps (default 3)")
+    p.add_argument("--no-baselines", action="store_true",
+                   help="skip memcpy and gloo (for profiling the fetch alone)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=_run)
+
+
+def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int = 4,
+                versions: int = 3, baselines: bool = True, report_interval: float | None = None,
+                on_phase: Callable[[str, int | None], None] = lambda name, total: None,
+                on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark once; returns the JSON result (see the module docstring).
+
+    Raises:
+        ValueError: bad sizes or reader count.
+        AgentError: a process failed or timed out.
+    """
+    if readers < 1:
+        raise ValueError(f"--readers must be >= 1, got {readers}")
+    if versions < 1:
+        raise ValueError(f"--versions must be >= 1, got {versions}")
+    if size < 1 << 20:
+        raise ValueError(f"--size must be at least 1MiB, got {size} bytes")
+    if chunk_size <= 0 or chunk_size % 256:
+        raise ValueError(f"--chunk-size must be a positive multiple of 256, got {chunk_size}")
+    from fabric.arena import remove_stale_regions
+    from tools.bench import baselines as base
+
+    result: dict[str, Any] = {"readers": readers, "size_requested": size,
+                              "chunk_size": chunk_size, "max_inflight": max_inflight}
+    options: dict[str, float] = {"max_inflight": max_inflight}
+    if report_interval is not None:
+        options["report_interval"] = report_interval
+    if baselines:
+        on_phase("memcpy", None)
+        result["memcpy_gbps"] = base.memcpy_gbps(size)
+    agents: list[Agent] = []
+    try:
+        on_phase("start processes", None)
+        hub = Agent("hub")
+        agents.append(hub)
+        url = hub.ask("hub", host="127.0.0.1")["url"]
+        names = ["trainer", *(f"reader-{i}" for i in range(readers))]
+        started = [Agent(n, on_progress=on_progress, ready_timeout=None) for n in names]
+        agents.extend(started)
+        for a in started:
+            a.reply(120)
+            a.ask("join", url=url, name=a.name, chunk_size=chunk_size)
+        trainer, reader_agents = started[0], started[1:]
+        trainer, reader_agents = started[0], started[1:]
+        rounds = []
+        for i in range(versions):
+            on_phase(f"v{i + 1}: publish", None)
+            pub = trainer.ask("publish", size=size, seed=SEED, timeout=300)
+            served = int(trainer.ask("served")["bytes"])
+            on_phase(f"v{i + 1}: fetch", None)
+            for r in reader_agents:
+                r.send("fetch", version=pub["version"], options=options)
+            fetched = [r.reply(600) for r in reader_agents]
+            egress = int(trainer.ask("served")["bytes"]) - served
+            on_phase(f"v{i + 1}: verify", None)
+            want = trainer.ask("digest", timeout=300)["sha256"]
+            digests = [r.ask("digest", timeout=300)["sha256"] for r in reader_agents]
+            rounds.append(_round(pub, fetched, egress, all(d == want for d in digests)))
+    finally:
+        close_all(agents)
+        remove_stale_regions()
+    last = rounds[-1]
+    result.update(last)
+    result["verified"] = all(r["verified"] for r in rounds)
+    result["versions"] = rounds
+    result["cold_aggregate_gbps"] = rounds[0]["aggregate_gbps"]
+    if baselines:
+        on_phase("gloo broadcast", None)
+        result["gloo_broadcast_gbps"] = base.gloo_broadcast_gbps(pub["tensor_bytes"], readers)
+        result["targets"] = _targets(result)
+    return result
+
+
+def _round(pub: dict[str, Any], fetched: list[dict[str, Any]], egress: int,
+           verified: bool) -> dict[str, Any]:
+    """The figures of one version: every reader's fetch, the trainer's egress."""
+    model_bytes = int(pub["bytes"])
+    span = max(f["end"] for f in fetched) - min(f["start"] for f in fetched)
+    return {
+        "version": pub["version"],
+        "bytes": model_bytes,
+        "verified": verified,
+        "per_reader_gbps": [model_bytes / (f["end"] - f["start"]) / 1e9 for f in fetched],
+        "per_reader_seconds": [f["end"] - f["start"] for f in fetched],
+        "per_reader_engine_seconds": [f["seconds"] for f in fetched],
+        "per_reader_sources": [f["sources"] for f in fetched],
+        "aggregate_gbps": len(fetched) * model_bytes / span / 1e9,
+        "seconds": span,
+        "trainer_egress_bytes": egress,
+        "trainer_egress_per_model": egress / model_bytes,
+    }
+
+
+def _targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Issue 6's targets for this reader count."""
+    if r["readers"] == 1:
+        ratio = r["aggregate_gbps"] / r["memcpy_gbps"]
+        return {"one_reader_vs_memcpy": {"value": ratio, "goal": ">= 0.70", "met": ratio >= 0.70}}
+    ratio = r["aggregate_gbps"] / r["gloo_broadcast_gbps"]
+    egress = r["trainer_egress_per_model"]
+    return {"aggregate_vs_gloo": {"value": ratio, "goal": "> 1.0", "met": ratio > 1.0},
+            "trainer_egress_per_model": {"value": egress, "goal": "<= 2.0", "met": egress <= 2.0}}
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        size = int(parse_size(args.size))
+        chunk = int(parse_size(args.chunk_size))
+    except ValueError as exc:
+        print(f"fabric bench fetch: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    console = Console(stderr=True)
+    columns = (TextColumn("{task.description:<16}"), BarColumn(), TaskProgressColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True,
+                  disable=not console.is_terminal) as progress:
+        phase = progress.add_task("", total=None)
+        bars: dict[str, int] = {}
+
+        def on_phase(name: str, total: int | None) -> None:
+            progress.update(phase, description=name)
+
+        def on_progress(name: str, done: int, total: int) -> None:
+            if name not in bars:
+                bars[name] = progress.add_task(name, total=total)
+            progress.update(bars[name], completed=done)
+
+        try:
+            result = bench_fetch(readers=args.readers, size=size, chunk_size=chunk,
+                                 max_inflight=args.max_inflight, versions=args.versions,
+                                 report_interval=args.report_interval,
+                                 baselines=not args.no_baselines, on_phase=on_phase,
+                                 on_progress=on_progress)
+        except ValueError as exc:
+            print(f"fabric bench fetch: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except AgentError as exc:
+            print(f"fabric bench fetch failed: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+    result["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _table(result, Console())
+    return EXIT_OK if result["verified"] else EXIT_FAILED
+
+
+def _table(r: dict[str, Any], console: Console) -> None:
+    table = Table(title=f"fabric bench fetch: {r['readers']} reader(s), {r['bytes'] / 1e9:.3f} GB, "
+                        f"chunks of {r['chunk_size'] / (1 << 20):g} MiB")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("fabric aggregate GB/s", f"{r['aggregate_gbps']:.2f}")
+    for i, (gbps, src) in enumerate(zip(r["per_reader_gbps"], r["per_reader_sources"], strict=True)):
+        origin = ", ".join(f"{w} {b / r['bytes']:.0%}" for w, b in sorted(src.items()))
+        table.add_row(f"  reader-{i} GB/s", f"{gbps:.2f}  ({origin})")
+    table.add_row("trainer egress", f"{r['trainer_egress_bytes'] / 1e9:.3f} GB "
+                                    f"({r['trainer_egress_per_model']:.2f} x model)")
+    table.add_row("bit-exact on every reader", "yes" if r["verified"] else "[red]NO[/red]")
+    if "memcpy_gbps" in r:
+        table.add_row("memcpy GB/s (1 process)", f"{r['memcpy_gbps']:.2f}")
+    if "gloo_broadcast_gbps" in r:
+        table.add_row("gloo broadcast GB/s (aggregate)", f"{r['gloo_broadcast_gbps']:.2f}")
+    for name, t in r.get("targets", {}).items():
+        mark = "[green]met[/green]" if t["met"] else "[red]missed[/red]"
+        table.add_row(f"target {name} {t['goal']}", f"{t['value']:.2f} {mark}")
+    console.print(table)
