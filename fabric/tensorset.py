@@ -16,7 +16,7 @@ from fabric.errors import ManifestMismatchError
 from fabric.manifest import Manifest, TensorSpec
 from kernels import PackLayout, Slot, chunk_checksums, plan_layout
 
-DEFAULT_CHUNK_SIZE = 4 << 20
+DEFAULT_CHUNK_SIZE = 16 << 20
 ALIGNMENT = 256
 
 

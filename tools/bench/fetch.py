@@ -43,7 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--readers", type=int, default=4, help="reader processes (default 4)")
     p.add_argument("--size", default="1GB", help="model bytes, e.g. 256MB, 1GB (default 1GB)")
-    p.add_argument("--chunk-size", default="4MiB", help="fetch chunk size (default 4MiB)")
+    p.add_argument("--chunk-size", default="16MiB", help="fetch chunk size (default 16MiB, the "
+                                                         "library default)")
     p.add_argument("--max-inflight", type=int, default=4,
                    help="chunks in flight per reader (default 4)")
     p.add_argument("--report-interval", type=float, default=None,
