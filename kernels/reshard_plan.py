@@ -16,6 +16,7 @@ split evenly; padding rows are never read or written).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -70,7 +71,7 @@ def _starts(sizes: Sequence[int]) -> list[int]:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Layout(ABC):
     """Base class: how a 2-D tensor is spread over ``tp`` ranks."""
 
     tp: int
@@ -79,11 +80,13 @@ class Layout:
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"{type(self).__name__}: tp must be a positive int, got {self.tp!r}")
 
+    @abstractmethod
     def shard_shape(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
-        raise NotImplementedError
+        """Rows and columns rank `rank` holds of a tensor of `shape`."""
 
+    @abstractmethod
     def pieces(self, shape: Sequence[int], rank: int) -> list[Piece]:
-        raise NotImplementedError
+        """Where rank `rank`'s shard lies in the full tensor."""
 
     def owned(self, shape: Sequence[int]) -> list[Piece]:
         """A partition of the tensor: every element once, from one rank."""

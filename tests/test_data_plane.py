@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from timeouts import hard_timeout
 
 import fabric
 from fabric.arena import PREFIX, SHM_DIR, remove_stale_regions
@@ -90,21 +90,14 @@ def cluster():
     hub = fabric.serve("tcp://127.0.0.1:0", lease_s=2.0)
     procs: list[Proc] = []
 
-    def out_of_time(*_):
-        raise TimeoutError("data-plane test ran over 300 s")
-
-    previous = signal.signal(signal.SIGALRM, out_of_time)
-    signal.alarm(300)  # the whole test, whatever happens
-
     def spawn(name: str, **kw) -> Proc:
         procs.append(Proc(hub.url, name, **kw))
         return procs[-1]
 
     try:
-        yield hub, spawn
+        with hard_timeout(300):  # the whole test, whatever happens
+            yield hub, spawn
     finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
         for p in procs:
             p.close()
         hub.stop()

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from hub_helpers import REPO_ROOT, child_env, kill_all, small_manifest
+from timeouts import hard_timeout
 
 import fabric
 
@@ -17,15 +18,9 @@ HARD_TIMEOUT_S = 60
 
 
 @pytest.fixture(autouse=True)
-def hard_timeout():
-    """Fail (reaching each test's `finally` cleanup) if a test runs too long."""
-    def expired(*_):
-        raise TimeoutError(f"test exceeded {HARD_TIMEOUT_S} s")
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(HARD_TIMEOUT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+def _time_limit():
+    with hard_timeout(HARD_TIMEOUT_S):
+        yield
 
 
 def fabric_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:

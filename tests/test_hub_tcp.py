@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from hub_helpers import REPO_ROOT, child_env, kill_all, small_manifest
+from timeouts import hard_timeout
 
 import fabric
 from fabric.errors import NoSourceError, UnknownVersionError
@@ -22,15 +23,9 @@ HARD_TIMEOUT_S = 90
 
 
 @pytest.fixture(autouse=True)
-def hard_timeout():
-    """Fail (and so reach each test's `finally` cleanup) if a test runs too long."""
-    def expired(*_):
-        raise TimeoutError(f"test exceeded {HARD_TIMEOUT_S} s")
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(HARD_TIMEOUT_S)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+def _time_limit():
+    with hard_timeout(HARD_TIMEOUT_S):
+        yield
 
 
 def read_line(proc: subprocess.Popen, timeout: float) -> str:

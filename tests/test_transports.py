@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from holder_process import pattern
 
 from fabric.transports import (
     ReadRefusedError,
@@ -23,8 +24,6 @@ from fabric.transports import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from holder_process import pattern  # noqa: E402
 
 NBYTES = 3 * 1024 * 1024 + 17  # not a multiple of the chunk size
 CHUNK = 1024 * 1024
