@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import msgpack
 
 from fabric.errors import ReadRefusedError, SourceLostError
-from fabric.transports.base import RegionInfo, SourceAddress
+from fabric.transports.base import RegionInfo, SourceAddress, Transport
 from fabric.transports.wire import MAGIC, REPLY, REQUEST, Op, Status, recv_exact
 
 CONNECT_TIMEOUT = 5.0
@@ -107,3 +107,21 @@ def bitmap(pool: ConnectionPool, source: SourceAddress, region: str, timeout: fl
     with pool.connection(source) as conn:
         n = request(conn, source, Op.BITMAP, region, timeout=timeout)
         return receive_payload(conn, source, n)
+
+
+class ServerTransport(Transport):
+    """Base of the transports whose sources run a `ReadServer`: it holds the pooled
+    connections and answers `describe` and `progress` through them. Subclasses
+    implement `read` (and extend `close` when they hold more)."""
+
+    def __init__(self) -> None:
+        self._pool = ConnectionPool()
+
+    def describe(self, source: SourceAddress, region: str, *, timeout: float) -> RegionInfo:
+        return describe(self._pool, source, region, timeout)
+
+    def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
+        return bitmap(self._pool, source, region, timeout)
+
+    def close(self) -> None:
+        self._pool.close()

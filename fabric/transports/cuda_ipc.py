@@ -26,7 +26,7 @@ import torch
 from fabric.errors import ReadRefusedError, SourceLostError
 from fabric.gpu.probe import normalise_uuid
 from fabric.transports import client
-from fabric.transports.base import RegionInfo, SourceAddress, Transport
+from fabric.transports.base import SourceAddress
 from fabric.transports.wire import Op
 
 HANDLE_NBYTES = 64  # CUDA_IPC_HANDLE_SIZE
@@ -144,13 +144,13 @@ def close_mapping(mapping: _Mapping) -> None:
     _check(runtime.cudaIpcCloseMemHandle(mapping.base), "cudaIpcCloseMemHandle")
 
 
-class CudaIpcTransport(Transport):
+class CudaIpcTransport(client.ServerTransport):
     """Reader side over CUDA IPC; sources are `GpuReadServer`s on this node."""
 
     name = "cuda_ipc"
 
     def __init__(self) -> None:
-        self._pool = client.ConnectionPool()
+        super().__init__()
         self._maps: dict[tuple[str, int, str], _Mapping] = {}
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
@@ -205,12 +205,6 @@ class CudaIpcTransport(Transport):
             finally:
                 client.request(conn, source, Op.END, region, timeout=timeout)
 
-    def describe(self, source: SourceAddress, region: str, *, timeout: float) -> RegionInfo:
-        return client.describe(self._pool, source, region, timeout)
-
-    def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
-        return client.bitmap(self._pool, source, region, timeout)
-
     def forget(self, source: SourceAddress, region: str) -> None:
         """Unmap a region (after its holder retracted it)."""
         with self._lock:
@@ -219,7 +213,7 @@ class CudaIpcTransport(Transport):
             close_mapping(mapped)
 
     def close(self) -> None:
-        self._pool.close()
+        super().close()
         with self._lock:
             maps = list(self._maps.values())
             self._maps.clear()

@@ -31,11 +31,11 @@ import torch
 from fabric.errors import ReadRefusedError
 from fabric.gpu.nvshmem_arena import NvshmemRuntime, SymmetricRegion, _buffer
 from fabric.transports import client
-from fabric.transports.base import RegionInfo, SourceAddress, Transport
+from fabric.transports.base import SourceAddress
 from fabric.transports.wire import Op
 
 
-class NvshmemTransport(Transport):
+class NvshmemTransport(client.ServerTransport):
     """Reader side over NVSHMEM host-initiated RMA.
 
     Args:
@@ -48,7 +48,7 @@ class NvshmemTransport(Transport):
     def __init__(self, runtime: NvshmemRuntime, *, poll_interval: float = 2e-4) -> None:
         self.runtime = runtime
         self.poll_interval = poll_interval
-        self._pool = client.ConnectionPool()
+        super().__init__()
         self._targets: dict[tuple[str, int, str], tuple[int, SymmetricRegion]] = {}
         self._stream = torch.cuda.Stream(runtime.device)
         self._lock = threading.Lock()  # one RMA sequence on the stream at a time
@@ -110,9 +110,6 @@ class NvshmemTransport(Transport):
                 finally:
                     client.request(conn, source, Op.END, region, timeout=timeout)
 
-    def describe(self, source: SourceAddress, region: str, *, timeout: float) -> RegionInfo:
-        return client.describe(self._pool, source, region, timeout)
-
     def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
         """The holder's chunk flags, read one-sidedly from its symmetric memory."""
         with self._lock:
@@ -120,5 +117,5 @@ class NvshmemTransport(Transport):
             return bytes((local.peer_flags(pe, self._stream) != 0).to(torch.uint8).tolist())
 
     def close(self) -> None:
-        self._pool.close()
+        super().close()
         self._targets.clear()

@@ -10,13 +10,13 @@ import torch
 from fabric.arena import ArenaError, Region
 from fabric.errors import ReadRefusedError, SourceLostError
 from fabric.transports import client
-from fabric.transports.base import RegionInfo, SourceAddress, Transport
+from fabric.transports.base import SourceAddress
 from fabric.transports.wire import Op
 
 MAX_MAPPINGS = 16
 
 
-class ShmTransport(Transport):
+class ShmTransport(client.ServerTransport):
     """Copies from the holder's mapped region under a lease from its `ReadServer`.
 
     The lease makes the copy a read in flight, so the holder's retract waits for
@@ -29,7 +29,7 @@ class ShmTransport(Transport):
     name = "shm"
 
     def __init__(self) -> None:
-        self._pool = client.ConnectionPool()
+        super().__init__()
         self._maps: OrderedDict[str, Region] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -67,14 +67,8 @@ class ShmTransport(Transport):
             finally:
                 client.request(conn, source, Op.END, region, timeout=timeout)
 
-    def describe(self, source: SourceAddress, region: str, *, timeout: float) -> RegionInfo:
-        return client.describe(self._pool, source, region, timeout)
-
-    def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
-        return client.bitmap(self._pool, source, region, timeout)
-
     def close(self) -> None:
-        self._pool.close()
+        super().close()
         with self._lock:
             maps = list(self._maps.values())
             self._maps.clear()

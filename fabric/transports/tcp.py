@@ -6,17 +6,14 @@ import torch
 
 from fabric.errors import SourceLostError, TransportError
 from fabric.transports import client
-from fabric.transports.base import RegionInfo, SourceAddress, Transport
+from fabric.transports.base import SourceAddress
 from fabric.transports.wire import Op, recv_into_exact
 
 
-class TcpTransport(Transport):
+class TcpTransport(client.ServerTransport):
     """Reads over TCP, receiving straight into the caller's buffer (`recv_into`)."""
 
     name = "tcp"
-
-    def __init__(self) -> None:
-        self._pool = client.ConnectionPool()
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float) -> None:
@@ -32,14 +29,6 @@ class TcpTransport(Transport):
                 raise SourceLostError(f"source {source.host}:{source.port} vanished while "
                                       f"sending {region!r}: {exc}") from exc
 
-    def describe(self, source: SourceAddress, region: str, *, timeout: float) -> RegionInfo:
-        return client.describe(self._pool, source, region, timeout)
-
-    def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
-        return client.bitmap(self._pool, source, region, timeout)
-
-    def close(self) -> None:
-        self._pool.close()
 
 
 def _byte_view(out: torch.Tensor) -> memoryview:
