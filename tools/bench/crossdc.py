@@ -29,7 +29,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,7 +36,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tools.bench.launch import Agent, AgentError, close_all
+from tools.bench.launch import Agent, AgentError, close_all, print_result
 from topology.units import parse_bandwidth, parse_latency, parse_size
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -281,12 +280,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     finally:
         signal.signal(signal.SIGTERM, previous)
-    result["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _table(result, Console())
-    return EXIT_OK if result["verified"] else EXIT_FAILED
+    return print_result(result, as_json=args.json, table=_table)
 
 
 def _table(r: dict[str, Any], console: Console) -> None:

@@ -15,9 +15,7 @@ reader's start). Gloo: readers x bytes / slowest reader's time.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +23,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tools.bench.launch import Agent, AgentError, close_all
+from tools.bench.launch import Agent, AgentError, close_all, print_result
 from topology.units import parse_size
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 SEED = 1234
 
 
@@ -197,12 +195,7 @@ def _run(args: argparse.Namespace) -> int:
         except AgentError as exc:
             print(f"fabric bench fetch failed: {exc}", file=sys.stderr)
             return EXIT_FAILED
-    result["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _table(result, Console())
-    return EXIT_OK if result["verified"] else EXIT_FAILED
+    return print_result(result, as_json=args.json, table=_table)
 
 
 def _table(r: dict[str, Any], console: Console) -> None:

@@ -15,9 +15,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,3 +139,14 @@ def close_all(agents: Sequence[Agent], timeout: float = 15.0) -> None:
     for agent in reversed(agents):
         with contextlib.suppress(Exception):
             agent.close(timeout)
+
+
+def print_result(result: dict[str, Any], *, as_json: bool,
+                 table: Callable[[dict[str, Any], Console], None]) -> int:
+    """Stamp the date, print `result` as JSON or with `table`; exit 1 unless verified."""
+    result["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        table(result, Console())
+    return 0 if result["verified"] else 1
