@@ -22,7 +22,7 @@ from fabric.transports import (
     SourceAddress,
     TcpTransport,
     Transport,
-    local_host_id,
+    choose_transport,
 )
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class Worker:
 
     def transport_for(self, address: SourceAddress) -> Transport:
         """Shared memory for sources on this host, TCP otherwise."""
-        return self._shm if address.host_id == local_host_id() else self._tcp
+        return choose_transport(address, shm=self._shm, tcp=self._tcp)
 
     @property
     def bytes_served(self) -> int:
