@@ -111,7 +111,7 @@ class FetchOptions:
 
 
 def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress,
-                 planner: FetchPlanner, choose: Callable[[SourceAddress], Transport],
+                 planner: FetchPlanner, choose: Callable[[Source], Transport],
                  checksums: list[int] | None = None, checksum_fn: ChecksumFn | None = None,
                  verify: Callable[[Source], bool] = lambda source: True,
                  options: FetchOptions = FetchOptions(),
@@ -123,7 +123,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
         chunk_size: bytes per chunk.
         progress: the local replica's chunk bitmap; chunks already present are kept.
         planner: source selection and progress reporting (see `FetchPlanner`).
-        choose: the transport to use for a source.
+        choose: the transport to read a source's region with (it may raise
+            `TransportError`, e.g. when it must ask the source and cannot reach it).
         checksums, checksum_fn: expected per-chunk checksums and the function that
             computes one; verification is skipped when either is None.
         verify: whether to verify the chunks read from a source (e.g. only over
@@ -159,8 +160,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
         hi = min(lo + chunk_size, dest.numel())
         piece = dest[lo:hi]
         try:
-            choose(source.address).read(source.address, source.region, lo, piece,
-                                        timeout=options.read_timeout)
+            choose(source).read(source.address, source.region, lo, piece,
+                                timeout=options.read_timeout)
         except TransportError as exc:
             return chunk, source, f"{type(exc).__name__}: {exc}"
         if checksums is not None and checksum_fn is not None and verify(source):

@@ -10,22 +10,30 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
 
 from fabric.arena import remove_stale_regions
 from fabric.client import HubClient
+from fabric.fetch import Source
+from fabric.gpu.probe import normalise_uuid
 from fabric.locality import Location
 from fabric.store import ModelStore
 from fabric.tensorset import DEFAULT_CHUNK_SIZE
 from fabric.transports import (
     ReadServer,
     ShmTransport,
-    SourceAddress,
     TcpTransport,
     Transport,
     choose_transport,
+    local_host_id,
 )
 
 log = logging.getLogger(__name__)
+
+MAX_DESCRIPTORS = 1024  # regions whose kind (host or GPU memory) a worker remembers
 
 
 class Worker:
@@ -49,6 +57,9 @@ class Worker:
         self.location = self.hub.location
         self._shm = ShmTransport()
         self._tcp = TcpTransport()
+        self._ipc: Transport | None = None
+        self._timeout = timeout
+        self._gpu_descriptors: OrderedDict[tuple[str, int, str], dict[str, Any] | None] = OrderedDict()
         self._stores: dict[str, ModelStore] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -64,9 +75,40 @@ class Worker:
                                  f"{store.chunk_size}, not {chunk_size}")
             return store
 
-    def transport_for(self, address: SourceAddress) -> Transport:
-        """Shared memory for sources on this host, TCP otherwise."""
-        return choose_transport(address, shm=self._shm, tcp=self._tcp)
+    def transport_for(self, source: Source) -> Transport:
+        """The transport for a source's region (see `choose_transport`): on this host it
+        asks the source once whether the region is in GPU memory.
+
+        Raises:
+            TransportError: a source on this host could not be asked.
+        """
+        gpu = None
+        if source.address.host_id == local_host_id():
+            key = (source.address.host, source.address.port, source.region)
+            with self._lock:
+                known = key in self._gpu_descriptors
+                gpu = self._gpu_descriptors.get(key)
+            if not known:
+                gpu = self._shm.describe(source.address, source.region, timeout=self._timeout).gpu
+                with self._lock:
+                    self._gpu_descriptors[key] = gpu
+                    while len(self._gpu_descriptors) > MAX_DESCRIPTORS:
+                        self._gpu_descriptors.popitem(last=False)
+        return choose_transport(source.address, shm=self._shm, tcp=self._tcp, gpu=gpu,
+                                ipc=self._ipc_for(gpu))
+
+    def _ipc_for(self, gpu: dict[str, Any] | None) -> Transport | None:
+        """A `CudaIpcTransport` when ``gpu`` is an IPC handle of a GPU this process sees."""
+        if gpu is None or gpu.get("kind") != "cuda_ipc" or not torch.cuda.is_available():
+            return None
+        from fabric.transports.cuda_ipc import CudaIpcTransport, visible_devices
+
+        if normalise_uuid(gpu.get("device_uuid", "")) not in visible_devices():
+            return None
+        with self._lock:
+            if self._ipc is None:
+                self._ipc = CudaIpcTransport()
+            return self._ipc
 
     @property
     def bytes_served(self) -> int:
@@ -88,6 +130,8 @@ class Worker:
         self.server.close()
         self._shm.close()
         self._tcp.close()
+        if self._ipc is not None:
+            self._ipc.close()
 
     def __enter__(self) -> Worker:
         return self

@@ -1,4 +1,4 @@
-"""CUDA IPC: handle serialisation and the GPU read server on CPU; the 4 GB fetch on a GPU."""
+"""CUDA IPC: handle serialisation and GPU descriptors on CPU; the 4 GB fetch on a GPU."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import torch
 
 from fabric.errors import ReadRefusedError
 from fabric.gpu.probe import probe
-from fabric.gpu.server import GpuReadServer
 from fabric.progress import ChunkProgress
-from fabric.transports import client
+from fabric.transports import ReadServer, TcpTransport, client
 from fabric.transports.cuda_ipc import HANDLE_NBYTES, CudaIpcTransport, IpcHandle
 from fabric.transports.wire import Op
 
@@ -44,38 +43,42 @@ def test_malformed_ipc_handles_are_errors():
         IpcHandle.unpack(b"\xc1")
 
 
-def test_gpu_read_server_describes_leases_refuses_reads_and_retracts():
+def test_gpu_descriptor_travels_in_describe_and_lease_and_tcp_still_reads():
+    data = torch.arange(4000, dtype=torch.int64).to(torch.uint8)
     progress = ChunkProgress(4)
-    with GpuReadServer() as server:
-        server.expose_gpu("w", 4000, handle().to_dict(), chunk_size=1000, progress=progress)
-        transport = CudaIpcTransport()  # describe and leases need no GPU
+    with ReadServer() as server:
+        server.expose("w", data, chunk_size=1000, progress=progress, gpu=handle().to_dict())
+        server.expose("plain", data, chunk_size=1000)
+        ipc, tcp = CudaIpcTransport(), TcpTransport()  # describe and leases need no GPU
+        pool = client.ConnectionPool()
         try:
-            info = transport.describe_gpu(server.address, "w", timeout=5)
-            assert IpcHandle.from_dict(info["gpu"]) == handle()
-            assert (info["nbytes"], info["num_chunks"], info["present"]) == (4000, 4, 0)
-            assert transport.progress(server.address, "w", timeout=5) == bytes(4)
-            pool = client.ConnectionPool()
-            with pool.connection(server.address) as conn, pytest.raises(ReadRefusedError,
-                                                                        match="BAD_REQUEST.*GPU"):
-                client.request(conn, server.address, Op.READ, "w", offset=0, nbytes=10, timeout=5)
+            info = ipc.describe(server.address, "w", timeout=5)
+            assert IpcHandle.from_dict(info.gpu) == handle()
+            assert (info.nbytes, info.num_chunks, info.present) == (4000, 4, 0)
+            assert ipc.describe(server.address, "plain", timeout=5).gpu is None
             with pool.connection(server.address) as conn, pytest.raises(ReadRefusedError,
                                                                         match="NOT_READY"):
-                client.request(conn, server.address, Op.LEASE, "w", offset=0, nbytes=10, timeout=0.05)
+                client.lease(conn, server.address, "w", offset=0, nbytes=10, timeout=0.05)
             progress.mark(0)
             with pool.connection(server.address) as conn:  # a lease blocks retract until END
-                client.request(conn, server.address, Op.LEASE, "w", offset=0, nbytes=10, timeout=5)
+                where = client.lease(conn, server.address, "w", offset=0, nbytes=10, timeout=5)
+                assert IpcHandle.from_dict(where.gpu) == handle() and where.shm_path is None
                 assert server.retract("w", timeout=0.1) is False
                 client.request(conn, server.address, Op.END, "w", timeout=5)
+            out = torch.empty(1000, dtype=torch.uint8)
+            with pytest.raises(ReadRefusedError, match="not exported over CUDA IPC"):
+                ipc.read(server.address, "plain", 0, out, timeout=5)
+            tcp.read(server.address, "plain", 1000, out, timeout=5)  # any region reads over TCP
+            assert torch.equal(out, data[1000:2000])
             assert server.retract("w", timeout=5) is True
             with pytest.raises(ReadRefusedError, match="NOT_FOUND"):
-                transport.describe_gpu(server.address, "w", timeout=5)
-            pool.close()
+                ipc.describe(server.address, "w", timeout=5)
         finally:
-            transport.close()
-        with pytest.raises(ValueError, match="expose_gpu"):
-            server.expose("x", torch.zeros(4, dtype=torch.uint8), chunk_size=1)
+            pool.close()
+            ipc.close()
+            tcp.close()
         with pytest.raises(TypeError):
-            server.expose_gpu("bad", 10, {"x": object()}, chunk_size=1)
+            server.expose("bad", data, chunk_size=1, gpu={"x": object()})
 
 
 # --- on a GPU ---------------------------------------------------------------------------
@@ -95,8 +98,8 @@ def _holder(conn) -> None:
 
     data = pattern(NBYTES, "cuda:0")
     torch.cuda.synchronize()
-    with GpuReadServer() as server:
-        server.expose_gpu("w", NBYTES, export_tensor(data).to_dict(), chunk_size=CHUNK)
+    with ReadServer() as server:
+        server.expose("w", data, chunk_size=CHUNK, gpu=export_tensor(data).to_dict())
         conn.send(server.address.to_dict())
         conn.recv()  # reader done
         assert server.retract("w", timeout=30)

@@ -94,12 +94,13 @@ def test_attach_moves_parameters_into_buffer_views_keeping_values_and_objects():
 def test_single_pe_allocate_attach_get_from_self_and_signals():
     import nvshmem.core as nvshmem
 
-    from fabric.gpu import GpuReadServer, MemoryRendezvous, NvshmemRuntime, SymmetricProgress
-    from fabric.transports.nvshmem import NvshmemTransport
+    from fabric.gpu import MemoryRendezvous, NvshmemRuntime, SymmetricProgress
+    from fabric.transports import ReadServer
+    from fabric.transports.nvshmem import NvshmemTransport, nvshmem_descriptor
 
     rt = NvshmemRuntime.start(MemoryRendezvous(), session="single-pe", rank=0, nranks=1,
                               local_rank=0)
-    server = GpuReadServer()
+    server = ReadServer()
     transport = None
     try:
         model = torch.nn.Linear(300, 200, device="cuda")
@@ -113,8 +114,8 @@ def test_single_pe_allocate_attach_get_from_self_and_signals():
         assert all(src.data.data_ptr() <= p.data_ptr() < src.data.data_ptr() + layout.nbytes
                    for _, p in params)
         progress = SymmetricProgress(src)
-        server.expose_gpu("v1", layout.nbytes, {"kind": "nvshmem", "pe": 0, "region": "v1"},
-                          chunk_size=chunk, progress=progress)
+        server.expose("v1", src.data, chunk_size=chunk, progress=progress,
+                      gpu=nvshmem_descriptor(rt, src))
         transport = NvshmemTransport(rt)
         assert transport.progress(server.address, "v1", timeout=5) == bytes(src.num_chunks)
         from fabric.errors import ReadRefusedError

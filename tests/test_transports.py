@@ -12,6 +12,8 @@ import pytest
 import torch
 from holder_process import pattern
 
+import fabric
+from fabric.fetch import Source
 from fabric.transports import (
     ReadRefusedError,
     ReadServer,
@@ -210,12 +212,37 @@ def test_bytes_served_counts_egress(holder):
     assert int(holder.ask("served")[1]) - before == 1024
 
 
-def test_same_host_sources_use_shm():
-    shm, tcp = ShmTransport(), TcpTransport()
+def test_transport_choice_by_host_and_memory_kind():
+    shm, tcp, ipc = ShmTransport(), TcpTransport(), TcpTransport()
     here = SourceAddress("127.0.0.1", 1, local_host_id())
     there = SourceAddress("10.1.2.3", 1, "other-host:boot")
+    handle = {"kind": "cuda_ipc"}
     assert choose_transport(here, shm=shm, tcp=tcp) is shm
     assert choose_transport(there, shm=shm, tcp=tcp) is tcp
+    assert choose_transport(here, shm=shm, tcp=tcp, gpu=handle, ipc=ipc) is ipc
+    assert choose_transport(there, shm=shm, tcp=tcp, gpu=handle, ipc=ipc) is tcp
+    # GPU memory this process cannot map, or an NVSHMEM region: the holder copies to host
+    assert choose_transport(here, shm=shm, tcp=tcp, gpu=handle, ipc=None) is tcp
+    assert choose_transport(here, shm=shm, tcp=tcp, gpu={"kind": "nvshmem"}, ipc=ipc) is tcp
+
+
+def test_worker_reads_a_gpu_region_it_cannot_map_over_tcp():
+    data = torch.arange(3000, dtype=torch.int64).to(torch.uint8)
+    ipc = {"kind": "cuda_ipc", "handle": bytes(64), "offset": 0, "nbytes": 3000,
+           "device_uuid": "0" * 32}  # a GPU no process here has
+    hub = fabric.serve("tcp://127.0.0.1:0", lease_s=5.0)
+    with hub, fabric.join(hub.url, worker="holder") as holder, \
+            fabric.join(hub.url, worker="reader") as reader:
+        holder.server.expose("r", data, chunk_size=1000, gpu=ipc)
+        holder.server.expose("h", data, chunk_size=1000, shm_path="/dev/shm/x")
+        gpu_source = Source("holder", holder.server.address, "r")
+        assert reader.transport_for(gpu_source) is reader._tcp
+        assert reader.transport_for(Source("holder", holder.server.address, "h")) is reader._shm
+        out = torch.empty(3000, dtype=torch.uint8)
+        reader.transport_for(gpu_source).read(holder.server.address, "r", 0, out, timeout=5)
+        assert torch.equal(out, data)
+        with pytest.raises(ReadRefusedError, match="NOT_FOUND"):
+            reader.transport_for(Source("holder", holder.server.address, "nope"))
 
 
 def test_expose_rejects_bad_regions():

@@ -1,4 +1,4 @@
-"""The GPU data plane: probe, NVSHMEM bootstrap and arenas, the GPU read server.
+"""The GPU data plane: probe, NVSHMEM bootstrap and arenas.
 
 Importing this package needs neither cuda-python nor nvshmem4py; the functions
 that use them import them when called (install the ``gpu`` extra).
@@ -12,14 +12,12 @@ from fabric.gpu.nvshmem_arena import (
     attach_views,
 )
 from fabric.gpu.probe import Check, GpuProbe, normalise_uuid, probe
-from fabric.gpu.server import GpuReadServer
 from fabric.gpu.uid import MemoryRendezvous, Rendezvous, exchange_unique_id
 
 __all__ = [
     "AllocationRegistry",
     "Check",
     "GpuProbe",
-    "GpuReadServer",
     "MemoryRendezvous",
     "NvshmemRuntime",
     "Rendezvous",

@@ -1,13 +1,16 @@
 """Transports: how bytes of an exposed region move from a holder to a reader.
 
-Preference order for a source: ``shm`` when it runs on this host (same host id),
-else ``tcp``. GPU transports (``cuda_ipc``, ``nvshmem``) join this list with the
-GPU data plane.
+`choose_transport` picks, for a source on this host (same host id), ``cuda_ipc``
+when the region is GPU memory exported over CUDA IPC on a GPU this process sees,
+``shm`` when it is host memory, else ``tcp`` (the holder copies GPU bytes to the
+host); for a source on another host, ``tcp``. ``nvshmem`` is used explicitly, by
+the PEs of one NVSHMEM job (`fabric.transports.nvshmem`).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fabric.errors import ReadRefusedError, SourceLostError, TransportError
 from fabric.transports.base import RegionInfo, SourceAddress, Transport, local_host_id
@@ -32,6 +35,18 @@ __all__ = [
 ]
 
 
-def choose_transport(source: SourceAddress, *, shm: ShmTransport, tcp: TcpTransport) -> Transport:
-    """The transport to read from `source`: shared memory on the same host, else TCP."""
-    return shm if source.host_id == local_host_id() else tcp
+def choose_transport(source: SourceAddress, *, shm: Transport, tcp: Transport,
+                     gpu: dict[str, Any] | None = None, ipc: Transport | None = None) -> Transport:
+    """The transport to read a region of `source` with.
+
+    Args:
+        source: where the holder's read server runs.
+        shm, tcp: the reader's transports.
+        gpu: the region's ``gpu`` descriptor (`RegionInfo.gpu`); None for host memory.
+        ipc: a `CudaIpcTransport` when this process can map the descriptor's GPU.
+    """
+    if source.host_id != local_host_id():
+        return tcp
+    if gpu is None:
+        return shm
+    return ipc if gpu.get("kind") == "cuda_ipc" and ipc is not None else tcp

@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -71,6 +72,9 @@ class RegionInfo:
     num_chunks: int
     present: int
     shm_path: str | None
+    gpu: dict[str, Any] | None = None
+    """How to reach the bytes in GPU memory (``{"kind": "cuda_ipc" | "nvshmem", ...}``);
+    None for host memory."""
 
 
 class Transport(ABC):

@@ -6,6 +6,8 @@ import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 
@@ -86,12 +88,21 @@ def receive_payload(conn: socket.socket, source: SourceAddress, nbytes: int) -> 
         raise SourceLostError(f"source {source.host}:{source.port} vanished mid-reply: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class Lease:
+    """Where a leased region's bytes can be copied from by the reader itself."""
+
+    shm_path: str | None
+    gpu: dict[str, Any] | None
+
+
 def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: int, nbytes: int,
-          timeout: float) -> str:
+          timeout: float) -> Lease:
     """LEASE: wait until the bytes are present and hold them as a read in flight until
-    ``END``; returns the region's shared-memory path ('' when it has none)."""
+    ``END``; returns where the reader may copy them from."""
     n = request(conn, source, Op.LEASE, region, offset=offset, nbytes=nbytes, timeout=timeout)
-    return receive_payload(conn, source, n).decode() if n else ""
+    where = msgpack.unpackb(receive_payload(conn, source, n))
+    return Lease(shm_path=where.get("shm_path") or None, gpu=where.get("gpu"))
 
 
 def describe(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> RegionInfo:
@@ -100,7 +111,7 @@ def describe(pool: ConnectionPool, source: SourceAddress, region: str, timeout: 
         info = msgpack.unpackb(receive_payload(conn, source, n))
     return RegionInfo(nbytes=info["nbytes"], chunk_size=info["chunk_size"],
                       num_chunks=info["num_chunks"], present=info["present"],
-                      shm_path=info["shm_path"])
+                      shm_path=info["shm_path"], gpu=info.get("gpu"))
 
 
 def bitmap(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> bytes:

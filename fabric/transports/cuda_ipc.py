@@ -2,11 +2,10 @@
 
 The holder exports the allocation under its region (`export_tensor`:
 ``cuMemGetAddressRange`` finds the ``cudaMalloc`` base, ``cudaIpcGetMemHandle``
-gives a 64-byte handle) and serves an `IpcHandle` in the ``gpu`` descriptor of
-its `GpuReadServer`. The reader opens the handle once per (source, region)
-(``cudaIpcOpenMemHandle`` with lazy peer access), caches the mapping, and for
-every read takes a lease, copies with torch on its own stream, waits for the
-copy, and ends the lease. Devices are named by UUID, never by index: indices
+gives a 64-byte handle) and exposes the region on its `ReadServer` with that
+`IpcHandle` as the ``gpu`` descriptor. The reader maps each allocation once
+(``cudaIpcOpenMemHandle`` with lazy peer access) and copies with torch on its
+own stream under a lease. Devices are named by UUID, never by index: indices
 differ between processes with different ``CUDA_VISIBLE_DEVICES``.
 
 Limits: IPC handles cover ``cudaMalloc`` memory; PyTorch's caching allocator with
@@ -17,7 +16,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import msgpack
@@ -30,6 +31,7 @@ from fabric.transports.base import SourceAddress
 from fabric.transports.wire import Op
 
 HANDLE_NBYTES = 64  # CUDA_IPC_HANDLE_SIZE
+MAX_MAPPINGS = 16
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,12 @@ def device_uuid(device: torch.device | int) -> str:
     return normalise_uuid(torch.cuda.get_device_properties(device).uuid)
 
 
+@cache
+def visible_devices() -> frozenset[str]:
+    """UUIDs of the CUDA devices this process sees (read once)."""
+    return frozenset(device_uuid(i) for i in range(torch.cuda.device_count()))
+
+
 def device_index(uuid: str) -> int:
     """Local index of the visible device with ``uuid``; LookupError if not visible."""
     want = normalise_uuid(uuid)
@@ -121,11 +129,12 @@ class _DevicePointer:
 @dataclass
 class _Mapping:
     base: int
-    tensor: torch.Tensor
+    device: int
+    users: int = 0
 
 
 def open_handle(h: IpcHandle) -> _Mapping:
-    """Map ``h`` into this process (on its device, found by UUID)."""
+    """Map ``h``'s allocation into this process (on its device, found by UUID)."""
     from cuda.bindings import runtime
 
     index = device_index(h.device_uuid)
@@ -134,8 +143,13 @@ def open_handle(h: IpcHandle) -> _Mapping:
     with torch.cuda.device(index):
         (base,) = _check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess),
                          "cudaIpcOpenMemHandle")
-        tensor = torch.as_tensor(_DevicePointer(int(base) + h.offset, h.nbytes), device=f"cuda:{index}")
-    return _Mapping(int(base), tensor)
+    return _Mapping(int(base), index)
+
+
+def view(mapping: _Mapping, offset: int, nbytes: int) -> torch.Tensor:
+    """A uint8 CUDA tensor over ``nbytes`` at ``offset`` of a mapped allocation."""
+    return torch.as_tensor(_DevicePointer(mapping.base + offset, nbytes),
+                           device=f"cuda:{mapping.device}")
 
 
 def close_mapping(mapping: _Mapping) -> None:
@@ -145,72 +159,79 @@ def close_mapping(mapping: _Mapping) -> None:
 
 
 class CudaIpcTransport(client.ServerTransport):
-    """Reader side over CUDA IPC; sources are `GpuReadServer`s on this node."""
+    """Reader side over CUDA IPC; sources are `ReadServer`s on this node exposing GPU
+    regions with an `IpcHandle` as their ``gpu`` descriptor.
+
+    Every read takes a lease, whose answer carries the handle (so a holder that
+    moved the region to another allocation is followed), maps the allocation once
+    (mappings are keyed by handle: CUDA refuses to open one handle twice in a
+    process), copies on a side stream of the destination's device, waits, and ends
+    the lease. At most `MAX_MAPPINGS` idle mappings stay open.
+    """
 
     name = "cuda_ipc"
 
     def __init__(self) -> None:
         super().__init__()
-        self._maps: dict[tuple[str, int, str], _Mapping] = {}
+        self._maps: OrderedDict[bytes, _Mapping] = OrderedDict()
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
 
-    def describe_gpu(self, source: SourceAddress, region: str, *, timeout: float) -> dict[str, Any]:
-        """The region's raw DESCRIBE answer, ``gpu`` descriptor included."""
-        with self._pool.connection(source) as conn:
-            n = client.request(conn, source, Op.DESCRIBE, region, timeout=timeout)
-            return msgpack.unpackb(client.receive_payload(conn, source, n))
+    def _acquire(self, h: IpcHandle) -> _Mapping:
+        with self._lock:
+            mapped = self._maps.get(h.handle)
+            if mapped is None:
+                try:
+                    mapped = open_handle(h)
+                except (LookupError, RuntimeError) as exc:
+                    raise SourceLostError(f"cannot map GPU {h.device_uuid}'s allocation: {exc}") from exc
+                self._maps[h.handle] = mapped
+            self._maps.move_to_end(h.handle)
+            mapped.users += 1
+            idle = [k for k, m in self._maps.items() if m.users == 0]
+            evicted = [self._maps.pop(k) for k in idle[:max(0, len(self._maps) - MAX_MAPPINGS)]]
+        for old in evicted:
+            close_mapping(old)
+        return mapped
 
-    def _mapping(self, source: SourceAddress, region: str, timeout: float) -> _Mapping:
-        key = (source.host, source.port, region)
+    def _release(self, mapped: _Mapping) -> None:
         with self._lock:
-            mapped = self._maps.get(key)
-        if mapped is not None:
-            return mapped
-        info = self.describe_gpu(source, region, timeout=timeout)
-        try:
-            handle = IpcHandle.from_dict(info.get("gpu", {}))
-        except ValueError as exc:
-            raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} is not "
-                                   f"exported over CUDA IPC: {exc}") from None
-        try:
-            mapped = open_handle(handle)
-        except (LookupError, RuntimeError) as exc:
-            raise SourceLostError(f"cannot map region {region!r}: {exc}") from exc
-        with self._lock:
-            if key in self._maps:  # another thread won the race
-                close_mapping(mapped)
-                return self._maps[key]
-            self._maps[key] = mapped
-            return mapped
+            mapped.users -= 1
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.type == "cuda" else torch.cuda.current_device()
         with self._lock:
-            return self._streams.setdefault(device.index, torch.cuda.Stream(device))
+            return self._streams.setdefault(index, torch.cuda.Stream(index))
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float) -> None:
-        if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cuda":
-            raise ValueError("read into a contiguous uint8 CUDA tensor")
-        mapped = self._mapping(source, region, timeout)
+        if out.dtype != torch.uint8 or not out.is_contiguous():
+            raise ValueError("read into a contiguous uint8 tensor")
         n = out.numel()
         with self._pool.connection(source) as conn:
-            client.lease(conn, source, region, offset=offset, nbytes=n, timeout=timeout)
+            where = client.lease(conn, source, region, offset=offset, nbytes=n, timeout=timeout)
             try:
-                stream = self._stream(out.device)
-                stream.wait_stream(torch.cuda.current_stream(out.device))  # out may be in use
-                with torch.cuda.stream(stream):
-                    out.copy_(mapped.tensor[offset:offset + n], non_blocking=True)
-                stream.synchronize()
+                try:
+                    h = IpcHandle.from_dict(where.gpu or {})
+                except ValueError as exc:
+                    raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} is "
+                                           f"not exported over CUDA IPC: {exc}") from None
+                if offset + n > h.nbytes:
+                    raise ReadRefusedError(f"read [{offset}, {offset + n}) outside the {h.nbytes} "
+                                           f"bytes of region {region!r}")
+                mapped = self._acquire(h)
+                try:
+                    src = view(mapped, h.offset + offset, n)
+                    stream = self._stream(out.device)
+                    if out.device.type == "cuda":
+                        stream.wait_stream(torch.cuda.current_stream(out.device))  # out may be in use
+                    with torch.cuda.stream(stream):
+                        out.copy_(src, non_blocking=True)
+                    stream.synchronize()
+                finally:
+                    self._release(mapped)
             finally:
                 client.request(conn, source, Op.END, region, timeout=timeout)
-
-    def forget(self, source: SourceAddress, region: str) -> None:
-        """Unmap a region (after its holder retracted it)."""
-        with self._lock:
-            mapped = self._maps.pop((source.host, source.port, region), None)
-        if mapped is not None:
-            close_mapping(mapped)
 
     def close(self) -> None:
         super().close()

@@ -2,8 +2,9 @@
 
 Holder and reader are PEs of one NVSHMEM job and allocated the region together
 (`NvshmemRuntime.allocate_region` is collective), so the same local address names
-the bytes on every PE. The holder's `GpuReadServer` answers DESCRIBE with
-``gpu = {"kind": "nvshmem", "pe": <holder PE>, "region": <symmetric region name>}``
+the bytes on every PE. The holder exposes the region's data on its `ReadServer`
+with ``gpu={"kind": "nvshmem", "pe": <holder PE>, "region": <symmetric region name>}``
+(see `nvshmem_descriptor`) and a `SymmetricProgress`; the server answers DESCRIBE
 and grants leases. A read:
 
 1. waits for the chunks one-sidedly: polls the holder's progress flags with a
@@ -25,7 +26,6 @@ import threading
 import time
 from typing import Any
 
-import msgpack
 import torch
 
 from fabric.errors import ReadRefusedError
@@ -33,6 +33,11 @@ from fabric.gpu.nvshmem_arena import NvshmemRuntime, SymmetricRegion, _buffer
 from fabric.transports import client
 from fabric.transports.base import SourceAddress
 from fabric.transports.wire import Op
+
+
+def nvshmem_descriptor(runtime: NvshmemRuntime, region: SymmetricRegion) -> dict[str, Any]:
+    """The ``gpu`` descriptor to expose ``region`` under (`ReadServer.expose`)."""
+    return {"kind": "nvshmem", "pe": runtime.rank, "region": region.name}
 
 
 class NvshmemTransport(client.ServerTransport):
@@ -57,15 +62,13 @@ class NvshmemTransport(client.ServerTransport):
         key = (source.host, source.port, region)
         if key in self._targets:
             return self._targets[key]
-        with self._pool.connection(source) as conn:
-            n = client.request(conn, source, Op.DESCRIBE, region, timeout=timeout)
-            info: dict[str, Any] = msgpack.unpackb(client.receive_payload(conn, source, n))
-        gpu = info.get("gpu") or {}
+        info = self.describe(source, region, timeout=timeout)
+        gpu = info.gpu or {}
         if gpu.get("kind") != "nvshmem":
             raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} is not in "
                                    "NVSHMEM symmetric memory")
         local = self.runtime.regions.get(gpu["region"])
-        if local is None or local.data.numel() != info["nbytes"]:
+        if local is None or local.data.numel() != info.nbytes:
             raise ReadRefusedError(f"symmetric region {gpu['region']!r} is not allocated on this PE "
                                    "with the holder's size (allocation is collective)")
         self._targets[key] = (int(gpu["pe"]), local)

@@ -1,9 +1,11 @@
-"""`ReadServer`: the holder side of the CPU transports.
+"""`ReadServer`: the holder side of every transport.
 
 One per worker. It serves reads of the regions the worker exposes over TCP (one
-thread per connection, payloads sent straight from the region's memory) and
-grants shared-memory leases to readers on the same host. It counts the bytes it
-serves, which is the worker's egress.
+thread per connection; CPU payloads sent straight from the region's memory, GPU
+regions copied to the host first) and grants leases to readers that copy the
+bytes themselves: from the holder's `/dev/shm` file, or from its GPU memory
+through the ``gpu`` descriptor (a CUDA IPC handle, an NVSHMEM PE and region). It
+counts the bytes it serves, which is the worker's egress.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import torch
@@ -26,10 +29,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Exposed:
-    data: memoryview
+    tensor: torch.Tensor
+    data: memoryview | None  # the CPU bytes (None for GPU memory)
     chunk_size: int
     progress: ChunkProgress
     shm_path: str | None
+    gpu: dict[str, Any] | None
     inflight: int = 0
     retracting: bool = False
     drained: threading.Condition = field(default_factory=threading.Condition)
@@ -59,19 +64,22 @@ class ReadServer:
     # --- holder API -------------------------------------------------------------------
 
     def expose(self, name: str, tensor: torch.Tensor, *, chunk_size: int,
-               progress: ChunkProgress | None = None, shm_path: str | None = None) -> None:
-        """Serve `tensor` (flat contiguous ``uint8`` on CPU) as region `name`.
+               progress: ChunkProgress | None = None, shm_path: str | None = None,
+               gpu: dict[str, Any] | None = None) -> None:
+        """Serve `tensor` (flat contiguous ``uint8``, CPU or CUDA) as region `name`.
 
         Without `progress` the region is complete. `shm_path` lets same-host readers
-        map it instead of reading over TCP.
+        map a CPU region instead of reading over TCP; `gpu` (msgpack-able, e.g.
+        ``IpcHandle.to_dict()``) tells readers how to reach a GPU region without the
+        server. Any region can also be read over TCP.
 
         Raises:
             ValueError: bad tensor, chunk size or progress, or `name` already exposed.
         """
         if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
             raise ValueError(f"region {name!r}: expected a flat contiguous uint8 tensor")
-        if tensor.device.type != "cpu":
-            raise ValueError(f"region {name!r}: the CPU read server needs a CPU tensor")
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"region {name!r}: tensors on {tensor.device} cannot be served")
         if chunk_size <= 0:
             raise ValueError(f"region {name!r}: chunk_size must be positive, got {chunk_size}")
         if len(name.encode()) > MAX_NAME:
@@ -82,11 +90,14 @@ class ReadServer:
         elif progress.num_chunks != num_chunks:
             raise ValueError(f"region {name!r}: progress has {progress.num_chunks} chunks, "
                              f"the region {num_chunks}")
+        if gpu is not None:
+            msgpack.packb(gpu)  # fail here, not in a reader's DESCRIBE
+        data = memoryview(tensor.numpy()) if tensor.device.type == "cpu" else None
         with self._lock:
             if name in self._regions:
                 raise ValueError(f"region {name!r} is already exposed; retract it first")
-            self._regions[name] = _Exposed(memoryview(tensor.numpy()), chunk_size, progress,
-                                           shm_path)
+            self._regions[name] = _Exposed(tensor, data, chunk_size, progress, shm_path,
+                                           dict(gpu) if gpu is not None else None)
 
     def retract(self, name: str, *, timeout: float = 30.0) -> bool:
         """Stop serving `name`; wait up to `timeout` s for reads in flight to finish.
@@ -179,18 +190,20 @@ class ReadServer:
             return None
         keep = False
         try:
+            size = region.tensor.numel()
             if op == Op.DESCRIBE:
-                info = {"nbytes": len(region.data), "chunk_size": region.chunk_size,
+                info = {"nbytes": size, "chunk_size": region.chunk_size,
                         "num_chunks": region.progress.num_chunks,
-                        "present": region.progress.count, "shm_path": region.shm_path}
+                        "present": region.progress.count, "shm_path": region.shm_path,
+                        "gpu": region.gpu}
                 self._reply(conn, Status.OK, payload=msgpack.packb(info))
             elif op == Op.BITMAP:
                 self._reply(conn, Status.OK, payload=region.progress.bitmap())
             elif op in (Op.READ, Op.LEASE):
-                if offset + nbytes > len(region.data) or nbytes <= 0:
+                if offset + nbytes > size or nbytes <= 0:
                     self._reply(conn, Status.OUT_OF_RANGE,
                                 f"read [{offset}, {offset + nbytes}) of region {name!r} "
-                                f"({len(region.data)} bytes)")
+                                f"({size} bytes)")
                     return None
                 first, last = offset // region.chunk_size, (offset + nbytes - 1) // region.chunk_size
                 if not region.progress.wait(first, last, timeout):
@@ -200,10 +213,11 @@ class ReadServer:
                 with self._lock:
                     self.bytes_served += nbytes
                 if op == Op.LEASE:
-                    self._reply(conn, Status.OK, payload=(region.shm_path or "").encode())
+                    where = {"shm_path": region.shm_path, "gpu": region.gpu}
+                    self._reply(conn, Status.OK, payload=msgpack.packb(where))
                     keep = True
                     return region
-                self._reply(conn, Status.OK, payload=region.data[offset:offset + nbytes])
+                self._reply(conn, Status.OK, payload=_host_bytes(region, offset, nbytes))
             else:
                 self._reply(conn, Status.BAD_REQUEST, f"unknown op {op}")
             return None
@@ -233,3 +247,10 @@ class ReadServer:
         conn.sendall(REPLY.pack(status, len(msg), len(payload)) + msg)
         if len(payload):
             conn.sendall(payload)
+
+
+def _host_bytes(region: _Exposed, offset: int, nbytes: int) -> memoryview:
+    """Bytes ``[offset, offset + nbytes)`` of a region in host memory (GPU: copied)."""
+    if region.data is not None:
+        return region.data[offset:offset + nbytes]
+    return memoryview(region.tensor[offset:offset + nbytes].cpu().numpy())

@@ -53,12 +53,12 @@ class ShmTransport(client.ServerTransport):
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float) -> None:
-        if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cpu":
-            raise ValueError("read into a contiguous uint8 CPU tensor")
+        if out.dtype != torch.uint8 or not out.is_contiguous():
+            raise ValueError("read into a contiguous uint8 tensor")
         end = offset + out.numel()
         with self._pool.connection(source) as conn:
             path = client.lease(conn, source, region, offset=offset, nbytes=out.numel(),
-                                timeout=timeout)
+                                timeout=timeout).shm_path
             try:
                 if not path:
                     raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} "

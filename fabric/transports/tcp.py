@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from fabric.errors import SourceLostError, TransportError
@@ -11,13 +13,24 @@ from fabric.transports.wire import Op, recv_into_exact
 
 
 class TcpTransport(client.ServerTransport):
-    """Reads over TCP, receiving straight into the caller's buffer (`recv_into`)."""
+    """Reads over TCP, receiving straight into the caller's buffer (`recv_into`).
+
+    A CUDA destination receives into a pinned host buffer first (one per reading
+    thread, grown to the largest read), then copies to the device.
+    """
 
     name = "tcp"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._bounce = threading.local()
+
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float) -> None:
-        view = _byte_view(out)
+        if out.dtype != torch.uint8 or not out.is_contiguous():
+            raise ValueError("read into a contiguous uint8 tensor")
+        host = out if out.device.type == "cpu" else self._pinned(out.numel())
+        view = memoryview(host.numpy()).cast("B")
         with self._pool.connection(source) as conn:
             n = client.request(conn, source, Op.READ, region, offset=offset, nbytes=len(view),
                                timeout=timeout)
@@ -28,10 +41,11 @@ class TcpTransport(client.ServerTransport):
             except (OSError, ConnectionError) as exc:
                 raise SourceLostError(f"source {source.host}:{source.port} vanished while "
                                       f"sending {region!r}: {exc}") from exc
+        if host is not out:
+            out.copy_(host)  # synchronous: the bounce buffer is free again on return
 
-
-
-def _byte_view(out: torch.Tensor) -> memoryview:
-    if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError("read into a contiguous uint8 CPU tensor")
-    return memoryview(out.numpy()).cast("B")
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        buf: torch.Tensor | None = getattr(self._bounce, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._bounce.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return buf[:nbytes]

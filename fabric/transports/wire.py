@@ -1,8 +1,8 @@
-"""The byte layout of the read protocol spoken between `ReadServer` and the CPU transports.
+"""The byte layout of the read protocol spoken between `ReadServer` and the transports.
 
 Every request is a fixed header followed by the region name::
 
-    magic "WFR1" | op u8 | pad u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
+    magic "WFR2" | op u8 | pad u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
 
 Every reply is a fixed header, then a UTF-8 message (errors) and a payload::
 
@@ -12,11 +12,13 @@ A connection carries one request at a time. Ops:
 
 - ``READ``: wait (up to timeout) until the chunks covering ``[offset, offset+nbytes)``
   are present, then send those bytes as the payload.
-- ``LEASE``: the same wait; the payload is the region's shared-memory path (empty
-  when it has none), from which the reader copies the bytes, then sends ``END``. The server counts the lease as a read in flight
-  until ``END`` arrives or the connection drops.
+- ``LEASE``: the same wait; the payload is msgpack ``{shm_path, gpu}``: where the
+  reader copies the bytes from itself (the holder's `/dev/shm` file, or its GPU
+  memory through the ``gpu`` descriptor), then it sends ``END``. The server counts
+  the lease as a read in flight until ``END`` arrives or the connection drops.
 - ``END``: ends the connection's lease (no reply).
-- ``DESCRIBE``: payload is msgpack ``{nbytes, chunk_size, num_chunks, present, shm_path}``.
+- ``DESCRIBE``: payload is msgpack ``{nbytes, chunk_size, num_chunks, present, shm_path, gpu}``
+  (``gpu``: None for host memory, else a descriptor such as a CUDA IPC handle).
 - ``BITMAP``: payload is one byte per chunk, 1 where the chunk is present.
 """
 
@@ -26,7 +28,7 @@ import enum
 import socket
 import struct
 
-MAGIC = b"WFR1"
+MAGIC = b"WFR2"
 REQUEST = struct.Struct("!4sBxHQQf")
 REPLY = struct.Struct("!BxxxIQ")
 MAX_NAME = 1024
