@@ -1,4 +1,4 @@
-"""NVSHMEM unique-id exchange through a rendezvous (in-memory fake of the hub's kv)."""
+"""NVSHMEM unique-id exchange through a rendezvous: in memory and through a real hub."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import threading
 import msgpack
 import pytest
 
+import fabric
 from fabric.gpu.uid import (
     UID_NBYTES,
+    HubRendezvous,
     MemoryRendezvous,
     decode_uid,
     encode_uid,
@@ -35,6 +37,30 @@ def test_every_pe_gets_pe0s_unique_id_whoever_arrives_first():
     for t in threads:
         t.join(15)
     assert got == {r: raw for r in range(4)} and created == [1]
+
+
+def test_pes_exchange_the_id_through_the_hub_and_a_late_pe0_is_a_timeout():
+    raw = os.urandom(UID_NBYTES)
+    with fabric.serve("tcp://127.0.0.1:0", lease_s=5.0) as hub:
+        clients = [fabric.connect(hub.url) for _ in range(3)]
+        got: dict[int, bytes] = {}
+        try:
+            def pe(rank: int) -> None:
+                got[rank] = exchange_unique_id(HubRendezvous(clients[rank]), session="job-9",
+                                               rank=rank, nranks=3, create=lambda: raw, timeout=10)
+
+            threads = [threading.Thread(target=pe, args=(r,)) for r in (2, 1, 0)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(15)
+            assert got == {0: raw, 1: raw, 2: raw}
+            with pytest.raises(TimeoutError, match="nvshmem-uid/other"):
+                exchange_unique_id(HubRendezvous(clients[1]), session="other", rank=1, nranks=2,
+                                   create=bytes, timeout=0.2)
+        finally:
+            for c in clients:
+                c.close()
 
 
 def test_a_stale_id_from_another_session_or_size_is_refused():

@@ -12,12 +12,13 @@ from fabric.gpu.nvshmem_arena import (
     attach_views,
 )
 from fabric.gpu.probe import Check, GpuProbe, normalise_uuid, probe
-from fabric.gpu.uid import MemoryRendezvous, Rendezvous, exchange_unique_id
+from fabric.gpu.uid import HubRendezvous, MemoryRendezvous, Rendezvous, exchange_unique_id
 
 __all__ = [
     "AllocationRegistry",
     "Check",
     "GpuProbe",
+    "HubRendezvous",
     "MemoryRendezvous",
     "NvshmemRuntime",
     "Rendezvous",

@@ -4,7 +4,8 @@ PE 0 creates the 128-byte unique id (``nvshmem.core.get_unique_id()``) and puts 
 under a key; every other PE gets it (bounded wait) and rebuilds the id object.
 The value is msgpack ``{"magic", "uid", "nranks", "session"}``, so a PE that reads
 a stale id of another job or size gets a clear error instead of a hung ``init``.
-The rendezvous is anything with ``put(key, bytes)`` / ``get(key, timeout)``;
+The rendezvous is anything with ``put(key, bytes)`` / ``get(key, timeout)``:
+`HubRendezvous` goes through the hub every worker already talks to;
 `MemoryRendezvous` is one in a process (threads, a single PE, tests).
 """
 
@@ -13,9 +14,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
+
+from fabric.errors import HubTimeoutError
+
+if TYPE_CHECKING:
+    from fabric.client import HubClient
 
 UID_NBYTES = 128  # sizeof(nvshmemx_uniqueid_v1): int32 version + 124 bytes
 MAGIC = "weightfabric-nvshmem-uid/1"
@@ -52,6 +58,28 @@ class MemoryRendezvous:
                     raise TimeoutError(f"rendezvous: no value for {key!r} after {timeout:g} s")
                 self._cond.wait(left)
             return self._values[key]
+
+
+class HubRendezvous:
+    """`Rendezvous` through the hub's key-value store (`HubClient.kv_put` / `kv_get`).
+
+    Args:
+        client: an open hub client (e.g. ``worker.hub``).
+        ttl: seconds a put value lives on the hub (None: while the hub runs).
+    """
+
+    def __init__(self, client: HubClient, *, ttl: float | None = 600.0) -> None:
+        self.client = client
+        self.ttl = ttl
+
+    def put(self, key: str, value: bytes) -> None:
+        self.client.kv_put(key, value, ttl=self.ttl)
+
+    def get(self, key: str, timeout: float) -> bytes:
+        try:
+            return self.client.kv_get(key, timeout=timeout)
+        except HubTimeoutError as exc:
+            raise TimeoutError(str(exc)) from exc
 
 
 def encode_uid(raw: bytes, *, nranks: int, session: str) -> bytes:
