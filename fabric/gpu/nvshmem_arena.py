@@ -145,6 +145,15 @@ class SymmetricRegion:
     def flag_buffer(self, chunk: int) -> Any:
         return _buffer(self.flags.data_ptr() + 8 * chunk, 8)
 
+    def peer_data(self, pe: int) -> torch.Tensor:
+        """PE ``pe``'s copy of the data as a tensor this process can load from directly
+        (same node, NVLink or PCIe peer access): ``nvshmem.core.get_peer_tensor``.
+        Kernels may read it (e.g. `fabric.staging.run_direct`) once the peer's flags
+        say the chunks are present."""
+        import nvshmem.core as nvshmem
+
+        return nvshmem.get_peer_tensor(self.data, pe)
+
     def peer_flags(self, pe: int, stream: torch.cuda.Stream) -> torch.Tensor:
         """PE ``pe``'s chunk flags of this region, read one-sidedly (blocking)."""
         import nvshmem.core as nvshmem

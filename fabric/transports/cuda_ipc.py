@@ -17,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -164,9 +166,9 @@ class CudaIpcTransport(client.ServerTransport):
 
     Every read takes a lease, whose answer carries the handle (so a holder that
     moved the region to another allocation is followed), maps the allocation once
-    (mappings are keyed by handle: CUDA refuses to open one handle twice in a
-    process), copies on a side stream of the destination's device, waits, and ends
-    the lease. At most `MAX_MAPPINGS` idle mappings stay open.
+    per process (mappings are keyed by handle), copies on a side stream of the
+    destination's device, waits, and ends the lease. At most `MAX_MAPPINGS` idle
+    mappings stay open. `leased` hands the mapped bytes to the caller instead.
     """
 
     name = "cuda_ipc"
@@ -203,35 +205,45 @@ class CudaIpcTransport(client.ServerTransport):
         with self._lock:
             return self._streams.setdefault(index, torch.cuda.Stream(index))
 
-    def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float) -> None:
-        if out.dtype != torch.uint8 or not out.is_contiguous():
-            raise ValueError("read into a contiguous uint8 tensor")
-        n = out.numel()
+    @contextmanager
+    def leased(self, source: SourceAddress, region: str, offset: int, nbytes: int, *,
+               timeout: float) -> Iterator[torch.Tensor]:
+        """Bytes ``[offset, offset + nbytes)`` of a holder's GPU region, mapped into this
+        process as a uint8 CUDA tensor, under a lease: valid inside the block, and the
+        holder's retract waits for it. Kernels may read it directly (e.g.
+        `fabric.staging.run_direct`); synchronise them before the block ends.
+
+        Raises:
+            ReadRefusedError: not present in time, out of range, or not IPC-exported.
+            SourceLostError: the holder vanished or its GPU is not visible here.
+        """
         with self._pool.connection(source) as conn:
-            where = client.lease(conn, source, region, offset=offset, nbytes=n, timeout=timeout)
+            where = client.lease(conn, source, region, offset=offset, nbytes=nbytes, timeout=timeout)
             try:
                 try:
                     h = IpcHandle.from_dict(where.gpu or {})
                 except ValueError as exc:
                     raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} is "
                                            f"not exported over CUDA IPC: {exc}") from None
-                if offset + n > h.nbytes:
-                    raise ReadRefusedError(f"read [{offset}, {offset + n}) outside the {h.nbytes} "
-                                           f"bytes of region {region!r}")
                 mapped = self._acquire(h)
                 try:
-                    src = view(mapped, h.offset + offset, n)
-                    stream = self._stream(out.device)
-                    if out.device.type == "cuda":
-                        stream.wait_stream(torch.cuda.current_stream(out.device))  # out may be in use
-                    with torch.cuda.stream(stream):
-                        out.copy_(src, non_blocking=True)
-                    stream.synchronize()
+                    yield view(mapped, h.offset + offset, nbytes)
                 finally:
                     self._release(mapped)
             finally:
                 client.request(conn, source, Op.END, region, timeout=timeout)
+
+    def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
+             timeout: float) -> None:
+        if out.dtype != torch.uint8 or not out.is_contiguous():
+            raise ValueError("read into a contiguous uint8 tensor")
+        with self.leased(source, region, offset, out.numel(), timeout=timeout) as src:
+            stream = self._stream(out.device)
+            if out.device.type == "cuda":
+                stream.wait_stream(torch.cuda.current_stream(out.device))  # out may be in use
+            with torch.cuda.stream(stream):
+                out.copy_(src, non_blocking=True)
+            stream.synchronize()
 
     def close(self) -> None:
         super().close()

@@ -7,7 +7,8 @@ Run as ``python -m tools.bench.agent`` (the benchmarks start it through
 - ``{"op": "hub", "host": H, "port": P, "ranking": "locality" | "origin"}`` ->
   ``{"url": U}``: serve a hub in this process. ``origin`` ranks only the worker
   named ``trainer`` as a source (every reader pulls from the trainer).
-- ``{"op": "join", "url", "name", "location", "host", "chunk_size"}`` -> ``{}``.
+- ``{"op": "join", "url", "name", "location", "host", "chunk_size", "device"}`` -> ``{}``:
+  join, and open the model's store on ``device`` (default ``cpu``).
 - ``{"op": "publish", "size": N, "seed": S}`` -> ``{"version", "bytes", "tensor_bytes"}``:
   publish `bench_tensors(N, S)` (snapshot); each later publish first adds 1 to
   every byte, so versions differ without generating them again.
@@ -89,7 +90,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(memoryview(tensors[name].reshape(-1).view(torch.uint8).numpy()))
+        h.update(memoryview(tensors[name].reshape(-1).view(torch.uint8).cpu().numpy()))
     return h.hexdigest()
 
 
@@ -108,6 +109,7 @@ class Agent:
         self.hub: fabric.HubServer | None = None
         self.worker: fabric.Worker | None = None
         self.store: fabric.ModelStore | None = None
+        self.device = "cpu"
         self._tensors: dict[str, torch.Tensor] | None = None
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -121,12 +123,15 @@ class Agent:
             self.worker = fabric.join(cmd["url"], worker=cmd["name"],
                                       location=cmd.get("location"),
                                       host=cmd.get("host", "127.0.0.1"))
-            self.store = self.worker.model("bench", chunk_size=int(cmd["chunk_size"]))
+            self.device = cmd.get("device", "cpu")
+            self.store = self.worker.model("bench", chunk_size=int(cmd["chunk_size"]),
+                                           device=self.device)
             return {}
         assert self.worker is not None and self.store is not None, "join first"
         if op == "publish":
             if self._tensors is None:
-                self._tensors = bench_tensors(int(cmd["size"]), int(cmd.get("seed", 0)))
+                self._tensors = {n: t.to(self.device) for n, t in
+                                 bench_tensors(int(cmd["size"]), int(cmd.get("seed", 0))).items()}
             else:
                 for t in self._tensors.values():
                     t.reshape(-1).view(torch.uint8).add_(1)

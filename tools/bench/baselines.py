@@ -1,6 +1,7 @@
 """What users have today, measured on this machine, for benchmarks to stand beside.
 
-- `memcpy_gbps`: one process copying the bytes (`torch` ``copy_``), the local limit.
+- `memcpy_gbps`: one process copying the bytes (`torch` ``copy_``) in host memory or
+  on one GPU, the local limit.
 - `gloo_broadcast_gbps`: ``torch.distributed`` gloo broadcast of the same tensors
   from one process to N readers, what RL frameworks do without a fabric.
 """
@@ -16,15 +17,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def memcpy_gbps(nbytes: int, *, repeats: int = 5) -> float:
-    """Best-of-`repeats` GB/s of copying `nbytes` between two CPU buffers."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
+def memcpy_gbps(nbytes: int, *, device: str = "cpu", repeats: int = 5) -> float:
+    """Best-of-`repeats` GB/s (bytes copied / s) of copying `nbytes` between two
+    buffers on `device` (host memory, or device-to-device on one GPU)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
+    dst.copy_(src)  # fault the pages in, warm the GPU up
+    sync = torch.cuda.synchronize if src.device.type == "cuda" else (lambda: None)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
 

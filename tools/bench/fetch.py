@@ -1,11 +1,16 @@
-"""`fabric bench fetch`: the CPU data plane on localhost against what users have today.
+"""`fabric bench fetch`: the data plane on localhost against what users have today.
 
 A hub, a trainer and N readers run as separate processes. The trainer publishes
 ``--size`` bytes of Llama-shaped tensors; the readers fetch them concurrently
-(shared memory on one host, pipelined: readers feed each other). Reported beside
-them, in the same run: a single-process ``copy_`` of the same bytes (this
-machine's limit) and a gloo broadcast of the same tensors to the same number of
-processes (what RL frameworks do without a fabric).
+(pipelined: readers feed each other). Reported beside them, in the same run: a
+single-process ``copy_`` of the same bytes on the same device (the local limit)
+and, on CPU, a gloo broadcast of the same tensors to the same number of processes
+(what RL frameworks do without a fabric).
+
+With ``--device cuda`` the stores live in GPU memory on one GPU and readers copy
+over CUDA IPC; the run adds NVSHMEM reads between ``--nvshmem-pes`` PEs
+(`tools.bench.gpu_paths`). There is no broadcast baseline there: NCCL needs one
+GPU per rank.
 
 GB/s are 1e9 bytes/s. Per reader: model bytes / its fetch time (hub plan
 included). Aggregate: readers x model bytes / (last reader's end - first
@@ -37,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "fetch one version concurrently. Reports aggregate and per-reader GB/s, "
                     "the trainer's egress and a bit-exact check, beside a memcpy and a gloo "
                     "broadcast of the same bytes.",
-        epilog="example:\n  fabric bench fetch --readers 4 --size 1GB --json",
+        epilog="examples:\n  fabric bench fetch --readers 4 --size 1GB --json\n"
+               "  fabric bench fetch --device cuda --readers 1 --size 4GB --chunk-size 64MiB",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--readers", type=int, default=4, help="reader processes (default 4)")
     p.add_argument("--size", default="1GB", help="model bytes, e.g. 256MB, 1GB (default 1GB)")
@@ -51,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--versions", type=int, default=3,
                    help="versions published and fetched; the last one is reported, the first "
                         "(into fresh memory) as cold_aggregate_gbps (default 3)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the stores keep the weights (default cpu; cuda: GPU 0, "
+                        "readers copy over CUDA IPC)")
+    p.add_argument("--nvshmem-pes", type=int, default=1,
+                   help="with --device cuda: PEs of the NVSHMEM read test (1: a PE reads "
+                        "its own region; 2+ on one GPU need MPS; 0: skip; default 1)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip memcpy and gloo (for profiling the fetch alone)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -59,12 +71,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int = 4,
                 versions: int = 3, baselines: bool = True, report_interval: float | None = None,
+                device: str = "cpu", nvshmem_pes: int = 0,
                 on_phase: Callable[[str, int | None], None] = lambda name, total: None,
                 on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run the benchmark once; returns the JSON result (see the module docstring).
 
     Raises:
-        ValueError: bad sizes or reader count.
+        ValueError: bad sizes or reader count, or ``device="cuda"`` without a usable GPU.
         AgentError: a process failed or timed out.
     """
     if readers < 1:
@@ -75,17 +88,23 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
         raise ValueError(f"--size must be at least 1MiB, got {size} bytes")
     if chunk_size <= 0 or chunk_size % 256:
         raise ValueError(f"--chunk-size must be a positive multiple of 256, got {chunk_size}")
+    if device == "cuda":
+        from fabric.gpu import probe
+
+        missing = probe().missing("cuda")
+        if missing is not None:
+            raise ValueError(f"--device cuda needs a GPU: {missing}")
     from fabric.arena import remove_stale_regions
     from tools.bench import baselines as base
 
-    result: dict[str, Any] = {"readers": readers, "size_requested": size,
+    result: dict[str, Any] = {"readers": readers, "size_requested": size, "device": device,
                               "chunk_size": chunk_size, "max_inflight": max_inflight}
     options: dict[str, float] = {"max_inflight": max_inflight}
     if report_interval is not None:
         options["report_interval"] = report_interval
     if baselines:
         on_phase("memcpy", None)
-        result["memcpy_gbps"] = base.memcpy_gbps(size)
+        result["memcpy_gbps"] = base.memcpy_gbps(size, device=device)
     agents: list[Agent] = []
     try:
         on_phase("start processes", None)
@@ -97,8 +116,7 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
         agents.extend(started)
         for a in started:
             a.reply(120)
-            a.ask("join", url=url, name=a.name, chunk_size=chunk_size)
-        trainer, reader_agents = started[0], started[1:]
+            a.ask("join", url=url, name=a.name, chunk_size=chunk_size, device=device)
         trainer, reader_agents = started[0], started[1:]
         rounds = []
         for i in range(versions):
@@ -122,9 +140,16 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
     result["verified"] = all(r["verified"] for r in rounds)
     result["versions"] = rounds
     result["cold_aggregate_gbps"] = rounds[0]["aggregate_gbps"]
-    if baselines:
+    if device == "cuda" and nvshmem_pes > 0:
+        from tools.bench.gpu_paths import nvshmem_reads
+
+        on_phase("nvshmem reads", None)
+        result["nvshmem"] = nvshmem_reads(pes=nvshmem_pes, size=size, chunk_size=chunk_size)
+        result["verified"] = result["verified"] and result["nvshmem"]["verified"]
+    if baselines and device == "cpu":
         on_phase("gloo broadcast", None)
         result["gloo_broadcast_gbps"] = base.gloo_broadcast_gbps(pub["tensor_bytes"], readers)
+    if baselines:
         result["targets"] = _targets(result)
     return result
 
@@ -150,7 +175,11 @@ def _round(pub: dict[str, Any], fetched: list[dict[str, Any]], egress: int,
 
 
 def _targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Issue 6's targets for this reader count."""
+    """The targets for this device and reader count (issue 6 on CPU, issue 7 on GPU)."""
+    if r["device"] == "cuda":
+        ratio = r["aggregate_gbps"] / r["memcpy_gbps"]
+        return {"aggregate_vs_device_copy": {"value": ratio, "goal": ">= 0.85",
+                                             "met": ratio >= 0.85}}
     if r["readers"] == 1:
         ratio = r["aggregate_gbps"] / r["memcpy_gbps"]
         return {"one_reader_vs_memcpy": {"value": ratio, "goal": ">= 0.70", "met": ratio >= 0.70}}
@@ -186,7 +215,8 @@ def _run(args: argparse.Namespace) -> int:
         try:
             result = bench_fetch(readers=args.readers, size=size, chunk_size=chunk,
                                  max_inflight=args.max_inflight, versions=args.versions,
-                                 report_interval=args.report_interval,
+                                 report_interval=args.report_interval, device=args.device,
+                                 nvshmem_pes=args.nvshmem_pes,
                                  baselines=not args.no_baselines, on_phase=on_phase,
                                  on_progress=on_progress)
         except ValueError as exc:
@@ -199,8 +229,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _table(r: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"fabric bench fetch: {r['readers']} reader(s), {r['bytes'] / 1e9:.3f} GB, "
-                        f"chunks of {r['chunk_size'] / (1 << 20):g} MiB")
+    table = Table(title=f"fabric bench fetch: {r['readers']} reader(s), {r['bytes'] / 1e9:.3f} GB "
+                        f"on {r['device']}, chunks of {r['chunk_size'] / (1 << 20):g} MiB")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("fabric aggregate GB/s", f"{r['aggregate_gbps']:.2f}")
@@ -211,7 +241,12 @@ def _table(r: dict[str, Any], console: Console) -> None:
                                     f"({r['trainer_egress_per_model']:.2f} x model)")
     table.add_row("bit-exact on every reader", "yes" if r["verified"] else "[red]NO[/red]")
     if "memcpy_gbps" in r:
-        table.add_row("memcpy GB/s (1 process)", f"{r['memcpy_gbps']:.2f}")
+        table.add_row(f"torch copy_ GB/s (1 process, {r['device']})", f"{r['memcpy_gbps']:.2f}")
+    if "nvshmem" in r:
+        n = r["nvshmem"]
+        table.add_row(f"NVSHMEM get GB/s ({n['pes']} PE(s), per reader)",
+                      ", ".join(f"{g:.2f}" for g in n["per_reader_gbps"]) +
+                      ("" if n["verified"] else "  [red]NOT bit-exact[/red]"))
     if "gloo_broadcast_gbps" in r:
         table.add_row("gloo broadcast GB/s (aggregate)", f"{r['gloo_broadcast_gbps']:.2f}")
     for name, t in r.get("targets", {}).items():

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Everything the GPU data plane must run on a lent GPU, in as few device calls as
+# possible. Run from the repository root on the GPU machine:
+#
+#   bash tools/gpu/session.sh check   # GPU, topology, probe, Hopper compile, discovery
+#   bash tools/gpu/session.sh tests   # GPU tests (real Triton), then two PEs under MPS
+#   bash tools/gpu/session.sh bench   # fabric bench fetch --device cuda (chunk sweep), kernels
+#   bash tools/gpu/session.sh all     # the three, in that order
+#
+# Wheels from tools/gpu/fetch_wheels.sh are installed from .whl/ when present. Each
+# step's full output (the JSON of a --json bench included) goes to $OUT/<step>.log;
+# the tail of each is printed, and a table of exit codes comes last. The device tool
+# brings back at most 8 files per call: run one phase per call.
+set -u
+OUT=${OUT:-/tmp/weightfabric-gpu}
+mkdir -p "$OUT"
+phase=${1:-all}
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
+fi
+export PYTHONPATH="$PWD:/tmp/site"
+FABRIC=(python3 -m tools.cli)
+summary=()
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run, log, print the tail, remember the exit code
+    local name=$1 limit=$2 start rc
+    shift 2
+    echo "== $name: $*"
+    start=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    tail -n 12 "$OUT/$name.log"
+    summary+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - start ))")")
+}
+
+check() {
+    step nvidia-smi 30 nvidia-smi
+    step topo-m 30 nvidia-smi topo -m
+    step probe 60 python3 -c "from fabric.gpu import probe; print(probe())"
+    step aot-sm90 300 env TRITON_INTERPRET=0 python3 -m kernels.aot
+    step discover 60 "${FABRIC[@]}" topo discover -o "$OUT/discovered.yaml"
+}
+
+tests() {
+    step gpu-tests 420 env TRITON_INTERPRET=0 python3 -m pytest -rs -x -q -p no:cacheprovider \
+        tests/test_gpu_probe.py tests/test_gpu_uid.py tests/test_gpu_nvshmem.py \
+        tests/test_gpu_ipc.py tests/test_gpu_staging.py tests/test_gpu_store.py
+    nvidia-cuda-mps-control -d && sleep 2
+    step mps-two-pes 300 env TRITON_INTERPRET=0 python3 -m pytest -rs -x -q -p no:cacheprovider \
+        tests/test_gpu_nvshmem.py -k two_pes
+    echo quit | nvidia-cuda-mps-control
+}
+
+bench() {
+    for chunk in 16MiB 64MiB 256MiB; do
+        step "fetch-cuda-$chunk" 300 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
+            --size 4GB --chunk-size "$chunk" --max-inflight 8 --versions 2 --json
+    done
+    step fetch-cuda-2-readers 300 "${FABRIC[@]}" bench fetch --device cuda --readers 2 \
+        --size 4GB --chunk-size 64MiB --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
+    step kernels-cuda 420 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json
+}
+
+case "$phase" in
+    check) check ;;
+    tests) tests ;;
+    bench) bench ;;
+    all) check; tests; bench ;;
+    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|all"; exit 2 ;;
+esac
+echo "== summary (logs in $OUT)"
+printf '%s\n' "${summary[@]}"
