@@ -77,6 +77,7 @@ class FetchStats:
     chunks_reread: int = 0
     corrupted_chunks: int = 0
     sources: dict[str, int] = field(default_factory=dict)  # worker -> bytes read from it
+    transports: dict[str, int] = field(default_factory=dict)  # "shm", "cuda_ipc"... -> bytes
     failed_sources: list[str] = field(default_factory=list)
 
     @property
@@ -87,6 +88,7 @@ class FetchStats:
         return {"version": self.version, "bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
                 "chunks": self.chunks, "chunks_reread": self.chunks_reread,
                 "corrupted_chunks": self.corrupted_chunks, "sources": dict(self.sources),
+                "transports": dict(self.transports),
                 "failed_sources": list(self.failed_sources)}
 
 
@@ -155,20 +157,22 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             unreported.clear()
         last_report = time.monotonic()
 
-    def read_one(chunk: int, source: Source) -> tuple[int, Source, str | None]:
+    def read_one(chunk: int, source: Source) -> tuple[int, Source, str | None, str]:
         lo = chunk * chunk_size
         hi = min(lo + chunk_size, dest.numel())
         piece = dest[lo:hi]
+        via = "?"
         try:
-            choose(source).read(source.address, source.region, lo, piece,
-                                timeout=options.read_timeout)
+            transport = choose(source)
+            via = transport.name
+            transport.read(source.address, source.region, lo, piece, timeout=options.read_timeout)
         except TransportError as exc:
-            return chunk, source, f"{type(exc).__name__}: {exc}"
+            return chunk, source, f"{type(exc).__name__}: {exc}", via
         if checksums is not None and checksum_fn is not None and verify(source):
             got = checksum_fn(chunk, piece)
             if got != checksums[chunk]:
-                return chunk, source, "checksum"
-        return chunk, source, None
+                return chunk, source, "checksum", via
+        return chunk, source, None, via
 
     with ThreadPoolExecutor(max_workers=options.max_inflight,
                             thread_name_prefix="wf-fetch") as pool:
@@ -200,7 +204,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                                      f"with {len(pending)} reads still waiting on sources")
                 finished: list[int] = []
                 for future in done:
-                    chunk, source, error = future.result()
+                    chunk, source, error, via = future.result()
                     with lock:
                         if chunk in attempted:
                             stats.chunks_reread += 1
@@ -211,6 +215,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                         stats.bytes += nbytes
                         stats.chunks += 1
                         stats.sources[source.worker] = stats.sources.get(source.worker, 0) + nbytes
+                        stats.transports[via] = stats.transports.get(via, 0) + nbytes
                         finished.append(chunk)
                     elif error == "checksum":
                         stats.corrupted_chunks += 1

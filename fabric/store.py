@@ -37,6 +37,7 @@ from torch import nn
 from fabric.arena import Region
 from fabric.errors import FabricError, ManifestMismatchError, RetentionError
 from fabric.fetch import FetchOptions, FetchStats, Source, fetch_chunks
+from fabric.gpu.region import DeviceRegion
 from fabric.hub_planner import HubPlanner, region_name
 from fabric.progress import ChunkProgress
 from fabric.tensorset import (
@@ -61,7 +62,7 @@ MAX_BUFFERS = 4
 
 @dataclass
 class _Buffer:
-    region: Region
+    region: Region | DeviceRegion
     version: int | None = None
     exposed: str | None = None  # name on the read server while peers may read it
 
@@ -96,10 +97,12 @@ class FetchFuture:
 class ModelStore:
     """Versions of one model as seen by one worker. Get it with `Worker.model`."""
 
-    def __init__(self, worker: Worker, model: str, *, chunk_size: int) -> None:
+    def __init__(self, worker: Worker, model: str, *, chunk_size: int,
+                 device: torch.device | str = "cpu") -> None:
         self.worker = worker
         self.model = model
         self.chunk_size = check_chunk_size(chunk_size)
+        self.device = resolve_device(device)
         self.layout: PackLayout | None = None
         self._buffers: list[_Buffer] = []
         self._active: _Buffer | None = None
@@ -137,11 +140,9 @@ class ModelStore:
         Raises:
             FabricError: already attached.
             ManifestMismatchError: the tensors do not fit the version the store holds.
-            TypeError: not a module or a mapping of CPU tensors.
+            TypeError: not a module or a mapping of tensors on the store's device.
         """
-        tensors = named_tensors(obj)
-        if any(t.device.type != "cpu" for t in tensors.values()):
-            raise TypeError("the CPU arena holds CPU tensors; GPU tensors need the GPU data plane")
+        tensors = self._on_device(named_tensors(obj))
         with self._lock:
             if self._attached is not None:
                 raise FabricError(f"model {self.model!r} is already attached to this worker")
@@ -154,8 +155,7 @@ class ModelStore:
             buffer = self._active
             if buffer is None:  # keep the module's values; else it takes the version held
                 buffer = self._new_buffer()
-                pack({n: t.detach() for n, t in tensors.items()}, layout,
-                     out=buffer.region.tensor, backend="torch")
+                pack({n: t.detach() for n, t in tensors.items()}, layout, out=buffer.region.tensor)
             self._attached = tensors
             self._activate(buffer)
 
@@ -182,7 +182,8 @@ class ModelStore:
         """
         with self._lock:
             if snapshot:
-                tensors = named_tensors(obj) if obj is not None else self._require_attached()
+                tensors = (self._on_device(named_tensors(obj)) if obj is not None
+                           else self._require_attached())
                 layout = layout_of(tensors)
                 if self.layout is None:
                     self.layout = layout
@@ -190,8 +191,7 @@ class ModelStore:
                     raise FabricError(f"model {self.model!r}: this tensor set's layout differs "
                                       "from the one this store holds; use another model name")
                 buffer = self._spare_buffer()
-                pack({n: t.detach() for n, t in tensors.items()}, layout,
-                     out=buffer.region.tensor, backend="torch")
+                pack({n: t.detach() for n, t in tensors.items()}, layout, out=buffer.region.tensor)
             else:
                 self._check_in_place(obj)
                 buffer = self._active
@@ -203,7 +203,7 @@ class ModelStore:
             version = hub.begin_publish(self.model, manifest)
             name = region_name(self.model, version)
             self.worker.server.expose(name, buffer.region.tensor, chunk_size=self.chunk_size,
-                                      shm_path=str(buffer.region.path))
+                                      **_reach(buffer.region))
             buffer.version, buffer.exposed = version, name
             hub.commit(self.model, version)
             if snapshot and self._attached is None:
@@ -359,7 +359,11 @@ class ModelStore:
 
     def _new_buffer(self) -> _Buffer:
         assert self.layout is not None
-        region = Region.create(f"{self.worker.name}-{self.model}", self.layout.nbytes)
+        region: Region | DeviceRegion
+        if self.device.type == "cuda":
+            region = DeviceRegion(self.layout.nbytes, self.device)
+        else:
+            region = Region.create(f"{self.worker.name}-{self.model}", self.layout.nbytes)
         buffer = _Buffer(region)
         self._buffers.append(buffer)
         return buffer
@@ -390,7 +394,7 @@ class ModelStore:
             name = region_name(self.model, version)
             progress = ChunkProgress(-(-self.layout.nbytes // chunk_size))
             self.worker.server.expose(name, buffer.region.tensor, chunk_size=chunk_size,
-                                      progress=progress, shm_path=str(buffer.region.path))
+                                      progress=progress, **_reach(buffer.region))
             buffer.version, buffer.exposed = version, name
             return buffer, progress
 
@@ -406,6 +410,13 @@ class ModelStore:
                 for name, view in views(self.layout, buffer.region.tensor).items():
                     self._attached[name].data = view
 
+    def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        for name, t in tensors.items():
+            if t.device != self.device:
+                raise TypeError(f"model {self.model!r} lives on {self.device}; tensor {name!r} is "
+                                f"on {t.device} (open the store with device={str(t.device)!r})")
+        return tensors
+
     def _require_attached(self) -> dict[str, torch.Tensor]:
         if self._attached is None:
             raise FabricError(f"model {self.model!r}: nothing to publish; pass the tensors or "
@@ -420,6 +431,32 @@ class ModelStore:
                     given[n].data_ptr() != attached[n].data_ptr() for n in given):
                 raise FabricError("publish(snapshot=False) exposes attached tensors in place; "
                                   "these are not the attached ones (use snapshot=True)")
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``device`` as a store keeps it: ``cpu`` or ``cuda:N`` (``cuda`` is the current GPU).
+
+    Raises:
+        ValueError: another device type, or CUDA asked for where it is not usable.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        from fabric.gpu.probe import probe
+
+        raise ValueError(f"a store on {device} needs a GPU: {probe().missing('cuda')}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"model stores live on cpu or cuda, not {device}")
+    return device
+
+
+def _reach(region: Region | DeviceRegion) -> dict[str, object]:
+    """How same-host readers reach a buffer without the read server: its shared-memory
+    file, or its GPU descriptor (`ReadServer.expose` arguments)."""
+    if isinstance(region, DeviceRegion):
+        return {"gpu": region.gpu}
+    return {"shm_path": str(region.path)}
 
 
 def _verify_rule(verify: bool | None) -> Callable[[Source], bool]:

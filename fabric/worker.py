@@ -20,7 +20,7 @@ from fabric.client import HubClient
 from fabric.fetch import Source
 from fabric.gpu.probe import normalise_uuid
 from fabric.locality import Location
-from fabric.store import ModelStore
+from fabric.store import ModelStore, resolve_device
 from fabric.tensorset import DEFAULT_CHUNK_SIZE
 from fabric.transports import (
     ReadServer,
@@ -64,15 +64,25 @@ class Worker:
         self._lock = threading.Lock()
         self._closed = False
 
-    def model(self, name: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> ModelStore:
-        """The store of model `name` (created once per worker)."""
+    def model(self, name: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
+              device: torch.device | str = "cpu") -> ModelStore:
+        """The store of model `name` (created once per worker).
+
+        Args:
+            chunk_size: bytes per chunk of the versions this worker publishes.
+            device: where the store keeps the weights: ``"cpu"`` (shared-memory
+                arenas) or a CUDA device (GPU buffers; peers on this node copy them
+                over CUDA IPC, others read over TCP).
+        """
         with self._lock:
             store = self._stores.get(name)
             if store is None:
-                store = self._stores[name] = ModelStore(self, name, chunk_size=chunk_size)
-            elif store.chunk_size != chunk_size:
+                store = self._stores[name] = ModelStore(self, name, chunk_size=chunk_size,
+                                                        device=device)
+            elif store.chunk_size != chunk_size or store.device != resolve_device(device):
                 raise ValueError(f"model {name!r} is already open with chunk_size "
-                                 f"{store.chunk_size}, not {chunk_size}")
+                                 f"{store.chunk_size} on {store.device}, not {chunk_size} on "
+                                 f"{device}")
             return store
 
     def transport_for(self, source: Source) -> Transport:

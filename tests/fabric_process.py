@@ -60,6 +60,8 @@ def main() -> None:
             read = transport.read
 
             class Slow:
+                name = transport.name
+
                 def read(self, *args, **kwargs):
                     time.sleep(delay)
                     return read(*args, **kwargs)

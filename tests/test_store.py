@@ -133,3 +133,13 @@ def test_misuse_is_refused_with_a_reason(hub):
         worker.model("n", chunk_size=1000)
     with pytest.raises(TypeError, match="nn.Module or a mapping"):
         store.attach([1, 2])
+
+
+def test_devices_are_checked_before_any_memory_is_taken(hub):
+    worker = hub("w")
+    with pytest.raises(ValueError, match="cpu or cuda, not meta"):
+        worker.model("m", device="meta")
+    assert worker.model("m", chunk_size=CHUNK).device == torch.device("cpu")
+    if not torch.cuda.is_available():  # the GPU side is in test_gpu_store.py
+        with pytest.raises(ValueError, match="needs a GPU: cuda: torch.cuda.is_available"):
+            worker.model("g", device="cuda")
