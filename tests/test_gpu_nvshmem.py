@@ -140,3 +140,15 @@ def test_single_pe_allocate_attach_get_from_self_and_signals():
             transport.close()
         server.close()
         rt.close()
+
+
+MISSING_TWO_PES = probe().missing("cuda", "nvshmem", "mps")
+
+
+@pytest.mark.skipif(MISSING_TWO_PES is not None, reason=str(MISSING_TWO_PES))
+def test_two_pes_on_one_gpu_under_mps_read_each_other_bit_exact():
+    from tools.bench.gpu_paths import nvshmem_reads
+
+    result = nvshmem_reads(pes=2, size=256 << 20, chunk_size=16 << 20, timeout=240)
+    assert result["verified"], result["errors"]
+    assert len(result["per_reader_gbps"]) == 1
