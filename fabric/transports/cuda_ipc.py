@@ -113,6 +113,8 @@ def export_tensor(tensor: torch.Tensor) -> IpcHandle:
     if tensor.device.type != "cuda" or not tensor.is_contiguous():
         raise ValueError("export_tensor: needs a contiguous CUDA tensor")
     ptr = tensor.data_ptr()
+    # the driver call needs this device's context current in this thread
+    _check(runtime.cudaSetDevice(tensor.device.index), "cudaSetDevice")
     base, _ = _check(driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
     (handle,) = _check(runtime.cudaIpcGetMemHandle(int(base)), "cudaIpcGetMemHandle")
     raw = ctypes.string_at(handle.getPtr(), HANDLE_NBYTES)
