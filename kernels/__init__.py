@@ -5,6 +5,11 @@ Triton on CUDA tensors and the torch reference elsewhere (see `kernels.dispatch`
 """
 
 from kernels.checksum import chunk_checksums, chunk_checksums_ref
+from kernels.dequant_segments import (
+    Fp8Segment,
+    dequantize_fp8_segments,
+    dequantize_fp8_segments_ref,
+)
 from kernels.dispatch import choose_backend, interpreting
 from kernels.fp8 import (
     dequantize_fp8,
@@ -30,6 +35,7 @@ from kernels.reshard_plan import (
 from kernels.segcopy import SUPPORTED_CASTS, copy_segments, copy_segments_ref
 
 __all__ = [
+    "Fp8Segment",
     "FusedGateUp",
     "FusedQKV",
     "Layout",
@@ -50,6 +56,8 @@ __all__ = [
     "copy_segments_ref",
     "dequantize_fp8",
     "dequantize_fp8_ref",
+    "dequantize_fp8_segments",
+    "dequantize_fp8_segments_ref",
     "interpreting",
     "pack",
     "pack_ref",

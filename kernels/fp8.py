@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.bits import bf16_rne_bits, e4m3_to_f32
 from kernels.dispatch import choose_backend
 
 FP8_MAX = 448.0
@@ -79,20 +80,12 @@ def _dequantize_kernel(
     rn = pid_n * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-    b = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
-    e = (b >> 3) & 0xF
-    mant = b & 7
-    normal = ((b & 0x80) << 24) | ((e + 120) << 23) | (mant << 20)
-    sub = mant.to(tl.float32) * 0.001953125
-    sub = tl.where((b & 0x80) != 0, -sub, sub)
-    f = tl.where(e == 0, sub, normal.to(tl.float32, bitcast=True))
+    f = e4m3_to_f32(tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32))
     y = f * tl.load(scale_ptr + pid_m * tl.cdiv(N, BN) + pid_n)
     if OUT_KIND == 0:
         tl.store(y_ptr + offs, y, mask=mask)
     elif OUT_KIND == 1:  # bfloat16 bits, round to nearest even
-        yb = y.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-        r = (yb + 0x7FFF + ((yb >> 16) & 1)) >> 16
-        tl.store(y_ptr + offs, r.to(tl.int16), mask=mask)
+        tl.store(y_ptr + offs, bf16_rne_bits(y.to(tl.int32, bitcast=True)), mask=mask)
     else:
         tl.store(y_ptr + offs, y.to(tl.float16), mask=mask)
 
@@ -105,8 +98,9 @@ def _as_2d(x: torch.Tensor, block: int, what: str) -> tuple[torch.Tensor, int, i
     raise ValueError(f"{what}: expected a 1-D or 2-D tensor, got shape {tuple(x.shape)}")
 
 
-def _check_block(block: int, what: str) -> None:
-    if block < 16 or block & (block - 1):
+def check_block(block: int, what: str) -> None:
+    """ValueError (prefixed with ``what``) unless ``block`` is a power of two >= 16."""
+    if not isinstance(block, int) or block < 16 or block & (block - 1):
         raise ValueError(f"{what}: block must be a power of two >= 16, got {block}")
 
 
@@ -157,7 +151,7 @@ def quantize_fp8(x: torch.Tensor, *, block: int = DEFAULT_BLOCK,
     """
     if x.dtype not in _IN_DTYPES:
         raise TypeError(f"quantize_fp8: x has dtype {x.dtype}; supported: {list(_IN_DTYPES)}")
-    _check_block(block, "quantize_fp8")
+    check_block(block, "quantize_fp8")
     x2, bm, bn = _as_2d(x, block, "quantize_fp8")
     if choose_backend(backend, x, op="quantize_fp8") == "torch":
         return quantize_fp8_ref(x, block)
@@ -189,7 +183,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype =
         raise TypeError(f"dequantize_fp8: scale must be float32, got {scale.dtype}")
     if dtype not in _OUT_KIND:
         raise TypeError(f"dequantize_fp8: output dtype {dtype} not in {list(_OUT_KIND)}")
-    _check_block(block, "dequantize_fp8")
+    check_block(block, "dequantize_fp8")
     if tuple(scale.shape) != scale_shape(tuple(q.shape), block):
         raise ValueError(f"dequantize_fp8: scale has shape {tuple(scale.shape)}, q of shape "
                          f"{tuple(q.shape)} needs {scale_shape(tuple(q.shape), block)}")

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.bits import bf16_rne_bits
 from kernels.dispatch import choose_backend
 
 NCOL = 16
@@ -100,13 +101,10 @@ def _segcopy_kernel(
         s64 = src.to(tl.pointer_type(tl.int64))
         d64 = dst.to(tl.pointer_type(tl.int64))
         tl.store(d64 + dst_idx, tl.load(s64 + src_idx, mask=mask), mask=mask)
-    elif kind == 4:  # float32 -> bfloat16, round to nearest even in integer math
+    elif kind == 4:  # float32 -> bfloat16, round to nearest even in integer math (NaN stays NaN)
         sbits = src.to(tl.pointer_type(tl.int32))
         dbf = dst.to(tl.pointer_type(tl.int16))
-        b = tl.load(sbits + src_idx, mask=mask).to(tl.int64) & 0xFFFFFFFF
-        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, (b >> 16) | 0x40, r)  # NaN stays NaN
-        tl.store(dbf + dst_idx, r.to(tl.int16), mask=mask)
+        tl.store(dbf + dst_idx, bf16_rne_bits(tl.load(sbits + src_idx, mask=mask)), mask=mask)
     elif kind == 5:  # bfloat16 -> float32 (exact: the bits move up 16 places)
         sbf = src.to(tl.pointer_type(tl.int16))
         dbits = dst.to(tl.pointer_type(tl.int32))

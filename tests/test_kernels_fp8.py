@@ -71,6 +71,17 @@ def test_dequantize_matches_torch_bit_exact(dtype):
     assert err < 0.07  # e4m3 keeps 3 mantissa bits
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_every_code_nan_codes_stay_nan(dtype):
+    q = torch.arange(256, dtype=torch.uint8).view(16, 16).view(torch.float8_e4m3fn)
+    y = dequantize_fp8(q, torch.tensor([[0.25]]), dtype=dtype, block=16, backend="triton")
+    want = dequantize_fp8_ref(q, torch.tensor([[0.25]]), dtype, 16)
+    nan = want.isnan()
+    assert nan.sum() == 2 and torch.equal(y.isnan(), nan)  # codes 0x7F and 0xFF
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(y.view(bits)[~nan], want.view(bits)[~nan])  # -0.0 and subnormals too
+
+
 def test_fp8_bad_input():
     with pytest.raises(TypeError, match="x has dtype torch.int32"):
         quantize_fp8(torch.zeros(4, 4, dtype=torch.int32))
