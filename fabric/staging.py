@@ -172,9 +172,9 @@ class StagingStats:
     staging_allocated: int = 0
 
 
-def _intervals(segments: Sequence[Segment]) -> list[tuple[int, int]]:
-    """Merged source-row intervals read by ``segments``."""
-    spans = sorted((s.src_row, s.src_row + s.rows) for s in segments)
+def _intervals(segments: Sequence[Segment], align: int = 1) -> list[tuple[int, int]]:
+    """Merged source-row intervals read by ``segments``, each starting on a multiple of ``align``."""
+    spans = sorted((s.src_row - s.src_row % align, s.src_row + s.rows) for s in segments)
     out: list[list[int]] = []
     for lo, hi in spans:
         if out and lo <= out[-1][1]:
@@ -268,8 +268,7 @@ def plan_staging(held: Sequence[HeldTensor], wanted: Sequence[WantedTensor], *, 
                     f"staging: budget of {budget} bytes is smaller than one row band of tensor "
                     f"{h.name!r} ({unit} row(s) of {cols} {h.dtype} = "
                     f"{_band_cost(unit, cols, h, out_dtype)} bytes of staging); raise the budget")
-            for lo, hi in _intervals(segs):
-                row = lo - lo % h.block if h.is_fp8 else lo
+            for row, hi in _intervals(segs, h.block if h.is_fp8 else 1):
                 while row < hi:
                     end = _largest_band(row, hi, shard_rows, cols, h, out_dtype, budget)
                     bands.append(_band(h, src, row, end, cols, out_dtype, _clip(segs, row, end)))
@@ -311,6 +310,39 @@ def _band(h: HeldTensor, src: int, row0: int, row1: int, cols: int, out_dtype: t
                 _band_cost(row1 - row0, cols, h, out_dtype), segments)
 
 
+def destination_views(plan: StagingPlan, dst: Mapping[str, torch.Tensor], *,
+                      what: str = "staging") -> tuple[dict[str, torch.Tensor], torch.device]:
+    """Check ``dst`` against ``plan``; return each tensor's 2-D view and their device.
+
+    Raises:
+        ValueError: a destination is missing or has the wrong shape, or destinations
+            sit on several devices (messages start with ``what``).
+        TypeError: a destination dtype does not match the plan.
+    """
+    views: dict[str, torch.Tensor] = {}
+    for name, shape in plan.dst_shapes.items():
+        if name not in dst:
+            raise ValueError(f"{what}: no destination tensor for {name!r}")
+        t = dst[name]
+        if t.dim() == 1 and shape[1] == 1:
+            t = t.unsqueeze(1)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{what}: destination {name!r} has shape {tuple(dst[name].shape)}, "
+                             f"the reader layout needs {shape}")
+        views[name] = t
+    devices = {t.device for t in views.values()}
+    if len(devices) > 1:
+        raise ValueError(f"{what}: destinations span several devices {sorted(map(str, devices))}")
+    for b in plan.bands:
+        have = views[b.name].dtype
+        if b.dtype == FP8 and have != b.out_dtype:
+            raise TypeError(f"{what}: destination {b.name!r} is {have}, the plan dequantises to "
+                            f"{b.out_dtype}")
+        if b.dtype != FP8:
+            element_kind(b.dtype, have, f"{what}: destination {b.name!r}")
+    return views, next(iter(devices), torch.device("cpu"))
+
+
 def run_staging(plan: StagingPlan, read: ReadFn, dst: Mapping[str, torch.Tensor], *,
                 backend: str | None = None) -> StagingStats:
     """Execute ``plan``: fetch every band into staging and transform it into ``dst``.
@@ -332,28 +364,7 @@ def run_staging(plan: StagingPlan, read: ReadFn, dst: Mapping[str, torch.Tensor]
             sit on several devices.
         TypeError: a destination dtype does not match the plan.
     """
-    views: dict[str, torch.Tensor] = {}
-    for name, shape in plan.dst_shapes.items():
-        if name not in dst:
-            raise ValueError(f"staging: no destination tensor for {name!r}")
-        t = dst[name]
-        if t.dim() == 1 and shape[1] == 1:
-            t = t.unsqueeze(1)
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"staging: destination {name!r} has shape {tuple(dst[name].shape)}, "
-                             f"the reader layout needs {shape}")
-        views[name] = t
-    devices = {t.device for t in views.values()}
-    if len(devices) > 1:
-        raise ValueError(f"staging: destinations span several devices {sorted(map(str, devices))}")
-    device = next(iter(devices), torch.device("cpu"))
-    for b in plan.bands:
-        want = b.out_dtype if b.dtype == FP8 else None
-        if want is not None and views[b.name].dtype != want:
-            raise TypeError(f"staging: destination {b.name!r} is {views[b.name].dtype}, the plan "
-                            f"dequantises to {want}")
-        if want is None:
-            element_kind(b.dtype, views[b.name].dtype, f"staging: destination {b.name!r}")
+    views, device = destination_views(plan, dst)
     size = max((_round_up(b.nbytes, _ALIGN) + b.scale_nbytes if b.dtype == FP8 else b.nbytes
                 for b in plan.bands), default=0)
     staging = torch.empty(size, dtype=torch.uint8, device=device)
