@@ -1,16 +1,20 @@
-"""Receive-path reshard and fp8 dequant on a GPU (Triton kernels), vs the torch reference."""
+"""Receive-path reshard and fp8 dequant on a GPU (Triton kernels), staged and direct, vs torch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fabric.direct_read import plan_direct, run_direct
 from fabric.gpu.probe import probe
 from fabric.staging import HeldTensor, WantedTensor, plan_staging, run_staging
 from kernels import (
+    Fp8Segment,
     FusedQKV,
     Sharded,
     dequantize_fp8_ref,
+    dequantize_fp8_segments,
+    dequantize_fp8_segments_ref,
     plan_reshard,
     quantize_fp8_ref,
     reshard,
@@ -64,3 +68,52 @@ def test_fp8_tp2_to_tp1_dequant_on_gpu_matches_torch_reference():
     run_staging(plan, regions_reader(regions), {"w": out})
     ref = reshard(plan_reshard(src, dst, (rows, cols)), deq, backend="torch")[0]
     assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+
+
+def test_fused_fp8_windows_on_gpu_match_torch_reference():
+    block = 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, s = quantize_fp8_ref(torch.randn(3000, 5000, device="cuda", generator=g))
+    # unaligned windows, every output dtype, a transposed destination
+    outs = [torch.empty(1000, 2000, device="cuda"),
+            torch.empty(777, 4321, dtype=torch.bfloat16, device="cuda"),
+            torch.empty(300, 129, dtype=torch.float16, device="cuda").t()]
+    corners = [(5, 7), (2200, 600), (1, 4700)]
+    segments = [Fp8Segment(q, s, o, row=r, col=c, block=block)
+                for o, (r, c) in zip(outs, corners, strict=True)]
+    refs = [torch.empty_like(o) for o in outs]
+    dequantize_fp8_segments(segments)  # Triton: CUDA tensors
+    dequantize_fp8_segments_ref([Fp8Segment(q, s, r, row=a.row, col=a.col, block=block)
+                                 for r, a in zip(refs, segments, strict=True)])
+    for o, r in zip(outs, refs, strict=True):
+        bits = torch.int32 if o.dtype == torch.float32 else torch.int16
+        assert torch.equal(o.contiguous().view(bits), r.contiguous().view(bits))
+
+
+def test_direct_read_on_gpu_equals_staging_for_fp8_and_bf16_tp2_to_tp1():
+    rows, cols = 2 * 2048, 5000
+    src, dst = Sharded(tp=2, dim=0), Sharded(tp=1, dim=0)
+    full = torch.randn(rows, cols, device="cuda")
+    regions, offsets, scale_offsets = [], [], []
+    for shard in full.chunk(2):
+        q, s = quantize_fp8_ref(shard)
+        qb, sb = q.view(-1).view(torch.uint8), s.view(-1).view(torch.uint8)
+        wb = shard.to(torch.bfloat16).view(-1).view(torch.uint8)
+        regions.append(torch.cat([qb, sb, wb]))
+        offsets.append((0, qb.numel() + sb.numel()))
+        scale_offsets.append(qb.numel())
+    held = [HeldTensor(name="w8", shape=(rows, cols), layout=src, dtype=torch.float8_e4m3fn,
+                       offsets=tuple(o[0] for o in offsets), scale_offsets=tuple(scale_offsets)),
+            HeldTensor(name="w", shape=(rows, cols), layout=src, dtype=torch.bfloat16,
+                       offsets=tuple(o[1] for o in offsets))]
+    wanted = [WantedTensor(name=h.name, layout=dst, dtype=torch.bfloat16) for h in held]
+    plan = plan_direct(held, wanted, rank=0)
+    direct = {h.name: torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda") for h in held}
+    staged = {h.name: torch.empty(rows, cols, dtype=torch.bfloat16, device="cuda") for h in held}
+    stats = run_direct(plan, dict(enumerate(regions)), direct)
+    run_staging(plan_staging(held, wanted, rank=0, budget=16 << 20), regions_reader(regions), staged)
+    torch.cuda.synchronize()
+    assert stats.launches == 2
+    for name in direct:
+        assert torch.equal(direct[name].view(torch.int16), staged[name].view(torch.int16)), name
+    assert torch.equal(direct["w"], full.to(torch.bfloat16))

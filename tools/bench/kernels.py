@@ -3,8 +3,10 @@
 Bytes formula: every figure counts bytes read + bytes written once. The tensor
 set is one tensor-parallel rank's share of Llama-3-70B-shaped layers (hidden
 8192, 64 heads, 8 kv heads, head_dim 128, intermediate 28672), TP8; the reshard
-case moves a layer from TP8 to TP4. On CPU the shapes are scaled down (hidden / 4, 4 layers)
-so a run takes about a minute; there the dispatch picks the torch path.
+case moves a layer from TP8 to TP4, and its fp8 variant reads gate_up, o and down
+stored as blockwise fp8 at TP8 into bf16 at TP4 (fused kernel vs dequantise, then
+copy). On CPU the shapes are scaled down (hidden / 4, 4 layers) so a run takes
+about a minute; there the dispatch picks the torch path.
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ from collections.abc import Callable
 import torch
 
 from kernels import (
+    Fp8Segment,
     FusedGateUp,
     FusedQKV,
+    ReshardPlan,
     Sharded,
     chunk_checksums,
+    copy_segments,
     dequantize_fp8,
+    dequantize_fp8_segments,
     pack,
     pack_ref,
     plan_layout,
@@ -126,7 +132,43 @@ def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[d
         _time(lambda: [reshard(p, s_, d_) for p, s_, d_ in zip(plans, srcs, dsts, strict=True)],
               device, repeat),
         "per-segment copy_ loop", _time(loop, device, repeat))
+    nbytes, fused, two_pass = _fp8_reshard_case(plans[1:], srcs[1:], dsts[1:], backend)
+    add("fp8 dequant+reshard TP8->TP4, fused", nbytes, _time(fused, device, repeat),
+        "dequantize_fp8, then copy_segments", _time(two_pass, device, repeat))
     return rows
+
+
+def _fp8_reshard_case(plans: list[ReshardPlan], srcs: list[list[torch.Tensor]],
+                      dsts: list[list[torch.Tensor]], backend: str
+                      ) -> tuple[int, Callable[[], None], Callable[[], None]]:
+    """gate_up, o and down stored as blockwise fp8 at TP8, read as bf16 at TP4.
+
+    Returns the bytes moved (fp8 elements + the scales of their blocks, once, + bf16
+    written) and the two ways of doing it: one `dequantize_fp8_segments` call for every
+    window, or (as the staged path does) each source shard dequantised whole into a
+    temporary and then cut by one `copy_segments` call.
+    """
+    shards = [[quantize_fp8(t) for t in src] for src in srcs]
+    windows = [Fp8Segment(q, s, d[g.dst_rank][g.dst_row:g.dst_row + g.rows,
+                                              g.dst_col:g.dst_col + g.cols],
+                          row=g.src_row, col=g.src_col)
+               for plan, qs, d in zip(plans, shards, dsts, strict=True)
+               for g in plan.segments for q, s in [qs[g.src_rank]]]
+    nbytes = sum(3 * w.dst.numel() for w in windows) + sum(
+        s.numel() * 4 for qs in shards for _, s in qs)
+
+    def fused() -> None:
+        dequantize_fp8_segments(windows, backend=backend)
+
+    def two_pass() -> None:
+        temps = [[dequantize_fp8(q, s, backend=backend) for q, s in qs] for qs in shards]
+        copy_segments([(temps[i][g.src_rank][g.src_row:g.src_row + g.rows,
+                                             g.src_col:g.src_col + g.cols],
+                        dsts[i][g.dst_rank][g.dst_row:g.dst_row + g.rows,
+                                            g.dst_col:g.dst_col + g.cols])
+                       for i, plan in enumerate(plans) for g in plan.segments], backend=backend)
+
+    return nbytes, fused, two_pass
 
 
 def _handler(args: argparse.Namespace) -> int:
