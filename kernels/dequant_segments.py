@@ -32,7 +32,7 @@ import triton.language as tl
 from kernels.bits import bf16_rne_bits, e4m3_to_f32
 from kernels.dispatch import choose_backend
 from kernels.fp8 import DEFAULT_BLOCK, check_block, scale_shape
-from kernels.segcopy import program_map
+from kernels.segcopy import program_map, program_segment
 
 NCOL = 16
 TILE_ROWS = 32
@@ -50,10 +50,7 @@ def _dequant_segments_kernel(
     BR: tl.constexpr, BC: tl.constexpr,
     NCOL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    seg = tl.load(prog_seg_ptr + pid).to(tl.int64)
-    tile = tl.load(prog_tile_ptr + pid)
-    row = table_ptr + seg * NCOL
+    row, tile = program_segment(table_ptr, prog_seg_ptr, prog_tile_ptr, NCOL)
     q_off = tl.load(row + 0)
     scale_off = tl.load(row + 1)
     dst_off = tl.load(row + 2)

@@ -46,6 +46,17 @@ Segment = tuple[torch.Tensor, torch.Tensor]
 
 
 @triton.jit
+def program_segment(table_ptr, prog_seg_ptr, prog_start_ptr, NCOL: tl.constexpr):
+    """This program's row of a segment table (a pointer) and its first unit (int64).
+
+    Shared by the table-driven kernels; the per-program arrays come from `program_map`.
+    """
+    pid = tl.program_id(0)
+    seg = tl.load(prog_seg_ptr + pid).to(tl.int64)
+    return table_ptr + seg * NCOL, tl.load(prog_start_ptr + pid)
+
+
+@triton.jit
 def _segcopy_kernel(
     base_ptr,        # *u8: every segment address is base_ptr + byte offset
     table_ptr,       # *i64 [num_segments, NCOL]: the segment table (read only)
@@ -54,10 +65,7 @@ def _segcopy_kernel(
     BLOCK: tl.constexpr,
     NCOL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    seg = tl.load(prog_seg_ptr + pid).to(tl.int64)
-    start = tl.load(prog_start_ptr + pid)
-    row = table_ptr + seg * NCOL
+    row, start = program_segment(table_ptr, prog_seg_ptr, prog_start_ptr, NCOL)
     src_off = tl.load(row + 0)
     dst_off = tl.load(row + 1)
     numel = tl.load(row + 2)
