@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXPECTED = {"_segcopy_kernel", "_checksum_kernel", "_quantize_kernel", "_dequantize_kernel"}
+EXPECTED = {"_segcopy_kernel", "_checksum_kernel", "_quantize_kernel", "_dequantize_kernel",
+            "_dequant_segments_kernel"}
 
 
 def test_every_kernel_compiles_for_sm90():

@@ -325,6 +325,9 @@ def test_direct_read_equals_staging_and_the_torch_reference(m, n, rank, case):
         assert same_bits(direct[name], oracle_split(layouts(n)[name], full)[rank]), name
     assert stats.launches == (2 if case == "mixed" else 1)
     assert stats.segments == sum(len(b.segments) for b in plan.bands)
+    spans = sorted((b.name, b.src_rank, b.row0, b.row1) for b in plan.bands)
+    assert all(a[:2] != b[:2] or a[3] <= b[2]  # no source row in two bands
+               for a, b in zip(spans, spans[1:], strict=False))
     assert stats.written_bytes == sum(t.numel() * t.element_size() for t in direct.values())
 
 
