@@ -14,6 +14,9 @@ straight in the reader's weights. Instead, for one reader rank:
    holder stores fp8, and copies the band's pieces into the destination shards
    with `kernels.copy_segments` (one launch per band; Triton on CUDA tensors).
 
+`fabric.direct_read.run_direct` executes the same plans with no staging buffer,
+loading straight from source regions the reader's device can address.
+
 Holder shards are stored row-major and contiguous (``[rows, cols]`` of the
 shard, 1-D tensors as ``[n, 1]``) at a byte offset of the source rank's region;
 an fp8 shard has float32 blockwise scales (`kernels.scale_shape`) at its own

@@ -162,8 +162,7 @@ def _table(segments: Sequence[Fp8Segment], base: torch.Tensor, tile_cols: int) -
     for s in segments:
         num_rows, num_cols = s.dst.shape
         if num_rows * num_cols:
-            dst = s.dst.view(torch.int16) if s.dst.dtype == torch.bfloat16 else s.dst
-            rows.append([s.q.data_ptr() - at, s.scale.data_ptr() - at, dst.data_ptr() - at,
+            rows.append([s.q.data_ptr() - at, s.scale.data_ptr() - at, s.dst.data_ptr() - at,
                          _OUT_KIND[s.dst.dtype], num_rows, num_cols, s.row, s.col,
                          *s.q.stride(), *s.scale.stride(), *s.dst.stride(),
                          s.block.bit_length() - 1, -(-num_cols // tile_cols)])
