@@ -148,7 +148,7 @@ class SymmetricRegion:
     def peer_data(self, pe: int) -> torch.Tensor:
         """PE ``pe``'s copy of the data as a tensor this process can load from directly
         (same node, NVLink or PCIe peer access): ``nvshmem.core.get_peer_tensor``.
-        Kernels may read it (e.g. `fabric.staging.run_direct`) once the peer's flags
+        Kernels may read it (e.g. `fabric.direct_read.run_direct`) once the peer's flags
         say the chunks are present."""
         import nvshmem.core as nvshmem
 

@@ -150,10 +150,12 @@ def open_handle(h: IpcHandle) -> _Mapping:
     return _Mapping(int(base), index)
 
 
-def view(mapping: _Mapping, offset: int, nbytes: int) -> torch.Tensor:
-    """A uint8 CUDA tensor over ``nbytes`` at ``offset`` of a mapped allocation."""
+def view(mapping: _Mapping, offset: int, nbytes: int, device: int | None = None) -> torch.Tensor:
+    """A uint8 CUDA tensor over ``nbytes`` at ``offset`` of a mapped allocation, labelled
+    with ``device`` (default: the GPU the memory is on; another GPU of this process
+    reads it through peer access, which opening the handle enabled)."""
     return torch.as_tensor(_DevicePointer(mapping.base + offset, nbytes),
-                           device=f"cuda:{mapping.device}")
+                           device=f"cuda:{mapping.device if device is None else device}")
 
 
 def close_mapping(mapping: _Mapping) -> None:
@@ -209,11 +211,13 @@ class CudaIpcTransport(client.ServerTransport):
 
     @contextmanager
     def leased(self, source: SourceAddress, region: str, offset: int, nbytes: int, *,
-               timeout: float) -> Iterator[torch.Tensor]:
+               timeout: float, device: int | None = None) -> Iterator[torch.Tensor]:
         """Bytes ``[offset, offset + nbytes)`` of a holder's GPU region, mapped into this
         process as a uint8 CUDA tensor, under a lease: valid inside the block, and the
         holder's retract waits for it. Kernels may read it directly (e.g.
-        `fabric.staging.run_direct`); synchronise them before the block ends.
+        `fabric.direct_read.run_direct`); synchronise them before the block ends.
+        ``device`` labels the tensor for a kernel on another GPU of this process
+        (default: the GPU the bytes are on).
 
         Raises:
             ReadRefusedError: not present in time, out of range, or not IPC-exported.
@@ -229,7 +233,7 @@ class CudaIpcTransport(client.ServerTransport):
                                            f"not exported over CUDA IPC: {exc}") from None
                 mapped = self._acquire(h)
                 try:
-                    yield view(mapped, h.offset + offset, nbytes)
+                    yield view(mapped, h.offset + offset, nbytes, device)
                 finally:
                     self._release(mapped)
             finally:
