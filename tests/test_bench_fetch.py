@@ -32,6 +32,26 @@ def test_bench_fetch_rejects_bad_input():
         bench_fetch(readers=1, size=16 << 20, chunk_size=1000)
 
 
+def test_cuda_bench_without_a_gpu_says_why():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match="--device cuda needs a GPU: cuda: "):
+        bench_fetch(readers=1, size=16 << 20, chunk_size=1 << 20, device="cuda")
+
+
+def test_reshard_reads_staged_and_direct_agree_scaled_down_on_cpu():
+    from tools.bench.gpu_paths import reshard_reads
+
+    r = reshard_reads(device="cpu", budget=256 << 10, scale=32, repeats=1)
+    assert r["verified"] is True
+    for kind in ("bf16", "fp8"):
+        assert r[kind]["staging_peak_bytes"] <= 256 << 10
+        assert min(r[kind]["staged_gbps"], r[kind]["direct_gbps"], r[kind]["copy_gbps"]) > 0
+    assert r["fp8"]["source_bytes_staged"] < r["bf16"]["source_bytes_staged"]  # half the bytes
+
+
 def test_host_id_override_makes_peers_on_one_machine_use_tcp(monkeypatch):
     monkeypatch.delenv("WEIGHTFABRIC_HOST_ID", raising=False)
     machine = local_host_id()

@@ -8,8 +8,8 @@ and, on CPU, a gloo broadcast of the same tensors to the same number of processe
 (what RL frameworks do without a fabric).
 
 With ``--device cuda`` the stores live in GPU memory on one GPU and readers copy
-over CUDA IPC; the run adds NVSHMEM reads between ``--nvshmem-pes`` PEs
-(`tools.bench.gpu_paths`). There is no broadcast baseline there: NCCL needs one
+over CUDA IPC; the run adds the receive-path reshard (staged and direct, bf16 and
+fp8) and NVSHMEM reads between ``--nvshmem-pes`` PEs (`tools.bench.gpu_paths`). There is no broadcast baseline there: NCCL needs one
 GPU per rank.
 
 GB/s are 1e9 bytes/s. Per reader: model bytes / its fetch time (hub plan
@@ -140,6 +140,12 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
     result["verified"] = all(r["verified"] for r in rounds)
     result["versions"] = rounds
     result["cold_aggregate_gbps"] = rounds[0]["aggregate_gbps"]
+    if device == "cuda":
+        from tools.bench.gpu_paths import reshard_reads
+
+        on_phase("reshard reads", None)
+        result["reshard"] = reshard_reads(device="cuda")
+        result["verified"] = result["verified"] and result["reshard"]["verified"]
     if device == "cuda" and nvshmem_pes > 0:
         from tools.bench.gpu_paths import nvshmem_reads
 
@@ -242,6 +248,10 @@ def _table(r: dict[str, Any], console: Console) -> None:
     table.add_row("bit-exact on every reader", "yes" if r["verified"] else "[red]NO[/red]")
     if "memcpy_gbps" in r:
         table.add_row(f"torch copy_ GB/s (1 process, {r['device']})", f"{r['memcpy_gbps']:.2f}")
+    for kind, x in ((k, r["reshard"][k]) for k in ("bf16", "fp8") if "reshard" in r):
+        table.add_row(f"TP2->TP1 {kind} GB/s staged / direct / copy_",
+                      f"{x['staged_gbps']:.1f} / {x['direct_gbps']:.1f} / {x['copy_gbps']:.1f}"
+                      + ("" if x["verified"] else "  [red]NOT bit-exact[/red]"))
     if "nvshmem" in r:
         n = r["nvshmem"]
         table.add_row(f"NVSHMEM get GB/s ({n['pes']} PE(s), per reader)",

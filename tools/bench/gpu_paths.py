@@ -1,4 +1,12 @@
-"""GPU-only parts of `fabric bench fetch --device cuda`.
+"""GPU parts of `fabric bench fetch --device cuda`.
+
+`reshard_reads`: the receive-path transforms on one device. One Llama-70B-shaped
+layer (fused QKV with GQA, o, gate-up, down) held at TP2 in two source regions is
+read by a TP1 reader, stored as bf16 and as blockwise fp8 (dequantised to bf16):
+through a bounded staging buffer (`fabric.staging.run_staging`) and straight from
+the regions (`fabric.direct_read.run_direct`), beside a ``copy_`` of the same
+destination bytes (what a layout-matched fetch would move). GB/s count
+destination bytes. It also runs on CPU, scaled down, which is how it is tested.
 
 `nvshmem_reads`: one NVSHMEM job of ``pes`` processes on GPU 0, bootstrapped
 through a hub's key-value store (`fabric.gpu.HubRendezvous`). PE 0 fills a
@@ -18,6 +26,9 @@ import traceback
 from typing import Any
 
 import torch
+
+from fabric.staging import FP8, HeldTensor, WantedTensor, plan_staging, run_staging
+from kernels import FusedGateUp, FusedQKV, Layout, Sharded, plan_reshard, quantize_fp8, reshard
 
 HOLDER_KEY = "{session}/holder"
 DONE_KEY = "{session}/done/{rank}"
@@ -143,3 +154,119 @@ def nvshmem_reads(*, pes: int, size: int, chunk_size: int, timeout: float = 600)
             "copy_gbps": [g["copy_gbps"] for g in ok],
             "verified": bool(ok) and not errors and all(g["verified"] for g in ok),
             "errors": errors}
+
+
+def _layer(tp: int, scale: int) -> dict[str, tuple[tuple[int, int], Layout]]:
+    """Shapes and layouts of one Llama-3-70B layer at tensor-parallel degree ``tp``."""
+    hidden, inter, heads, kv, head_dim = 8192 // scale, 28672 // scale, 64, 8, 128 // scale
+    return {
+        "qkv": (((heads + 2 * kv) * head_dim, hidden),
+                FusedQKV(tp=tp, num_heads=heads, num_kv_heads=kv, head_dim=head_dim)),
+        "o": ((hidden, heads * head_dim), Sharded(tp=tp, dim=1)),
+        "gate_up": ((2 * inter, hidden), FusedGateUp(tp=tp)),
+        "down": ((hidden, inter), Sharded(tp=tp, dim=1)),
+    }
+
+
+def _holder(full: dict[str, torch.Tensor], layer: dict[str, tuple[tuple[int, int], Layout]],
+            fp8: bool) -> tuple[list[HeldTensor], list[torch.Tensor]]:
+    """The TP2 holder: each rank's shards (fp8: and scales) packed into one flat region."""
+    parts: list[list[torch.Tensor]] = [[], []]
+    sizes = [0, 0]
+    held = []
+
+    def place(rank: int, t: torch.Tensor) -> int:
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        at = -(-sizes[rank] // 256) * 256
+        if at > sizes[rank]:
+            parts[rank].append(torch.zeros(at - sizes[rank], dtype=torch.uint8, device=raw.device))
+        parts[rank].append(raw)
+        sizes[rank] = at + raw.numel()
+        return at
+
+    for name, (shape, layout) in layer.items():
+        whole = type(layout)(**{**layout.__dict__, "tp": 1})
+        shards = reshard(plan_reshard(whole, layout, shape), [full[name]], backend="torch")
+        offsets, scales = [], []
+        for rank, shard in enumerate(shards):
+            if fp8:
+                q, sc = quantize_fp8(shard)
+                offsets.append(place(rank, q))
+                scales.append(place(rank, sc))
+            else:
+                offsets.append(place(rank, shard))
+        held.append(HeldTensor(name=name, shape=shape, layout=layout,
+                               dtype=FP8 if fp8 else full[name].dtype, offsets=tuple(offsets),
+                               scale_offsets=tuple(scales) if fp8 else None))
+    return held, [torch.cat(p) for p in parts]
+
+
+def _median_seconds(fn, device: torch.device, repeats: int) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _reshard_case(full: dict[str, torch.Tensor], src_layer: dict, dst_layer: dict, *, fp8: bool,
+                  budget: int, repeats: int) -> dict[str, Any]:
+    from fabric.direct_read import plan_direct, run_direct
+
+    dev = next(iter(full.values())).device
+    held, regions = _holder(full, src_layer, fp8=fp8)
+    wanted = [WantedTensor(name=n, layout=lay, dtype=torch.bfloat16)
+              for n, (_, lay) in dst_layer.items()]
+    staged_plan = plan_staging(held, wanted, rank=0, budget=budget)
+    direct_plan = plan_direct(held, wanted, rank=0)
+    staged = {n: torch.empty_like(t) for n, t in full.items()}
+    direct = {n: torch.empty_like(t) for n, t in full.items()}
+
+    def read(rank: int, offset: int, buf: torch.Tensor) -> None:
+        buf.copy_(regions[rank][offset:offset + buf.numel()])
+
+    staged_s = _median_seconds(lambda: run_staging(staged_plan, read, staged), dev, repeats)
+    direct_s = _median_seconds(lambda: run_direct(direct_plan, dict(enumerate(regions)), direct),
+                               dev, repeats)
+    flat = torch.cat([t.reshape(-1) for t in full.values()])
+    copy_dst = torch.empty_like(flat)
+    copy_s = _median_seconds(lambda: copy_dst.copy_(flat), dev, repeats)
+    nbytes = flat.numel() * flat.element_size()
+    same = all(torch.equal(staged[n].view(torch.int16), direct[n].view(torch.int16)) for n in full)
+    if not fp8:
+        same = same and all(torch.equal(staged[n], full[n]) for n in full)
+    return {"bytes": nbytes, "staged_gbps": nbytes / staged_s / 1e9,
+            "direct_gbps": nbytes / direct_s / 1e9, "copy_gbps": nbytes / copy_s / 1e9,
+            "staged_vs_copy": copy_s / staged_s, "direct_vs_copy": copy_s / direct_s,
+            "staging_peak_bytes": staged_plan.peak_bytes,
+            "source_bytes_staged": staged_plan.fetched_bytes, "verified": same}
+
+
+def reshard_reads(*, device: str = "cuda", budget: int = 64 << 20, scale: int = 1,
+                  repeats: int = 5) -> dict[str, Any]:
+    """Time staged and direct TP2 -> TP1 reads of one layer, bf16 and fp8 (see the module).
+
+    Args:
+        scale: divide the layer's dimensions (CPU runs and tests use 8 or more).
+
+    Returns:
+        Per stored dtype: GB/s staged, direct and of ``copy_``, the ratios, the staging
+        peak, and whether staged, direct and the original tensors agree bit for bit
+        (bf16) or staged and direct agree (fp8).
+    """
+    dev = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    src_layer, dst_layer = _layer(2, scale), _layer(1, scale)
+    full = {n: torch.randn(shape, generator=g).to(torch.bfloat16).to(dev)
+            for n, (shape, _) in src_layer.items()}
+    out: dict[str, Any] = {"budget": budget, "device": str(dev)}
+    for kind in ("bf16", "fp8"):
+        out[kind] = _reshard_case(full, src_layer, dst_layer, fp8=kind == "fp8", budget=budget,
+                                  repeats=repeats)
+    out["verified"] = out["bf16"]["verified"] and out["fp8"]["verified"]
+    return out
