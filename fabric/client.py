@@ -371,6 +371,18 @@ class HubClient:
                 fetch_id=fetch_id, chunks=set(have or ()))
         return plan
 
+    def locate(self, model: str, version: int | str = "latest") -> dict[str, Any]:
+        """Where each shard of a committed version can be read whole, without becoming a
+        replica (see `HubState.locate`); holders ranked for this worker's location.
+
+        Raises:
+            UnknownModelError, UnknownVersionError, NoSourceError.
+        """
+        args = {"model": model, "version": version}
+        if self.worker is not None:
+            args["worker"] = self.worker
+        return self.call("locate", args)
+
     def replan(self, fetch_id: str, *, chunks: list[int] | None = None,
                exclude: list[str] | None = None) -> FetchPlan:
         """New sources for the chunks still missing (or ``chunks``), avoiding ``exclude``."""

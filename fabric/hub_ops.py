@@ -128,6 +128,11 @@ def op_begin_fetch(s: HubState, session: str, a: dict[str, Any]) -> dict[str, An
                          group_size=_arg(a, "group_size", int, 1), have=_ints(a, "have"))
 
 
+def op_locate(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.locate(_arg(a, "model", str), _arg(a, "version", (int, str), "latest"),
+                    worker=_arg(a, "worker", str, None))
+
+
 def op_plan(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
     return s.plan(_arg(a, "fetch_id", str), _worker(a), session=session,
                   chunks=_ints(a, "chunks"), exclude=_strs(a, "exclude"))

@@ -1,8 +1,8 @@
 """Which workers a reader reads each chunk from: the body of a hub plan.
 
-A pure function of one version's replicas, the live workers and their load;
+Pure functions of one version's replicas, the live workers and their load:
 `fabric.hub_state.HubState.plan` checks the fetch, calls `route` and records
-the sources it names.
+the sources it names; `HubState.locate` calls `holders`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any
 
 from fabric.hub_records import LIVE, VersionRecord, WorkerRecord
-from fabric.locality import RankSources, SourceCandidate
+from fabric.locality import Location, RankSources, SourceCandidate
 
 
 def route(v: VersionRecord, shard: int, reader: str, need: list[int], *, banned: set[str],
@@ -63,3 +63,13 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[int], *, banned:
 
 
 __all__ = ["route"]
+
+
+def holders(v: VersionRecord, shard: int, reader: Location, *, workers: dict[str, WorkerRecord],
+            load: Counter[str], rank_sources: RankSources) -> list[str]:
+    """Workers with a complete live replica of ``shard``, best first for ``reader``."""
+    cands = [SourceCandidate(r.worker, workers[r.worker].location, True, load[r.worker])
+             for r in v.replicas.values()
+             if r.shard == shard and r.complete and r.status == LIVE and r.worker in workers]
+    allowed = {c.worker for c in cands}
+    return [c.worker for c in rank_sources(reader, cands) if c.worker in allowed]

@@ -73,7 +73,7 @@ from fabric.hub_records import (
     WorkerRecord,
 )
 from fabric.hub_retention import blocks_retention, held_by, retained, retract_state, settle
-from fabric.hub_routing import route
+from fabric.hub_routing import holders, route
 from fabric.hub_status import status_snapshot
 from fabric.locality import Location, RankSources, rank_by_locality
 from fabric.manifest import Manifest
@@ -655,6 +655,40 @@ class HubState:
             if m.versions[number].servable():
                 return number
         return None
+
+    def locate(self, model: str, version: int | str, *, worker: str | None = None
+               ) -> dict[str, Any]:
+        """Where every shard of a committed version can be read whole, for a reader that
+        does not become a replica (it transforms the bytes as it reads them, e.g. to
+        another tensor-parallel layout). Read-only: nothing is recorded, so a holder
+        may retract meanwhile; its read server then refuses, and the reader tries the next.
+
+        Returns:
+            ``{"model", "version", "num_shards", "shards": [{"manifest", "holders":
+            [worker...]}], "workers": {worker: {"location", "endpoints"}}}``, holders
+            ranked for ``worker``'s location.
+
+        Raises:
+            UnknownModelError, UnknownVersionError: nothing committed to read.
+            NoSourceError: some shard has no complete live replica.
+        """
+        self.expire()
+        m = self._model(model)
+        v = self._version(model, self._resolve(m, version))
+        if v.state != COMMITTED:
+            raise UnknownVersionError(f"{model!r} v{v.number} is {v.state}, not committed")
+        reader = self.workers[worker].location if worker in self.workers else Location()
+        shards: list[dict[str, Any]] = []
+        for k in range(v.num_shards):
+            ranked = holders(v, k, reader, workers=self.workers, load=self._index.load,
+                             rank_sources=self.rank_sources)
+            if not ranked:
+                raise NoSourceError(f"{model!r} v{v.number} shard {k}: no complete live replica")
+            shards.append({"manifest": v.manifests[k].to_wire(), "holders": ranked})
+        named = sorted({w for sh in shards for w in sh["holders"]})
+        return {"model": model, "version": v.number, "num_shards": v.num_shards, "shards": shards,
+                "workers": {w: {"location": self.workers[w].location.to_wire(),
+                                "endpoints": self.workers[w].endpoints} for w in named}}
 
     def retained(self, model: str) -> set[int]:
         """Version numbers the model's retention policy keeps."""

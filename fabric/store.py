@@ -98,9 +98,12 @@ class ModelStore:
     """Versions of one model as seen by one worker. Get it with `Worker.model`."""
 
     def __init__(self, worker: Worker, model: str, *, chunk_size: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", shard: int = 0, num_shards: int = 1) -> None:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"model {model!r}: shard {shard} outside 0..{num_shards - 1}")
         self.worker = worker
         self.model = model
+        self.shard, self.num_shards = shard, num_shards
         self.chunk_size = check_chunk_size(chunk_size)
         self.device = resolve_device(device)
         self.layout: PackLayout | None = None
@@ -162,7 +165,8 @@ class ModelStore:
     # --- publish ---------------------------------------------------------------------
 
     def publish(self, obj: nn.Module | Mapping[str, torch.Tensor] | None = None, *,
-                snapshot: bool = True, hold: bool = False, timeout: float = 120.0) -> int:
+                snapshot: bool = True, hold: bool = False, group: str | None = None,
+                timeout: float = 120.0) -> int:
         """Publish a new version; returns its number.
 
         Args:
@@ -173,13 +177,19 @@ class ModelStore:
             hold: after committing, wait until another worker holds a complete replica
                 (the model's ``min_replicas``), then retract this one, so training can
                 go on (useful with ``snapshot=False``).
+            group: with several shards (model-parallel publishers), a key every shard's
+                publisher passes for this version (e.g. ``f"step-{step}"``); they get the
+                same version number, committed once every shard is.
             timeout: bound on `hold`.
 
         Raises:
-            FabricError: in-place publish of tensors that are not attached, or `hold`
-                timed out (the version stays exposed).
+            FabricError: in-place publish of tensors that are not attached, `hold`
+                timed out (the version stays exposed), or no ``group`` with several shards.
             HubError: the hub refused (e.g. unreachable).
         """
+        if self.num_shards > 1 and group is None:
+            raise FabricError(f"model {self.model!r} has {self.num_shards} shards: pass the same "
+                              "publish group key from every shard's publisher")
         with self._lock:
             if snapshot:
                 tensors = (self._on_device(named_tensors(obj)) if obj is not None
@@ -200,8 +210,9 @@ class ModelStore:
                                       " retract that version before publishing them again")
             manifest = manifest_of(self.layout, buffer.region.tensor, self.chunk_size)
             hub = self.worker.hub
-            version = hub.begin_publish(self.model, manifest)
-            name = region_name(self.model, version)
+            version = hub.begin_publish(self.model, manifest, shard=self.shard,
+                                        num_shards=self.num_shards, group=group)
+            name = region_name(self.model, version, self.shard)
             self.worker.server.expose(name, buffer.region.tensor, chunk_size=self.chunk_size,
                                       **_reach(buffer.region))
             buffer.version, buffer.exposed = version, name
@@ -263,7 +274,7 @@ class ModelStore:
         early = (self._expose_spare(version, self.chunk_size)
                  if self.layout is not None and isinstance(version, int) else None)
         try:
-            plan = hub.begin_fetch(self.model, version)
+            plan = hub.begin_fetch(self.model, version, shard=self.shard)
         except BaseException:
             if early is not None:
                 self._unexpose(early[0])
@@ -391,7 +402,7 @@ class ModelStore:
         assert self.layout is not None
         with self._lock:
             buffer = self._spare_buffer()
-            name = region_name(self.model, version)
+            name = region_name(self.model, version, self.shard)
             progress = ChunkProgress(-(-self.layout.nbytes // chunk_size))
             self.worker.server.expose(name, buffer.region.tensor, chunk_size=chunk_size,
                                       progress=progress, **_reach(buffer.region))

@@ -65,7 +65,8 @@ class Worker:
         self._closed = False
 
     def model(self, name: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
-              device: torch.device | str = "cpu") -> ModelStore:
+              device: torch.device | str = "cpu", shard: int = 0,
+              num_shards: int = 1) -> ModelStore:
         """The store of model `name` (created once per worker).
 
         Args:
@@ -73,16 +74,22 @@ class Worker:
             device: where the store keeps the weights: ``"cpu"`` (shared-memory
                 arenas) or a CUDA device (GPU buffers; peers on this node copy them
                 over CUDA IPC, others read over TCP).
+            shard, num_shards: this worker's shard of a model published by
+                ``num_shards`` model-parallel ranks (each publishes and fetches its own;
+                readers with another layout use `fabric.reshard_fetch`).
         """
         with self._lock:
             store = self._stores.get(name)
             if store is None:
                 store = self._stores[name] = ModelStore(self, name, chunk_size=chunk_size,
-                                                        device=device)
-            elif store.chunk_size != chunk_size or store.device != resolve_device(device):
+                                                        device=device, shard=shard,
+                                                        num_shards=num_shards)
+            elif (store.chunk_size, store.device, store.shard, store.num_shards) != (
+                    chunk_size, resolve_device(device), shard, num_shards):
                 raise ValueError(f"model {name!r} is already open with chunk_size "
-                                 f"{store.chunk_size} on {store.device}, not {chunk_size} on "
-                                 f"{device}")
+                                 f"{store.chunk_size} on {store.device} as shard {store.shard} "
+                                 f"of {store.num_shards}, not {chunk_size} on {device} as shard "
+                                 f"{shard} of {num_shards}")
             return store
 
     def transport_for(self, source: Source) -> Transport:

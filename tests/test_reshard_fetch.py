@@ -1,0 +1,153 @@
+"""Readers with another tensor-parallel layout fetch a sharded version through the fabric:
+TP2 publishers, TP1 and TP4 readers, fp8 stored and bf16 wanted, a holder that fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fabric
+from fabric.errors import ManifestMismatchError, UnknownModelError, UnknownVersionError
+from fabric.reshard_fetch import Resharding, fetch_resharded
+from kernels import (
+    FusedGateUp,
+    FusedQKV,
+    Replicated,
+    Sharded,
+    dequantize_fp8_ref,
+    plan_reshard,
+    quantize_fp8_ref,
+    reshard,
+)
+
+CHUNK = 4096
+HEADS, KV, HD, HIDDEN, INTER = 8, 2, 16, 64, 96
+
+
+def layouts(tp: int) -> dict[str, tuple[tuple[int, ...], object]]:
+    return {
+        "qkv": (((HEADS + 2 * KV) * HD, HIDDEN),
+                FusedQKV(tp=tp, num_heads=HEADS, num_kv_heads=KV, head_dim=HD)),
+        "o": ((HIDDEN, HEADS * HD), Sharded(tp=tp, dim=1)),
+        "gate_up": ((2 * INTER, HIDDEN), FusedGateUp(tp=tp)),
+        "down": ((HIDDEN, INTER), Sharded(tp=tp, dim=1)),
+        "norm": ((HIDDEN,), Replicated(tp=tp)),
+        "w8": ((256, 128), Sharded(tp=tp, dim=0)),  # stored as fp8 with scales
+    }
+
+
+def full_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    out = {n: torch.randn(shape, generator=g).to(torch.bfloat16)
+           for n, (shape, _) in layouts(1).items()}
+    out["norm"] = out["norm"].float()
+    return out
+
+
+def shards_of(full: torch.Tensor, layout, shape) -> list[torch.Tensor]:
+    whole = type(layout)(**{**layout.__dict__, "tp": 1})
+    return reshard(plan_reshard(whole, layout, shape), [full], backend="torch")
+
+
+def publisher_tensors(full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, (shape, layout) in layouts(2).items():
+        shard = shards_of(full[name], layout, shape)[rank].contiguous()
+        if name == "w8":
+            q, scale = quantize_fp8_ref(shard.float())
+            out[name], out[name + ".scale"] = q, scale
+        else:
+            out[name] = shard.reshape(layout.shard_shape(shape, rank)[:len(shape)])
+    return out
+
+
+def expected(full: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """What reader ``rank`` of ``tp`` must hold: its shard of the logical tensors, with
+    w8 dequantised from the publishers' fp8 shards."""
+    w8 = torch.cat([dequantize_fp8_ref(*quantize_fp8_ref(s.float()), dtype=torch.bfloat16)
+                    for s in shards_of(full["w8"], layouts(2)["w8"][1], layouts(2)["w8"][0])])
+    logical = {**full, "w8": w8}
+    return {n: shards_of(logical[n], layout, shape)[rank].reshape(
+                layout.shard_shape(shape, rank)[:len(shape)])
+            for n, (shape, layout) in layouts(tp).items()}
+
+
+def spec(tp: int) -> dict[str, Resharding]:
+    held, wanted = layouts(2), layouts(tp)
+    return {n: Resharding(shape, held[n][1], wanted[n][1]) for n, (shape, _) in held.items()}
+
+
+@pytest.fixture
+def published():
+    full = full_tensors()
+    with fabric.serve("tcp://127.0.0.1:0", lease_s=10.0) as hub:
+        workers = [fabric.join(hub.url, worker=f"trainer-{r}") for r in range(2)]
+        try:
+            versions = {workers[r].model("policy", chunk_size=CHUNK, shard=r, num_shards=2)
+                        .publish(publisher_tensors(full, r), group="step-1") for r in range(2)}
+            assert len(versions) == 1
+            yield hub, full, versions.pop(), workers
+        finally:
+            for w in workers:
+                w.close()
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (4, 1), (4, 3)])
+def test_readers_with_another_tp_degree_get_their_shards_bit_exact(published, tp, rank):
+    hub, full, version, _ = published
+    want = expected(full, tp, rank)
+    with fabric.join(hub.url, worker="reader") as reader:
+        dst = {n: torch.empty_like(t) for n, t in want.items()}
+        stats = fetch_resharded(reader, "policy", spec(tp), dst, rank=rank, budget=64 << 10)
+    assert stats.version == version
+    for name in want:
+        assert torch.equal(dst[name], want[name]), name
+    assert stats.staging_peak_bytes <= 64 << 10 and stats.bands >= len(want)
+    assert set(stats.sources) <= {"trainer-0", "trainer-1"} and not stats.failed_sources
+
+
+def test_a_holder_that_stops_serving_is_skipped_for_another_of_its_shard(published):
+    hub, full, version, trainers = published
+    with fabric.join(hub.url, worker="rollout-0") as spare, \
+            fabric.join(hub.url, worker="reader") as reader:
+        spare.model("policy", chunk_size=CHUNK, shard=0, num_shards=2).fetch(version)
+        trainers[0].server.close()  # its data plane is gone, its hub lease is not
+        locate = reader.hub.locate
+
+        def trainer_first(model, v="latest"):
+            where = locate(model, v)
+            where["shards"][0]["holders"].sort(key=lambda w: w != "trainer-0")
+            return where
+
+        reader.hub.locate = trainer_first
+        want = expected(full, 1, 0)
+        dst = {n: torch.empty_like(t) for n, t in want.items()}
+        stats = fetch_resharded(reader, "policy", spec(1), dst, rank=0, budget=64 << 10)
+    assert all(torch.equal(dst[n], want[n]) for n in want)
+    assert stats.failed_sources == ["trainer-0"] and stats.sources.get("rollout-0", 0) > 0
+
+
+def test_layouts_that_do_not_match_the_shards_are_refused_naming_the_tensor(published):
+    hub, _, _, _ = published
+    wrong = dict(spec(1))
+    wrong["o"] = Resharding((HIDDEN, HEADS * HD), Sharded(tp=2, dim=0), Sharded(tp=1, dim=0))
+    with fabric.join(hub.url, worker="reader") as reader:
+        dst = {n: torch.empty_like(t) for n, t in expected(full_tensors(), 1, 0).items()}
+        with pytest.raises(ManifestMismatchError, match="tensor 'o' is"):
+            fetch_resharded(reader, "policy", wrong, dst, rank=0)
+        with pytest.raises(ValueError, match="no destination for \\['down'\\]"):
+            fetch_resharded(reader, "policy", spec(1), {n: t for n, t in dst.items()
+                                                       if n != "down"}, rank=0)
+
+
+def test_locate_names_every_shards_holders_and_refuses_what_is_not_committed(published):
+    hub, _, version, _ = published
+    with fabric.connect(hub.url) as observer:
+        where = observer.locate("policy")
+        assert where["version"] == version and where["num_shards"] == 2
+        assert [s["holders"] for s in where["shards"]] == [["trainer-0"], ["trainer-1"]]
+        assert set(where["workers"]) == {"trainer-0", "trainer-1"}
+        with pytest.raises(UnknownModelError):
+            observer.locate("nope")
+        with pytest.raises(UnknownVersionError):
+            observer.locate("policy", version + 1)
