@@ -175,13 +175,13 @@ def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding
         FetchError: some band could not be read from any holder of its shard.
         ValueError, TypeError: bad layouts, budget or destinations (see `plan_staging`).
     """
+    missing = sorted(set(tensors) - set(dst))
+    if missing:
+        raise ValueError(f"resharded fetch: no destination for {missing}")
     start = time.monotonic()
     where = worker.hub.locate(model, version)
     manifests = [Manifest.from_wire(s["manifest"]) for s in where["shards"]]
     held = held_tensors(manifests, tensors, scale_suffix=scale_suffix)
-    missing = sorted(set(tensors) - set(dst))
-    if missing:
-        raise ValueError(f"resharded fetch: no destination for {missing}")
     dtypes = dict(wanted_dtypes or {})
     wanted = [WantedTensor(name=n, layout=r.wanted, dtype=dtypes.get(n, dst[n].dtype))
               for n, r in tensors.items()]
