@@ -13,7 +13,9 @@ streams it needs from such senders so that none goes over its total:
 Each stripe takes a contiguous run of the senders' capacity, starting where the
 previous stripe stopped (McNaughton's wrap-around rule), so a sender is interior in
 one or two trees with a large fan-out (shallow trees) and the loads are exact, not
-greedy. Only when the stripes need more than the senders have does a sender go
+greedy. Where the senders have more than the stripes need, a stripe that the
+sender at the cut cannot serve whole may start at the next one that can (a split
+adds a hop), skipping up to that spare capacity. Only when the stripes need more than the senders have does a sender go
 over: one stream at a time to the sender with the most left.
 """
 
@@ -40,18 +42,34 @@ class FanOut:
         """Count `streams` that `name` sends outside `take` (a root's fixed share)."""
         self.left[name] = self.left.get(name, 0) - streams
 
-    def take(self, demand: int, eligible: list[Hashable], *,
-             spill: list[Hashable] = ()) -> dict[Hashable, int]:
+    def total(self, eligible: list[Hashable]) -> int:
+        """Streams the `eligible` senders have left."""
+        return sum(self.left.get(x, 0) for x in eligible)
+
+    def take(self, demand: int, eligible: list[Hashable], *, spill: list[Hashable] = (),
+             slack: int = 0) -> dict[Hashable, int]:
         """`demand` streams from the `eligible` senders: name -> streams (> 0 only).
 
         Contiguous from where the last call stopped, each sender up to what it has
-        left; the rest, if any, one stream at a time to the sender of `eligible` or
-        `spill` with the most left (it goes over; ties: the first listed). Empty when
-        nobody is eligible.
+        left. Senders that cannot take all of it are skipped (a split adds a hop)
+        while what they have left adds up to no more than `slack`, the capacity the
+        caller expects to go unused. Beyond everyone's capacity, one stream at a time
+        to the sender of `eligible` or `spill` with the most left (it goes over; ties:
+        the first listed). Empty when nobody is eligible.
         """
         out: dict[Hashable, int] = {}
         allowed = set(eligible)
         n, i = len(self.names), self.pos
+        skipped = 0
+        for step in range(n if slack > 0 else 0):
+            name = self.names[(i + step) % n]
+            left = self.left[name] if name in allowed else 0
+            if left >= demand:
+                i = (i + step) % n
+                break
+            skipped += left
+            if skipped > slack:
+                break
         for _ in range(n):
             if demand <= 0:
                 break
@@ -67,7 +85,8 @@ class FanOut:
         self.pos = i
         if demand <= 0:
             return out
-        heap = [(-self.left.get(x, 0), j, x) for j, x in enumerate(dict.fromkeys([*eligible, *spill]))]
+        heap = [(-self.left.get(x, 0), j, x)
+                for j, x in enumerate(dict.fromkeys([*eligible, *spill]))]
         heapq.heapify(heap)
         while demand > 0 and heap:
             _, j, name = heapq.heappop(heap)

@@ -66,6 +66,7 @@ class ForestBuilder:
                          if leaf_aware and layout.oversubscribed(m.leaf)}
         self.machine_quota: dict[Group, FanOut] = {}
         self.group_quota: dict[str, FanOut] = {}
+        self.cross_demand = 0  # streams between the groups of the datacenter being placed
         self._senders()
 
     def build(self) -> list[Transfer]:
@@ -140,8 +141,8 @@ class ForestBuilder:
         rooted: dict[Group, list[list]] = defaultdict(list)
         for r in roots:
             rooted[self._group(r[0])].append(r)
-        cross = self._cross(dc, groups, rooted, len(exports))
-        quota = {g: self._quota(g, members, cross.get(g, 0), rooted.get(g))
+        cross = self._cross(s, dc, groups, rooted, len(exports))
+        quota = {g: self._quota(s, g, members, cross.get(g, 0), rooted.get(g))
                  for g, members in groups.items()}
         order, feeds = self._group_tree(groups, rooted, cross, exports)
         heads: dict[Group, str] = {}  # the machine each group gets the stripe on
@@ -206,33 +207,41 @@ class ForestBuilder:
             names = sorted(caps, key=lambda g: self.order[self.machine_quota[g].names[0]])
             self.group_quota[dc] = FanOut(names, caps)
 
-    def _cross(self, dc: str, groups: dict[Group, list[str]], rooted: dict[Group, list[list]],
-               exports: int) -> dict[Group, int]:
+    def _cross(self, s: int, dc: str, groups: dict[Group, list[str]],
+               rooted: dict[Group, list[list]], exports: int) -> dict[Group, int]:
         """Streams each group sends to other groups and child datacenters: one per
         root slot from the groups holding the stripe, the rest by the datacenter's
         quotas over the others (the holding groups only when those run out)."""
         free = [g for g in groups if g not in rooted]
-        demand = len(free) + exports
+        demand = self.cross_demand = len(free) + exports
         quota = self.group_quota.setdefault(dc, FanOut([], {}))
         cross: dict[Group, int] = {}
         for g, slots in rooted.items():
             c = min(demand, sum(x[1] for x in slots))
             cross[g] = c
             demand -= c
-            # its members serve every member (no head): one stream more than elsewhere
-            quota.charge(g, 1 if groups.get(g) else 0)
-        for g, c in quota.take(demand, free, spill=list(rooted)).items():
+            if groups.get(g):  # its members serve every member but what the roots send
+                quota.charge(g, c - sum(x[1] for x in slots) + 1)
+        slack = quota.total(free) - demand * (self.k - s)
+        for g, c in quota.take(demand, free, spill=list(rooted), slack=slack).items():
             cross[g] = cross.get(g, 0) + c
             if g in rooted:
                 quota.charge(g, c)
         return cross
 
-    def _quota(self, g: Group, members: list[str], cross: int,
+    def _quota(self, s: int, g: Group, members: list[str], cross: int,
                roots: list[list] | None) -> dict[str, int]:
         """Streams each machine of group `g` sends in this stripe: one to every other
-        member and `cross` out of the group, less what the roots (or the head) send."""
+        member and `cross` out of the group, less what the roots (or the head) send.
+        Slack for `FanOut.take`: what the members have beyond this stripe's need, the
+        later stripes' (as many members) and the cross streams the group may still owe."""
         demand = len(members) + cross - (sum(x[1] for x in roots) if roots else 1)
-        return self.machine_quota[g].take(demand, members) if demand > 0 else {}
+        if demand <= 0:
+            return {}
+        quota, later = self.machine_quota[g], self.k - 1 - s
+        owed = min(max(0, self.group_quota[g[0]].left.get(g, 0)), later * self.cross_demand)
+        slack = quota.total(members) - demand - later * (len(members) - 1) - owed
+        return quota.take(demand, members, slack=slack)
 
     @staticmethod
     def _group_tree(groups: dict[Group, list[str]], rooted: dict[Group, list[list]],
