@@ -58,6 +58,23 @@ def test_a_relay_never_overtakes_its_upstream():
     assert r.completion["c/gpu0"] == pytest.approx(0.1 + chunk / 40e9, rel=1e-6)
 
 
+def test_host_and_nic_reads_into_one_gpu_share_its_pcie_port():
+    # GPU 3 of a DGX reads 32 GB from host memory and 32 GB from GPU 0 looped through
+    # their rail NICs: both cross GPU 3's one x16 port (64 GB/s), so together they
+    # take 1 s, not the 0.5 s two separate 64 GB/s links would give
+    lay = Layout(reference_cluster("dgx-h100").graph())
+    m = lay.machines["dgx"]
+    from_host = lay.route("dgx/host", "dgx/gpu3")
+    looped = lay.to_nic(m, "dgx/gpu0", "dgx/nic0") + (m.leaf,) \
+        + tuple(reversed(lay.to_nic(m, "dgx/gpu3", "dgx/nic3")))
+    assert from_host[-2] == looped[-2] == "dgx/pcie3"
+    flows = [Transfer("dgx/gpu3", "dgx/host", 0, 32 * GB, 0, from_host),
+             Transfer("dgx/gpu3", "dgx/gpu0", 32 * GB, 64 * GB, 1, looped)]
+    r = simulate(lay.graph, flows, chunk=GB, size=64 * GB)
+    assert r.completion["dgx/gpu3"] == pytest.approx(1.0, rel=1e-4)
+    assert r.max_utilisation == pytest.approx(1.0)
+
+
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -156,7 +156,7 @@ def _expand(base: nx.DiGraph, g: nx.DiGraph, layout: Layout, machine: str,
     h = base.copy()
     h.remove_node(f"machine:{machine}")
     m = layout.machines[machine]
-    inside = set(m.gpus) | set(m.nics) | {m.host}
+    inside = set(m.gpus) | set(m.ports.values()) | set(m.nics) | {m.host}
     cap: dict[tuple[str, str], float] = defaultdict(float)
     for v in inside:
         for _, w, bw in g.out_edges(v, data="bandwidth"):
