@@ -44,7 +44,7 @@ from topology.plan import (
     intersect,
 )
 
-Group = tuple[str, "str | None"]  # (datacenter, leaf), or (datacenter, "") for all of it
+Group = tuple[str, str | None]  # (datacenter, leaf), or (datacenter, "") for all of it
 MACHINE, GROUP, DATACENTER = "machine", "group", "datacenter"  # what a slot feeds
 
 
@@ -157,13 +157,7 @@ class ForestBuilder:
             for kind, name in children:
                 if not slots:  # over capacity: the group's first senders send once more
                     slots.extend([x[0], 1, x[2], x[3]] for x in starts)
-                slot = slots[0]
-                egress = self._egress(slot[0], slot[2])
-                slot[1] -= 1
-                slot[2] += 1
-                if slot[1] == 0:
-                    slots.popleft()
-                sender = self._sender(slot[0], egress, slot[3], s)
+                sender, egress = self._next(slots, s)
                 if kind == GROUP:  # the group's relay with the largest quota receives it
                     target = heads[name] = max(groups[name], key=lambda m: quota[name].get(m, 0))
                 elif kind == DATACENTER:
@@ -175,6 +169,16 @@ class ForestBuilder:
                     entry_slot[name] = [[target, 1, s, by_machine[target]]]
                 elif kind == MACHINE and q.get(name):
                     slots.append([name, q[name], s, by_machine[name]])
+
+    def _next(self, slots: deque[list], s: int) -> tuple[str, int]:
+        """Use a slot of the first sender in `slots`: (sending device, egress NIC)."""
+        slot = slots[0]
+        egress = self._egress(slot[0], slot[2])
+        slot[1] -= 1
+        slot[2] += 1
+        if slot[1] == 0:
+            slots.popleft()
+        return self._sender(slot[0], egress, slot[3], s), egress
 
     def _group(self, machine: str) -> Group:
         """The group `machine` is placed in: its leaf where the datacenter's leaves are
