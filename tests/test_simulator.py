@@ -58,6 +58,37 @@ def test_a_relay_never_overtakes_its_upstream():
     assert r.completion["c/gpu0"] == pytest.approx(0.1 + chunk / 40e9, rel=1e-6)
 
 
+def test_a_relay_forwards_its_last_chunk_only_once_it_has_arrived():
+    lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s, latency: 2us}\n"
+                   "    nics: {count: 1, bandwidth: 10GB/s, latency: 5us}\n"
+                   "  fat:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s, latency: 2us}\n"
+                   "    nics: {count: 1, bandwidth: 40GB/s, latency: 5us}\n",
+                   "  - name: dc\n    nodes: [{name: a, type: box}, {name: b, type: fat},"
+                   " {name: c, type: fat}]\n")
+    first = Transfer("b/gpu0", "a/gpu0", 0, GB, 0, lay.route("a/gpu0", "b/gpu0"))
+    second = Transfer("c/gpu0", "b/gpu0", 0, GB, 0, lay.route("b/gpu0", "c/gpu0"), upstream=0)
+    chunk, hop = 10**7, 14e-6  # PCIe port (2 us) + two NIC links (5 us each) + PCIe port
+    r = simulate(lay.graph, [first, second], chunk=chunk, size=GB)
+    # c catches up with b, then waits for b's last byte to land (0.1 s + one hop)
+    assert r.completion["b/gpu0"] == pytest.approx(0.1 + hop, rel=1e-9)
+    assert r.completion["c/gpu0"] == pytest.approx(0.1 + hop + chunk / 40e9 + hop, rel=1e-9)
+
+
+def test_a_port_fed_by_the_network_and_a_local_relay_never_beats_the_bound():
+    # two 2-GPU machines without NVLink: each reader GPU gets one stripe over its NIC
+    # and the other from its neighbour through the host, both through its x16 port
+    lay = _cluster("  box:\n    gpus: 2\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s, latency: 2us}\n"
+                   "    nics: {count: 2, bandwidth: 50GB/s, latency: 5us}\n",
+                   "  - name: dc\n    nodes: [{name: 'n{i}', type: box, count: 2}]\n")
+    plan = plan_broadcast(lay, 10**7, sources=["n0"], readers=["n1"])
+    r = simulate(lay.graph, plan.transfers, chunk=plan.chunk, size=plan.size,
+                 holders=plan.sources)
+    bound = lower_bound(lay, plan.sources, plan.needs, method="exact")
+    assert bound.rate == pytest.approx(64e9)
+    assert r.makespan >= bound.seconds
+    assert r.max_utilisation <= 1 + 1e-6
+
+
 def test_host_and_nic_reads_into_one_gpu_share_its_pcie_port():
     # GPU 3 of a DGX reads 32 GB from host memory and 32 GB from GPU 0 looped through
     # their rail NICs: both cross GPU 3's one x16 port (64 GB/s), so together they

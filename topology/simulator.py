@@ -17,6 +17,10 @@ arrives one path latency after its flow ends. This gives the pipelined time
 ``S/B + depth·chunk/B`` at flow granularity: events are flow starts, completions,
 catch-ups and external events, never chunks.
 
+Relays whose upstream has ended are released when its last byte arrives; such
+releases within a relative ``1e-6`` of each other happen together, at the last
+of them (a few microseconds late at most, never early).
+
 Events: ``Vanish(t, devices)`` aborts every flow from or to those devices and,
 transitively, every flow fed by an aborted one; readers keep the prefix they got
 and a *replanner* routes the rest from the surviving holders. ``Join(t, readers)``
@@ -291,8 +295,10 @@ class Simulator:
             if m.any():
                 dts.append(np.min(self.start_at[m]) - t)
             m = capped & arriving
-            if m.any():
-                dts.append(np.min(self.t_end[up][m] + self.lat[up][m]) - t)
+            if m.any():  # releases within 1e-6 of the first wait for the last of them
+                release = self.t_end[up][m] + self.lat[up][m]
+                first = np.min(release)
+                dts.append(np.max(release[release <= first * (1 + 1e-6)]) - t)
             if pending:
                 dts.append(pending[0].time - t)
             dt = max(min(dts), 0.0)
