@@ -41,24 +41,7 @@ def test_two_flows_share_a_link_fairly_then_the_survivor_speeds_up():
     assert r.max_utilisation == pytest.approx(1.0)
 
 
-def test_a_relay_never_overtakes_its_upstream():
-    lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
-                   "    nics: {count: 1, bandwidth: 10GB/s}\n"
-                   "  fat:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
-                   "    nics: {count: 1, bandwidth: 40GB/s}\n",
-                   "  - name: dc\n    nodes: [{name: a, type: box}, {name: b, type: fat},"
-                   " {name: c, type: fat}]\n")
-    first = Transfer("b/gpu0", "a/gpu0", 0, GB, 0, lay.route("a/gpu0", "b/gpu0"))
-    second = Transfer("c/gpu0", "b/gpu0", 0, GB, 0, lay.route("b/gpu0", "c/gpu0"), upstream=0)
-    chunk = 10**7
-    r = simulate(lay.graph, [first, second], chunk=chunk, size=GB)
-    # b gets it at 10 GB/s; c follows one chunk behind at b's rate (not its own
-    # 40 GB/s) and sends the last chunk at 40 GB/s once b has it all
-    assert r.completion["b/gpu0"] == pytest.approx(0.1)
-    assert r.completion["c/gpu0"] == pytest.approx(0.1 + chunk / 40e9, rel=1e-6)
-
-
-def test_a_relay_forwards_its_last_chunk_only_once_it_has_arrived():
+def test_a_relay_never_overtakes_its_upstream_nor_forwards_what_has_not_arrived():
     lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s, latency: 2us}\n"
                    "    nics: {count: 1, bandwidth: 10GB/s, latency: 5us}\n"
                    "  fat:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s, latency: 2us}\n"
@@ -69,7 +52,9 @@ def test_a_relay_forwards_its_last_chunk_only_once_it_has_arrived():
     second = Transfer("c/gpu0", "b/gpu0", 0, GB, 0, lay.route("b/gpu0", "c/gpu0"), upstream=0)
     chunk, hop = 10**7, 14e-6  # PCIe port (2 us) + two NIC links (5 us each) + PCIe port
     r = simulate(lay.graph, [first, second], chunk=chunk, size=GB)
-    # c catches up with b, then waits for b's last byte to land (0.1 s + one hop)
+    # b gets it at 10 GB/s; c follows one chunk behind at b's rate (not its own
+    # 40 GB/s), waits for b's last byte to land (0.1 s + one hop), then sends the
+    # last chunk at 40 GB/s
     assert r.completion["b/gpu0"] == pytest.approx(0.1 + hop, rel=1e-9)
     assert r.completion["c/gpu0"] == pytest.approx(0.1 + hop + chunk / 40e9 + hop, rel=1e-9)
 
