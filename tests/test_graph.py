@@ -34,6 +34,7 @@ def test_every_link_is_two_arcs_with_bandwidth_latency_and_tier(example):
 def test_vertex_counts_match_the_description(example):
     counts = kinds(example)
     assert counts["gpu"] == 35 * 8
+    assert counts["pcie"] == 35 * 8  # one PCIe port per GPU
     assert counts["nic"] == 35 * 8
     assert counts["host"] == 35
     # 17 per-node NVSwitches in dc-a, one shared switch for the rack-0 domain in dc-b
@@ -43,10 +44,28 @@ def test_vertex_counts_match_the_description(example):
 
 def test_rails_pair_gpu_i_with_nic_i_on_a_dgx(example):
     for j in range(8):
-        gpu = f"a-0/gpu{j}"
-        nics = {v for v in example.successors(gpu) if example.nodes[v]["kind"] == "nic"}
+        gpu, port = f"a-0/gpu{j}", f"a-0/pcie{j}"
+        pcie = [v for v in example.successors(gpu) if example[gpu][v]["tier"] == "pcie"]
+        assert pcie == [port]  # the GPU's one x16 port
+        nics = {v for v in example.successors(port) if example.nodes[v]["kind"] == "nic"}
         assert nics == {f"a-0/nic{j}"}
-        assert example[gpu][f"a-0/nic{j}"]["bandwidth"] == 64e9
+        assert example[port][f"a-0/nic{j}"]["bandwidth"] == 64e9
+        assert example.has_edge(port, "a-0/host") and not example.has_edge(gpu, "a-0/host")
+
+
+def test_host_and_nic_traffic_of_a_gpu_share_its_pcie_port():
+    g = reference_cluster("dgx-h100").graph()
+    # the host and every NIC together feed GPU 3 over PCIe at one port's rate
+    g.add_node("src")
+    g.add_edge("src", "dgx/host", bandwidth=float("inf"))
+    for k in range(8):
+        g.add_edge("src", f"dgx/nic{k}", bandwidth=float("inf"))
+    g.remove_node("dgx/nvswitch")
+    assert nx.maximum_flow_value(g, "src", "dgx/gpu3", capacity="bandwidth") == \
+        pytest.approx(64e9)
+    # PCIe latency is split over the port's two sides: one PCIe latency per crossing
+    lat = nx.shortest_path_length(g, "dgx/gpu3", "dgx/nic3", weight="latency")
+    assert lat == pytest.approx(g["dgx/gpu3"]["dgx/pcie3"]["latency"] * 2)
 
 
 def test_nic_links_carry_nic_bandwidth_and_latency(example):
@@ -81,6 +100,9 @@ def test_max_flow_to_a_gpu_is_bounded_by_its_links():
         g.add_edge("src", f"node-0/gpu{j}", bandwidth=float("inf"))
     flow = nx.maximum_flow_value(g, "src", "node-1/gpu0", capacity="bandwidth")
     assert flow == pytest.approx(8 * 50e9)  # all 8 rails of node-1 can feed it over NVLink
+    g.remove_node("node-1/nvswitch")  # without NVLink: the GPU's one PCIe port
+    flow = nx.maximum_flow_value(g, "src", "node-1/gpu0", capacity="bandwidth")
+    assert flow == pytest.approx(64e9)
 
 
 def test_oversubscription_shrinks_leaf_uplinks():

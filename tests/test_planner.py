@@ -20,7 +20,7 @@ from topology.plan import (
     UnknownDeviceError,
     UnreachableReaderError,
 )
-from topology.planner import plan_broadcast, replan
+from topology.planner import default_endpoints, plan_broadcast, replan, side_planes
 from topology.simulator import Vanish, simulate
 
 GB = 10**9
@@ -190,7 +190,7 @@ def test_random_plans_deliver_every_byte_once_and_never_beat_the_bound(case, siz
 
 # --- one machine: NVLink, host PCIe and NIC loopback in parallel ----------------------
 
-def test_one_dgx_splits_the_bytes_over_nvlink_host_and_nic_loopback():
+def test_one_dgx_splits_the_bytes_over_nvlink_and_the_pcie_ports():
     cluster = reference_cluster("dgx-h100")
     lay = Layout(cluster.graph())
     plan = plan_broadcast(cluster, 140 * GB)
@@ -198,18 +198,40 @@ def test_one_dgx_splits_the_bytes_over_nvlink_host_and_nic_loopback():
     share = {p: 0 for p in PLANES}
     for (lo, hi), plane in zip(plan.stripes, plan.planes, strict=True):
         share[plane] += hi - lo
-    # bytes in proportion to the per-GPU rates: NVLink 450, PCIe 64, NIC 50 GB/s
-    assert share[TREE] / plan.size == pytest.approx(450 / 564, abs=0.02)
-    assert share[HOST] / share[NIC_LOOP] == pytest.approx(64 / 50, rel=0.1)
+    # bytes in proportion to the per-GPU rates: NVLink 450, the x16 port 64 GB/s; the
+    # NIC loopback would go through the same port, which the host plane already fills
+    assert share[TREE] / plan.size == pytest.approx(450 / 514, abs=0.02)
+    assert share[NIC_LOOP] == 0
     tiers = {p: {lay.graph.edges[a]["tier"] for t in plan.transfers if plan.planes[t.stripe] == p
-                 for a in zip(t.path, t.path[1:], strict=False)} for p in PLANES}
-    assert tiers == {TREE: {"nvlink"}, HOST: {"pcie"}, NIC_LOOP: {"pcie", "nic"}}
+                 for a in zip(t.path, t.path[1:], strict=False)} for p in (TREE, HOST)}
+    assert tiers == {TREE: {"nvlink"}, HOST: {"pcie"}}
     result = _run(lay, plan)
     assert result.max_utilisation <= 1 + 1e-6
     bound = lower_bound(lay, plan.sources, plan.needs, method="exact")
-    # NVLink alone would give 450/578 = 0.78 of the bound
+    assert bound.rate == pytest.approx(514e9)  # NVLink 450 + the GPU's one x16 port
+    # NVLink alone would give 450/514 = 0.88 of the bound
     assert bound.seconds / result.makespan > 0.95
     assert result.makespan == pytest.approx(plan.predicted_s, rel=0.01)
+
+
+def test_nic_loopback_fills_what_the_host_plane_leaves_of_a_port():
+    # a port twice as wide as the host uplink: the host plane gets 20 GB/s of it, the
+    # NIC loopback the other 20 (capped by the 25 GB/s NIC)
+    lay = _cluster("  box:\n    gpus: 4\n    gpu: {model: X}\n    nvlink: {bandwidth: 300GB/s}\n"
+                   "    pcie: {bandwidth: 40GB/s}\n"
+                   "    nics: {count: 4, bandwidth: 25GB/s}\n",
+                   "  - name: dc\n    nodes: [{name: n, type: box}]\n")
+    for a, b in list(lay.graph.edges):
+        if {lay.kinds[a], lay.kinds[b]} == {"pcie", "host"}:
+            lay.graph.edges[a, b]["bandwidth"] = 20e9
+    rates = side_planes(lay, {"n/gpu0": [(0, GB)]}, {f"n/gpu{j}": [(0, GB)] for j in (1, 2, 3)},
+                        GB)
+    assert rates == {TREE: 300e9, HOST: 20e9, NIC_LOOP: 20e9}
+    plan = plan_broadcast(lay, 4 * GB, sources=["n/gpu0"], readers=["n"])
+    check_plan(plan, lay.graph)
+    assert set(plan.planes) == {TREE, HOST, NIC_LOOP}
+    result = _run(lay, plan)
+    assert result.max_utilisation <= 1 + 1e-6
 
 
 def test_one_machine_without_nics_or_nvswitch_uses_one_plane():
@@ -262,3 +284,42 @@ def test_oversubscribed_leaves_get_each_stripe_over_the_spine_once():
     assert result.max_utilisation <= 1 + 1e-6
     bound = lower_bound(lay, plan.sources, plan.needs)
     assert bound.seconds / result.makespan > 0.9
+
+
+def _nic_streams(lay, plan):
+    """Streams leaving each machine's NICs, and the most on any one NIC."""
+    per_machine: dict[str, int] = {}
+    per_nic: dict[str, int] = {}
+    for t in plan.transfers:
+        for a, b in zip(t.path, t.path[1:], strict=False):
+            if lay.kinds.get(a) == "nic" and lay.kinds.get(b) == "leaf":
+                per_machine[lay.machine_of[a]] = per_machine.get(lay.machine_of[a], 0) + 1
+                per_nic[a] = per_nic.get(a, 0) + 1
+    return per_machine, max(per_nic.values(), default=0)
+
+
+@pytest.mark.parametrize("nodes, over, per_leaf", [
+    (31, 3.0, 4), (127, 3.0, 4), (31, 3.0, 8), (127, 4.0, 16),
+    (31, 1.0, 32),  # not a multiple of the 8 stripes
+])
+def test_every_machine_sends_at_most_one_stream_per_nic(nodes, over, per_leaf):
+    from topology.synthetic import synthetic_cluster
+
+    cluster = synthetic_cluster([nodes], oversubscription=over, nodes_per_leaf=per_leaf)
+    lay = Layout(cluster.graph())
+    sources, readers = default_endpoints(cluster, lay)
+    plan = plan_broadcast(lay, 140 * GB, sources=sources, readers=readers)
+    per_machine, per_nic = _nic_streams(lay, plan)
+    assert max(per_machine.values()) <= 8 and per_nic == 1
+    into: dict[str, int] = {}
+    for t in plan.transfers:
+        for a, b in zip(t.path, t.path[1:], strict=False):
+            if a.endswith("/spine"):
+                into[b] = into.get(b, 0) + t.nbytes
+    assert set(into.values()) <= {plan.size}  # a leaf gets each byte over the spine once
+    result = _run(lay, plan)
+    assert result.max_utilisation <= 1 + 1e-6
+    for reader in plan.needs:
+        check_exactly_once(result.delivered[reader], plan.needs[reader])
+    bound = lower_bound(lay, plan.sources, plan.needs)
+    assert bound.seconds / result.makespan > 0.95

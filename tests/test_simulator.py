@@ -41,21 +41,54 @@ def test_two_flows_share_a_link_fairly_then_the_survivor_speeds_up():
     assert r.max_utilisation == pytest.approx(1.0)
 
 
-def test_a_relay_never_overtakes_its_upstream():
-    lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
-                   "    nics: {count: 1, bandwidth: 10GB/s}\n"
-                   "  fat:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
-                   "    nics: {count: 1, bandwidth: 40GB/s}\n",
+def test_a_relay_never_overtakes_its_upstream_nor_forwards_what_has_not_arrived():
+    lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s, latency: 2us}\n"
+                   "    nics: {count: 1, bandwidth: 10GB/s, latency: 5us}\n"
+                   "  fat:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s, latency: 2us}\n"
+                   "    nics: {count: 1, bandwidth: 40GB/s, latency: 5us}\n",
                    "  - name: dc\n    nodes: [{name: a, type: box}, {name: b, type: fat},"
                    " {name: c, type: fat}]\n")
     first = Transfer("b/gpu0", "a/gpu0", 0, GB, 0, lay.route("a/gpu0", "b/gpu0"))
     second = Transfer("c/gpu0", "b/gpu0", 0, GB, 0, lay.route("b/gpu0", "c/gpu0"), upstream=0)
-    chunk = 10**7
+    chunk, hop = 10**7, 14e-6  # PCIe port (2 us) + two NIC links (5 us each) + PCIe port
     r = simulate(lay.graph, [first, second], chunk=chunk, size=GB)
     # b gets it at 10 GB/s; c follows one chunk behind at b's rate (not its own
-    # 40 GB/s) and sends the last chunk at 40 GB/s once b has it all
-    assert r.completion["b/gpu0"] == pytest.approx(0.1)
-    assert r.completion["c/gpu0"] == pytest.approx(0.1 + chunk / 40e9, rel=1e-6)
+    # 40 GB/s), waits for b's last byte to land (0.1 s + one hop), then sends the
+    # last chunk at 40 GB/s
+    assert r.completion["b/gpu0"] == pytest.approx(0.1 + hop, rel=1e-9)
+    assert r.completion["c/gpu0"] == pytest.approx(0.1 + hop + chunk / 40e9 + hop, rel=1e-9)
+
+
+def test_a_port_fed_by_the_network_and_a_local_relay_never_beats_the_bound():
+    # two 2-GPU machines without NVLink: each reader GPU gets one stripe over its NIC
+    # and the other from its neighbour through the host, both through its x16 port
+    lay = _cluster("  box:\n    gpus: 2\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s, latency: 2us}\n"
+                   "    nics: {count: 2, bandwidth: 50GB/s, latency: 5us}\n",
+                   "  - name: dc\n    nodes: [{name: 'n{i}', type: box, count: 2}]\n")
+    plan = plan_broadcast(lay, 10**7, sources=["n0"], readers=["n1"])
+    r = simulate(lay.graph, plan.transfers, chunk=plan.chunk, size=plan.size,
+                 holders=plan.sources)
+    bound = lower_bound(lay, plan.sources, plan.needs, method="exact")
+    assert bound.rate == pytest.approx(64e9)
+    assert r.makespan >= bound.seconds
+    assert r.max_utilisation <= 1 + 1e-6
+
+
+def test_host_and_nic_reads_into_one_gpu_share_its_pcie_port():
+    # GPU 3 of a DGX reads 32 GB from host memory and 32 GB from GPU 0 looped through
+    # their rail NICs: both cross GPU 3's one x16 port (64 GB/s), so together they
+    # take 1 s, not the 0.5 s two separate 64 GB/s links would give
+    lay = Layout(reference_cluster("dgx-h100").graph())
+    m = lay.machines["dgx"]
+    from_host = lay.route("dgx/host", "dgx/gpu3")
+    looped = lay.to_nic(m, "dgx/gpu0", "dgx/nic0") + (m.leaf,) \
+        + tuple(reversed(lay.to_nic(m, "dgx/gpu3", "dgx/nic3")))
+    assert from_host[-2] == looped[-2] == "dgx/pcie3"
+    flows = [Transfer("dgx/gpu3", "dgx/host", 0, 32 * GB, 0, from_host),
+             Transfer("dgx/gpu3", "dgx/gpu0", 32 * GB, 64 * GB, 1, looped)]
+    r = simulate(lay.graph, flows, chunk=GB, size=64 * GB)
+    assert r.completion["dgx/gpu3"] == pytest.approx(1.0, rel=1e-4)
+    assert r.max_utilisation == pytest.approx(1.0)
 
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -65,14 +65,14 @@ def finish_times(graph: nx.DiGraph, transfers: list[Transfer], chunk: int,
     """Predicted time each transfer's last byte lands."""
     rates = rates if rates is not None else share_rates(graph, transfers)
     start = [0.0] * len(transfers)
+    latency = [path_latency(graph, t.path) for t in transfers]
     ends = []
     for i, t in enumerate(transfers):
         if t.upstream is not None:
-            u = transfers[t.upstream]
             lag = min(chunk, t.nbytes)
             start[i] = start[t.upstream] + lag / rates[t.upstream] \
-                + path_latency(graph, u.path) + HOP_OVERHEAD
-        ends.append(start[i] + t.nbytes / rates[i] + path_latency(graph, t.path))
+                + latency[t.upstream] + HOP_OVERHEAD
+        ends.append(start[i] + t.nbytes / rates[i] + latency[i])
     return ends
 
 

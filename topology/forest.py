@@ -1,16 +1,37 @@
-"""The stripe trees of a broadcast: datacenters, then machines (leaf-aware), then devices.
+"""The stripe trees of a broadcast: datacenters, then groups of machines, then devices.
 
 `ForestBuilder` places every stripe's tree across datacenters (a widest-path
-tree over the WAN gateways), across the machines of a datacenter (SplitStream /
-rail-aligned, or leaf by leaf under oversubscribed leaves) and hands each
-machine's inside to `topology.intranode.StripeTransfers`. The algorithm is
-described in `topology.planner`.
+tree over the WAN gateways), across the machines of a datacenter, and hands each
+machine's inside to `topology.intranode.StripeTransfers`.
+
+Inside a datacenter a stripe goes two levels deep. The machines are *grouped*: by
+leaf switch where the leaves are oversubscribed (leaf-aware placement), else the
+whole datacenter is one group. Level 1: each group that does not hold the stripe
+receives it once, on a *head* machine, from another group; a group's streams to
+other groups (and to the entry machines of child datacenters) are its *cross*
+quota. Level 2: inside a group, the stripe reaches every member from the roots
+(holders, a child datacenter's entry machine) or the head. Both levels are
+breadth-first trees whose fan-outs are quotas from `topology.fanout.FanOut`:
+
+- a machine with n NICs sends n streams over all the stripes (one per NIC);
+- a group sends, over all the stripes, what its machines have left after serving
+  one another: sum of NICs minus, per stripe, its reading machines - 1 (with K
+  stripes and K NICs per machine, K streams: one crossing of the spine per stripe
+  in, at most K out);
+- each stripe takes a contiguous run of those capacities, so every sender relays in
+  one or two trees with a large fan-out and none goes over its total unless the
+  whole datacenter lacks capacity (then the load spreads one stream at a time).
+
+A machine then receives one stream per NIC (rail-aligned ingress) and sends at most
+one per NIC: the NIC egress is balanced exactly, not greedily. The algorithm as a
+whole is described in `topology.planner`.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
 
+from topology.fanout import FanOut
 from topology.intranode import StripeTransfers
 from topology.layout import Layout
 from topology.plan import (
@@ -23,6 +44,9 @@ from topology.plan import (
     intersect,
 )
 
+Group = tuple[str, str | None]  # (datacenter, leaf), or (datacenter, "") for all of it
+MACHINE, GROUP, DATACENTER = "machine", "group", "datacenter"  # what a slot feeds
+
 
 class ForestBuilder:
     """Builds the transfers of every stripe tree (see the module docstring)."""
@@ -31,14 +55,19 @@ class ForestBuilder:
                  need: dict[str, list[Interval]], stripes: list[Interval],
                  planes: list[str], leaf_aware: bool = True) -> None:
         self.layout, self.held, self.need, self.stripes = layout, held, need, stripes
-        self.planes, self.leaf_aware = planes, leaf_aware
+        self.planes = planes
         self.k = len(stripes)
         self.out = StripeTransfers(layout, need, stripes)
         self.egress_load: dict[str, list[int]] = {}
-        self.home: dict[str, int] = {}  # the tree a machine is interior in
-        self.leaf_budget: dict[str | None, int] = {}  # cross-leaf streams a leaf may send
-        order = {m: i for i, m in enumerate(layout.machines)}
-        self.order = order
+        self.order = {m: i for i, m in enumerate(layout.machines)}
+        self.readers = [[d for d, r in need.items() if intersect(r, lo, hi)]
+                        for lo, hi in stripes]
+        self.leafwise = {m.datacenter: True for m in layout.machines.values()
+                         if leaf_aware and layout.oversubscribed(m.leaf)}
+        self.machine_quota: dict[Group, FanOut] = {}
+        self.group_quota: dict[str, FanOut] = {}
+        self.cross_demand = 0  # streams between the groups of the datacenter being placed
+        self._senders()
 
     def build(self) -> list[Transfer]:
         for s, (lo, hi) in enumerate(self.stripes):
@@ -54,7 +83,7 @@ class ForestBuilder:
     # one stripe
     def _stripe(self, s: int, lo: int, hi: int, holders: list[str]) -> None:
         lay = self.layout
-        readers = [d for d, r in self.need.items() if intersect(r, lo, hi)]
+        readers = self.readers[s]
         if not readers:
             return
         by_machine: dict[str, list[str]] = defaultdict(list)
@@ -88,179 +117,159 @@ class ForestBuilder:
     def _datacenter(self, s: int, dc: str, machines: list[str],
                     holder_machines: dict[str, list[str]], by_machine: dict[str, list[str]],
                     exports: list[str], entry_slot: dict[str, list[list]]) -> None:
+        """Stripe `s` from the holders (or the entry machine) of datacenter `dc` to
+        its reading `machines` and to the entry machines of the child datacenters
+        `exports`, two levels deep: groups (leaves, or the whole datacenter), then
+        the machines of each group (see the module docstring)."""
         lay = self.layout
-        slots: deque[list] = deque()  # [machine, free slots, next egress, devices holding]
-        if dc in entry_slot:
-            slots.extend(entry_slot[dc])
-            entry = entry_slot[dc][0][0]
+        if dc in entry_slot:  # [machine, free slots, next egress, devices holding]
+            roots, entry = entry_slot[dc], entry_slot[dc][0][0]
         else:
             entry = None
-            for m, devs in sorted(holder_machines.items(), key=lambda kv: self.order[kv[0]]):
-                if lay.machines[m].datacenter == dc:
-                    slots.append([m, 1, s, devs])
+            roots = [[m, 1, s, devs] for m, devs in
+                     sorted(holder_machines.items(), key=lambda kv: self.order[kv[0]])
+                     if lay.machines[m].datacenter == dc]
         # readers sharing a machine with a holder (or the entry) are served inside it
-        inner = [m for m in machines if m in holder_machines or m == entry]
-        for m in inner:
-            if m != entry:
+        inner = {m for m in machines if m in holder_machines or m == entry}
+        for m in machines:
+            if m in inner and m != entry:
                 self.out.inside(s, m, by_machine[m], holder_machines[m])
-        rest = [m for m in machines if m not in inner]
-        if self.leaf_aware and any(lay.oversubscribed(lay.machines[m].leaf) for m in rest):
-            self._by_leaf(s, rest, slots, exports, by_machine, entry_slot)
-            return
-        for i, m in enumerate(rest):
-            self.home.setdefault(m, i % self.k)
-        designated = [m for i, m in enumerate(rest) if i % self.k == s % self.k]
-        others = [m for m in rest if m not in set(designated)]
-        if others:
-            shift = (s * max(1, len(others) // self.k)) % len(others)
-            others = others[shift:] + others[:shift]
-        spare: deque[str] = deque()
-        order = [(m, True) for m in designated] + [(dc2, None) for dc2 in exports] \
-            + [(m, False) for m in others]
-        roots = list(slots)
-        for item, interior in order:
-            if not slots:
-                if spare:  # promote the leaf with the most unused NIC egress
-                    m = min(spare, key=lambda x: self._committed(x, s))
-                    spare.remove(m)
-                    slots.append([m, self.k, s, by_machine[m]])
-                else:  # overload the roots rather than fail
-                    slots.extend([r[0], 1, r[2], r[3]] for r in roots)
-            slot = slots[0]
-            parent, senders = slot[0], slot[3]
-            egress = self._egress(parent, slot[2])
-            slot[1] -= 1
-            slot[2] += 1
-            if slot[1] == 0:
-                slots.popleft()
-            sender = self._sender(parent, egress, senders, s)
-            if interior is None:  # a child datacenter: its entry machine
-                target = self._entry(item, by_machine)
+        groups: dict[Group, list[str]] = defaultdict(list)
+        for m in machines:
+            if m not in inner:
+                groups[self._group(m)].append(m)
+        rooted: dict[Group, list[list]] = defaultdict(list)
+        for r in roots:
+            rooted[self._group(r[0])].append(r)
+        cross = self._cross(s, dc, groups, rooted, len(exports))
+        quota = {g: self._quota(s, g, members, cross.get(g, 0), rooted.get(g))
+                 for g, members in groups.items()}
+        order, feeds = self._group_tree(groups, rooted, cross, exports)
+        heads: dict[Group, str] = {}  # the machine each group gets the stripe on
+        for g in order:
+            members, q = groups.get(g, []), quota.get(g, {})
+            head = heads.get(g)
+            starts = rooted[g] if head is None else [[head, q.get(head, 0), s, by_machine[head]]]
+            slots = deque(x for x in starts if x[1] > 0)
+            relays = sorted((m for m in members if m != head and q.get(m)), key=lambda m: -q[m])
+            children = [(MACHINE, m) for m in relays] + feeds.get(g, []) \
+                + [(MACHINE, m) for m in members if m != head and not q.get(m)]
+            for kind, name in children:
+                if not slots:  # over capacity: the group's first senders send once more
+                    slots.extend([x[0], 1, x[2], x[3]] for x in starts)
+                sender, egress = self._next(slots, s)
+                if kind == GROUP:  # the group's relay with the largest quota receives it
+                    target = heads[name] = max(groups[name], key=lambda m: quota[name].get(m, 0))
+                elif kind == DATACENTER:
+                    target = self._entry(name, by_machine)
+                else:
+                    target = name
                 self._land(s, sender, target, by_machine[target], egress)
-                entry_slot[item] = [[target, 1, s, by_machine[target]]]
-                continue
-            self._land(s, sender, item, by_machine[item], egress)
-            if interior:
-                slots.append([item, self.k, s, by_machine[item]])
-            else:
-                spare.append(item)
+                if kind == DATACENTER:
+                    entry_slot[name] = [[target, 1, s, by_machine[target]]]
+                elif kind == MACHINE and q.get(name):
+                    slots.append([name, q[name], s, by_machine[name]])
 
-    def _by_leaf(self, s: int, rest: list[str], slots: deque[list], exports: list[str],
-                 by_machine: dict[str, list[str]], entry_slot: dict[str, list[list]]) -> None:
-        """Stripe `s` into the machines `rest` of an oversubscribed datacenter.
-
-        The SplitStream construction one level up. Each leaf receives the stripe
-        once over the spine, on an *entry* machine, and fans it out under the leaf
-        (a breadth-first tree of fan-out K, rotated with the stripe so that every
-        machine relays about once); a leaf under a holder reads the holder's stream
-        without crossing the spine. Relaying under a leaf of L machines costs
-        (L-1)·K of the leaf's K·L NIC streams, so each leaf has a budget of K
-        cross-leaf streams over all trees. The leaf-level trees are built breadth
-        first: when no slot is left, the leaf that has the stripe and the most
-        budget left gets min(K, budget) slots, spread over its machines by NIC
-        egress committed. A leaf's uplink then carries each stripe in at most once
-        and at most about K streams out (S in, S out: the least possible without a
-        holder under it), and every machine sends about K streams, one per NIC.
-        """
-        lay = self.layout
-        groups: dict[str | None, list[str]] = defaultdict(list)
-        for m in rest:
-            groups[lay.machines[m].leaf].append(m)
-        for leaf in groups:
-            self.leaf_budget.setdefault(leaf, self.k)
-        rooted = [lf for lf in groups if any(lay.machines[r[0]].leaf == lf for r in slots)]
-        free = [lf for lf in groups if lf not in rooted]
-        if free:
-            shift = (s * max(1, len(free) // self.k)) % len(free)
-            free = free[shift:] + free[:shift]
-        roots, have = list(slots), []
-        for leaf in rooted + free:
-            members = self._leaf_order(groups[leaf], s)
-            parent, egress, senders = self._cross(s, slots, roots, have, rooted, groups,
-                                                  by_machine, leaf)
-            head = members[0]
-            self._land(s, self._sender(parent, egress, senders, s), head, by_machine[head],
-                       egress)
-            local: deque[list] = deque([[head, self.k, s, by_machine[head]]])
-            for m in members[1:]:  # breadth first under the leaf, fan-out K
-                parent, egress, senders = self._use(local, leaf)
-                self._land(s, self._sender(parent, egress, senders, s), m, by_machine[m],
-                           egress)
-                local.append([m, self.k, s, by_machine[m]])
-            have.append(leaf)
-        for dc in exports:
-            parent, egress, senders = self._cross(s, slots, roots, have, rooted, groups,
-                                                  by_machine, None)
-            target = self._entry(dc, by_machine)
-            self._land(s, self._sender(parent, egress, senders, s), target, by_machine[target],
-                       egress)
-            entry_slot[dc] = [[target, 1, s, by_machine[target]]]
-
-    def _cross(self, s: int, slots: deque[list], roots: list[list], have: list,
-               rooted: list, groups: dict[str | None, list[str]], by_machine: dict[str, list[str]],
-               leaf: str | None) -> tuple[str, int, list[str]]:
-        """A slot to send stripe `s` into `leaf` (see `_by_leaf`); one under `leaf`
-        first, else promote the leaf in `have` with the most budget, else overload
-        the roots."""
-        lay = self.layout
-        if not any(lay.machines[x[0]].leaf == leaf for x in slots) and not slots:
-            if have:
-                best = max(have, key=lambda lf: (self.leaf_budget[lf], -have.index(lf)))
-                have.remove(best)
-                # a leaf under a holder is the only one with the stripe at first in every
-                # tree: keep one stream of its budget for each later tree
-                reserve = self.k - 1 - s if best in rooted else 0
-                grant = min(self.k, max(1, self.leaf_budget[best] - reserve))
-                slots.extend(self._leaf_slots(groups[best], s, by_machine, grant))
-            else:
-                slots.extend([r[0], 1, r[2], r[3]] for r in roots)
-        parent, egress, senders = self._use(slots, leaf)
-        source_leaf = lay.machines[parent].leaf
-        if source_leaf != leaf and source_leaf in self.leaf_budget:
-            self.leaf_budget[source_leaf] -= 1
-        return parent, egress, senders
-
-    def _use(self, slots: deque[list], leaf: str | None) -> tuple[str, int, list[str]]:
-        """Use one slot, preferring one under `leaf`: (parent, egress NIC, devices)."""
-        lay = self.layout
-        slot = next((x for x in slots if lay.machines[x[0]].leaf == leaf), slots[0])
+    def _next(self, slots: deque[list], s: int) -> tuple[str, int]:
+        """Use a slot of the first sender in `slots`: (sending device, egress NIC)."""
+        slot = slots[0]
         egress = self._egress(slot[0], slot[2])
         slot[1] -= 1
         slot[2] += 1
         if slot[1] == 0:
-            slots.remove(slot)
-        return slot[0], egress, slot[3]
+            slots.popleft()
+        return self._sender(slot[0], egress, slot[3], s), egress
 
-    def _leaf_order(self, members: list[str], s: int) -> list[str]:
-        """`members` rotated for stripe `s` so that the relays under a leaf change
-        from tree to tree (the first is the entry)."""
-        shift = (s * max(1, len(members) // self.k)) % len(members)
-        return members[shift:] + members[:shift]
+    def _group(self, machine: str) -> Group:
+        """The group `machine` is placed in: its leaf where the datacenter's leaves are
+        oversubscribed (and placement is leaf-aware), else the whole datacenter."""
+        m = self.layout.machines[machine]
+        return (m.datacenter, m.leaf) if self.leafwise.get(m.datacenter) else (m.datacenter, "")
 
-    def _leaf_slots(self, members: list[str], s: int, by_machine: dict[str, list[str]],
-                    count: int) -> list[list]:
-        """`count` one-stream slots over `members`, least NIC egress committed first
-        (used so far, plus what it will relay under the leaf in later trees)."""
-        load = {m: sum(self.egress_load.get(m, ())) for m in members}
-        for later in range(s + 1, self.k):
-            left = len(members) - 1
-            for m in self._leaf_order(members, later):  # breadth first, fan-out K
-                load[m] += min(self.k, left)
-                left -= min(self.k, left)
-                if not left:
-                    break
-        out = []
-        for _ in range(count):
-            m = min(members, key=load.__getitem__)
-            load[m] += 1
-            out.append([m, 1, s, by_machine[m]])
-        return out
+    def _senders(self) -> None:
+        """The fan-out quotas: per group, its reading machines (a NIC stream each); per
+        datacenter, its groups, each with the streams its machines have left after
+        serving one another (sum of NICs minus, per stripe, its reading machines - 1)."""
+        lay = self.layout
+        members: dict[Group, set[str]] = defaultdict(set)
+        served: dict[Group, int] = defaultdict(int)
+        for readers in self.readers:
+            per: dict[Group, set[str]] = defaultdict(set)
+            for d in readers:
+                m = lay.machine_of[d]
+                per[self._group(m)].add(m)
+            for g, ms in per.items():
+                served[g] += len(ms) - 1
+                members[g] |= ms
+        spare: dict[str, dict[Group, int]] = defaultdict(dict)
+        for g, ms in members.items():
+            names = sorted(ms, key=self.order.__getitem__)
+            nics = {m: max(1, len(lay.machines[m].nics)) for m in names}
+            self.machine_quota[g] = FanOut(names, nics)
+            spare[g[0]][g] = sum(nics.values()) - served[g]
+        for dc, caps in spare.items():
+            names = sorted(caps, key=lambda g: self.order[self.machine_quota[g].names[0]])
+            self.group_quota[dc] = FanOut(names, caps)
 
-    def _committed(self, machine: str, s: int) -> int:
-        """NIC streams `machine` sends: used so far, plus K if it is still to be
-        interior in a later tree."""
-        later = self.home.get(machine, -1) > s
-        return sum(self.egress_load.get(machine, ())) + (self.k if later else 0)
+    def _cross(self, s: int, dc: str, groups: dict[Group, list[str]],
+               rooted: dict[Group, list[list]], exports: int) -> dict[Group, int]:
+        """Streams each group sends to other groups and child datacenters: one per
+        root slot from the groups holding the stripe, the rest by the datacenter's
+        quotas over the others (the holding groups only when those run out)."""
+        free = [g for g in groups if g not in rooted]
+        demand = self.cross_demand = len(free) + exports
+        quota = self.group_quota.setdefault(dc, FanOut([], {}))
+        cross: dict[Group, int] = {}
+        for g, slots in rooted.items():
+            c = min(demand, sum(x[1] for x in slots))
+            cross[g] = c
+            demand -= c
+            if groups.get(g):  # its members serve every member but what the roots send
+                quota.charge(g, c - sum(x[1] for x in slots) + 1)
+        slack = quota.total(free) - demand * (self.k - s)
+        for g, c in quota.take(demand, free, spill=list(rooted), slack=slack).items():
+            cross[g] = cross.get(g, 0) + c
+            if g in rooted:
+                quota.charge(g, c)
+        return cross
+
+    def _quota(self, s: int, g: Group, members: list[str], cross: int,
+               roots: list[list] | None) -> dict[str, int]:
+        """Streams each machine of group `g` sends in this stripe: one to every other
+        member and `cross` out of the group, less what the roots (or the head) send.
+        Slack for `FanOut.take`: what the members have beyond this stripe's need, the
+        later stripes' (as many members) and the cross streams the group may still owe."""
+        demand = len(members) + cross - (sum(x[1] for x in roots) if roots else 1)
+        if demand <= 0:
+            return {}
+        quota, later = self.machine_quota[g], self.k - 1 - s
+        owed = min(max(0, self.group_quota[g[0]].left.get(g, 0)), later * self.cross_demand)
+        slack = quota.total(members) - demand - later * (len(members) - 1) - owed
+        return quota.take(demand, members, slack=slack)
+
+    @staticmethod
+    def _group_tree(groups: dict[Group, list[str]], rooted: dict[Group, list[list]],
+                    cross: dict[Group, int], exports: list[str]
+                    ) -> tuple[list[Group], dict[Group, list[tuple[str, object]]]]:
+        """Breadth first over the groups: the order to fill them in, and what each
+        group's cross streams feed (other groups, then child datacenters)."""
+        free = [g for g in groups if g not in rooted]
+        relays = sorted((g for g in free if cross.get(g)), key=lambda g: -cross[g])
+        children = [(GROUP, g) for g in relays] + [(DATACENTER, d) for d in exports] \
+            + [(GROUP, g) for g in free if not cross.get(g)]
+        slots = deque([g, cross[g]] for g in rooted if cross.get(g))
+        feeds: dict[Group, list[tuple[str, object]]] = defaultdict(list)
+        for kind, name in children:
+            if not slots:  # unreachable while the quotas add up; stay valid anyway
+                slots.append([next(iter(rooted)), 1])
+            slot = slots[0]
+            feeds[slot[0]].append((kind, name))
+            slot[1] -= 1
+            if slot[1] == 0:
+                slots.popleft()
+            if kind == GROUP and cross.get(name):
+                slots.append([name, cross[name]])
+        return list(rooted) + [name for kind, name in children if kind == GROUP], feeds
 
     def _egress(self, machine: str, preferred: int) -> int:
         """The least used NIC of `machine` so far (ties: from `preferred` on)."""

@@ -6,6 +6,9 @@ Vertices (``kind`` attribute), named so they are unique in the cluster:
 kind            name                   what
 ==============  =====================  ===============================================
 ``gpu``         ``{node}/gpu{j}``      GPU j of a node
+``pcie``        ``{node}/pcie{j}``     the PCIe switch GPU j sits behind, seen from its
+                                       x16 port: GPU j reaches the host and its rail NICs
+                                       only through it
 ``host``        ``{node}/host``        the node's host memory (the endpoint of CPU workers)
 ``nic``         ``{node}/nic{k}``      NIC k of a node
 ``nvswitch``    ``{node}/nvswitch``    the NVSwitch of a node (or ``nvdomain/{domain}``
@@ -18,12 +21,17 @@ kind            name                   what
 Every physical link becomes two arcs, one per direction, with ``bandwidth``
 (bytes/s, per direction), ``latency`` (seconds) and ``tier`` (``nvlink``, ``pcie``,
 ``nic``, ``network``, ``wan``). Vertex attributes: ``kind``, ``node`` and
-``datacenter`` where they apply, ``index`` for GPUs and NICs, ``numa`` where known.
+``datacenter`` where they apply, ``index`` for GPUs, PCIe ports and NICs, ``gpu`` for
+PCIe ports, ``numa`` where known.
 
 Edges:
 - GPU <-> NVSwitch at the NVLink bandwidth (or GPU <-> GPU within ``nvlink.groups``);
-- GPU <-> host and NIC <-> host at the PCIe bandwidth;
-- GPU <-> NIC of its rail at the PCIe bandwidth (they share a PCIe switch);
+- GPU <-> its PCIe port at the PCIe bandwidth: the GPU's one x16 link, so its traffic
+  to the host and to its NICs share it (per direction);
+- PCIe port <-> host (the switch's uplink) and PCIe port <-> each NIC of the GPU's
+  rail at the PCIe bandwidth; a NIC of a node without GPUs links to the host
+  directly. PCIe latency is split evenly between the port's two sides, so that
+  GPU -> NIC, GPU -> host and NIC -> host each cost one PCIe latency;
 - NIC <-> leaf at the NIC bandwidth and latency;
 - leaf <-> spine at (sum of the leaf's NIC bandwidth) / oversubscription;
 - spine <-> WAN gateway at the sum of the datacenter's WAN bandwidth (never the
@@ -43,6 +51,10 @@ def gpu_vertex(node: str, index: int) -> str:
 
 def nic_vertex(node: str, index: int) -> str:
     return f"{node}/nic{index}"
+
+
+def pcie_vertex(node: str, index: int) -> str:
+    return f"{node}/pcie{index}"
 
 
 def host_vertex(node: str) -> str:
@@ -65,12 +77,15 @@ def _add_node(g: nx.DiGraph, node: Node, leaf: str) -> float:
     gpu_numa = t.numa.gpus if t.numa else ()
     nic_numa = t.numa.nics if t.numa else ()
 
+    half = pcie_lat / 2
     for j in range(t.gpus):
-        gpu = gpu_vertex(node.name, j)
+        gpu, port = gpu_vertex(node.name, j), pcie_vertex(node.name, j)
+        numa = gpu_numa[j] if gpu_numa else None
         g.add_node(gpu, kind="gpu", index=j, model=t.gpu.model if t.gpu else None,
-                   memory=t.gpu.memory if t.gpu else None,
-                   numa=gpu_numa[j] if gpu_numa else None, **common)
-        _link(g, gpu, host, bandwidth=pcie_bw, latency=pcie_lat, tier="pcie")
+                   memory=t.gpu.memory if t.gpu else None, numa=numa, **common)
+        g.add_node(port, kind="pcie", index=j, gpu=gpu, numa=numa, **common)
+        _link(g, gpu, port, bandwidth=pcie_bw, latency=half, tier="pcie")
+        _link(g, port, host, bandwidth=pcie_bw, latency=half, tier="pcie")
 
     if t.nvlink is not None:
         nv = t.nvlink
@@ -98,11 +113,13 @@ def _add_node(g: nx.DiGraph, node: Node, leaf: str) -> float:
         g.add_node(nic, kind="nic", index=k, nic_kind=nics.kind,
                    device=nics.names[k] if nics.names else None,
                    numa=nic_numa[k] if nic_numa else None, **common)
-        _link(g, nic, host, bandwidth=pcie_bw or nics.bandwidth, latency=pcie_lat, tier="pcie")
+        if not t.gpus:
+            _link(g, nic, host, bandwidth=pcie_bw or nics.bandwidth, latency=pcie_lat,
+                  tier="pcie")
         _link(g, nic, leaf, bandwidth=nics.bandwidth, latency=nics.latency, tier="nic")
     for j, k in nics.rails(t.gpus):
-        _link(g, gpu_vertex(node.name, j), nic_vertex(node.name, k), bandwidth=pcie_bw,
-              latency=pcie_lat, tier="pcie")
+        _link(g, pcie_vertex(node.name, j), nic_vertex(node.name, k), bandwidth=pcie_bw,
+              latency=half, tier="pcie")
     return nics.count * nics.bandwidth
 
 

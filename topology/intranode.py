@@ -12,7 +12,6 @@ from __future__ import annotations
 from topology.layout import Layout, Machine, dedupe
 from topology.plan import (
     HOST,
-    NIC_LOOP,
     Interval,
     Transfer,
     UnreachableReaderError,
@@ -39,7 +38,7 @@ class StripeTransfers:
     def side_plane(self, s: int, lo: int, hi: int, holders: list[str], plane: str) -> bool:
         """Stripe `s` over the host or the NIC loopback of one machine; False (and
         nothing added) when that plane does not fit these holders and readers."""
-        lay, edges = self.layout, self.layout.graph.edges
+        lay = self.layout
         readers = [d for d, r in self.need.items() if intersect(r, lo, hi)]
         if not readers:
             return True
@@ -51,23 +50,27 @@ class StripeTransfers:
         if any(not covers(self.need[r], lo, hi) for r in readers):
             return False
         if plane == HOST:  # PCIe peer-to-peer through the root complex
-            src = next((h for h in local if (h, m.host) in edges), None)
-            if src is None or any((m.host, r) not in edges or (r, m.host) not in edges
-                                  for r in readers):
+            src = next((h for h in local if len(lay.to_host(h)) > 1), None)
+            if src is None or m.host in readers:
                 return False
-            hops = [(m.host,)] * len(readers)
         else:  # NIC_LOOP: GPUDirect RDMA out of one rail NIC, back in through the next
             src = next((h for h in local if lay.rail_nic(h)), None)
             if src is None or m.leaf is None or not all(lay.rail_nic(r) for r in readers):
                 return False
-            hops = [(m.leaf,)] * len(readers)
         prev = src
-        for r, middle in zip(sorted(readers, key=lay.rail_of), hops, strict=True):
-            if plane == NIC_LOOP:
-                middle = (lay.rail_nic(prev), *middle, lay.rail_nic(r))
-            self.add(s, prev, r, path=dedupe((prev, *middle, r)))
+        for r in sorted(readers, key=lay.rail_of):
+            self.add(s, prev, r, path=self._plane_path(plane, m, prev, r))
             prev = r
         return True
+
+    def _plane_path(self, plane: str, m: Machine, a: str, b: str) -> tuple[str, ...]:
+        """`a` -> `b` on one machine: up one PCIe port and down the other (`HOST`), or
+        out of `a`'s rail NIC, through the leaf and in through `b`'s (`NIC_LOOP`)."""
+        lay = self.layout
+        if plane == HOST:
+            return dedupe(lay.to_host(a) + tuple(reversed(lay.to_host(b))))
+        return (lay.to_nic(m, a, lay.rail_nic(a)) + (m.leaf,)
+                + tuple(reversed(lay.to_nic(m, b, lay.rail_nic(b)))))
 
     def inside(self, s: int, machine: str, devices: list[str], holders: list[str]) -> None:
         m = self.layout.machines[machine]

@@ -3,10 +3,11 @@
 `Layout` reads a graph built by `topology.graph.build_graph` once (O(V + E)) and
 then answers, in O(path length), the route a read takes between two devices:
 NVLink (direct or through the NVSwitch) inside a node or NVLink domain, PCIe
-through the host otherwise, and between nodes ``device -> NIC -> leaf [-> spine
-[-> WAN gateways] -> spine] -> leaf -> NIC -> device``. A device reaches a NIC
-that is not on its own rail through an NVLink peer on that rail (NCCL's PXN) or
-through the host.
+through the host otherwise (``GPU -> its PCIe port -> host -> PCIe port -> GPU``),
+and between nodes ``device -> [PCIe port ->] NIC -> leaf [-> spine [-> WAN
+gateways] -> spine] -> leaf -> NIC [-> PCIe port] -> device``. A device reaches a
+NIC that is not on its own rail through an NVLink peer on that rail (NCCL's PXN)
+or through the host.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Machine:
     host: str
     gpus: list[str] = field(default_factory=list)
     nics: list[str] = field(default_factory=list)
+    ports: dict[str, str] = field(default_factory=dict)  # GPU -> its PCIe port
     leaf: str | None = None
     nvswitch: str | None = None
     rail_gpu: dict[int, str] = field(default_factory=dict)  # NIC index -> GPU on its rail
@@ -51,10 +53,13 @@ class Layout:
                 self.machines[data["node"]] = Machine(data["node"], data["datacenter"], v)
         for v, kind in kinds.items():
             data = graph.nodes[v]
-            if kind not in ("gpu", "nic"):
+            if kind not in ("gpu", "nic", "pcie"):
                 continue
             m = self.machines[data["node"]]
-            (m.gpus if kind == "gpu" else m.nics).append(v)
+            if kind == "pcie":
+                m.ports[data["gpu"]] = v
+            else:
+                (m.gpus if kind == "gpu" else m.nics).append(v)
             self.machine_of[v] = m.name
         for m in self.machines.values():
             self.machine_of[m.host] = m.name
@@ -64,8 +69,8 @@ class Layout:
                 for u in graph.successors(nic):
                     if kinds[u] == "leaf":
                         m.leaf = u
-                    elif kinds[u] == "gpu" and k not in m.rail_gpu:
-                        m.rail_gpu[k] = u
+                    elif kinds[u] == "pcie" and k not in m.rail_gpu:
+                        m.rail_gpu[k] = graph.nodes[u]["gpu"]
             for g in m.gpus[:1]:
                 for u in graph.successors(g):
                     if kinds[u] == "nvswitch":
@@ -92,12 +97,21 @@ class Layout:
         return self.machine(device).datacenter
 
     def rail_nic(self, device: str) -> str | None:
-        """The NIC on `device`'s own rail (a direct PCIe link), or None."""
+        """The NIC on `device`'s own rail (behind its PCIe port), or None."""
         m = self.machine(device)
+        port = m.ports.get(device)
         for k, g in m.rail_gpu.items():
-            if g == device and self.graph.has_edge(device, m.nics[k]):
+            if g == device and port is not None and self.graph.has_edge(port, m.nics[k]):
                 return m.nics[k]
         return None
+
+    def to_host(self, device: str) -> tuple[str, ...]:
+        """Vertices from `device` up to its host memory (through its PCIe port)."""
+        m = self.machine(device)
+        port = m.ports.get(device)
+        if device == m.host:
+            return (device,)
+        return (device, port, m.host) if port is not None else (device, m.host)
 
     def rail_of(self, device: str) -> int:
         """The NIC index on the device's rail (0 for hosts and rail-less GPUs)."""
@@ -129,7 +143,7 @@ class Layout:
                 and dst in md.gpus:
             return (src, ms.nvswitch, dst)
         if ms is md:
-            return dedupe((src, ms.host, dst))
+            return dedupe(self.to_host(src) + tuple(reversed(self.to_host(dst))))
         if not ms.nics or not md.nics or ms.leaf is None or md.leaf is None:
             return None
         nic_s = ms.nics[(self.rail_of(src) if egress is None else egress) % len(ms.nics)]
@@ -137,8 +151,8 @@ class Layout:
         middle = self._network(ms, md)
         if middle is None:
             return None
-        return dedupe(self._to_nic(ms, src, nic_s) + (ms.leaf,) + middle + (md.leaf,)
-                       + tuple(reversed(self._to_nic(md, dst, nic_d))))
+        return dedupe(self.to_nic(ms, src, nic_s) + (ms.leaf,) + middle + (md.leaf,)
+                       + tuple(reversed(self.to_nic(md, dst, nic_d))))
 
     def via_spine(self, src: str | None, dst: str | None, dc: str,
                   vertex: str) -> tuple[str, ...] | None:
@@ -158,20 +172,27 @@ class Layout:
             if middle is None:
                 return None
             middle = middle[:-1] + (spine,)
-        half = self._to_nic(m, device, m.nics[self.rail_of(device) % len(m.nics)])
+        half = self.to_nic(m, device, m.nics[self.rail_of(device) % len(m.nics)])
         out = half + (m.leaf,) + middle + (vertex,)
         return dedupe(out if src is not None else tuple(reversed(out)))
 
-    def _to_nic(self, m: Machine, device: str, nic: str) -> tuple[str, ...]:
+    def to_nic(self, m: Machine, device: str, nic: str) -> tuple[str, ...]:
+        """Vertices from `device` of machine `m` to its `nic`: through the device's
+        PCIe port on the NIC's rail, else over NVLink to the rail's GPU, else through
+        the host."""
         g = self.graph
-        if g.has_edge(device, nic):
+        port = m.ports.get(device)
+        if port is not None and g.has_edge(port, nic):
+            return (device, port, nic)
+        if g.has_edge(device, nic):  # a host that links to the NIC directly
             return (device, nic)
         rail = self.rail_gpu_of_nic(m, nic)
         if rail is not None and m.nvswitch is not None and device in m.gpus:
-            return (device, m.nvswitch, rail, nic)
+            return (device, m.nvswitch, rail, m.ports[rail], nic)
         if rail is not None and g.has_edge(device, rail):
-            return (device, rail, nic)
-        return dedupe((device, m.host, nic))
+            return (device, rail, m.ports[rail], nic)
+        down = (m.ports[rail],) if rail is not None else ()
+        return dedupe(self.to_host(device) + down + (nic,))
 
     def rail_gpu_of_nic(self, m: Machine, nic: str) -> str | None:
         return m.rail_gpu.get(m.nics.index(nic))

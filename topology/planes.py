@@ -67,7 +67,9 @@ def side_planes(layout: Layout, held: dict[str, list[Interval]],
         ``{TREE: NVLink rate}`` plus, where the graph has them, ``HOST`` (a chain
         holder -> reader -> reader ... over PCIe through the host's root complex) and
         ``NIC_LOOP`` (a chain over each GPU's rail NIC and the leaf: GPUDirect RDMA
-        loopback through the switch). Only
+        loopback through the switch), each with what the planes before it leave of
+        the links they share (a GPU's PCIe port carries both side planes), and only
+        when that is more than nothing. Only
         ``{TREE: 1.0}`` when the machine has no NVSwitch joining all of them or no
         device holds every byte (the planes then bring nothing measurable).
 
@@ -76,8 +78,10 @@ def side_planes(layout: Layout, held: dict[str, list[Interval]],
     On an NVSwitch machine the NVLink scatter/all-gather gives each reader the NVLink
     bandwidth B_nv; the host and NIC planes reach every reader over links NVLink does
     not use, so splitting the bytes in proportion to the rates finishes at
-    ``S / (B_nv + B_host + B_nic)`` instead of ``S / B_nv`` (DGX H100: 450 -> 564 GB/s
-    per GPU in the graph's model). O(readers) edge look-ups.
+    ``S / (B_nv + B_host + B_nic)`` instead of ``S / B_nv``. On a DGX H100 the host
+    and NIC planes share each GPU's x16 port, so the host plane takes all 64 GB/s of
+    it and the NIC plane is left out: 450 -> 514 GB/s per GPU. O(readers) edge
+    look-ups.
     """
     devices = list(need) + list(held)
     m = layout.machine(devices[0])
@@ -87,16 +91,31 @@ def side_planes(layout: Layout, held: dict[str, list[Interval]],
     edges, src, readers = layout.graph.edges, full[0], list(need)
     rates = {TREE: min([edges[src, m.nvswitch]["bandwidth"]]
                        + [edges[m.nvswitch, r]["bandwidth"] for r in readers])}
-    host = [a for d in [src] + readers for a in ((d, m.host), (m.host, d))]
-    if all(a in edges for a in host):
-        rates[HOST] = min(edges[a]["bandwidth"] for a in host)
-    nics = [layout.rail_nic(d) for d in [src] + readers]
+    left: dict[tuple[str, str], float] = {}  # what the planes before left of each arc
+
+    def take(arcs: set[tuple[str, str]]) -> float:
+        rate = min(left.get(a, edges[a]["bandwidth"]) for a in arcs)
+        for a in arcs:
+            left[a] = left.get(a, edges[a]["bandwidth"]) - rate
+        return rate
+
+    chain = [src] + readers
+    host = {a for d in chain for a in _arcs(layout.to_host(d))}
+    host |= {(b, a) for a, b in host}
+    if all(a in edges for a in host) and (rate := take(host)) > 0:
+        rates[HOST] = rate
+    nics = [layout.rail_nic(d) for d in chain]
     if m.leaf is not None and all(nics):
-        arcs = [a for d, n in zip([src] + readers, nics, strict=True)
-                for a in ((d, n), (n, m.leaf), (m.leaf, n), (n, d))]
-        if all(a in edges for a in arcs):
-            rates[NIC_LOOP] = min(edges[a]["bandwidth"] for a in arcs)
+        loop = {a for d, n in zip(chain, nics, strict=True)
+                for a in _arcs(layout.to_nic(m, d, n) + (m.leaf,))}
+        loop |= {(b, a) for a, b in loop}
+        if all(a in edges for a in loop) and (rate := take(loop)) > 0:
+            rates[NIC_LOOP] = rate
     return rates
+
+
+def _arcs(path: tuple[str, ...]) -> list[tuple[str, str]]:
+    return list(zip(path, path[1:], strict=False))
 
 
 __all__ = ["cut_stripes", "side_planes"]

@@ -11,29 +11,30 @@ its own tree, built in three levels:
    datacenter with readers gets one parent and one *entry machine*; each stripe
    crosses the WAN once into it, so a remote datacenter receives exactly S bytes
    over the WAN per version.
-2. **Machines inside a datacenter.** The SplitStream / rail-aligned construction:
-   reading machine ``i`` is *interior* in tree ``i mod K`` with fan-out ``K`` and a
-   leaf in the others. A machine then sends at most ``K`` stripe-streams (its K
-   NICs, one stream each) and receives ``K`` (one per NIC): stripe ``k`` lands on
-   NIC ``k mod nics`` and its GPU (rail-aligned ingress), and an interior machine
-   sends on all of its rails in parallel. Holder machines are the roots with one
-   slot per tree (all their rails in use across the K trees; with several holders
-   every tree has several roots, so a joining reader stripes over all of them);
-   entry machines are roots of their datacenter. Trees are built breadth first,
-   so they are ``O(log_K N)`` machines deep. When a tree runs out of slots (fewer
-   machines than stripes) the leaf with the most unused NIC egress (a machine interior in a tree that
-   had slots to spare) is promoted.
-   Under oversubscribed leaves the construction is applied one level up
-   (`topology.forest.ForestBuilder._by_leaf`): each leaf gets each stripe over the spine once, on an
-   entry machine that fans it out under the leaf, with a per-leaf budget of K
-   cross-leaf streams over all trees.
+2. **Machines inside a datacenter.** The SplitStream / rail-aligned construction,
+   two levels deep (`topology.forest`): machines are grouped by leaf switch where
+   the leaves are oversubscribed (else the datacenter is one group); each group
+   gets each stripe once, on a head machine, from another group (so each stripe
+   crosses the spine into a leaf once), then fans it out inside. Stripe ``k`` lands
+   on NIC ``k mod nics`` and its GPU (rail-aligned ingress, one stream per NIC),
+   and how many streams each machine (and group) forwards in each tree is a quota
+   from `topology.fanout.FanOut`: over all K trees a machine sends at most one
+   stream per NIC, each tree taking a contiguous run of the machines' capacity, so
+   a machine relays in one or two trees with fan-out up to K and the trees are
+   ``O(log_K N)`` deep. Holder machines are the roots with one slot per tree (all
+   their rails in use across the K trees; with several holders every tree has
+   several roots, so a joining reader stripes over all of them); entry machines are
+   roots of their datacenter. Only when a datacenter lacks the capacity (a root
+   datacenter exporting to many others) does a machine send more, one stream at a
+   time to whoever has the most left.
 3. **Inside a machine.** The landing device forwards the stripe to the machine's
    other readers: one hop over NVSwitch (star) or, without a switch, a chain over
    PCIe / NVLink pairs (each device forwards each byte once). A broadcast within
    one NVSwitch machine also uses the links NVLink leaves idle: the bytes are split
    over planes (`topology.planes.side_planes`: NVSwitch all-gather, a PCIe peer-to-peer chain
-   through the host, a GPUDirect NIC-loopback chain through the leaf) in proportion
-   to their rates, then re-cut once so that all planes finish together.
+   through the host, a GPUDirect NIC-loopback chain through the leaf; the last two
+   share each GPU's PCIe port) in proportion to their rates, then re-cut once so
+   that all planes finish together.
 
 Every tree edge is a `Transfer` whose ``upstream`` is the transfer that feeds its
 source, so a fetch engine (and `topology.simulator`) pipelines chunks down the
@@ -45,17 +46,17 @@ ranges; `replan` uses this to route around vanished sources, keeping what every
 reader already has.
 
 Complexity: O(V + E) to index the graph, then O(R·K·h) for R readers, K stripes
-and routes of h ≤ 12 hops; predicted times are an equal-share estimate in
+and routes of h ≤ 15 hops; predicted times are an equal-share estimate in
 O(transfers·h). No max-flow, arborescence or shortest-path search runs per reader
-(a 10,000-GPU plan takes a few seconds; see docs/benchmarks.md). Leaf-aware
-placement adds O(leaves·machines-per-leaf) per stripe; the one-machine planes plan
-twice (O(readers²) transfers at most).
+(a 10,000-GPU plan takes a few seconds; see docs/benchmarks.md). The quotas add
+O(machines) per stripe and datacenter; the one-machine planes plan twice
+(O(readers²) transfers at most).
 
 Modules: this one holds the entry points (`plan_broadcast`, `replan`);
 `topology.endpoints` resolves sources and readers, `topology.planes` cuts the
 stripes (and a one-machine broadcast's planes), `topology.forest` builds the
-stripe trees, `topology.intranode` the hops inside a machine, and
-`topology.estimate` predicts times and picks the chunk.
+stripe trees with the quotas of `topology.fanout`, `topology.intranode` the hops
+inside a machine, and `topology.estimate` predicts times and picks the chunk.
 """
 
 from __future__ import annotations
@@ -117,8 +118,9 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
     planes : list of str
         With `stripes`: the plane of each stripe (`Plan.planes`; default all `TREE`).
     leaf_aware : bool
-        Place tree children leaf by leaf under oversubscribed leaves (default);
-        False builds the trees in machine order (for comparison).
+        Group machines by leaf under oversubscribed leaves, each leaf getting each
+        stripe over the spine once (default); False treats a datacenter's machines
+        as one group, in machine order (for comparison).
 
     Returns
     -------

@@ -8,12 +8,18 @@ filling: raise every unfrozen flow's rate together; freeze the flows crossing an
 arc that saturates) with one extra constraint for pipelining: a flow reading from
 a relay that is still receiving those bytes may not overtake it. Once a flow is
 within one chunk of its upstream's frontier it is *capped* and freezes together
-with its upstream, so its rate is min(upstream rate, own fair share). A flow
+with its upstream, so its rate is min(upstream rate, own fair share); it stays
+capped until the upstream's last byte has arrived (the upstream's end plus its
+path latency), so no relay forwards a byte it does not have yet. A flow
 becomes ready when its upstream has delivered one chunk of its bytes (or
 completed) and starts after the upstream path's latency; a reader's last byte
 arrives one path latency after its flow ends. This gives the pipelined time
 ``S/B + depth·chunk/B`` at flow granularity: events are flow starts, completions,
 catch-ups and external events, never chunks.
+
+Relays whose upstream has ended are released when its last byte arrives; such
+releases within a relative ``1e-6`` of each other happen together, at the last
+of them (a few microseconds late at most, never early).
 
 Events: ``Vanish(t, devices)`` aborts every flow from or to those devices and,
 transitively, every flow fed by an aborted one; readers keep the prefix they got
@@ -101,9 +107,10 @@ class Simulator:
     # --- flows --------------------------------------------------------------------
     def add(self, transfers: list[Transfer], now: float) -> None:
         offset = len(self.flows)
-        latest: dict[str, list[int]] = defaultdict(list)
+        latest: dict[str, list[int]] = defaultdict(list)  # flows still bringing bytes
         for i, f in enumerate(self.flows):
-            if self.status[i] in (WAITING, SCHEDULED, ACTIVE):
+            if self.status[i] in (WAITING, SCHEDULED, ACTIVE) or (
+                    self.status[i] == DONE and self.t_end[i] + self.lat[i] > now):
                 latest[f.reader].append(i)
         ups, lags, lats, los, his, pf, pa, wans = [], [], [], [], [], [], [], []
         edges = self.graph.edges
@@ -244,13 +251,19 @@ class Simulator:
             waiting = st == WAITING
             ready = waiting & (~has_up | (st[up] == DONE)
                                | ((st[up] == ACTIVE) & (frontier + eps >= self.lo + self.lag)))
-            delay = np.where(has_up, self.lat[up], 0.0)
-            self.start_at[ready] = t + delay[ready]
+            # one chunk (or all) of the upstream's bytes lands its path latency later
+            arrival = np.where(has_up & (st[up] == DONE),
+                               np.maximum(t, self.t_end[up] + self.lat[up]),
+                               t + np.where(has_up, self.lat[up], 0.0))
+            self.start_at[ready] = arrival[ready]
             st[ready] = SCHEDULED
             go = (st == SCHEDULED) & (self.start_at <= t * (1 + 1e-12) + 1e-15)
             st[go] = ACTIVE
             active = st == ACTIVE
-            up_active = has_up & (st[up] == ACTIVE)
+            # a relay's bytes are still on their way until its flow's path latency
+            # after that flow ends: until then its readers stay behind its frontier
+            arriving = (st[up] == DONE) & (self.t_end[up] + self.lat[up] > t * (1 + 1e-12))
+            up_active = has_up & ((st[up] == ACTIVE) | arriving)
             gap = frontier - (self.lo + self.pos + self.lag)
             capped = active & up_active & (gap <= eps)
             if not active.any() and not (st == SCHEDULED).any():
@@ -281,6 +294,11 @@ class Simulator:
             m = st == SCHEDULED
             if m.any():
                 dts.append(np.min(self.start_at[m]) - t)
+            m = capped & arriving
+            if m.any():  # releases within 1e-6 of the first wait for the last of them
+                release = self.t_end[up][m] + self.lat[up][m]
+                first = np.min(release)
+                dts.append(np.max(release[release <= first * (1 + 1e-6)]) - t)
             if pending:
                 dts.append(pending[0].time - t)
             dt = max(min(dts), 0.0)

@@ -62,10 +62,17 @@ def _oversubscribed_row(nodes: int, over: float, per_leaf: int) -> dict[str, obj
         summary = plan_summary(plan, layout)
         spine = sum(t.nbytes for t in plan.transfers
                     for a in zip(t.path, t.path[1:], strict=False) if a[0].endswith("/spine"))
+        streams: dict[str, int] = {}  # streams leaving each machine's NICs
+        for t in plan.transfers:
+            for a, b in zip(t.path, t.path[1:], strict=False):
+                if layout.kinds.get(a) == "nic" and layout.kinds.get(b) == "leaf":
+                    streams[layout.machine_of[a]] = streams.get(layout.machine_of[a], 0) + 1
         row[name] = {"simulated_s": summary["simulated_s"],
                      "lower_bound_s": summary["lower_bound_s"],
                      "simulated_efficiency": summary["simulated_efficiency"],
-                     "spine_bytes_per_s": spine / SIZE, "depth": summary["depth"]}
+                     "spine_bytes_per_s": spine / SIZE, "depth": summary["depth"],
+                     "plan_seconds": summary["plan_seconds"],
+                     "max_machine_streams": max(streams.values(), default=0)}
     return row
 
 
@@ -128,14 +135,14 @@ def _print(out: dict) -> None:
     console.print(t)
     t = Table("GPUs", "over.", "nodes/leaf", "leaf-aware s", "machine-order s", "bound s",
               "eff. (aware)", "eff. (order)", "spine/S (aware)", "spine/S (order)",
-              title="oversubscribed leaves (simulated)")
+              "max streams/machine", title="oversubscribed leaves (simulated)")
     for r in out["oversubscribed"]:
         a, o = r["leaf_aware"], r["machine_order"]
         t.add_row(str(r["gpus"]), f"{r['oversubscription']:g}", str(r["nodes_per_leaf"]),
                   f"{a['simulated_s']:.4g}", f"{o['simulated_s']:.4g}",
                   f"{a['lower_bound_s']:.4g}", f"{a['simulated_efficiency']:.3f}",
                   f"{o['simulated_efficiency']:.3f}", f"{a['spine_bytes_per_s']:.1f}",
-                  f"{o['spine_bytes_per_s']:.1f}")
+                  f"{o['spine_bytes_per_s']:.1f}", str(a["max_machine_streams"]))
     console.print(t)
     t = Table("scenario", "readers", "ours s", "star s", "ring s", "storage s", "vs star",
               "vs ring", "WAN/S", title="scenarios (stall until the last reader has it)")

@@ -123,7 +123,7 @@ def _tier_rows(cluster: Cluster, types: list[NodeType]) -> list[tuple[str, str, 
                 t.nvlink.latency, t.name)
     for t in types:
         if t.pcie:
-            add("pcie", "PCIe", f"{human_bandwidth(t.pcie.bandwidth)} GPU ↔ host, GPU ↔ NIC",
+            add("pcie", "PCIe", f"{human_bandwidth(t.pcie.bandwidth)} per GPU port (host and NIC share it)",
                 t.pcie.latency, t.name)
     for t in types:
         if t.nics:
