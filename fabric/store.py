@@ -7,6 +7,18 @@ active one, exposing the spare as a partial replica so peers can read it as it
 fills, then switches. A buffer that holds an older version is reused only after
 the hub agrees to its retract (no reader in flight, retention respected).
 
+Fresh shared memory is slow to write (each page is allocated, zeroed and mapped
+by a fault: 0.5-2 s per GB, against 0.06 s for the copy), so a new host buffer
+populates its pages in a background thread (`Region.populate`); a fetch that
+overtakes it populates each chunk's pages just before writing it, a publish
+finishes the populate first. With ``prepare_spare`` (the default) the store
+also creates the second buffer of its double buffer as soon as it holds one
+(after `attach`, the first snapshot `publish` or the first `fetch`), so the next
+version lands in memory that is already there. That spare costs the model's size
+(in /dev/shm, or GPU memory for a GPU store) from then on, instead of from the
+second version on; an in-place publisher never needs it and frees it at its
+first ``publish(snapshot=False)``.
+
 Trainer::
 
     store = worker.model("policy")
@@ -24,6 +36,7 @@ Rollout::
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -35,7 +48,7 @@ import torch
 from torch import nn
 
 from fabric.arena import Region
-from fabric.errors import FabricError, ManifestMismatchError, RetentionError
+from fabric.errors import ArenaError, FabricError, ManifestMismatchError, RetentionError
 from fabric.fetch import FetchOptions, FetchStats, Source, fetch_chunks
 from fabric.gpu.region import DeviceRegion
 from fabric.hub_planner import HubPlanner, region_name
@@ -49,7 +62,7 @@ from fabric.tensorset import (
     named_tensors,
     views,
 )
-from fabric.transports import local_host_id
+from fabric.transports import SourceAddress, Transport, local_host_id
 from kernels import PackLayout, chunk_checksums, pack
 
 if TYPE_CHECKING:
@@ -58,6 +71,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_BUFFERS = 4
+PREPARED_BUFFERS = 2
+"""`prepare_spare` tops the store up to this many buffers (active + spare), never more."""
 
 
 @dataclass
@@ -98,7 +113,8 @@ class ModelStore:
     """Versions of one model as seen by one worker. Get it with `Worker.model`."""
 
     def __init__(self, worker: Worker, model: str, *, chunk_size: int,
-                 device: torch.device | str = "cpu", shard: int = 0, num_shards: int = 1) -> None:
+                 device: torch.device | str = "cpu", shard: int = 0, num_shards: int = 1,
+                 prepare_spare: bool = True) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"model {model!r}: shard {shard} outside 0..{num_shards - 1}")
         self.worker = worker
@@ -106,10 +122,15 @@ class ModelStore:
         self.shard, self.num_shards = shard, num_shards
         self.chunk_size = check_chunk_size(chunk_size)
         self.device = resolve_device(device)
+        self.prepare_spare = prepare_spare and self.device.type == "cpu"
+        """Keep a populated spare host buffer ready for the next version (see the module
+        docstring); False allocates buffers only when a version needs one. GPU stores
+        never prepare one: GPU memory has no page faults to hide."""
         self.layout: PackLayout | None = None
         self._buffers: list[_Buffer] = []
         self._active: _Buffer | None = None
         self._attached: dict[str, torch.Tensor] | None = None
+        self._closed = False
         self._lock = threading.RLock()
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"wf-fetch-{model}")
 
@@ -157,7 +178,7 @@ class ModelStore:
             self.layout = layout
             buffer = self._active
             if buffer is None:  # keep the module's values; else it takes the version held
-                buffer = self._new_buffer()
+                buffer = self._ready(self._new_buffer())
                 pack({n: t.detach() for n, t in tensors.items()}, layout, out=buffer.region.tensor)
             self._attached = tensors
             self._activate(buffer)
@@ -171,9 +192,10 @@ class ModelStore:
 
         Args:
             obj: the tensors (a module or name -> tensor); default: the attached ones.
-            snapshot: copy the tensors into a fresh buffer, so the caller may change
+            snapshot: copy the tensors into a spare buffer, so the caller may change
                 them at once. With False, expose the attached tensors in place: they
-                must not change until `retract` (or `hold`) returns.
+                must not change until `retract` (or `hold`) returns; the store then
+                frees an unused spare and stops preparing one.
             hold: after committing, wait until another worker holds a complete replica
                 (the model's ``min_replicas``), then retract this one, so training can
                 go on (useful with ``snapshot=False``).
@@ -200,10 +222,11 @@ class ModelStore:
                 elif layout != self.layout:
                     raise FabricError(f"model {self.model!r}: this tensor set's layout differs "
                                       "from the one this store holds; use another model name")
-                buffer = self._spare_buffer()
+                buffer = self._ready(self._spare_buffer())
                 pack({n: t.detach() for n, t in tensors.items()}, layout, out=buffer.region.tensor)
             else:
                 self._check_in_place(obj)
+                self._drop_spares()
                 buffer = self._active
                 if buffer.exposed is not None:
                     raise FabricError(f"the attached tensors are still exposed as v{buffer.version};"
@@ -219,6 +242,8 @@ class ModelStore:
             hub.commit(self.model, version)
             if snapshot and self._attached is None:
                 self._active = buffer
+            if snapshot:
+                self._prepare_spare()
             log.info("published %s v%d (%d bytes, %d chunks)", self.model, version,
                      manifest.total_bytes, manifest.num_chunks)
         if hold:
@@ -295,11 +320,14 @@ class ModelStore:
             if early is not None:
                 self._unexpose(early[0])
             raise
+        choose = self.worker.transport_for
+        if isinstance(buffer.region, Region) and buffer.region.populated_bytes < buffer.region.nbytes:
+            choose = functools.partial(_populate_first, choose, buffer.region)
         try:
             stats = fetch_chunks(
                 buffer.region.tensor, chunk_size=manifest.chunk_size, progress=progress,
                 planner=HubPlanner(hub, plan, me=self.worker.location),
-                choose=self.worker.transport_for, checksums=list(manifest.checksums),
+                choose=choose, checksums=list(manifest.checksums),
                 checksum_fn=lambda c, piece: int(chunk_checksums(
                     piece, manifest.chunk_size, first_chunk=c)[0]),
                 verify=_verify_rule(verify), options=options, on_chunk=on_chunk)
@@ -356,9 +384,11 @@ class ModelStore:
             buffer.region.close()
 
     def close(self) -> None:
-        """Stop serving every version of this model and free the buffers."""
+        """Stop serving every version of this model and free the buffers (stopping
+        any background populate first)."""
         self._fetcher.shutdown(wait=True, cancel_futures=True)
         with self._lock:
+            self._closed = True
             for buffer in self._buffers:
                 if buffer.exposed:
                     self.worker.server.retract(buffer.exposed, timeout=5.0)
@@ -369,21 +399,71 @@ class ModelStore:
     # --- buffers -----------------------------------------------------------------------
 
     def _new_buffer(self) -> _Buffer:
+        """A new buffer; in host memory it populates itself in the background (writers:
+        `_ready`, `_PopulateFirst`)."""
         assert self.layout is not None
+        if self._closed:
+            raise FabricError(f"model {self.model!r}: the store is closed")
         region: Region | DeviceRegion
         if self.device.type == "cuda":
             region = DeviceRegion(self.layout.nbytes, self.device)
         else:
             region = Region.create(f"{self.worker.name}-{self.model}", self.layout.nbytes)
+            region.populate(background=True)
         buffer = _Buffer(region)
         self._buffers.append(buffer)
         return buffer
+
+    def _ready(self, buffer: _Buffer) -> _Buffer:
+        """`buffer`, fully populated (the caller finishes what the background has not);
+        a buffer that cannot be populated is freed.
+
+        Raises:
+            ArenaError: no room in /dev/shm for it.
+        """
+        if isinstance(buffer.region, Region):
+            try:
+                buffer.region.populate()
+            except ArenaError:
+                self._drop(buffer)
+                raise
+        return buffer
+
+    def _drop(self, buffer: _Buffer) -> None:
+        with self._lock:
+            if buffer in self._buffers:
+                self._buffers.remove(buffer)
+            buffer.region.close()
+
+    def _prepare_spare(self) -> None:
+        """With `prepare_spare`, start populating a spare buffer now, so the next
+        version does not wait for fresh pages; only up to `PREPARED_BUFFERS`."""
+        with self._lock:
+            if (not self.prepare_spare or self.layout is None or self._closed
+                    or len(self._buffers) >= PREPARED_BUFFERS
+                    or any(b is not self._active and b.version is None for b in self._buffers)):
+                return
+            try:
+                self._new_buffer()
+            except ArenaError as exc:  # an optimisation: the next version allocates it
+                log.warning("%s: no spare buffer prepared: %s", self.model, exc)
+
+    def _drop_spares(self) -> None:
+        """Stop preparing spares and free unused ones (an in-place publisher keeps its
+        tensors in the active buffer and never writes into a spare)."""
+        with self._lock:
+            self.prepare_spare = False
+            for buffer in [b for b in self._buffers if b is not self._active and b.version is None]:
+                self._drop(buffer)
 
     def _spare_buffer(self) -> _Buffer:
         """A buffer that is neither active nor needed by readers, reclaiming the oldest
         versions whose retract the hub allows, or allocating a new one."""
         for buffer in sorted((b for b in self._buffers if b is not self._active),
                              key=lambda b: b.version or -1):
+            if buffer.version is None and getattr(buffer.region, "populate_error", None):
+                self._drop(buffer)  # /dev/shm had no room for it; try afresh below
+                continue
             if buffer.version is None:
                 return buffer
             try:
@@ -420,6 +500,7 @@ class ModelStore:
             if self._attached is not None and self.layout is not None:
                 for name, view in views(self.layout, buffer.region.tensor).items():
                     self._attached[name].data = view
+            self._prepare_spare()
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for name, t in tensors.items():
@@ -468,6 +549,27 @@ def _reach(region: Region | DeviceRegion) -> dict[str, object]:
     if isinstance(region, DeviceRegion):
         return {"gpu": region.gpu}
     return {"shm_path": str(region.path)}
+
+
+class _PopulateFirst:
+    """A transport that populates the bytes a read will write before reading, unless
+    the buffer's background populate got there first: a fetch into a buffer that is
+    still being prepared writes into mapped pages, not through page faults."""
+
+    def __init__(self, inner: Transport, region: Region) -> None:
+        self._inner = inner
+        self._region = region
+
+    def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
+             timeout: float) -> None:
+        start = out.data_ptr() - self._region.tensor.data_ptr()
+        self._region.populate_range(start, start + out.numel())
+        self._inner.read(source, region, offset, out, timeout=timeout)
+
+
+def _populate_first(choose: Callable[[Source], Transport], region: Region,
+                    source: Source) -> _PopulateFirst:
+    return _PopulateFirst(choose(source), region)
 
 
 def _verify_rule(verify: bool | None) -> Callable[[Source], bool]:

@@ -66,7 +66,7 @@ class Worker:
 
     def model(self, name: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
               device: torch.device | str = "cpu", shard: int = 0,
-              num_shards: int = 1) -> ModelStore:
+              num_shards: int = 1, prepare_spare: bool = True) -> ModelStore:
         """The store of model `name` (created once per worker).
 
         Args:
@@ -77,13 +77,16 @@ class Worker:
             shard, num_shards: this worker's shard of a model published by
                 ``num_shards`` model-parallel ranks (each publishes and fetches its own;
                 readers with another layout use `fabric.reshard_fetch`).
+            prepare_spare: keep a populated spare buffer ready for the next version
+                (`ModelStore.prepare_spare`; costs the model's size in /dev/shm).
         """
         with self._lock:
             store = self._stores.get(name)
             if store is None:
                 store = self._stores[name] = ModelStore(self, name, chunk_size=chunk_size,
                                                         device=device, shard=shard,
-                                                        num_shards=num_shards)
+                                                        num_shards=num_shards,
+                                                        prepare_spare=prepare_spare)
             elif (store.chunk_size, store.device, store.shard, store.num_shards) != (
                     chunk_size, resolve_device(device), shard, num_shards):
                 raise ValueError(f"model {name!r} is already open with chunk_size "
