@@ -1,14 +1,21 @@
-"""CPU arenas: /dev/shm regions, views, and cleanup of files of dead workers."""
+"""CPU arenas: /dev/shm regions, views, cleanup of files of dead workers, and
+population of pages ahead of writes."""
 
+import errno
 import os
+import resource
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from shm_pages import populate_threads, resident_bytes, scratch_shm
 
+from fabric import arena
 from fabric.arena import ArenaError, Region, remove_stale_regions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,3 +112,121 @@ def test_stale_regions_of_killed_workers_are_removed_live_ones_kept(shm_dir):
         for proc in (victim, alive):
             proc.kill()
             proc.wait(timeout=30)
+
+
+# --- population ----------------------------------------------------------------------
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def tmpfs():
+    with scratch_shm() as path:
+        yield path
+
+
+def slow_populate(monkeypatch, seconds: float) -> None:
+    """Make every step of a background populate take `seconds` longer (to act while
+    one runs); writers' own `populate_range` calls keep their speed."""
+    real = arena._populate_range
+
+    def slow(*args, **kwargs):
+        if threading.current_thread().name.startswith("wf-populate-"):
+            time.sleep(seconds)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(arena, "_populate_range", slow)
+
+
+def test_a_populated_region_is_resident_before_its_first_write(tmpfs):
+    with Region.create("w", 64 * MiB + 100, directory=tmpfs) as sparse:
+        assert resident_bytes(sparse.path) == 0
+    with Region.create("w", 64 * MiB + 100, directory=tmpfs, populate=True) as region:
+        assert resident_bytes(region.path) >= region.nbytes
+        assert region.populated_bytes == region.nbytes and region.wait_populated(timeout=0)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        region.tensor.fill_(7)
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 64  # of 16k pages
+        assert bool((region.tensor == 7).all())
+
+
+def test_background_populate_finishes_and_its_thread_ends(tmpfs):
+    with Region.create("w", 32 * MiB, directory=tmpfs) as region:
+        region.populate(background=True)
+        region.populate(background=True)  # a second call does nothing
+        assert region.wait_populated(timeout=60)
+        assert resident_bytes(region.path) >= region.nbytes
+        deadline = time.monotonic() + 10
+        while populate_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not populate_threads()
+
+
+def test_close_stops_a_background_populate_and_removes_the_file(tmpfs, monkeypatch):
+    slow_populate(monkeypatch, 0.05)
+    region = Region.create("w", 64 * MiB, directory=tmpfs)  # 16 steps: 0.8 s or more
+    region.populate(background=True)
+    assert region.wait_populated(arena.POPULATE_PIECE, timeout=30)
+    assert region.populated_bytes < region.nbytes  # still running
+    start = time.monotonic()
+    region.close()
+    assert time.monotonic() - start < 2  # within one step, not the whole populate
+    assert not populate_threads() and not region.path.exists()
+    assert region.populated_bytes < region.nbytes
+
+
+def test_populate_in_the_foreground_takes_over_from_the_background(tmpfs, monkeypatch):
+    slow_populate(monkeypatch, 0.2)
+    with Region.create("w", 32 * MiB, directory=tmpfs) as region:
+        region.populate(background=True)
+        region.populate()
+        assert region.populated_bytes == region.nbytes and not populate_threads()
+        assert resident_bytes(region.path) >= region.nbytes
+
+
+@pytest.mark.parametrize("fallocate", [True, False], ids=["fallocate", "no-fallocate"])
+def test_populate_falls_back_when_the_kernel_lacks_madv_populate_write(tmpfs, monkeypatch,
+                                                                       fallocate):
+    calls = []
+    monkeypatch.setattr(arena, "_madvise", lambda *args: calls.append(args) or errno.EINVAL)
+    if not fallocate:
+        def unsupported(*args):
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    with Region.create("w", 8 * MiB + 1, directory=tmpfs, populate=True) as region:
+        assert len(calls) == 1  # asked once, then the fallback for every step
+        assert region._populator.methods == {"madvise": False, "fallocate": fallocate}
+        assert resident_bytes(region.path) >= region.nbytes
+        region.populate_range(5, 4 * MiB + 3)  # a writer's range after the fallback
+        assert len(calls) == 1
+
+
+def test_no_room_in_dev_shm_is_an_arena_error_not_a_sigbus(tmpfs, monkeypatch):
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ArenaError, match="No space left"):
+        Region.create("w", 8 * MiB, directory=tmpfs, populate=True)
+    assert not list(tmpfs.iterdir())  # the failed region's file is gone
+    with Region.create("w", 8 * MiB, directory=tmpfs) as region:
+        region.populate(background=True)
+        with pytest.raises(ArenaError, match="No space left"):
+            region.wait_populated(timeout=30)
+        assert isinstance(region.populate_error, ArenaError)
+    monkeypatch.undo()  # fallocate works again; madvise says a write would SIGBUS
+    monkeypatch.setattr(arena, "_madvise", lambda *args: errno.EFAULT)
+    with Region.create("w", 8 * MiB, directory=tmpfs) as region, \
+            pytest.raises(ArenaError, match="Bad address"):
+        region.populate_range(0, MiB)
+
+
+def test_only_the_owner_populates(tmpfs):
+    with Region.create("w", MiB, directory=tmpfs) as owner, \
+            Region.attach(owner.path) as peer:
+        with pytest.raises(ArenaError, match="only the owner"):
+            peer.populate()
+        assert peer.wait_populated(timeout=0) is False
+    owner.close()
+    with pytest.raises(ArenaError, match="only the owner"):
+        owner.populate()

@@ -1,13 +1,20 @@
-"""ModelStore in one process: switching versions, in-place publish, and bad input."""
+"""ModelStore in one process: switching versions, in-place publish, bad input, and
+buffers populated ahead of writes."""
 
+import errno
+import os
 import time
 
 import pytest
 import torch
+from shm_pages import populate_threads, resident_bytes
+from test_arena import slow_populate
 from torch import nn
 
 import fabric
+from fabric import arena
 from fabric.errors import (
+    ArenaError,
     FabricError,
     HubUnavailableError,
     ManifestMismatchError,
@@ -143,3 +150,120 @@ def test_devices_are_checked_before_any_memory_is_taken(hub):
     if not torch.cuda.is_available():  # the GPU side is in test_gpu_store.py
         with pytest.raises(ValueError, match="needs a GPU: cuda: torch.cuda.is_available"):
             worker.model("g", device="cuda")
+
+
+# --- buffers populated ahead of writes ---------------------------------------------------
+
+def big(seed: int = 0, mb: int = 24) -> dict[str, torch.Tensor]:
+    """About `mb` MB in a few tensors (several populate steps)."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(mb * (1 << 20) // 16, generator=g) for i in range(4)}
+
+
+def paths(store) -> set:
+    return {b.region.path for b in store._buffers}
+
+
+def spares(store) -> list:
+    return [b for b in store._buffers if b is not store._active and b.version is None]
+
+
+def test_attach_prepares_a_populated_spare_that_the_first_fetch_fills(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    v1 = trainer.model("m", chunk_size=CHUNK).publish(big(1))
+    store = rollout.model("m", chunk_size=CHUNK)
+    model = big(2)
+    store.attach(model)
+    [spare] = spares(store)
+    assert spare.region.wait_populated(timeout=60)
+    assert resident_bytes(spare.region.path) >= spare.region.nbytes
+    before = paths(store)
+    store.fetch(v1)
+    assert store._active is spare and paths(store) == before  # no buffer allocated
+    assert all(torch.equal(model[n], t) for n, t in big(1).items())
+
+
+def test_first_fetch_prepares_the_buffer_of_the_second(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    source = big(3)
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    store = rollout.model("m", chunk_size=CHUNK)
+    store.fetch(t_store.publish(source))
+    [spare] = spares(store)  # nobody attached: it came with the first version
+    assert spare.region.wait_populated(timeout=60)
+    before = paths(store)
+    for _ in range(2):
+        for t in source.values():
+            t.add_(1)
+        store.fetch(t_store.publish(source))
+        assert paths(store) == before  # v2 fills the spare, v3 the buffer of v1
+        assert all(torch.equal(store.tensors[n], t) for n, t in source.items())
+    assert len(t_store._buffers) == 2  # the trainer's snapshots alternate in two as well
+
+
+def test_without_prepare_spare_buffers_come_only_with_versions(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    t_store = trainer.model("m", chunk_size=CHUNK, prepare_spare=False)
+    v1 = t_store.publish(big(1, mb=4))
+    store = rollout.model("m", chunk_size=CHUNK, prepare_spare=False)
+    store.fetch(v1)
+    assert len(store._buffers) == len(t_store._buffers) == 1
+    attached = rollout.model("n", chunk_size=CHUNK, prepare_spare=False)
+    attached.attach(big(2, mb=4))
+    assert len(attached._buffers) == 1
+
+
+def test_an_in_place_publisher_frees_its_spare(hub):
+    store = hub("trainer").model("m", chunk_size=CHUNK)
+    model = net(seed=5)
+    store.attach(model)
+    [spare] = spares(store)
+    store.publish(snapshot=False)
+    assert len(store._buffers) == 1 and not spare.region.path.exists()
+    assert not store.prepare_spare
+
+
+def test_fetch_overtaking_a_background_populate_is_exact(hub, monkeypatch):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    source = big(4)
+    v1 = trainer.model("m", chunk_size=CHUNK).publish(source)
+    slow_populate(monkeypatch, 0.2)  # 0.2 s per 4 MiB step: the fetch overtakes it
+    store = rollout.model("m", chunk_size=CHUNK)
+    store.fetch(v1)
+    files = paths(store)
+    region = store._active.region
+    assert region.populated_bytes < region.nbytes  # the background is still at it...
+    assert resident_bytes(region.path) >= region.nbytes  # ...the fetch populated the rest
+    assert all(torch.equal(store.tensors[n], t) for n, t in source.items())
+    store.close()
+    assert not populate_threads(files) and not any(p.exists() for p in files)
+
+
+def test_close_while_spares_populate_leaves_no_thread_or_file(hub, monkeypatch):
+    slow_populate(monkeypatch, 0.05)
+    store = hub("rollout").model("m", chunk_size=CHUNK)
+    store.attach(big(5))
+    [spare] = spares(store)
+    files = paths(store)
+    assert populate_threads(files) and spare.region.populated_bytes < spare.region.nbytes
+    store.close()
+    assert not populate_threads(files)
+    assert not any(p.exists() for p in files)
+
+
+def test_no_room_for_a_buffer_fails_the_fetch_with_arena_error(hub, monkeypatch):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    v1 = trainer.model("m", chunk_size=CHUNK).publish(big(6, mb=4))
+    store = rollout.model("m", chunk_size=CHUNK)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(arena, "_madvise", lambda *args: errno.EFAULT)
+    with pytest.raises(ArenaError, match="shared memory"):
+        store.fetch(v1)
+    assert store.version is None
+    monkeypatch.undo()
+    assert store.fetch(v1).version == v1  # room again: the broken buffer was dropped
+    assert len(store._buffers) == 2
