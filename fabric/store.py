@@ -62,7 +62,7 @@ from fabric.tensorset import (
     named_tensors,
     views,
 )
-from fabric.transports import SourceAddress, Transport, local_host_id
+from fabric.transports import RegionInfo, SourceAddress, Transport, local_host_id
 from kernels import PackLayout, chunk_checksums, pack
 
 if TYPE_CHECKING:
@@ -551,12 +551,13 @@ def _reach(region: Region | DeviceRegion) -> dict[str, object]:
     return {"shm_path": str(region.path)}
 
 
-class _PopulateFirst:
-    """A transport that populates the bytes a read will write before reading, unless
+class _PopulateFirst(Transport):
+    """Another transport whose reads first populate the bytes they will write, unless
     the buffer's background populate got there first: a fetch into a buffer that is
     still being prepared writes into mapped pages, not through page faults."""
 
     def __init__(self, inner: Transport, region: Region) -> None:
+        self.name = inner.name
         self._inner = inner
         self._region = region
 
@@ -565,6 +566,15 @@ class _PopulateFirst:
         start = out.data_ptr() - self._region.tensor.data_ptr()
         self._region.populate_range(start, start + out.numel())
         self._inner.read(source, region, offset, out, timeout=timeout)
+
+    def describe(self, source: SourceAddress, region: str, *, timeout: float) -> RegionInfo:
+        return self._inner.describe(source, region, timeout=timeout)
+
+    def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
+        return self._inner.progress(source, region, timeout=timeout)
+
+    def close(self) -> None:
+        """Nothing to release: the inner transport is the worker's."""
 
 
 def _populate_first(choose: Callable[[Source], Transport], region: Region,
