@@ -7,8 +7,9 @@ Run as ``python -m tools.bench.agent`` (the benchmarks start it through
 - ``{"op": "hub", "host": H, "port": P, "ranking": "locality" | "origin"}`` ->
   ``{"url": U}``: serve a hub in this process. ``origin`` ranks only the worker
   named ``trainer`` as a source (every reader pulls from the trainer).
-- ``{"op": "join", "url", "name", "location", "host", "chunk_size", "device"}`` -> ``{}``:
-  join, and open the model's store on ``device`` (default ``cpu``).
+- ``{"op": "join", "url", "name", "location", "host", "chunk_size", "device", "attach"}``
+  -> ``{}``: join, and open the model's store on ``device`` (default ``cpu``); with
+  ``attach: N``, attach `bench_tensors(N, 0)` to it, as a rollout attaches its model.
 - ``{"op": "publish", "size": N, "seed": S}`` -> ``{"version", "bytes", "tensor_bytes"}``:
   publish `bench_tensors(N, S)` (snapshot); each later publish first adds 1 to
   every byte, so versions differ without generating them again.
@@ -126,6 +127,9 @@ class Agent:
             self.device = cmd.get("device", "cpu")
             self.store = self.worker.model("bench", chunk_size=int(cmd["chunk_size"]),
                                            device=self.device)
+            if cmd.get("attach"):
+                self.store.attach({n: t.to(self.device)
+                                   for n, t in bench_tensors(int(cmd["attach"]), 0).items()})
             return {}
         assert self.worker is not None and self.store is not None, "join first"
         if op == "publish":

@@ -63,6 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nvshmem-pes", type=int, default=1,
                    help="with --device cuda: PEs of the NVSHMEM read test (1: a PE reads "
                         "its own region; 2+ on one GPU need MPS; 0: skip; default 1)")
+    p.add_argument("--attach", action="store_true",
+                   help="readers attach a model of the same layout before the first version, "
+                        "as RL rollouts do (the first version then lands in the spare buffer "
+                        "prepared at attach)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip memcpy and gloo (for profiling the fetch alone)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -71,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int = 4,
                 versions: int = 3, baselines: bool = True, report_interval: float | None = None,
-                device: str = "cpu", nvshmem_pes: int = 0,
+                device: str = "cpu", nvshmem_pes: int = 0, attach: bool = False,
                 on_phase: Callable[[str, int | None], None] = lambda name, total: None,
                 on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run the benchmark once; returns the JSON result (see the module docstring).
@@ -98,6 +102,7 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
     from tools.bench import baselines as base
 
     result: dict[str, Any] = {"readers": readers, "size_requested": size, "device": device,
+                              "attach": attach,
                               "chunk_size": chunk_size, "max_inflight": max_inflight}
     options: dict[str, float] = {"max_inflight": max_inflight}
     if report_interval is not None:
@@ -116,7 +121,8 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
         agents.extend(started)
         for a in started:
             a.reply(120)
-            a.ask("join", url=url, name=a.name, chunk_size=chunk_size, device=device)
+            a.ask("join", url=url, name=a.name, chunk_size=chunk_size, device=device,
+                  attach=size if attach and a.name != "trainer" else 0, timeout=300)
         trainer, reader_agents = started[0], started[1:]
         rounds = []
         for i in range(versions):
@@ -222,7 +228,7 @@ def _run(args: argparse.Namespace) -> int:
             result = bench_fetch(readers=args.readers, size=size, chunk_size=chunk,
                                  max_inflight=args.max_inflight, versions=args.versions,
                                  report_interval=args.report_interval, device=args.device,
-                                 nvshmem_pes=args.nvshmem_pes,
+                                 nvshmem_pes=args.nvshmem_pes, attach=args.attach,
                                  baselines=not args.no_baselines, on_phase=on_phase,
                                  on_progress=on_progress)
         except ValueError as exc:
