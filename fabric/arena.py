@@ -311,19 +311,19 @@ class Region:
 
         Args:
             background: do it in a thread and return at once (a second call does
-                nothing); `wait_populated` follows it,
-                `close` stops it. Without it the caller's thread does the rest now,
-                taking over from a background thread that has not finished.
+                nothing); `wait_populated` follows it, `close` stops it. Without it
+                the caller's thread does the rest now, taking over from a
+                background thread that has not finished.
 
         Raises:
             ArenaError: not the owner, closed, or no room in /dev/shm (in the
                 background the error is kept: `populate_error`, `wait_populated`).
         """
-        self._owner_only()
+        populator = self._owner_only()
         if background:
-            self._populator.start(self.tensor, self.path.name[-8:])
+            populator.start(self.tensor, self.path.name[-8:])
         else:
-            self._populator.run_here(self.tensor)
+            populator.run_here(self.tensor)
 
     def populate_range(self, start: int, end: int) -> None:
         """Populate bytes [`start`, `end`) now, in the caller's thread, unless
@@ -333,8 +333,7 @@ class Region:
         Raises:
             ArenaError: not the owner, closed, or no room in /dev/shm.
         """
-        self._owner_only()
-        populator = self._populator
+        populator = self._owner_only()
         if end > populator.frontier:
             _populate_range(populator.fd, self.tensor, max(start, populator.frontier), end,
                             populator.methods, allocate=False)
@@ -360,9 +359,10 @@ class Region:
             return False
         return self._populator.wait(self.nbytes if end is None else end, timeout)
 
-    def _owner_only(self) -> None:
+    def _owner_only(self) -> _Populator:
         if self._populator is None or self.closed:
             raise ArenaError(f"only the owner of an open region populates it ({self.path.name})")
+        return self._populator
 
     @property
     def closed(self) -> bool:
