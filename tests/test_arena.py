@@ -230,3 +230,15 @@ def test_only_the_owner_populates(tmpfs):
     owner.close()
     with pytest.raises(ArenaError, match="only the owner"):
         owner.populate()
+
+
+def test_exit_during_a_background_populate_removes_the_file(tmpfs):
+    code = (
+        "from pathlib import Path; from fabric.arena import Region;"
+        f"r = Region.create('exiting', 1 << 30, directory=Path({str(tmpfs)!r}));"
+        "r.populate(background=True); print(r.path, flush=True)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert not Path(proc.stdout.strip()).exists()
