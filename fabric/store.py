@@ -15,9 +15,9 @@ finishes the populate first. With ``prepare_spare`` (the default) the store
 also creates the second buffer of its double buffer as soon as it holds one
 (after `attach`, the first snapshot `publish` or the first `fetch`), so the next
 version lands in memory that is already there. That spare costs the model's size
-(in /dev/shm, or GPU memory for a GPU store) from then on, instead of from the
-second version on; an in-place publisher never needs it and frees it at its
-first ``publish(snapshot=False)``.
+in /dev/shm from then on, instead of from the second version on; an in-place
+publisher never needs it and frees it at its first ``publish(snapshot=False)``.
+GPU stores neither populate nor prepare (GPU memory takes no page faults).
 
 Trainer::
 
