@@ -20,7 +20,7 @@ from kernels.fp8 import (
 )
 from kernels.layout import PackLayout, Slot, plan_layout
 from kernels.pack import pack, pack_ref, unpack, unpack_ref
-from kernels.reshard import reshard
+from kernels.reshard import reshard, split_tensor
 from kernels.reshard_plan import (
     FusedGateUp,
     FusedQKV,
@@ -46,6 +46,7 @@ __all__ = [
     "VocabParallel",
     "plan_reshard",
     "reshard",
+    "split_tensor",
     "SUPPORTED_CASTS",
     "PackLayout",
     "Slot",

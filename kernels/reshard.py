@@ -9,12 +9,13 @@ elements no segment covers (vocabulary padding) are left untouched.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from kernels.dispatch import choose_backend
-from kernels.reshard_plan import ReshardPlan
+from kernels.reshard_plan import Layout, ReshardPlan, plan_reshard
 from kernels.segcopy import (
     DEFAULT_BLOCK,
     Segment,
@@ -82,3 +83,11 @@ def reshard(plan: ReshardPlan, src_shards: Sequence[torch.Tensor],
         kinds = [element_kind(a.dtype, b.dtype) for a, b in segments]
         copy_segments_triton(segments, kinds, block=block)
     return dst
+
+
+def split_tensor(full: torch.Tensor, layout: Layout, *, backend: str | None = None
+                 ) -> list[torch.Tensor]:
+    """The shards of a whole (unsharded) tensor under ``layout``, one per rank
+    (2-D, like `reshard`'s destinations; 1-D tensors as ``[n, 1]``)."""
+    whole = dataclasses.replace(layout, tp=1)
+    return reshard(plan_reshard(whole, layout, tuple(full.shape)), [full], backend=backend)

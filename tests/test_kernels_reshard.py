@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.reshard import reshard
+from kernels.reshard import reshard, split_tensor
 from kernels.reshard_plan import (
     FusedGateUp,
     FusedQKV,
@@ -196,3 +196,10 @@ def test_reshard_rejects_wrong_shards():
         reshard(plan, [torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.float64)])
     with pytest.raises(TypeError, match="destination shard 0"):
         reshard(plan, [torch.zeros(3, 2)] * 2, [torch.zeros(6, 2, dtype=torch.int32)])
+
+
+def test_split_tensor_gives_each_ranks_shard_of_a_whole_tensor():
+    full = torch.arange(24, dtype=torch.float32).view(4, 6)
+    assert [s.tolist() for s in split_tensor(full, Sharded(tp=2, dim=1), backend="torch")] == \
+        [full[:, :3].tolist(), full[:, 3:].tolist()]
+    assert [tuple(s.shape) for s in split_tensor(torch.ones(5), Sharded(tp=2))] == [(3, 1), (2, 1)]

@@ -15,9 +15,8 @@ from kernels import (
     Replicated,
     Sharded,
     dequantize_fp8_ref,
-    plan_reshard,
     quantize_fp8_ref,
-    reshard,
+    split_tensor,
 )
 
 CHUNK = 4096
@@ -44,15 +43,10 @@ def full_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
-def shards_of(full: torch.Tensor, layout, shape) -> list[torch.Tensor]:
-    whole = type(layout)(**{**layout.__dict__, "tp": 1})
-    return reshard(plan_reshard(whole, layout, shape), [full], backend="torch")
-
-
 def publisher_tensors(full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
     out = {}
     for name, (shape, layout) in layouts(2).items():
-        shard = shards_of(full[name], layout, shape)[rank].contiguous()
+        shard = split_tensor(full[name], layout, backend="torch")[rank].contiguous()
         if name == "w8":
             q, scale = quantize_fp8_ref(shard.float())
             out[name], out[name + ".scale"] = q, scale
@@ -65,9 +59,9 @@ def expected(full: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, tor
     """What reader ``rank`` of ``tp`` must hold: its shard of the logical tensors, with
     w8 dequantised from the publishers' fp8 shards."""
     w8 = torch.cat([dequantize_fp8_ref(*quantize_fp8_ref(s.float()), dtype=torch.bfloat16)
-                    for s in shards_of(full["w8"], layouts(2)["w8"][1], layouts(2)["w8"][0])])
+                    for s in split_tensor(full["w8"], layouts(2)["w8"][1], backend="torch")])
     logical = {**full, "w8": w8}
-    return {n: shards_of(logical[n], layout, shape)[rank].reshape(
+    return {n: split_tensor(logical[n], layout, backend="torch")[rank].reshape(
                 layout.shard_shape(shape, rank)[:len(shape)])
             for n, (shape, layout) in layouts(tp).items()}
 

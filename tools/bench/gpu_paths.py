@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from fabric.staging import FP8, HeldTensor, WantedTensor, plan_staging, run_staging
-from kernels import FusedGateUp, FusedQKV, Layout, Sharded, plan_reshard, quantize_fp8, reshard
+from kernels import FusedGateUp, FusedQKV, Layout, Sharded, quantize_fp8, split_tensor
 
 HOLDER_KEY = "{session}/holder"
 DONE_KEY = "{session}/done/{rank}"
@@ -185,8 +185,7 @@ def _holder(full: dict[str, torch.Tensor], layer: dict[str, tuple[tuple[int, int
         return at
 
     for name, (shape, layout) in layer.items():
-        whole = type(layout)(**{**layout.__dict__, "tp": 1})
-        shards = reshard(plan_reshard(whole, layout, shape), [full[name]], backend="torch")
+        shards = split_tensor(full[name], layout, backend="torch")
         offsets, scales = [], []
         for rank, shard in enumerate(shards):
             if fp8:
