@@ -29,6 +29,7 @@ import torch
 
 from fabric.staging import FP8, HeldTensor, WantedTensor, plan_staging, run_staging
 from kernels import FusedGateUp, FusedQKV, Layout, Sharded, quantize_fp8, split_tensor
+from tools.bench.kernels import median_seconds
 
 HOLDER_KEY = "{session}/holder"
 DONE_KEY = "{session}/done/{rank}"
@@ -38,15 +39,6 @@ def pattern(nbytes: int, device: str | torch.device) -> torch.Tensor:
     """Deterministic bytes every PE can regenerate (``nbytes`` a multiple of 8)."""
     i = torch.arange(nbytes // 8, dtype=torch.int64, device=device)
     return (i * 0x5851F42D4C957F2D + 12345).view(torch.uint8)
-
-
-def _copy_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def _pe_main(url: str, session: str, rank: int, pes: int, size: int, chunk: int,
@@ -84,7 +76,7 @@ def _pe_main(url: str, session: str, rank: int, pes: int, size: int, chunk: int,
                 transport.read(holder, "bench", lo, dst.data[lo:min(lo + chunk, size)], timeout=60)
             seconds = time.perf_counter() - start
             verified = bool(torch.equal(dst.data, pattern(size, dst.data.device)))
-            copy_s = _copy_seconds(src.data, dst.data)
+            copy_s = median_seconds(lambda: dst.data.copy_(src.data), dst.data.device, 3)
             out.put({"rank": rank, "seconds": seconds, "gbps": size / seconds / 1e9,
                      "copy_gbps": size / copy_s / 1e9, "verified": verified})
             client.kv_put(DONE_KEY.format(session=session, rank=rank), b"1")
@@ -200,19 +192,6 @@ def _holder(full: dict[str, torch.Tensor], layer: dict[str, tuple[tuple[int, int
     return held, [torch.cat(p) for p in parts]
 
 
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def _reshard_case(full: dict[str, torch.Tensor], src_layer: dict, dst_layer: dict, *, fp8: bool,
                   budget: int, repeats: int) -> dict[str, Any]:
     from fabric.direct_read import plan_direct, run_direct
@@ -229,12 +208,12 @@ def _reshard_case(full: dict[str, torch.Tensor], src_layer: dict, dst_layer: dic
     def read(rank: int, offset: int, buf: torch.Tensor) -> None:
         buf.copy_(regions[rank][offset:offset + buf.numel()])
 
-    staged_s = _median_seconds(lambda: run_staging(staged_plan, read, staged), dev, repeats)
-    direct_s = _median_seconds(lambda: run_direct(direct_plan, dict(enumerate(regions)), direct),
+    staged_s = median_seconds(lambda: run_staging(staged_plan, read, staged), dev, repeats)
+    direct_s = median_seconds(lambda: run_direct(direct_plan, dict(enumerate(regions)), direct),
                                dev, repeats)
     flat = torch.cat([t.reshape(-1) for t in full.values()])
     copy_dst = torch.empty_like(flat)
-    copy_s = _median_seconds(lambda: copy_dst.copy_(flat), dev, repeats)
+    copy_s = median_seconds(lambda: copy_dst.copy_(flat), dev, repeats)
     nbytes = flat.numel() * flat.element_size()
     same = all(torch.equal(staged[n].view(torch.int16), direct[n].view(torch.int16)) for n in full)
     if not fp8:

@@ -44,7 +44,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+def median_seconds(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs after one warm-up, the device
+    synchronised around each."""
     fn()
     _sync(device)
     times = []
@@ -84,29 +86,29 @@ def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[d
     buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
     flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     flat_dst = torch.empty_like(flat_src)
-    t_copy = _time(lambda: flat_dst.copy_(flat_src), device, repeat)
+    t_copy = median_seconds(lambda: flat_dst.copy_(flat_src), device, repeat)
     rows.append({"kernel": "copy_ (reference)", "backend": "torch", "bytes": 2 * nbytes,
                  "seconds": t_copy, "GB/s": 2 * nbytes / t_copy / 1e9, "baseline": "-",
                  "baseline GB/s": None, "speedup": None})
-    add("pack", 2 * nbytes, _time(lambda: pack(ts, lay, out=buf), device, repeat),
-        "per-tensor copy_ loop", _time(lambda: pack_ref(ts, lay, buf), device, repeat))
+    add("pack", 2 * nbytes, median_seconds(lambda: pack(ts, lay, out=buf), device, repeat),
+        "per-tensor copy_ loop", median_seconds(lambda: pack_ref(ts, lay, buf), device, repeat))
     outs = {n: torch.empty_like(t) for n, t in ts.items()}
-    add("unpack", 2 * nbytes, _time(lambda: unpack(buf, lay, out=outs), device, repeat),
+    add("unpack", 2 * nbytes, median_seconds(lambda: unpack(buf, lay, out=outs), device, repeat),
         "per-tensor copy_ loop",
-        _time(lambda: [outs[s.name].view(-1).copy_(buf[s.offset:s.offset + s.nbytes].view(
+        median_seconds(lambda: [outs[s.name].view(-1).copy_(buf[s.offset:s.offset + s.nbytes].view(
             torch.bfloat16)) for s in lay], device, repeat))
     cs = 4 << 20 if device.type == "cuda" else 1 << 20
-    add("checksum", nbytes, _time(lambda: chunk_checksums(buf[:nbytes // 4 * 4], cs), device, repeat),
+    add("checksum", nbytes, median_seconds(lambda: chunk_checksums(buf[:nbytes // 4 * 4], cs), device, repeat),
         "copy_ of the same bytes", t_copy / 2)
 
     w = ts["layers.0.gate_up"]
     wb = w.numel() * 2
     q, s = quantize_fp8(w)
-    add("fp8 quantise", wb + w.numel() + s.numel() * 4, _time(lambda: quantize_fp8(w), device, repeat),
-        "torch .to(float8) (no scaling)", _time(lambda: w.to(torch.float8_e4m3fn), device, repeat))
+    add("fp8 quantise", wb + w.numel() + s.numel() * 4, median_seconds(lambda: quantize_fp8(w), device, repeat),
+        "torch .to(float8) (no scaling)", median_seconds(lambda: w.to(torch.float8_e4m3fn), device, repeat))
     add("fp8 dequantise", w.numel() + wb + s.numel() * 4,
-        _time(lambda: dequantize_fp8(q, s), device, repeat),
-        "torch .to(bfloat16) (no scaling)", _time(lambda: q.to(torch.bfloat16), device, repeat))
+        median_seconds(lambda: dequantize_fp8(q, s), device, repeat),
+        "torch .to(bfloat16) (no scaling)", median_seconds(lambda: q.to(torch.bfloat16), device, repeat))
 
     # reshard one layer TP8 -> TP4 (all eight source shards on this device)
     h, inter, hd = 8192 // scale, 28672 // scale, 128 // scale
@@ -129,12 +131,12 @@ def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[d
                     src[g.src_rank][g.src_row:g.src_row + g.rows, g.src_col:g.src_col + g.cols])
 
     add("reshard TP8->TP4", moved,
-        _time(lambda: [reshard(p, s_, d_) for p, s_, d_ in zip(plans, srcs, dsts, strict=True)],
+        median_seconds(lambda: [reshard(p, s_, d_) for p, s_, d_ in zip(plans, srcs, dsts, strict=True)],
               device, repeat),
-        "per-segment copy_ loop", _time(loop, device, repeat))
+        "per-segment copy_ loop", median_seconds(loop, device, repeat))
     nbytes, fused, two_pass = _fp8_reshard_case(plans[1:], srcs[1:], dsts[1:], backend)
-    add("fp8 dequant+reshard TP8->TP4, fused", nbytes, _time(fused, device, repeat),
-        "dequantize_fp8, then copy_segments", _time(two_pass, device, repeat))
+    add("fp8 dequant+reshard TP8->TP4, fused", nbytes, median_seconds(fused, device, repeat),
+        "dequantize_fp8, then copy_segments", median_seconds(two_pass, device, repeat))
     return rows
 
 
