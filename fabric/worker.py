@@ -123,7 +123,10 @@ class Worker:
             return None
         from fabric.transports.cuda_ipc import CudaIpcTransport, visible_devices
 
-        if normalise_uuid(gpu.get("device_uuid", "")) not in visible_devices():
+        try:
+            if normalise_uuid(gpu.get("device_uuid", "")) not in visible_devices():
+                return None
+        except ValueError:  # a malformed descriptor: read over TCP
             return None
         with self._lock:
             if self._ipc is None:
