@@ -117,7 +117,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                  checksums: list[int] | None = None, checksum_fn: ChecksumFn | None = None,
                  verify: Callable[[Source], bool] = lambda source: True,
                  options: FetchOptions = FetchOptions(),
-                 on_chunk: Callable[[int, int], None] | None = None) -> FetchStats:
+                 on_chunk: Callable[[int, int], None] | None = None,
+                 before_write: Callable[[int, int], None] | None = None) -> FetchStats:
     """Fill the missing chunks of `dest` (flat ``uint8``) from the planner's sources.
 
     Args:
@@ -133,6 +134,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             slow or remote links).
         options: concurrency and time limits.
         on_chunk: called with (chunks done, chunks total) after every chunk.
+        before_write: called with the byte range ``[lo, hi)`` of `dest` a read is about
+            to write (e.g. to populate fresh pages first); what it raises ends the fetch.
 
     Returns:
         FetchStats of this call.
@@ -161,6 +164,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
         lo = chunk * chunk_size
         hi = min(lo + chunk_size, dest.numel())
         piece = dest[lo:hi]
+        if before_write is not None:
+            before_write(lo, hi)
         via = "?"
         try:
             transport = choose(source)

@@ -36,7 +36,6 @@ Rollout::
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -62,7 +61,7 @@ from fabric.tensorset import (
     named_tensors,
     views,
 )
-from fabric.transports import RegionInfo, SourceAddress, Transport, local_host_id
+from fabric.transports import local_host_id
 from kernels import PackLayout, chunk_checksums, pack
 
 if TYPE_CHECKING:
@@ -320,17 +319,18 @@ class ModelStore:
             if early is not None:
                 self._unexpose(early[0])
             raise
-        choose = self.worker.transport_for
-        if isinstance(buffer.region, Region) and buffer.region.populated_bytes < buffer.region.nbytes:
-            choose = functools.partial(_populate_first, choose, buffer.region)
+        region = buffer.region  # a fetch that overtakes the background populate does its part
+        populate = (region.populate_range if isinstance(region, Region)
+                    and region.populated_bytes < region.nbytes else None)
         try:
             stats = fetch_chunks(
                 buffer.region.tensor, chunk_size=manifest.chunk_size, progress=progress,
                 planner=HubPlanner(hub, plan, me=self.worker.location),
-                choose=choose, checksums=list(manifest.checksums),
+                choose=self.worker.transport_for, checksums=list(manifest.checksums),
                 checksum_fn=lambda c, piece: int(chunk_checksums(
                     piece, manifest.chunk_size, first_chunk=c)[0]),
-                verify=_verify_rule(verify), options=options, on_chunk=on_chunk)
+                verify=_verify_rule(verify), options=options, on_chunk=on_chunk,
+                before_write=populate)
             hub.complete_fetch(plan.fetch_id)
         except BaseException:
             _quietly(hub.release, plan.fetch_id)
@@ -400,7 +400,7 @@ class ModelStore:
 
     def _new_buffer(self) -> _Buffer:
         """A new buffer; in host memory it populates itself in the background (writers:
-        `_ready`, `_PopulateFirst`)."""
+        `_ready`, and a fetch's ``before_write``)."""
         assert self.layout is not None
         if self._closed:
             raise FabricError(f"model {self.model!r}: the store is closed")
@@ -549,37 +549,6 @@ def _reach(region: Region | DeviceRegion) -> dict[str, object]:
     if isinstance(region, DeviceRegion):
         return {"gpu": region.gpu}
     return {"shm_path": str(region.path)}
-
-
-class _PopulateFirst(Transport):
-    """Another transport whose reads first populate the bytes they will write, unless
-    the buffer's background populate got there first: a fetch into a buffer that is
-    still being prepared writes into mapped pages, not through page faults."""
-
-    def __init__(self, inner: Transport, region: Region) -> None:
-        self.name = inner.name
-        self._inner = inner
-        self._region = region
-
-    def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float) -> None:
-        start = out.data_ptr() - self._region.tensor.data_ptr()
-        self._region.populate_range(start, start + out.numel())
-        self._inner.read(source, region, offset, out, timeout=timeout)
-
-    def describe(self, source: SourceAddress, region: str, *, timeout: float) -> RegionInfo:
-        return self._inner.describe(source, region, timeout=timeout)
-
-    def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
-        return self._inner.progress(source, region, timeout=timeout)
-
-    def close(self) -> None:
-        """Nothing to release: the inner transport is the worker's."""
-
-
-def _populate_first(choose: Callable[[Source], Transport], region: Region,
-                    source: Source) -> _PopulateFirst:
-    return _PopulateFirst(choose(source), region)
 
 
 def _verify_rule(verify: bool | None) -> Callable[[Source], bool]:
