@@ -19,6 +19,12 @@ in /dev/shm from then on, instead of from the second version on; an in-place
 publisher never needs it and frees it at its first ``publish(snapshot=False)``.
 GPU stores neither populate nor prepare (GPU memory takes no page faults).
 
+A store in NVSHMEM symmetric memory (``worker.model(name, device=..., symmetric=True)``
+on a worker of an NVSHMEM job) allocates a fixed number of buffers in `attach`, a
+collective: every PE of the job attaches a model of the same size, in the same
+order of stores, and closes them in the same order. It never allocates or frees a
+buffer in between; peers of the job read its versions one-sidedly.
+
 Trainer::
 
     store = worker.model("policy")
@@ -49,7 +55,7 @@ from torch import nn
 from fabric.arena import Region
 from fabric.errors import ArenaError, FabricError, ManifestMismatchError, RetentionError
 from fabric.fetch import FetchOptions, FetchStats, Source, fetch_chunks
-from fabric.gpu.region import DeviceRegion
+from fabric.gpu.region import DeviceRegion, SymmetricBuffer
 from fabric.hub_planner import HubPlanner, region_name
 from fabric.progress import ChunkProgress
 from fabric.tensorset import (
@@ -61,10 +67,11 @@ from fabric.tensorset import (
     named_tensors,
     views,
 )
-from fabric.transports import local_host_id
+from fabric.transports import Transport, local_host_id
 from kernels import PackLayout, chunk_checksums, pack
 
 if TYPE_CHECKING:
+    from fabric.gpu.nvshmem_arena import NvshmemRuntime
     from fabric.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -76,7 +83,7 @@ PREPARED_BUFFERS = 2
 
 @dataclass
 class _Buffer:
-    region: Region | DeviceRegion
+    region: Region | DeviceRegion | SymmetricBuffer
     version: int | None = None
     exposed: str | None = None  # name on the read server while peers may read it
 
@@ -113,15 +120,22 @@ class ModelStore:
 
     def __init__(self, worker: Worker, model: str, *, chunk_size: int,
                  device: torch.device | str = "cpu", shard: int = 0, num_shards: int = 1,
-                 prepare_spare: bool = True) -> None:
+                 prepare_spare: bool = True, nvshmem: NvshmemRuntime | None = None,
+                 buffers: int = PREPARED_BUFFERS) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"model {model!r}: shard {shard} outside 0..{num_shards - 1}")
+        if nvshmem is not None and not 1 <= buffers <= MAX_BUFFERS:
+            raise ValueError(f"model {model!r}: buffers must be 1..{MAX_BUFFERS}, got {buffers}")
         self.worker = worker
         self.model = model
         self.shard, self.num_shards = shard, num_shards
         self.chunk_size = check_chunk_size(chunk_size)
         self.device = resolve_device(device)
-        self.prepare_spare = prepare_spare and self.device.type == "cpu"
+        self.nvshmem = nvshmem
+        """The NVSHMEM job whose symmetric heap holds the buffers, or None."""
+        self.buffers = buffers
+        """With `nvshmem`: the number of buffers `attach` allocates, never more."""
+        self.prepare_spare = prepare_spare and self.device.type == "cpu" and nvshmem is None
         """Keep a populated spare host buffer ready for the next version (see the module
         docstring); False allocates buffers only when a version needs one. GPU stores
         never prepare one: GPU memory has no page faults to hide."""
@@ -177,7 +191,7 @@ class ModelStore:
             self.layout = layout
             buffer = self._active
             if buffer is None:  # keep the module's values; else it takes the version held
-                buffer = self._ready(self._new_buffer())
+                buffer = self._allocate_symmetric() if self.nvshmem else self._ready(self._new_buffer())
                 pack({n: t.detach() for n, t in tensors.items()}, layout, out=buffer.region.tensor)
             self._attached = tensors
             self._activate(buffer)
@@ -236,6 +250,7 @@ class ModelStore:
                                         num_shards=self.num_shards, group=group)
             name = region_name(self.model, version, self.shard)
             self.worker.server.expose(name, buffer.region.tensor, chunk_size=self.chunk_size,
+                                      progress=self._progress(buffer, self.chunk_size, complete=True),
                                       **_reach(buffer.region))
             buffer.version, buffer.exposed = version, name
             hub.commit(self.model, version)
@@ -288,6 +303,8 @@ class ModelStore:
 
     def _fetch(self, version: int | str, verify: bool | None, options: FetchOptions,
                on_chunk: Callable[[int, int], None] | None) -> tuple[_Buffer | None, FetchStats]:
+        if self.nvshmem is not None and not self._buffers:
+            raise self._no_symmetric_buffer()
         hub = self.worker.hub
         if version == "latest":
             version = hub.latest(self.model) or "latest"
@@ -310,6 +327,11 @@ class ModelStore:
                     self.layout = layout_from_manifest(manifest)
                 else:
                     check_compatible(self.layout, manifest, model=self.model, version=plan.version)
+                if self.nvshmem is not None and manifest.chunk_size != self.chunk_size:
+                    raise ManifestMismatchError(
+                        f"model {self.model!r} v{plan.version} was published in chunks of "
+                        f"{manifest.chunk_size} bytes; this symmetric store's progress flags count "
+                        f"chunks of {self.chunk_size} (open it with the publisher's chunk_size)")
                 if early is not None and manifest.chunk_size != self.chunk_size:
                     self._unexpose(early[0])
                     early = None
@@ -326,7 +348,7 @@ class ModelStore:
             stats = fetch_chunks(
                 buffer.region.tensor, chunk_size=manifest.chunk_size, progress=progress,
                 planner=HubPlanner(hub, plan, me=self.worker.location),
-                choose=self.worker.transport_for, checksums=list(manifest.checksums),
+                choose=self._transport_for, checksums=list(manifest.checksums),
                 checksum_fn=lambda c, piece: int(chunk_checksums(
                     piece, manifest.chunk_size, first_chunk=c)[0]),
                 verify=_verify_rule(verify), options=options, on_chunk=on_chunk,
@@ -380,12 +402,16 @@ class ModelStore:
         if buffer.exposed and self.retract(version, wait=wait) != "done":
             raise FabricError(f"{self.model!r} v{version}: reads still in flight after {wait:g} s")
         with self._lock:
+            if self.nvshmem is not None:  # symmetric buffers are freed together, in close
+                buffer.version = None
+                return
             self._buffers.remove(buffer)
             buffer.region.close()
 
     def close(self) -> None:
         """Stop serving every version of this model and free the buffers (stopping
-        any background populate first)."""
+        any background populate first). Symmetric buffers are freed collectively:
+        every PE closes its stores in the same order."""
         self._fetcher.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             self._closed = True
@@ -401,9 +427,11 @@ class ModelStore:
     def _new_buffer(self) -> _Buffer:
         """A new buffer; in host memory it populates itself in the background (writers:
         `_ready`, and a fetch's ``before_write``)."""
-        assert self.layout is not None
         if self._closed:
             raise FabricError(f"model {self.model!r}: the store is closed")
+        if self.nvshmem is not None:
+            raise self._no_symmetric_buffer()
+        assert self.layout is not None
         region: Region | DeviceRegion
         if self.device.type == "cuda":
             region = DeviceRegion(self.layout.nbytes, self.device)
@@ -413,6 +441,25 @@ class ModelStore:
         buffer = _Buffer(region)
         self._buffers.append(buffer)
         return buffer
+
+    def _no_symmetric_buffer(self) -> FabricError:
+        """Why a symmetric store cannot have another buffer now."""
+        if self._buffers:
+            return FabricError(f"model {self.model!r}: all {len(self._buffers)} symmetric buffers "
+                               "hold versions readers still need; retract or release one first "
+                               "(or open the store with more buffers)")
+        return FabricError(f"model {self.model!r} lives in NVSHMEM symmetric memory, whose "
+                           "buffers every PE allocates together in attach: attach the model on "
+                           "every PE first")
+
+    def _allocate_symmetric(self) -> _Buffer:
+        """Every symmetric buffer at once (collective); returns the first."""
+        assert self.layout is not None and self.nvshmem is not None
+        for i in range(self.buffers):
+            region = SymmetricBuffer(self.nvshmem, f"{self.model}/{i}", self.layout.nbytes,
+                                     self.chunk_size)
+            self._buffers.append(_Buffer(region))
+        return self._buffers[0]
 
     def _ready(self, buffer: _Buffer) -> _Buffer:
         """`buffer`, fully populated (the caller finishes what the background has not);
@@ -453,6 +500,8 @@ class ModelStore:
         tensors in the active buffer and never writes into a spare)."""
         with self._lock:
             self.prepare_spare = False
+            if self.nvshmem is not None:
+                return  # symmetric buffers are freed together, in close
             for buffer in [b for b in self._buffers if b is not self._active and b.version is None]:
                 self._drop(buffer)
 
@@ -483,11 +532,22 @@ class ModelStore:
         with self._lock:
             buffer = self._spare_buffer()
             name = region_name(self.model, version, self.shard)
-            progress = ChunkProgress(-(-self.layout.nbytes // chunk_size))
+            progress = self._progress(buffer, chunk_size)
             self.worker.server.expose(name, buffer.region.tensor, chunk_size=chunk_size,
                                       progress=progress, **_reach(buffer.region))
             buffer.version, buffer.exposed = version, name
             return buffer, progress
+
+    def _progress(self, buffer: _Buffer, chunk_size: int, *, complete: bool = False
+                  ) -> ChunkProgress:
+        """Progress of a new exposure of ``buffer`` (symmetric: also its flags, reset)."""
+        if isinstance(buffer.region, SymmetricBuffer):
+            return buffer.region.progress(complete=complete)
+        assert self.layout is not None
+        return ChunkProgress(-(-self.layout.nbytes // chunk_size), complete=complete)
+
+    def _transport_for(self, source: Source) -> Transport:
+        return self.worker.transport_for(source, symmetric=self.nvshmem is not None)
 
     def _unexpose(self, buffer: _Buffer, *, timeout: float = 5.0) -> None:
         if buffer.exposed is not None:
@@ -543,10 +603,10 @@ def resolve_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def _reach(region: Region | DeviceRegion) -> dict[str, object]:
-    """How same-host readers reach a buffer without the read server: its shared-memory
-    file, or its GPU descriptor (`ReadServer.expose` arguments)."""
-    if isinstance(region, DeviceRegion):
+def _reach(region: Region | DeviceRegion | SymmetricBuffer) -> dict[str, object]:
+    """How readers reach a buffer without the read server: its shared-memory file, or
+    its GPU descriptor (`ReadServer.expose` arguments)."""
+    if region.path is None:
         return {"gpu": region.gpu}
     return {"shm_path": str(region.path)}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,9 @@ from fabric.transports import (
     local_host_id,
 )
 
+if TYPE_CHECKING:
+    from fabric.gpu.nvshmem_arena import NvshmemRuntime
+
 log = logging.getLogger(__name__)
 
 MAX_DESCRIPTORS = 1024  # regions whose kind (host or GPU memory) a worker remembers
@@ -41,7 +44,8 @@ class Worker:
 
     def __init__(self, url: str, *, worker: str,
                  location: Location | dict[str, str] | None = None, host: str = "127.0.0.1",
-                 timeout: float = 10.0, heartbeat: bool = True) -> None:
+                 timeout: float = 10.0, heartbeat: bool = True,
+                 nvshmem: NvshmemRuntime | None = None) -> None:
         removed = remove_stale_regions()
         if removed:
             log.info("removed %d arena files of dead workers", len(removed))
@@ -58,6 +62,9 @@ class Worker:
         self._shm = ShmTransport()
         self._tcp = TcpTransport()
         self._ipc: Transport | None = None
+        self.nvshmem = nvshmem
+        """The NVSHMEM job this worker's process is a PE of, or None."""
+        self._nvshmem: Transport | None = None
         self._timeout = timeout
         self._gpu_descriptors: OrderedDict[tuple[str, int, str], dict[str, Any] | None] = OrderedDict()
         self._stores: dict[str, ModelStore] = {}
@@ -66,7 +73,8 @@ class Worker:
 
     def model(self, name: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
               device: torch.device | str = "cpu", shard: int = 0,
-              num_shards: int = 1, prepare_spare: bool = True) -> ModelStore:
+              num_shards: int = 1, prepare_spare: bool = True, symmetric: bool = False,
+              buffers: int = 2) -> ModelStore:
         """The store of model `name` (created once per worker).
 
         Args:
@@ -79,31 +87,55 @@ class Worker:
                 readers with another layout use `fabric.reshard_fetch`).
             prepare_spare: keep a populated spare buffer ready for the next version
                 (`ModelStore.prepare_spare`; costs the model's size in /dev/shm).
+            symmetric: keep the buffers in the NVSHMEM symmetric heap of this worker's
+                job (``fabric.join(..., nvshmem=runtime)``, a CUDA ``device``), so PEs of
+                the job read them one-sidedly. `ModelStore.attach` then allocates
+                ``buffers`` buffers collectively: every PE opens the same symmetric
+                stores and attaches same-sized models in the same order.
+            buffers: with ``symmetric``, how many buffers attach allocates (the
+                active version plus spares; a fetch needs one not held for readers).
+
+        Raises:
+            ValueError: bad arguments, ``symmetric`` without an NVSHMEM job or a GPU, or
+                the model is already open with other arguments.
         """
+        if symmetric and self.nvshmem is None:
+            raise ValueError(f"model {name!r}: symmetric=True needs a worker in an NVSHMEM job "
+                             "(fabric.join(..., nvshmem=NvshmemRuntime.start(...)))")
+        if symmetric and resolve_device(device).type != "cuda":
+            raise ValueError(f"model {name!r}: symmetric memory is GPU memory; pass a CUDA device")
         with self._lock:
             store = self._stores.get(name)
             if store is None:
-                store = self._stores[name] = ModelStore(self, name, chunk_size=chunk_size,
-                                                        device=device, shard=shard,
-                                                        num_shards=num_shards,
-                                                        prepare_spare=prepare_spare)
-            elif (store.chunk_size, store.device, store.shard, store.num_shards) != (
-                    chunk_size, resolve_device(device), shard, num_shards):
+                store = self._stores[name] = ModelStore(
+                    self, name, chunk_size=chunk_size, device=device, shard=shard,
+                    num_shards=num_shards, prepare_spare=prepare_spare,
+                    nvshmem=self.nvshmem if symmetric else None, buffers=buffers)
+            elif (store.chunk_size, store.device, store.shard, store.num_shards,
+                  store.nvshmem is not None) != (chunk_size, resolve_device(device), shard,
+                                                 num_shards, symmetric):
                 raise ValueError(f"model {name!r} is already open with chunk_size "
                                  f"{store.chunk_size} on {store.device} as shard {store.shard} "
-                                 f"of {store.num_shards}, not {chunk_size} on {device} as shard "
-                                 f"{shard} of {num_shards}")
+                                 f"of {store.num_shards} (symmetric={store.nvshmem is not None}), "
+                                 f"not {chunk_size} on {device} as shard {shard} of {num_shards} "
+                                 f"(symmetric={symmetric})")
             return store
 
-    def transport_for(self, source: Source) -> Transport:
+    def transport_for(self, source: Source, *, symmetric: bool = False) -> Transport:
         """The transport for a source's region (see `choose_transport`): on this host it
         asks the source once whether the region is in GPU memory.
 
+        Args:
+            symmetric: the destination is this PE's symmetric memory, so a region in
+                the symmetric memory of this worker's NVSHMEM job is read one-sidedly,
+                on any host (the source is then asked on every host).
+
         Raises:
-            TransportError: a source on this host could not be asked.
+            TransportError: the source could not be asked.
         """
         gpu = None
-        if source.address.host_id == local_host_id():
+        symmetric = symmetric and self.nvshmem is not None
+        if symmetric or source.address.host_id == local_host_id():
             key = (source.address.host, source.address.port, source.region)
             with self._lock:
                 known = key in self._gpu_descriptors
@@ -115,7 +147,20 @@ class Worker:
                     while len(self._gpu_descriptors) > MAX_DESCRIPTORS:
                         self._gpu_descriptors.popitem(last=False)
         return choose_transport(source.address, shm=self._shm, tcp=self._tcp, gpu=gpu,
-                                ipc=self._ipc_for(gpu))
+                                ipc=self._ipc_for(gpu),
+                                nvshmem=self._nvshmem_for(gpu) if symmetric else None)
+
+    def _nvshmem_for(self, gpu: dict[str, Any] | None) -> Transport | None:
+        """An `NvshmemTransport` when ``gpu`` names symmetric memory of this worker's job."""
+        if (gpu is None or gpu.get("kind") != "nvshmem" or self.nvshmem is None
+                or gpu.get("job") != self.nvshmem.session):
+            return None
+        from fabric.transports.nvshmem import NvshmemTransport
+
+        with self._lock:
+            if self._nvshmem is None:
+                self._nvshmem = NvshmemTransport(self.nvshmem)
+            return self._nvshmem
 
     def _ipc_for(self, gpu: dict[str, Any] | None) -> Transport | None:
         """A `CudaIpcTransport` when ``gpu`` is an IPC handle of a GPU this process sees."""
@@ -153,8 +198,9 @@ class Worker:
         self.server.close()
         self._shm.close()
         self._tcp.close()
-        if self._ipc is not None:
-            self._ipc.close()
+        for transport in (self._ipc, self._nvshmem):
+            if transport is not None:
+                transport.close()
 
     def __enter__(self) -> Worker:
         return self
@@ -164,7 +210,8 @@ class Worker:
 
 
 def join(url: str, *, worker: str, location: Location | dict[str, str] | None = None,
-         host: str = "127.0.0.1", timeout: float = 10.0) -> Worker:
+         host: str = "127.0.0.1", timeout: float = 10.0,
+         nvshmem: NvshmemRuntime | None = None) -> Worker:
     """Join the fabric at hub `url` as `worker`, ready to publish and fetch.
 
     Args:
@@ -174,6 +221,9 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
         host: the address this worker's read server listens on (peers on other
             hosts must reach it).
         timeout: per hub call.
+        nvshmem: this process's started `fabric.gpu.NvshmemRuntime`, when it is a PE
+            of an NVSHMEM job: its symmetric stores (``model(..., symmetric=True)``)
+            are read one-sidedly by the job's other PEs.
 
     Raises:
         HubUnavailableError: no hub answers at `url`.
@@ -184,4 +234,5 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
         >>> store = worker.model("policy")                   # doctest: +SKIP
         >>> store.attach(model); store.fetch("latest")       # doctest: +SKIP
     """
-    return Worker(url, worker=worker, location=location, host=host, timeout=timeout)
+    return Worker(url, worker=worker, location=location, host=host, timeout=timeout,
+                  nvshmem=nvshmem)

@@ -152,3 +152,13 @@ def test_two_pes_on_one_gpu_under_mps_read_each_other_bit_exact():
     result = nvshmem_reads(pes=2, size=256 << 20, chunk_size=16 << 20, timeout=240)
     assert result["verified"], result["errors"]
     assert len(result["per_reader_gbps"]) == 1
+
+
+@pytest.mark.skipif(MISSING_TWO_PES is not None, reason=str(MISSING_TWO_PES))
+def test_two_pes_fetch_between_symmetric_stores_one_sidedly():
+    from tools.bench.gpu_paths import nvshmem_store_fetch
+
+    result = nvshmem_store_fetch(pes=2, size=96 << 20, chunk_size=16 << 20, timeout=240)
+    assert not result["errors"], result["errors"]
+    assert result["transports"] == [{"nvshmem": 96 << 20}]
+    assert result["verified"]

@@ -15,14 +15,19 @@ allocation histories through the rendezvous before they diverge silently.
 
 Progress: each region has one uint64 flag per chunk in symmetric memory. The
 holder sets a flag (``signal_op`` SET on its own PE, on the stream that wrote the
-chunk, so the flag follows the bytes); a reader reads a peer's flags one-sidedly
-(`SymmetricRegion.peer_flags`) and waits for its chunks before issuing ``get_nbi``.
+chunk, so the flag follows the bytes), then marks the chunk on the host, where
+its read server's leases wait. A kernel reading a peer's copy in place waits on
+the flags one-sidedly (`SymmetricRegion.wait_peer_chunks`).
+
+Model stores use this through `fabric.gpu.region.SymmetricBuffer`
+(``worker.model(name, device=..., symmetric=True)``).
 Only `AllocationRegistry` and `attach_views` run without a GPU.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -164,19 +169,39 @@ class SymmetricRegion:
         stream.synchronize()
         return self.peer_scratch.cpu()
 
+    def wait_peer_chunks(self, pe: int, first: int, last: int, stream: torch.cuda.Stream, *,
+                         timeout: float, poll_interval: float = 2e-4) -> bool:
+        """Wait until PE ``pe`` has flagged chunks ``first..last``, polling its flags
+        one-sidedly (`peer_flags`); False on timeout. For readers that load the peer's
+        bytes in kernels (`peer_data`) without a read server's lease."""
+        deadline = time.monotonic() + timeout
+        while not bool((self.peer_flags(pe, stream)[first:last + 1] != 0).all()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll_interval)
+        return True
+
 
 class SymmetricProgress(ChunkProgress):
-    """`ChunkProgress` that also sets the region's symmetric flag of each marked chunk."""
+    """`ChunkProgress` that also sets the region's symmetric flag of each marked chunk.
+
+    Creating one resets the region's flags (all set when ``complete``), so a region
+    reused for another version never shows the previous version's flags; create it
+    only after the previous exposure was retracted (no reader in flight).
+    """
 
     def __init__(self, region: SymmetricRegion, *, complete: bool = False) -> None:
         super().__init__(region.num_chunks, complete=complete)
         self.region = region
+        stream = torch.cuda.current_stream(region.flags.device)
+        region.flags.fill_(1 if complete else 0)
+        stream.synchronize()
 
     def mark(self, chunk: int, stream: torch.cuda.Stream | None = None) -> None:
         """Set the flag on ``stream`` (after the chunk's writes on it), then mark on the host."""
         import nvshmem.core as nvshmem
 
-        stream = stream or torch.cuda.current_stream()
+        stream = stream or torch.cuda.current_stream(self.region.flags.device)
         nvshmem.signal_op(self.region.flag_buffer(chunk), 1, nvshmem.SignalOp.SIGNAL_SET,
                           remote_pe=nvshmem.my_pe(), stream=nvshmem.NvshmemStream(stream))
         stream.synchronize()
@@ -186,10 +211,10 @@ class SymmetricProgress(ChunkProgress):
 class NvshmemRuntime:
     """NVSHMEM for this process: device binding, uid bootstrap, the allocation registry."""
 
-    def __init__(self, rank: int, nranks: int, device: int) -> None:
+    def __init__(self, rank: int, nranks: int, device: int, session: str) -> None:
         import nvshmem.core as nvshmem
 
-        self.rank, self.nranks, self.device = rank, nranks, device
+        self.rank, self.nranks, self.device, self.session = rank, nranks, device, session
         self.registry = AllocationRegistry(
             lambda n: nvshmem.tensor((n,), dtype=torch.uint8), nvshmem.free_tensor)
         self.regions: dict[str, SymmetricRegion] = {}
@@ -209,7 +234,7 @@ class NvshmemRuntime:
                                  timeout=timeout)
         nvshmem.init(device=dev, uid=uid_from_bytes(raw), rank=rank, nranks=nranks,
                      initializer_method="uid")
-        return cls(rank, nranks, local_rank)
+        return cls(rank, nranks, local_rank, session)
 
     def allocate_region(self, name: str, nbytes: int, chunk_size: int) -> SymmetricRegion:
         """Collective: data, flags (zeroed) and peer scratch of region ``name``."""
@@ -226,6 +251,10 @@ class NvshmemRuntime:
         region = SymmetricRegion(name, data, flags, scratch, chunk_size)
         self.regions[name] = region
         return region
+
+    def progress(self, region: SymmetricRegion, *, complete: bool = False) -> SymmetricProgress:
+        """A fresh `SymmetricProgress` of ``region`` (resets its flags)."""
+        return SymmetricProgress(region, complete=complete)
 
     def free_region(self, name: str) -> None:
         """Collective: free region ``name`` (same point on every PE)."""

@@ -1,4 +1,4 @@
-"""`DeviceRegion`: a model store's buffer in GPU memory.
+"""GPU buffers of model stores: `DeviceRegion` (CUDA IPC) and `SymmetricBuffer` (NVSHMEM).
 
 The GPU counterpart of `fabric.arena.Region`: a flat ``uint8`` CUDA tensor from
 torch's allocator, exported over CUDA IPC (`fabric.transports.cuda_ipc`) so
@@ -12,9 +12,13 @@ the host; a warning says so once.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from fabric.gpu.nvshmem_arena import NvshmemRuntime
+    from fabric.progress import ChunkProgress
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -62,3 +66,49 @@ class DeviceRegion:
 
     def __repr__(self) -> str:
         return f"DeviceRegion({self.nbytes} bytes on {self.tensor.device})"
+
+
+class SymmetricBuffer:
+    """A model store's buffer in the NVSHMEM symmetric heap of ``runtime``'s job.
+
+    Allocation and free are collectives: every PE creates the same buffers (same
+    ``name`` and size) in the same order, and closes them in the same order.
+    Readers that are PEs of the same job read it one-sidedly
+    (`fabric.transports.nvshmem.NvshmemTransport`); others over TCP.
+
+    Attributes:
+        tensor: the bytes (the region's data in this PE's symmetric heap).
+        gpu: the ``nvshmem`` descriptor readers use.
+        path: always None (no shared-memory file).
+    """
+
+    path = None
+
+    def __init__(self, runtime: NvshmemRuntime, name: str, nbytes: int, chunk_size: int) -> None:
+        from fabric.transports.nvshmem import nvshmem_descriptor
+
+        self.runtime, self.name, self.nbytes = runtime, name, nbytes
+        self.region = runtime.allocate_region(name, nbytes, chunk_size)
+        self.tensor = self.region.data
+        self.gpu = nvshmem_descriptor(runtime, self.region)
+        self._closed = False
+
+    @property
+    def chunk_size(self) -> int:
+        """The granularity of the buffer's progress flags."""
+        return self.region.chunk_size
+
+    def progress(self, *, complete: bool = False) -> ChunkProgress:
+        """Fresh progress for a new exposure (resets the symmetric flags)."""
+        return self.runtime.progress(self.region, complete=complete)
+
+    def close(self) -> None:
+        """Free the buffer (a collective). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.runtime.registry.closed:  # else the runtime's close freed it already
+            self.runtime.free_region(self.name)
+
+    def __repr__(self) -> str:
+        return f"SymmetricBuffer({self.name!r}, {self.nbytes} bytes, PE {self.runtime.rank})"

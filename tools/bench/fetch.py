@@ -62,7 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "readers copy over CUDA IPC)")
     p.add_argument("--nvshmem-pes", type=int, default=1,
                    help="with --device cuda: PEs of the NVSHMEM read test (1: a PE reads "
-                        "its own region; 2+ on one GPU need MPS; 0: skip; default 1)")
+                        "its own region; 2+ on one GPU need MPS, and add a fetch between "
+                        "symmetric model stores; 0: skip; default 1)")
     p.add_argument("--attach", action="store_true",
                    help="readers attach a model of the same layout before the first version, "
                         "as RL rollouts do (the first version then lands in the spare buffer "
@@ -158,6 +159,13 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
         on_phase("nvshmem reads", None)
         result["nvshmem"] = nvshmem_reads(pes=nvshmem_pes, size=size, chunk_size=chunk_size)
         result["verified"] = result["verified"] and result["nvshmem"]["verified"]
+    if device == "cuda" and nvshmem_pes > 1:
+        from tools.bench.gpu_paths import nvshmem_store_fetch
+
+        on_phase("nvshmem store fetch", None)
+        result["nvshmem_store"] = nvshmem_store_fetch(pes=nvshmem_pes, size=size,
+                                                      chunk_size=chunk_size)
+        result["verified"] = result["verified"] and result["nvshmem_store"]["verified"]
     if baselines and device == "cpu":
         on_phase("gloo broadcast", None)
         result["gloo_broadcast_gbps"] = base.gloo_broadcast_gbps(pub["tensor_bytes"], readers)
@@ -258,11 +266,13 @@ def _table(r: dict[str, Any], console: Console) -> None:
         table.add_row(f"TP2->TP1 {kind} GB/s staged / direct / copy_",
                       f"{x['staged_gbps']:.1f} / {x['direct_gbps']:.1f} / {x['copy_gbps']:.1f}"
                       + ("" if x["verified"] else "  [red]NOT bit-exact[/red]"))
-    if "nvshmem" in r:
-        n = r["nvshmem"]
-        table.add_row(f"NVSHMEM get GB/s ({n['pes']} PE(s), per reader)",
-                      ", ".join(f"{g:.2f}" for g in n["per_reader_gbps"]) +
-                      ("" if n["verified"] else "  [red]NOT bit-exact[/red]"))
+    for key, what in (("nvshmem", "NVSHMEM get"), ("nvshmem_store", "NVSHMEM store fetch")):
+        if key in r:
+            n = r[key]
+            table.add_row(f"{what} GB/s ({n['pes']} PEs, per reader; copy_)",
+                          ", ".join(f"{g:.2f}" for g in n["per_reader_gbps"]) +
+                          f"; {max(n['copy_gbps'], default=0):.2f}" +
+                          ("" if n["verified"] else "  [red]NOT verified[/red]"))
     if "gloo_broadcast_gbps" in r:
         table.add_row("gloo broadcast GB/s (aggregate)", f"{r['gloo_broadcast_gbps']:.2f}")
     for name, t in r.get("targets", {}).items():

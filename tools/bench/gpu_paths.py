@@ -12,9 +12,15 @@ destination bytes. It also runs on CPU, scaled down, which is how it is tested.
 through a hub's key-value store (`fabric.gpu.HubRendezvous`). PE 0 fills a
 symmetric region, marks its progress flags and exposes it on a `ReadServer`;
 every other PE (PE 0 itself when it is alone) reads the whole region chunk by
-chunk with `NvshmemTransport` (flags, lease, ``get_nbi``, ``quiet``) into its own
+chunk with `NvshmemTransport` (lease, ``get_nbi``, ``quiet``) into its own
 symmetric region, checks the bytes, and times a torch ``copy_`` of the same
 bytes on the same GPU for the ratio. Several PEs on one GPU need an MPS daemon.
+
+`nvshmem_store_fetch`: the same job through the library's API: every PE joins
+the hub with its runtime and opens a symmetric model store (``worker.model(...,
+symmetric=True)``); PE 0 publishes its weights in place, the others fetch two
+versions (`ModelStore.fetch`, which reads over `NvshmemTransport` from whichever
+PE the hub names) and report the second, warm, fetch.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import multiprocessing as mp
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +40,8 @@ from tools.bench.kernels import median_seconds
 
 HOLDER_KEY = "{session}/holder"
 DONE_KEY = "{session}/done/{rank}"
+VERSION_KEY = "{session}/version/{round}"
+ROUND_DONE_KEY = "{session}/round/{round}/done/{rank}"
 
 
 def pattern(nbytes: int, device: str | torch.device) -> torch.Tensor:
@@ -95,26 +104,21 @@ def _pe_main(url: str, session: str, rank: int, pes: int, size: int, chunk: int,
         client.close()
 
 
-def nvshmem_reads(*, pes: int, size: int, chunk_size: int, timeout: float = 600) -> dict[str, Any]:
-    """Run the NVSHMEM read test; returns per-reader GB/s, the copy figure, bit-exactness.
-
-    A PE that fails is reported under ``errors`` (``verified`` is then False), so a
-    run on a machine where, say, two PEs cannot share the GPU still says why.
-    """
+def _run_pes(target: Callable[..., None], args: tuple[Any, ...], *, pes: int, readers: int,
+             timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Start ``pes`` spawned processes ``target(hub_url, session, rank, pes, *args, queue)``
+    on one hub; collect ``readers`` results (or the first error) within ``timeout``;
+    returns (results by rank, errors). Processes still alive at the end are killed."""
     import fabric
 
-    if pes < 1:
-        raise ValueError(f"pes must be >= 1, got {pes}")
-    size -= size % 8
     session = f"bench-{time.time_ns()}"
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     with fabric.serve("tcp://127.0.0.1:0") as hub:
-        procs = [ctx.Process(target=_pe_main, args=(hub.url, session, r, pes, size, chunk_size,
-                                                    results)) for r in range(pes)]
+        procs = [ctx.Process(target=target, args=(hub.url, session, r, pes, *args, results))
+                 for r in range(pes)]
         for p in procs:
             p.start()
-        readers = max(1, pes - 1)
         got: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
         try:
@@ -136,15 +140,97 @@ def nvshmem_reads(*, pes: int, size: int, chunk_size: int, timeout: float = 600)
                 if p.is_alive():
                     p.kill()
                     p.join()
-    ok = [g for g in got if "error" not in g]
+    ok = sorted((g for g in got if "error" not in g), key=lambda g: g["rank"])
     errors = [g for g in got if "error" in g]
     if len(ok) < readers and not errors:
         errors.append({"rank": None, "error": f"no result within {timeout:g} s; exit codes "
                                               f"{[p.exitcode for p in procs]}"})
+    return ok, errors
+
+
+def nvshmem_reads(*, pes: int, size: int, chunk_size: int, timeout: float = 600) -> dict[str, Any]:
+    """Run the NVSHMEM read test; returns per-reader GB/s, the copy figure, bit-exactness.
+
+    A PE that fails is reported under ``errors`` (``verified`` is then False), so a
+    run on a machine where, say, two PEs cannot share the GPU still says why.
+    """
+    if pes < 1:
+        raise ValueError(f"pes must be >= 1, got {pes}")
+    size -= size % 8
+    ok, errors = _run_pes(_pe_main, (size, chunk_size), pes=pes, readers=max(1, pes - 1),
+                          timeout=timeout)
     return {"pes": pes, "bytes": size, "chunk_size": chunk_size,
-            "per_reader_gbps": [g["gbps"] for g in sorted(ok, key=lambda g: g["rank"])],
+            "per_reader_gbps": [g["gbps"] for g in ok],
             "copy_gbps": [g["copy_gbps"] for g in ok],
             "verified": bool(ok) and not errors and all(g["verified"] for g in ok),
+            "errors": errors}
+
+
+def _store_pe_main(url: str, session: str, rank: int, pes: int, size: int, chunk: int,
+                   out: mp.Queue) -> None:
+    import fabric
+    from fabric.gpu import HubRendezvous, NvshmemRuntime
+
+    client = fabric.connect(url)
+    worker = None
+    rt = NvshmemRuntime.start(HubRendezvous(client), session=session, rank=rank, nranks=pes,
+                              local_rank=0)
+    try:
+        worker = fabric.join(url, worker=f"pe-{rank}", nvshmem=rt)
+        store = worker.model("bench", device="cuda:0", symmetric=True, chunk_size=chunk)
+        weights = (pattern(size, "cuda:0") if rank == 0
+                   else torch.zeros(size, dtype=torch.uint8, device="cuda:0"))
+        store.attach({"w": weights})  # collective: every PE allocates its buffers here
+        for round_ in (1, 2):
+            version_key = VERSION_KEY.format(session=session, round=round_)
+            if rank == 0:
+                version = store.publish(snapshot=False)
+                client.kv_put(version_key, str(version).encode())
+                for r in range(1, pes):
+                    client.kv_get(ROUND_DONE_KEY.format(session=session, round=round_, rank=r),
+                                  timeout=600)
+                store.retract(version)
+                continue
+            stats = store.fetch(int(client.kv_get(version_key, timeout=120)))
+            got = store.tensors["w"]
+            verified = bool(torch.equal(got, pattern(size, got.device)))
+            client.kv_put(ROUND_DONE_KEY.format(session=session, round=round_, rank=rank), b"1")
+        if rank > 0:
+            scratch = torch.empty_like(got)
+            copy_s = median_seconds(lambda: scratch.copy_(got), got.device, 3)
+            out.put({"rank": rank, "gbps": stats.gbps, "seconds": stats.seconds,
+                     "transports": dict(stats.transports), "sources": dict(stats.sources),
+                     "copy_gbps": size / copy_s / 1e9, "verified": verified})
+    except Exception:
+        out.put({"rank": rank, "error": traceback.format_exc()[-3000:]})
+        raise
+    finally:
+        if worker is not None:
+            worker.close()  # frees the symmetric buffers: a collective, on every PE
+        rt.close()
+        client.close()
+
+
+def nvshmem_store_fetch(*, pes: int, size: int, chunk_size: int,
+                        timeout: float = 600) -> dict[str, Any]:
+    """Fetch between symmetric model stores of ``pes`` PEs on GPU 0 (see the module).
+
+    Returns:
+        Per reader: GB/s of the second fetch, the bytes per transport, the same GPU's
+        ``copy_`` GB/s, bit-exactness (which needs every byte over ``nvshmem``);
+        ``errors`` names a PE that failed.
+    """
+    if pes < 2:
+        raise ValueError(f"a store fetch needs a publisher and a reader: pes >= 2, got {pes}")
+    size -= size % 8
+    ok, errors = _run_pes(_store_pe_main, (size, chunk_size), pes=pes, readers=pes - 1,
+                          timeout=timeout)
+    return {"pes": pes, "bytes": size, "chunk_size": chunk_size,
+            "per_reader_gbps": [g["gbps"] for g in ok],
+            "copy_gbps": [g["copy_gbps"] for g in ok],
+            "transports": [g["transports"] for g in ok],
+            "verified": bool(ok) and not errors and all(
+                g["verified"] and set(g["transports"]) == {"nvshmem"} for g in ok),
             "errors": errors}
 
 
