@@ -61,6 +61,10 @@ bench() {
     step fetch-cuda-2-readers 300 "${FABRIC[@]}" bench fetch --device cuda --readers 2 \
         --size 4GB --chunk-size 64MiB --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
     step kernels-cuda 420 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json
+    nvidia-cuda-mps-control -d && sleep 2
+    step fetch-cuda-nvshmem-2pes 420 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
+        --size 2GB --chunk-size 64MiB --versions 2 --nvshmem-pes 2 --no-baselines --json
+    echo quit | nvidia-cuda-mps-control
 }
 
 case "$phase" in
