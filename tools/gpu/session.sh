@@ -4,8 +4,9 @@
 #
 #   bash tools/gpu/session.sh check   # GPU, topology, probe, Hopper compile, discovery
 #   bash tools/gpu/session.sh tests   # GPU tests (real Triton), then two PEs under MPS
-#   bash tools/gpu/session.sh bench   # fabric bench fetch --device cuda (chunk sweep), kernels
-#   bash tools/gpu/session.sh all     # the three, in that order
+#   bash tools/gpu/session.sh bench   # fabric bench fetch --device cuda (chunk sweep, 2 readers)
+#   bash tools/gpu/session.sh bench2  # fabric bench kernels; NVSHMEM fetches between 2 PEs (MPS)
+#   bash tools/gpu/session.sh all     # the four, in that order
 #
 # Wheels from tools/gpu/fetch_wheels.sh are installed from .whl/ when present. Each
 # step's full output (the JSON of a --json bench included) goes to $OUT/<step>.log;
@@ -44,7 +45,7 @@ check() {
 }
 
 tests() {
-    step gpu-tests 420 env TRITON_INTERPRET=0 python3 -m pytest -rs -x -q -p no:cacheprovider \
+    step gpu-tests 480 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
         tests/test_gpu_probe.py tests/test_gpu_uid.py tests/test_gpu_nvshmem.py \
         tests/test_gpu_ipc.py tests/test_gpu_staging.py tests/test_gpu_store.py
     nvidia-cuda-mps-control -d && sleep 2
@@ -60,6 +61,9 @@ bench() {
     done
     step fetch-cuda-2-readers 300 "${FABRIC[@]}" bench fetch --device cuda --readers 2 \
         --size 4GB --chunk-size 64MiB --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
+}
+
+bench2() {
     step kernels-cuda 420 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json
     nvidia-cuda-mps-control -d && sleep 2
     step fetch-cuda-nvshmem-2pes 420 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
@@ -71,8 +75,9 @@ case "$phase" in
     check) check ;;
     tests) tests ;;
     bench) bench ;;
-    all) check; tests; bench ;;
-    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|all"; exit 2 ;;
+    bench2) bench2 ;;
+    all) check; tests; bench; bench2 ;;
+    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all"; exit 2 ;;
 esac
 echo "== summary (logs in $OUT)"
 printf '%s\n' "${summary[@]}"
