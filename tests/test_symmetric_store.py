@@ -139,27 +139,28 @@ def test_buffers_are_allocated_together_in_attach_and_freed_together_in_close(pe
     assert rt_t.log[-2:] == rt_r.log[-2:] == ["free m/0", "free m/1"]
 
 
-def test_a_store_never_allocates_beyond_its_buffers(pes):
+def published(pes, **reader: int) -> tuple[ModelStore, ModelStore, RecordingRuntime, int]:
+    """A trainer and a reader (opened with ``reader``'s options), both attached; the
+    trainer has published one version. Returns (trainer, reader, reader's runtime, v)."""
     open_t, _ = pes("trainer")
-    open_r, rt_r = pes("rollout", buffers=1)
+    open_r, rt_r = pes("rollout", **reader)
     t, r = open_t(), open_r()
     t.attach(net(1))
     r.attach(net(2))
-    v = t.publish()
+    return t, r, rt_r, t.publish()
+
+
+def test_a_store_never_allocates_beyond_its_buffers(pes):
+    t, r, rt_r, v = published(pes, buffers=1)
     with pytest.raises(FabricError, match="all 1 symmetric buffers hold versions"):
         r.fetch(v)
     assert [e for e in rt_r.log if e.startswith("alloc")] == [f"alloc m/0 {t.layout.nbytes}"]
     with pytest.raises(ValueError, match="buffers must be"):
-        open_r("other-model").__class__(r.worker, "x", chunk_size=CHUNK, nvshmem=rt_r, buffers=0)
+        ModelStore(r.worker, "x", chunk_size=CHUNK, nvshmem=rt_r, buffers=0)
 
 
 def test_chunk_size_must_match_the_publishers(pes):
-    open_t, _ = pes("trainer")
-    open_r, _ = pes("rollout", chunk_size=2 * CHUNK)
-    t, r = open_t(), open_r()
-    t.attach(net(1))
-    r.attach(net(2))
-    v = t.publish()
+    _, r, _, v = published(pes, chunk_size=2 * CHUNK)
     with pytest.raises(ManifestMismatchError, match="progress flags count chunks"):
         r.fetch(v)
 
