@@ -9,6 +9,7 @@ peers, and the arena regions its model stores allocate. Create one with
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -164,8 +165,9 @@ class Worker:
 
     def _ipc_for(self, gpu: dict[str, Any] | None) -> Transport | None:
         """A `CudaIpcTransport` when ``gpu`` is an IPC handle of a GPU this process sees."""
-        if gpu is None or gpu.get("kind") != "cuda_ipc" or not torch.cuda.is_available():
-            return None
+        if (gpu is None or gpu.get("kind") != "cuda_ipc" or gpu.get("pid") == os.getpid()
+                or not torch.cuda.is_available()):
+            return None  # (CUDA opens no handle in the process that exported it)
         from fabric.transports.cuda_ipc import CudaIpcTransport, visible_devices
 
         try:

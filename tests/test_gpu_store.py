@@ -86,3 +86,14 @@ def test_gpu_stores_refuse_tensors_on_another_device(hub):
             store.publish(tensors(0, "cpu"))
         with pytest.raises(ValueError, match="already open .* on cuda:0"):
             worker.model("m", chunk_size=CHUNK)
+
+
+def test_a_gpu_holder_in_the_same_process_is_read_over_tcp(hub):
+    with fabric.join(hub.url, worker="holder") as holder, \
+            fabric.join(hub.url, worker="reader") as reader:
+        version = holder.model("m", chunk_size=CHUNK, device="cuda:0").publish(tensors(3, "cuda:0"))
+        store = reader.model("m", chunk_size=CHUNK, device="cuda:0")
+        stats = store.fetch(version)
+        assert set(stats.transports) == {"tcp"}  # CUDA opens no IPC handle in its exporter
+        want = tensors(3, "cuda:0")
+        assert all(torch.equal(store.tensors[n], want[n]) for n in want)

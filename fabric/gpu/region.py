@@ -12,6 +12,7 @@ the host; a warning says so once.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,12 +27,13 @@ _warned = False
 
 def ipc_descriptor(tensor: torch.Tensor) -> dict[str, Any] | None:
     """The CUDA IPC descriptor of a CUDA tensor, or None (with one warning) when it
-    cannot be exported."""
+    cannot be exported. It names the exporting process (``pid``): CUDA does not open
+    a handle in the process that exported it, so readers there use TCP."""
     global _warned
     try:
         from fabric.transports.cuda_ipc import export_tensor
 
-        return export_tensor(tensor).to_dict()
+        return export_tensor(tensor).to_dict() | {"pid": os.getpid()}
     except (ImportError, RuntimeError) as exc:
         if not _warned:
             _warned = True
