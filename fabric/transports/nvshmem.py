@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fabric.errors import ReadRefusedError
+from fabric.errors import ReadRefusedError, SourceLostError
 from fabric.gpu.nvshmem_arena import NvshmemRuntime, SymmetricRegion, _buffer
 from fabric.transports import client
 from fabric.transports.base import SourceAddress
@@ -89,11 +89,15 @@ class NvshmemTransport(client.ServerTransport):
                 with self._lock:
                     stream = nvshmem.NvshmemStream(self._stream)
                     self._stream.wait_stream(torch.cuda.current_stream(out.device))
-                    nvshmem.get_nbi(_buffer(out.data_ptr(), n),
-                                    _buffer(local.data.data_ptr() + offset, n),
-                                    remote_pe=pe, stream=stream)
-                    nvshmem.quiet(stream=stream)
-                    self._stream.synchronize()
+                    try:
+                        nvshmem.get_nbi(_buffer(out.data_ptr(), n),
+                                        _buffer(local.data.data_ptr() + offset, n),
+                                        remote_pe=pe, stream=stream)
+                        nvshmem.quiet(stream=stream)
+                        self._stream.synchronize()
+                    except Exception as exc:  # nvshmem4py and CUDA raise their own types
+                        raise SourceLostError(f"NVSHMEM get of {region!r} from PE {pe} failed: "
+                                              f"{type(exc).__name__}: {exc}") from exc
             finally:
                 client.request(conn, source, Op.END, region, timeout=timeout)
 
