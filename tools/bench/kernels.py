@@ -209,5 +209,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--layers", type=int, default=None, help="transformer layers (default 8 GPU, 4 CPU)")
-    p.add_argument("--repeat", type=int, default=5, help="timed repetitions (median reported)")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions, the median is reported (default 5)")
     p.set_defaults(handler=_handler)
