@@ -100,7 +100,7 @@ def test_status_of_an_unreachable_hub_fails_with_a_clear_message() -> None:
     assert out.returncode == 1
     assert "no hub answered at tcp://127.0.0.1:9" in out.stderr
     out = fabric_cli("hub", "status", "http://nope", "--timeout", "0.5")
-    assert out.returncode == 1 and "bad hub URL" in out.stderr
+    assert out.returncode == 2 and "bad hub URL" in out.stderr
 
 
 @pytest.mark.parametrize("command, example", [

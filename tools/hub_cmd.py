@@ -58,7 +58,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        description="Models, versions with state and replica counts "
                                    "(full/partial), fetches in\nflight with progress, and "
                                    "worker leases, soonest to expire first.\nExits 1 if no hub "
-                                   "answers at URL within --timeout.",
+                                   "answers at URL within --timeout, 2 on a malformed URL.",
                        epilog="examples:\n  fabric hub status tcp://127.0.0.1:7470\n"
                               "  fabric hub status tcp://hub:7470 --json | jq .models")
     p.add_argument("url", help="hub URL, e.g. tcp://127.0.0.1:7470")
@@ -107,7 +107,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from fabric.client import connect
+    from fabric.zmq_util import endpoint
 
+    try:
+        endpoint(args.url, bind=False)
+    except HubError as exc:  # not a hub URL: bad input, not a hub that failed to answer
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         with connect(args.url, timeout=args.timeout) as client:
             snap = client.status()
