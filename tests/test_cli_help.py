@@ -1,4 +1,5 @@
-"""Every `fabric` command's --help says what it does, documents each option, shows an example."""
+"""Every `fabric` command's --help says what it does, documents each option, shows an
+example; bad options exit 2 before anything runs."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 import pytest
 
-from tools.cli import build_parser
+from tools.cli import build_parser, main
 
 
 def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -29,3 +30,14 @@ def test_help_has_a_description_an_example_and_every_option_explained(path, pars
     for action in parser._actions:
         if action.option_strings and action.help != argparse.SUPPRESS:
             assert action.help, f"fabric {' '.join(path)}: {action.option_strings} has no help"
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "hub", "--readers", "0"],
+    ["bench", "hub", "--seconds", "0"],
+    ["bench", "kernels", "--repeat", "0"],
+    ["bench", "kernels", "--device", "nonsense"],
+])
+def test_bench_rejects_bad_options_with_exit_2(argv, capsys) -> None:
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"fabric bench {argv[1]}: ")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -174,7 +175,16 @@ def _fp8_reshard_case(plans: list[ReshardPlan], srcs: list[list[torch.Tensor]],
 
 
 def _handler(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type not in ("cpu", "cuda") or (device.type == "cuda"
+                                                  and not torch.cuda.is_available()):
+            raise ValueError(f"--device {args.device}: use cpu, or cuda on a machine with a GPU")
+        if args.repeat < 1 or (args.layers is not None and args.layers < 1):
+            raise ValueError("--repeat and --layers must be >= 1")
+    except (RuntimeError, ValueError) as exc:
+        print(f"fabric bench kernels: {exc}", file=sys.stderr)
+        return 2
     on_gpu = device.type == "cuda"
     layers = args.layers or (8 if on_gpu else 4)
     scale = 1 if on_gpu else 4
