@@ -68,4 +68,4 @@ if __name__ == "__main__":
         if p.is_alive():
             p.kill()
     hub.stop()
-    sys.exit(max(abs(p.exitcode or 0) for p in procs))
+    sys.exit(max(1 if p.exitcode is None else abs(p.exitcode) for p in procs))

@@ -9,7 +9,7 @@ Taking part with data (trainer or rollout)::
     worker = fabric.join(url, worker="rollout-3", location={"datacenter": "dc1"})
     store = worker.model("policy")
     store.attach(model)                 # rollout: parameters move into the arena once
-    stats = store.fetch("latest")       # pull from whoever holds it, verified
+    stats = store.fetch("latest")       # pull from whoever holds it (checksummed across hosts)
     v = store.publish(model)            # trainer: expose a new version and commit it
 
 The hub (control plane)::

@@ -78,6 +78,7 @@ class FetchPlan:
 
     @classmethod
     def from_wire(cls, raw: dict[str, Any]) -> FetchPlan:
+        """Build from the hub's reply to ``begin_fetch`` or ``plan``."""
         return cls(raw["fetch_id"], raw["model"], raw["version"], raw["shard"],
                    raw["num_shards"], Manifest.from_wire(raw["manifest"]),
                    tuple(PlanRange(r["start"], r["stop"], tuple(r["sources"]), tuple(r["wait"]))

@@ -68,7 +68,19 @@ class FetchPlanner(Protocol):
 
 @dataclass
 class FetchStats:
-    """What one fetch did."""
+    """What one fetch did.
+
+    Attributes:
+        version: the version fetched.
+        bytes, chunks, seconds: what this fetch read (chunks already present are not
+            counted) and its wall time; `gbps` is their ratio.
+        chunks_reread: reads of a chunk already tried once (its source failed, or its
+            checksum was wrong).
+        corrupted_chunks: reads whose checksum did not match.
+        sources: worker -> bytes read from it.
+        transports: transport name (``"shm"``, ``"tcp"``, ``"cuda_ipc"`` ...) -> bytes.
+        failed_sources: workers given up on during this fetch.
+    """
 
     version: int | None = None
     bytes: int = 0
@@ -82,9 +94,11 @@ class FetchStats:
 
     @property
     def gbps(self) -> float:
+        """``bytes / seconds`` in GB/s (0 when nothing was timed)."""
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, object]:
+        """Every field and `gbps`, as plain data (for JSON)."""
         return {"version": self.version, "bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
                 "chunks": self.chunks, "chunks_reread": self.chunks_reread,
                 "corrupted_chunks": self.corrupted_chunks, "sources": dict(self.sources),
@@ -98,7 +112,19 @@ ChecksumFn = Callable[[int, torch.Tensor], int]
 
 @dataclass(frozen=True, kw_only=True)
 class FetchOptions:
+    """Concurrency and time limits of one fetch (``ModelStore.fetch(options=...)``).
+
+    Attributes:
+        max_inflight: chunk reads in flight at once.
+        read_timeout: seconds to wait for one chunk (a partial source may still be
+            fetching it).
+        deadline: seconds the whole fetch may take.
+        max_rounds: re-plans allowed before giving up.
+        report_interval: seconds between progress reports to the hub.
+    """
+
     max_inflight: int = 4
+    """Chunk reads in flight at once."""
     read_timeout: float = 30.0
     """Longest wait for one chunk (a partial source may still be fetching it)."""
     deadline: float = 600.0

@@ -14,6 +14,7 @@ Use `serve` for a hub on a background thread, `HubServer.serve_forever` for the
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -60,7 +61,8 @@ class HubServer:
         max_message_size: bytes; larger frames are dropped by zmq and refused by the codec.
 
     Raises:
-        ValueError: the state file is corrupt.
+        ValueError: the state file is corrupt, or the state dir cannot be created or
+            written (checked here, not at the first version).
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,
@@ -69,6 +71,14 @@ class HubServer:
                  max_message_size: int = MAX_MESSAGE_SIZE) -> None:
         self.requested_url = url
         self.state_dir = Path(state_dir) if state_dir is not None else None
+        if self.state_dir is not None:
+            try:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"state dir {self.state_dir}: cannot create it: "
+                                 f"{exc.strerror}") from exc
+            if not os.access(self.state_dir, os.W_OK | os.X_OK):
+                raise ValueError(f"state dir {self.state_dir}: not writable")
         durable = load_state(self.state_dir) if self.state_dir else None
         self.state = HubState(clock=clock, lease_s=lease_s, rank_sources=rank_sources,
                               durable=durable)

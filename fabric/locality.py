@@ -24,6 +24,7 @@ class Location:
     device: str = ""
 
     def to_wire(self) -> dict[str, str]:
+        """``{"datacenter", "node", "device"}`` (see `from_wire`)."""
         return {"datacenter": self.datacenter, "node": self.node, "device": self.device}
 
     @classmethod

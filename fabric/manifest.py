@@ -35,10 +35,12 @@ class TensorSpec:
             raise ValueError(f"tensor {self.name!r}: negative dimension in shape {self.shape}")
 
     def to_wire(self) -> list[Any]:
+        """``[name, shape, dtype, nbytes, offset]`` (see `from_wire`)."""
         return [self.name, list(self.shape), self.dtype, self.nbytes, self.offset]
 
     @classmethod
     def from_wire(cls, raw: Any) -> TensorSpec:
+        """Rebuild a spec from `to_wire` output."""
         name, shape, dtype, nbytes, offset = raw
         return cls(str(name), tuple(int(d) for d in shape), str(dtype), int(nbytes), int(offset))
 

@@ -1,6 +1,6 @@
 """Triton kernels for moving weights, each with a pure-torch reference.
 
-Every public function takes ``backend="triton" | "torch" | None``; None runs
+Every public kernel function takes ``backend="triton" | "torch" | None``; None runs
 Triton on CUDA tensors and the torch reference elsewhere (see `kernels.dispatch`).
 """
 

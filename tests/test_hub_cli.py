@@ -100,7 +100,7 @@ def test_status_of_an_unreachable_hub_fails_with_a_clear_message() -> None:
     assert out.returncode == 1
     assert "no hub answered at tcp://127.0.0.1:9" in out.stderr
     out = fabric_cli("hub", "status", "http://nope", "--timeout", "0.5")
-    assert out.returncode == 1 and "bad hub URL" in out.stderr
+    assert out.returncode == 2 and "bad hub URL" in out.stderr
 
 
 @pytest.mark.parametrize("command, example", [
@@ -120,3 +120,22 @@ def test_serve_with_a_broken_cluster_file_exits_2_naming_the_line(tmp_path) -> N
     result = fabric_cli("hub", "serve", "--port", "0", "--cluster", str(bad))
     assert result.returncode == 2
     assert f"{bad}:4: node_types.a.nics.bandwidth" in result.stderr
+
+
+def test_serve_rejects_an_unusable_state_dir_before_binding(tmp_path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    result = fabric_cli("hub", "serve", "--port", "0", "--state-dir", str(not_a_dir / "state"))
+    assert result.returncode == 2
+    assert "state dir" in result.stderr and "cannot create it" in result.stderr
+    assert "serving" not in result.stdout
+
+
+@pytest.mark.parametrize("args, what", [
+    (["--port", "99999"], "not a TCP port"),        # zmq would bind 99999 % 65536
+    (["--port", "-1"], "not a TCP port"),
+    (["--log-level", "loud"], "invalid choice"),
+])
+def test_serve_rejects_bad_options_with_exit_2(args: list[str], what: str) -> None:
+    result = fabric_cli("hub", "serve", *args)
+    assert result.returncode == 2 and what in result.stderr

@@ -13,7 +13,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench", help="benchmarks (numbers go to docs/benchmarks.md)",
         description="Benchmarks of the fabric's parts, each beside the baseline users have "
-                    "today. Results print as a table, or as JSON with --json.")
+                    "today.\nResults print as a table, or as JSON with --json; "
+                    "'fabric bench BENCHMARK --help'\nsays what each measures.",
+        epilog="examples:\n  fabric bench fetch --readers 4 --size 1GB --json\n"
+               "  fabric bench planner --max-gpus 1024",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for info in sorted(pkgutil.iter_modules(tools.bench.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"tools.bench.{info.name}")

@@ -23,9 +23,12 @@ EXIT_BAD_INPUT = 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fabric",
-        description="weightfabric: move every new version of the weights from the trainer "
-                    "to every rollout worker, peer to peer, along the cluster's topology.",
-        epilog="Run 'fabric COMMAND --help' for the options and an example of each command.",
+        description="weightfabric: move every new version of the weights from the trainer to\n"
+                    "every rollout worker, peer to peer, along the cluster's topology.",
+        epilog="Run 'fabric COMMAND --help' for the options and an example of each command.\n"
+               "Exit codes: 0 success, 1 a check or the run failed, 2 bad input.\n\n"
+               "example:\n  fabric demo",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"weightfabric {fabric.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

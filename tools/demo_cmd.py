@@ -18,25 +18,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "demo", help="trainer + rollouts exchanging real weights over the fabric",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Start a hub, a trainer and rollout processes on this machine (CPU). "
-                    "The trainer runs a short RL loop on a small Llama-shaped model and "
-                    "publishes a version every step; rollouts fetch it from each other, "
-                    "generate, and send samples back. One rollout is killed mid-fetch and a "
-                    "new one joins. Ends with a summary and checks that every rollout's "
-                    "logits equal the trainer's at every version; exits 1 if any check fails.",
+        description="Start a hub, a trainer and rollout processes on this machine (CPU).\n"
+                    "The trainer runs a short RL loop on a small Llama-shaped model and\n"
+                    "publishes a version every step; rollouts fetch it from each other,\n"
+                    "generate, and send samples back. One rollout is killed mid-fetch (at\n"
+                    "version 2) and a new one joins (at version 3). Ends with a summary and\n"
+                    "checks that every rollout's logits equal the trainer's at every version;\n"
+                    "exits 1 if any check fails, 2 on bad options.",
         epilog="examples:\n  fabric demo\n  fabric demo --workers 5 --steps 10 --size medium\n"
                "  fabric demo --json | jq .versions")
     p.add_argument("--workers", type=int, default=3, help="rollouts at the start (default 3)")
     p.add_argument("--steps", type=int, default=6, help="training steps = versions (default 6)")
     p.add_argument("--size", default="small", choices=["tiny", "small", "medium"],
-                   help="model size: tiny ~0.1M, small ~3M, medium ~25M parameters")
+                   help="model size: tiny ~0.1M, small ~3M, medium ~25M parameters "
+                        "(default small)")
     p.add_argument("--chunk-size", help="transfer chunk size, a multiple of 256 bytes "
                                         "(default: about 1/16 of the model, at most 1MiB)")
     p.add_argument("--no-kill", action="store_true", help="do not kill a rollout mid-fetch")
     p.add_argument("--no-join", action="store_true", help="do not add a rollout mid-run")
     p.add_argument("--json", action="store_true",
-                   help="print the result as JSON (keys: ok, checks, versions, rollouts, "
-                        "killed, joined, logits_match); progress goes to stderr")
+                   help="print the result as JSON (keys: ok, checks, seconds, versions, "
+                        "rollouts, killed, joined, logits_match, errors); progress goes to "
+                        "stderr")
     p.set_defaults(handler=_demo)
 
 

@@ -20,19 +20,26 @@ SOON_S = 0.5
 def register(subparsers: argparse._SubParsersAction) -> None:
     hub = subparsers.add_parser(
         "hub", help="the control plane: serve a hub, show its state",
-        description="The hub tracks which workers hold which version of which model and "
-                    "hands readers plans; bytes never pass through it.")
+        description="The hub tracks which workers hold which version of which model and\n"
+                    "hands readers plans; bytes never pass through it.",
+        epilog="examples:\n  fabric hub serve --port 7470 --state-dir /var/lib/fabric-hub\n"
+               "  fabric hub status tcp://127.0.0.1:7470",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = hub.add_subparsers(dest="hub_command", metavar="SUBCOMMAND", required=True)
     raw = argparse.RawDescriptionHelpFormatter
 
     p = sub.add_parser("serve", help="run a hub in the foreground", formatter_class=raw,
                        description="Run a hub until interrupted. Prints 'fabric hub serving at "
-                                   "URL' once bound; with --port 0 the OS picks the port.",
+                                   "URL' once bound;\nwith --port 0 the OS picks the port. "
+                                   "Exits 0 on SIGTERM or Ctrl-C, 1 if it\ncannot serve (e.g. "
+                                   "the port is taken), 2 on a bad --port, --state-dir or\n"
+                                   "--cluster.",
                        epilog="examples:\n  fabric hub serve --host 0.0.0.0 --port 7470 "
                               "--state-dir /var/lib/fabric-hub\n"
                               "  fabric hub serve --port 0 --cluster topology/clusters/two-datacenters.yaml")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=7470, help="TCP port, 0 = any free (default 7470)")
+    p.add_argument("--port", type=_port, default=7470,
+                   help="TCP port, 0 = any free (default 7470)")
     p.add_argument("--state-dir", help="directory keeping version numbers monotonic across "
                                        "restarts (default: none, numbers restart from the "
                                        "holders' versions)")
@@ -41,26 +48,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                      "node and device as in the file); default: by locality")
     p.add_argument("--lease", type=float, default=10.0,
                    help="seconds a worker stays alive without heartbeat (default 10)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level (default INFO)")
     p.set_defaults(handler=_serve)
 
     p = sub.add_parser("status", help="show a hub's models, versions, fetches and leases",
                        formatter_class=raw,
                        description="Models, versions with state and replica counts "
-                                   "(full/partial), fetches in flight with progress, and "
-                                   "worker leases, soonest to expire first.",
+                                   "(full/partial), fetches in\nflight with progress, and "
+                                   "worker leases, soonest to expire first.\nExits 1 if no hub "
+                                   "answers at URL within --timeout, 2 on a malformed URL.",
                        epilog="examples:\n  fabric hub status tcp://127.0.0.1:7470\n"
                               "  fabric hub status tcp://hub:7470 --json | jq .models")
     p.add_argument("url", help="hub URL, e.g. tcp://127.0.0.1:7470")
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for the hub's answer (default 5)")
     p.set_defaults(handler=_status)
+
+
+def _port(text: str) -> int:
+    """A TCP port for argparse (zmq would silently bind ``port % 65536``)."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return int(text)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from fabric.hub_server import HubServer
 
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         ranking = {}
@@ -89,7 +107,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from fabric.client import connect
+    from fabric.zmq_util import endpoint
 
+    try:
+        endpoint(args.url, bind=False)
+    except HubError as exc:  # not a hub URL: bad input, not a hub that failed to answer
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         with connect(args.url, timeout=args.timeout) as client:
             snap = client.status()

@@ -49,10 +49,12 @@ SEED = 99
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "crossdc", help="emulated cross-datacenter fetch: WAN bytes and stall (root)",
-        description="Two network namespaces joined by a tc-shaped veth WAN; trainer and one "
-                    "rollout in dc-a, --remote rollouts in dc-b. Compares the fabric's "
-                    "locality plan with every remote rollout pulling from the trainer: WAN "
-                    "bytes per version and each rollout's stall. Needs root and ip netns.",
+        description="Two network namespaces joined by a tc-shaped veth WAN; trainer and one\n"
+                    "rollout in dc-a, --remote rollouts in dc-b. Compares the fabric's\n"
+                    "locality plan with every remote rollout pulling from the trainer: WAN\n"
+                    "bytes per version and each rollout's stall. Needs root and ip netns;\n"
+                    "without them it prints why and exits 0. Exits 1 if a rollout's bytes\n"
+                    "differ from the trainer's or a process fails, 2 on bad options.",
         epilog="example:\n  sudo fabric bench crossdc --remote 3 --size 64MB --rate 1Gbit/s "
                "--rtt 20ms --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)

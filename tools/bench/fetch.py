@@ -38,10 +38,12 @@ SEED = 1234
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "fetch", help="CPU fetch GB/s, N readers, vs memcpy and gloo broadcast",
-        description="Trainer and N readers as separate processes on localhost; the readers "
-                    "fetch one version concurrently. Reports aggregate and per-reader GB/s, "
-                    "the trainer's egress and a bit-exact check, beside a memcpy and a gloo "
-                    "broadcast of the same bytes.",
+        description="Trainer and N readers as separate processes on localhost; the readers\n"
+                    "fetch one version concurrently. Reports aggregate and per-reader GB/s,\n"
+                    "the trainer's egress and a bit-exact check, beside a memcpy and a gloo\n"
+                    "broadcast of the same bytes. Exits 1 if a reader's bytes differ from the\n"
+                    "trainer's or a process fails, 2 on bad options (or --device cuda\n"
+                    "without a usable GPU).",
         epilog="examples:\n  fabric bench fetch --readers 4 --size 1GB --json\n"
                "  fabric bench fetch --device cuda --readers 1 --size 4GB --chunk-size 64MiB",
         formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import zmq
 
 EXIT_OK = 0
+EXIT_BAD_INPUT = 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -163,6 +165,10 @@ def bench_plans(num_readers: int, num_chunks: int) -> dict:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if min(args.workers, args.readers, args.chunks) < 1 or args.seconds <= 0:
+        print("fabric bench hub: --workers, --readers and --chunks must be >= 1 and "
+              "--seconds > 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
     ops = bench_ops(args.workers, args.seconds)
     plans = bench_plans(args.readers, args.chunks)
     out = {"ops": ops, "plans": plans}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -174,7 +175,16 @@ def _fp8_reshard_case(plans: list[ReshardPlan], srcs: list[list[torch.Tensor]],
 
 
 def _handler(args: argparse.Namespace) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type not in ("cpu", "cuda") or (device.type == "cuda"
+                                                  and not torch.cuda.is_available()):
+            raise ValueError(f"--device {args.device}: use cpu, or cuda on a machine with a GPU")
+        if args.repeat < 1 or (args.layers is not None and args.layers < 1):
+            raise ValueError("--repeat and --layers must be >= 1")
+    except (RuntimeError, ValueError) as exc:
+        print(f"fabric bench kernels: {exc}", file=sys.stderr)
+        return 2
     on_gpu = device.type == "cuda"
     layers = args.layers or (8 if on_gpu else 4)
     scale = 1 if on_gpu else 4
@@ -209,5 +219,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--layers", type=int, default=None, help="transformer layers (default 8 GPU, 4 CPU)")
-    p.add_argument("--repeat", type=int, default=5, help="timed repetitions (median reported)")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions, the median is reported (default 5)")
     p.set_defaults(handler=_handler)

@@ -25,9 +25,11 @@ OVERSUBSCRIBED = [(31, 3.0, 4), (127, 3.0, 4), (31, 3.0, 8), (127, 4.0, 16)]
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "planner", help="broadcast planner: time, efficiency, baselines",
-        description="Plan, bound and simulate a 140 GB broadcast on every reference cluster "
-                    "and on synthetic DGX H100 clusters from 8 to 10,000 GPUs; compare with "
-                    "star, ring and storage baselines.")
+        description="Plan, bound and simulate a 140 GB broadcast on every reference cluster\n"
+                    "and on synthetic DGX H100 clusters from 8 to 10,000 GPUs; compare with\n"
+                    "star, ring and storage baselines.",
+        epilog="example:\n  fabric bench planner --max-gpus 1024 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-gpus", type=int, default=10_000,
                    help="largest synthetic cluster to run (default 10000)")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -28,7 +28,7 @@ class TinyLlamaConfig:
 
     @classmethod
     def scaled(cls, size: str) -> TinyLlamaConfig:
-        """Presets: ``tiny`` (~0.3M parameters, tests), ``small`` (~3M), ``medium`` (~25M)."""
+        """Presets: ``tiny`` (~0.1M parameters, tests), ``small`` (~3M), ``medium`` (~25M)."""
         presets = {
             "tiny": cls(dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=176),
             "small": cls(),
