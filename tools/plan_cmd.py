@@ -13,7 +13,7 @@ from rich.table import Table
 from topology import ClusterConfigError, load_cluster
 from topology.bounds import lower_bound
 from topology.layout import Layout
-from topology.plan import Plan, PlanError
+from topology.plan import Plan, PlanError, link_bytes
 from topology.planner import plan_broadcast
 from topology.scenarios import BASELINES, DEFAULT_STORAGE_BANDWIDTH, SCENARIOS, run_scenario
 from topology.simulator import simulate
@@ -77,8 +77,7 @@ def plan_summary(plan: Plan, layout: Layout) -> dict[str, object]:
     sim = simulate(layout.graph, plan.transfers, chunk=plan.chunk, size=plan.size,
                    holders=plan.sources)
     edges = layout.graph.edges
-    wan = sum(t.nbytes for t in plan.transfers
-              for a in zip(t.path, t.path[1:], strict=False) if edges[a]["tier"] == "wan")
+    wan = sum(n for key, n in link_bytes(plan.transfers).items() if edges[key]["tier"] == "wan")
     return {"predicted_s": plan.predicted_s, "simulated_s": sim.makespan,
             "lower_bound_s": bound.seconds, "efficiency": bound.seconds / plan.predicted_s,
             "simulated_efficiency": bound.seconds / sim.makespan, "wan_bytes": wan,
