@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+from PIL import Image
 
 from topology.draw.style import INK
 
@@ -67,4 +70,18 @@ class Painter:
                                           zorder=z, shrinkA=0, shrinkB=0))
 
 
-__all__ = ["Painter"]
+def save_palette_png(fig: Figure, path: str | Path) -> None:
+    """Save `fig` as a PNG of at most 256 colours, on white.
+
+    A plan's curves defeat PNG's compression of full colour (a megabyte for the
+    largest reference cluster); its palette is a few dozen colours and their edges.
+    """
+    canvas = FigureCanvasAgg(fig)
+    fig.set_facecolor("white")
+    canvas.draw()
+    image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba()).convert("RGB")
+    image.quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(
+        path, format="PNG", optimize=True, dpi=(fig.dpi, fig.dpi))
+
+
+__all__ = ["Painter", "save_palette_png"]
