@@ -10,10 +10,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from topology import ClusterConfigError, load_cluster
+from topology import Cluster, ClusterConfigError, load_cluster
 from topology.bounds import lower_bound
 from topology.layout import Layout
-from topology.plan import Plan, PlanError
+from topology.plan import Plan, PlanError, link_bytes
 from topology.planner import plan_broadcast
 from topology.scenarios import BASELINES, DEFAULT_STORAGE_BANDWIDTH, SCENARIOS, run_scenario
 from topology.simulator import simulate
@@ -30,6 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "trees), check it against the max-flow lower bound and simulate it.\n"
                     "Sources and readers default to the YAML roles (trainer, rollout).",
         epilog="examples:\n  fabric topo plan topology/clusters/two-datacenters.yaml --size 140GB\n"
+               "  fabric topo plan topology/clusters/two-datacenters.yaml --size 140GB "
+               "--draw plan.png\n"
                "  fabric topo plan c.yaml --size 1GB --sources node-0 --readers node-1/gpu3 "
                "--json -o plan.json")
     p.add_argument("file", type=Path, help="cluster YAML file")
@@ -41,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="print JSON (keys: predicted_s, simulated_s, lower_bound_s, efficiency, "
                         "wan_bytes, plan_seconds, readers, transfers, stripes, chunk, depth)")
     p.add_argument("-o", "--output", type=Path, help="write the full plan (every transfer) as JSON")
+    p.add_argument("--draw", type=Path, metavar="PNG",
+                   help="draw the plan over the cluster's picture: the links it uses, as wide "
+                        "as the bytes they carry, and its trees' network hops")
     p.set_defaults(handler=_plan)
 
     p = sub.add_parser(
@@ -77,8 +82,7 @@ def plan_summary(plan: Plan, layout: Layout) -> dict[str, object]:
     sim = simulate(layout.graph, plan.transfers, chunk=plan.chunk, size=plan.size,
                    holders=plan.sources)
     edges = layout.graph.edges
-    wan = sum(t.nbytes for t in plan.transfers
-              for a in zip(t.path, t.path[1:], strict=False) if edges[a]["tier"] == "wan")
+    wan = sum(n for key, n in link_bytes(plan.transfers).items() if edges[key]["tier"] == "wan")
     return {"predicted_s": plan.predicted_s, "simulated_s": sim.makespan,
             "lower_bound_s": bound.seconds, "efficiency": bound.seconds / plan.predicted_s,
             "simulated_efficiency": bound.seconds / sim.makespan, "wan_bytes": wan,
@@ -100,8 +104,13 @@ def _plan(args: argparse.Namespace) -> int:
     except (ClusterConfigError, UnitError, PlanError) as exc:
         return _fail(str(exc))
     out = plan_summary(plan, layout)
-    if args.output:
-        args.output.write_text(json.dumps(plan.to_dict()))
+    try:
+        if args.draw:
+            _draw(args.draw, cluster, plan, layout, out)
+        if args.output:
+            args.output.write_text(json.dumps(plan.to_dict()))
+    except OSError as exc:
+        return _fail(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}")
     if args.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
@@ -110,9 +119,20 @@ def _plan(args: argparse.Namespace) -> int:
     for key, value in out.items():
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
     console.print(table)
-    if args.output:
-        console.print(f"wrote {args.output}")
+    for path in (args.draw, args.output):
+        if path:
+            console.print(f"wrote {path}")
     return EXIT_OK
+
+
+def _draw(path: Path, cluster: Cluster, plan: Plan, layout: Layout, out: dict) -> None:
+    """The plan over the cluster's picture, titled with the figures of `plan_summary`."""
+    from topology.draw import draw_plan
+
+    figures = (f"simulated {out['simulated_s']:.3g} s · "
+               f"lower bound {out['lower_bound_s']:.3g} s · efficiency {out['efficiency']:.3f} "
+               f"(simulated {out['simulated_efficiency']:.3f})")
+    draw_plan(cluster, plan, path, notes=(figures,), graph=layout.graph)
 
 
 def _simulate(args: argparse.Namespace) -> int:

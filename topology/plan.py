@@ -11,10 +11,13 @@ bytes. Transfers are listed so that a transfer's upstream always comes first.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 Interval = tuple[int, int]
+Link = tuple[str, str]  # a physical link: its two vertices, sorted
 
 TREE = "tree"          # network trees, then NVSwitch / NVLink fan-out inside machines
 HOST = "host"          # holder -> host memory over PCIe -> every reader over PCIe
@@ -117,6 +120,24 @@ class Plan:
                 "needs": {d: [list(r) for r in rs] for d, rs in self.needs.items()},
                 "transfers": [t.to_dict() for t in self.transfers],
                 "planes": list(self.planes), "predicted": self.predicted}
+
+
+def link_bytes(transfers: Iterable[Transfer]) -> Counter[Link]:
+    """Bytes the transfers send over each link, both directions summed.
+
+    A link is keyed by its two vertices, sorted (``("a/nic0", "a/pcie0")``); every
+    hop of a transfer's path adds the transfer's bytes to its link.
+    """
+    out: Counter[Link] = Counter()
+    for t in transfers:
+        for u, v in zip(t.path, t.path[1:], strict=False):
+            out[link(u, v)] += t.nbytes
+    return out
+
+
+def link(u: str, v: str) -> Link:
+    """The link between vertices `u` and `v`, whichever way it is crossed."""
+    return (u, v) if u < v else (v, u)
 
 
 def merge_intervals(intervals: list[Interval]) -> list[Interval]:

@@ -15,10 +15,13 @@ so the picture's size and drawing time do not grow with the cluster.
 The layout is computed in inches (one data unit is one inch, y grows downwards), so
 text and boxes keep their size whatever the cluster; the figure is sized to fit.
 
+`draw_plan` draws a broadcast plan over the same picture (`topology.draw.overlay`).
+
 Modules: `layout` (placing datacenters, WAN links), `nodes` (node boxes: GPUs,
 NVLink, NICs, PCIe), `legend` (link tiers, GPU models), `cells` (which boxes a
 datacenter's grid shows), `labels` (texts), `painter` (drawing primitives,
-text measurement), `style` (sizes, colours).
+text measurement), `style` (sizes, colours), `anchors` (where each vertex and link
+was drawn), `overlay` (a plan over the picture).
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from topology.draw.layout import Layout
+from topology.draw.overlay import draw_plan
 from topology.draw.painter import Painter
 from topology.draw.style import DPI, MAX_FULL_NODES, SHOWN_PER_GROUP
 from topology.schema import Cluster
 
-__all__ = ["MAX_FULL_NODES", "SHOWN_PER_GROUP", "draw_cluster"]
+__all__ = ["MAX_FULL_NODES", "SHOWN_PER_GROUP", "draw_cluster", "draw_plan"]
 
 
 def draw_cluster(cluster: Cluster, path: str | Path, *, title: str | None = None) -> None:

@@ -19,7 +19,11 @@ class Cell:
     domain: str | None = None
     hidden: int = 0
     detail: str = ""
+    folds: tuple[tuple[NodeGroup, int], ...] = ()  # node groups hidden here, from which index
 
+    def members(self) -> list[str]:
+        """The nodes a "+N more" box stands for (none for a node's own box)."""
+        return [node_name(g, i) for g, first in self.folds for i in range(first, group_size(g))]
 
 
 def group_size(group: NodeGroup) -> int:
@@ -42,14 +46,15 @@ def grid_cells(cluster: Cluster, dc: Datacenter) -> list[Cell]:
         if shown < n:
             detail = f"{node_name(g, shown)} … {node_name(g, n - 1)}"
             group_cells.append(Cell(f"+{n - shown:,} more", t, g.nvlink_domain,
-                                     hidden=n - shown, detail=detail))
+                                     hidden=n - shown, detail=detail, folds=((g, shown),)))
         last = k == len(dc.nodes) - 1
         if len(cells) + len(group_cells) > MAX_CELLS - (0 if last else 1):
             rest = dc.nodes[k:]
             nodes = sum(group_size(r) for r in rest)
             gpus = sum(group_size(r) * cluster.node_types[r.type].gpus for r in rest)
             cells.append(Cell(f"+{nodes:,} more", None, hidden=nodes,
-                               detail=f"{plural(len(rest), 'node group')} · {plural(gpus, 'GPU')}"))
+                               detail=f"{plural(len(rest), 'node group')} · {plural(gpus, 'GPU')}",
+                               folds=tuple((r, 0) for r in rest)))
             break
         cells.extend(group_cells)
     return cells

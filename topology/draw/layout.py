@@ -4,13 +4,14 @@
 places the datacenters side by side with room between them for their WAN labels,
 draws each datacenter's header, network bar and grid of node boxes
 (`topology.draw.nodes`), the WAN links, and the legend under it all
-(`topology.draw.legend`).
+(`topology.draw.legend`). It records where it drew what in `Layout.anchors`.
 """
 
 from __future__ import annotations
 
 import math
 
+from topology.draw.anchors import Anchors, Segment
 from topology.draw.cells import dc_totals, grid_cells, group_size, roles_tag
 from topology.draw.labels import cpu_label, network_label, plural, wan_label
 from topology.draw.legend import draw_legend
@@ -72,13 +73,15 @@ class Layout:
         self.cell_w = 2 * PAD + min(max(wanted), MAX_INNER)
         self.cell_h = (PAD + NAME_H + gpu_rows * GPU + (gpu_rows - 1) * GPU_GAP
                        + NVLINK_GAP + NVLINK_H + PCIE_H + NIC_H + PAD)
+        self.anchors = Anchors()
         self.nodes = NodeDrawer(painter, cluster, self.colours, self.cell_w, self.cell_h,
-                                gpu_rows)
+                                gpu_rows, self.anchors)
 
     # -- whole picture -------------------------------------------------------------
 
-    def draw(self, title: str) -> tuple[float, float]:
-        """Draw everything; return the figure's (width, height) in inches."""
+    def draw(self, title: str, notes: tuple[str, ...] = ()) -> tuple[float, float]:
+        """Draw everything, with `notes` as lines under the title; return the figure's
+        (width, height) in inches."""
         p, cluster = self.p, self.cluster
         totals = [dc_totals(cluster, dc) for dc in cluster.datacenters]
         nodes, gpus, nics = (sum(t[i] for t in totals) for i in range(3))
@@ -86,8 +89,9 @@ class Layout:
         subtitle = (f"{plural(n_dc, 'datacenter')} · {plural(nodes, 'node')} · "
                     f"{plural(gpus, 'GPU')} · {plural(nics, 'NIC')} · bandwidths per direction")
         p.text(MARGIN, MARGIN, title, 16, bold=True)
-        p.text(MARGIN, MARGIN + 0.34, subtitle, 10, color=MUTED)
-        top = MARGIN + 0.8
+        for i, line in enumerate((subtitle, *notes)):
+            p.text(MARGIN, MARGIN + 0.34 + 0.22 * i, line, 10, color=MUTED if i == 0 else INK)
+        top = MARGIN + 0.8 + 0.22 * len(notes)
 
         headers = [self._header(dc, t) for dc, t in zip(cluster.datacenters, totals, strict=True)]
         widths = [self._dc_width(dc, h) for dc, h in zip(cluster.datacenters, headers, strict=True)]
@@ -106,7 +110,7 @@ class Layout:
         legend_w, legend_bottom = draw_legend(p, cluster, self.types, self.colours, boxes,
                                                 content_w - MARGIN)
         width = max(content_w, MARGIN + legend_w, MARGIN + p.width(title, 16, bold=True),
-                    MARGIN + p.width(subtitle, 10)) + MARGIN
+                    *(MARGIN + p.width(line, 10) for line in (subtitle, *notes))) + MARGIN
         return width, max(legend_bottom, *(b for _, _, b in boxes)) + MARGIN
 
     # -- datacenters ---------------------------------------------------------------
@@ -151,6 +155,7 @@ class Layout:
             ty += 0.32 if bold else 0.24
         net_y = y + DC_PAD + header_h
         p.box(x + DC_PAD, net_y, w - 2 * DC_PAD, NET_H, face=NETWORK, radius=0.08, z=3)
+        self.anchors.networks[dc.name] = (x + DC_PAD, net_y, w - 2 * DC_PAD, NET_H)
         p.text(x + w / 2, net_y + NET_H / 2, network_label(dc), 9, color="white",
                ha="center", va="center")
         grid_w, grid_h = self._grid_size(dc)
@@ -169,6 +174,7 @@ class Layout:
                     self.nodes.node(cell, cx, cy)
         bottom = gy + grid_h + DC_PAD
         p.box(x, y, w, bottom - y, face=DC_FACE, edge=DC_EDGE, lw=1.4, radius=0.16, z=0)
+        self.anchors.datacenters.append((x, y, w, bottom - y))
         return bottom
 
     # -- WAN -----------------------------------------------------------------------
@@ -193,12 +199,14 @@ class Layout:
         for w in self.cluster.wan:
             a, b = sorted(names.index(n) for n in w.between)
             label = wan_label(w.bandwidth, w.latency)
+            gateways = (f"{names[a]}/wan", f"{names[b]}/wan")  # left, right
             x0, x1 = xs[a] + widths[a] - DC_PAD, xs[b] + DC_PAD
             if b == a + 1:
                 k = in_gap.get(a, 0)
                 in_gap[a] = k + 1
                 y = line_y + 0.06 + 0.9 * k
                 p.lines([((x0, y), (x1, y))], color=WAN, lw=WAN_W, z=2)
+                self._wan_anchors(gateways, [((x0, y), (x1, y))])
                 p.text((xs[a] + widths[a] + xs[b]) / 2, y - 0.12, "\n".join(label), 9.5,
                        bold=True, color=WAN, ha="center", va="bottom", linespacing=1.3)
                 continue
@@ -207,11 +215,19 @@ class Layout:
             xa, xb = xs[a] + widths[a] + 0.12 * (lane + 1), xs[b] - 0.12 * (lane + 1)
             lane += 1
             join = line_y - 0.08
-            p.lines([((x0, join), (xa, join)), ((xa, join), (xa, y)), ((xa, y), (xb, y)),
-                     ((xb, y), (xb, join)), ((xb, join), (x1, join))],
-                    color=WAN, lw=WAN_W * 0.6, z=2)
+            route = [((x0, join), (xa, join)), ((xa, join), (xa, y)), ((xa, y), (xb, y)),
+                     ((xb, y), (xb, join)), ((xb, join), (x1, join))]
+            p.lines(route, color=WAN, lw=WAN_W * 0.6, z=2)
+            self._wan_anchors(gateways, route)
             p.text((xa + xb) / 2, y, " · ".join(label), 9, bold=True, color=WAN, ha="center",
                    va="center", z=7, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5})
+
+    def _wan_anchors(self, gateways: tuple[str, str], route: list[Segment]) -> None:
+        """Record a WAN link's line, drawn from the left gateway to the right one."""
+        left, right = gateways
+        self.anchors.add_link(left, right, *route)
+        self.anchors.wan_ends[(left, right)] = route[0][0]
+        self.anchors.wan_ends[(right, left)] = route[-1][1]
 
 
 def _adjacent(names: list[str], between: tuple[str, str]) -> int | None:

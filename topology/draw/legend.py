@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from topology.draw.cells import group_size
 from topology.draw.labels import latency_text, nic_bandwidth, size_text
 from topology.draw.painter import Painter
@@ -31,10 +33,10 @@ def draw_legend(p: Painter, cluster: Cluster, types: list[NodeType], colours: di
     they fit in `room`, else one under the other, whichever leaves the picture
     shorter; they rise into the space under short boxes. Returns (width, bottom).
     """
-    tiers = _Table(p, ("", "link tier", "bandwidth per direction", "latency", "where"))
+    tiers = Table(p, ("", "link tier", "bandwidth per direction", "latency", "where"))
     for row in _tier_rows(cluster, types):
         tiers.add(*row)
-    models = _Table(p, ("", "GPU", "memory", "count"))
+    models = Table(p, ("", "GPU", "memory", "count"))
     for model, (memory, count) in _gpu_models(cluster).items():
         models.add(f"gpu:{colours[model]}", model, memory, f"{count:,}")
     (tw, th), (mw, mh) = tiers.size(), models.size()
@@ -55,14 +57,24 @@ def draw_legend(p: Painter, cluster: Cluster, types: list[NodeType], colours: di
     return width, y + height
 
 
-class _Table:
-    """A legend table: a swatch, then text columns; the first row is the heading."""
+Swatch = Callable[[Painter, str, float, float, float], None]
+"""Draws a legend row's sample: (painter, kind, left, centre y, width)."""
+
+
+class Table:
+    """A legend table: a swatch, then text columns; the first row is the heading.
+
+    `swatch` draws each row's sample from the row's first entry, a kind (default:
+    link tiers and GPU models).
+    """
 
     SIZE, ROW_H, SWATCH_W, COL_GAP = 9.5, 0.26, 0.45, 0.25
 
-    def __init__(self, painter: Painter, heading: tuple[str, ...]) -> None:
+    def __init__(self, painter: Painter, heading: tuple[str, ...],
+                 swatch: Swatch | None = None) -> None:
         self.p = painter
         self.heading = heading
+        self.swatch = swatch or _swatch
         self.rows: list[tuple[str, ...]] = []
 
     def add(self, swatch: str, *texts: str) -> None:
@@ -83,7 +95,7 @@ class _Table:
         for r, row in enumerate([self.heading, *self.rows]):
             cy = y + self.ROW_H * (r + 0.5)
             if r:
-                _swatch(self.p, row[0], x, cy, self.SWATCH_W)
+                self.swatch(self.p, row[0], x, cy, self.SWATCH_W)
             tx = x + self.SWATCH_W + 0.1
             for i, (text, w) in enumerate(zip(row[1:], widths, strict=True)):
                 self.p.text(tx, cy, text, self.SIZE if r else 8.5, bold=r > 0 and i == 0,
@@ -153,4 +165,4 @@ def _gpu_models(cluster: Cluster) -> dict[str, tuple[str, int]]:
     return models
 
 
-__all__ = ["draw_legend"]
+__all__ = ["Swatch", "Table", "draw_legend"]

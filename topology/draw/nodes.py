@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from topology.draw.anchors import Anchors, Segment
 from topology.draw.cells import Cell, roles_tag
 from topology.draw.labels import cpu_label, plural
 from topology.draw.painter import Painter
@@ -32,6 +33,8 @@ from topology.draw.style import (
     PCIE_H,
     TRAINER,
 )
+from topology.graph import gpu_vertex, host_vertex, nic_vertex, pcie_vertex
+from topology.plan import link
 from topology.schema import Cluster, NodeType
 
 
@@ -40,7 +43,8 @@ class NodeDrawer:
     """Draws node boxes of one size (``cell_w`` by ``cell_h`` inches).
 
     ``colours`` maps GPU models to their colour; ``gpu_rows`` is the number of GPU
-    rows every box has room for.
+    rows every box has room for. Where GPUs, NICs and links went is recorded in
+    ``anchors``.
     """
 
     p: Painter
@@ -49,6 +53,7 @@ class NodeDrawer:
     cell_w: float
     cell_h: float
     gpu_rows: int
+    anchors: Anchors
 
     def domain_bands(self, row: list[Cell], gx: float, cy: float) -> None:
         """A green band behind each run of cells of one NVLink domain, with a shared bar."""
@@ -75,9 +80,10 @@ class NodeDrawer:
 
     def node(self, cell: Cell, x: float, y: float) -> None:
         """The box of node `cell`, its top-left corner at (x, y)."""
-        p, t = self.p, cell.type
+        p, t, name = self.p, cell.type, cell.label
         assert t is not None
         inner = self.cell_w - 2 * PAD
+        self.anchors.cells[name] = (x, y, self.cell_w, self.cell_h)
         tag, trainer = roles_tag(self.cluster, cell.label)
         p.box(x, y, self.cell_w, self.cell_h, face="white", edge=TRAINER if trainer else EDGE,
               lw=1.8 if trainer else 0.9, z=3)
@@ -94,6 +100,8 @@ class NodeDrawer:
         if t.gpus == 0:
             p.box(x + PAD, gy, inner, GPU + 0.04, face="#EDEDED", edge="#BDBDBD", lw=0.8,
                   radius=0.03, z=4)
+            self.anchors.devices[host_vertex(name)] = ((x + PAD, gy, inner, GPU + 0.04),
+                                                       "#EDEDED")
             p.text(x + self.cell_w / 2, gy + (GPU + 0.04) / 2, p.fit(cpu_label(t), inner, 8),
                    8, color=MUTED, ha="center", va="center")
         else:
@@ -104,15 +112,37 @@ class NodeDrawer:
                 gx = x0 + (j % per_row) * (GPU + GPU_GAP)
                 gpus.append((gx, gy + (j // per_row) * (GPU + GPU_GAP)))
                 p.rect(gx, gpus[-1][1], GPU, GPU, face=colour, edge="white")
+                self.anchors.devices[gpu_vertex(name, j)] = ((gx, gpus[-1][1], GPU, GPU), colour)
             if t.nvlink is not None and (cell.domain is None or t.nvlink.groups is not None):
                 for group in t.nvlink.groups or (tuple(range(t.gpus)),):
                     left = min(gpus[j][0] for j in group)
                     right = max(gpus[j][0] for j in group) + GPU
                     p.rect(left, nv_y, right - left, NVLINK_H, face=NVLINK, z=5)
+            if t.nvlink is not None:
+                self._nvlink_anchors(cell, t, gpus, nv_y + NVLINK_H / 2)
         if t.nics is not None:
-            self._nics(t, x, nic_y, gpus)
+            self._nics(name, t, x, nic_y, gpus)
 
-    def _nics(self, t: NodeType, x: float, nic_y: float, gpus: list[tuple[float, float]]) -> None:
+    def _nvlink_anchors(self, cell: Cell, t: NodeType, gpus: list[tuple[float, float]],
+                        y: float) -> None:
+        """Record each NVLink link on the bar: a GPU's stretch of it to the NVSwitch,
+        or the stretch between the two GPUs of a link within ``nvlink.groups``."""
+        assert t.nvlink is not None
+        name = cell.label
+        if t.nvlink.groups is None:
+            switch = f"nvdomain/{cell.domain}" if cell.domain else f"{name}/nvswitch"
+            for j, (gx, _) in enumerate(gpus):
+                self.anchors.add_link(gpu_vertex(name, j), switch,
+                                      ((gx - GPU_GAP / 2, y), (gx + GPU + GPU_GAP / 2, y)))
+            return
+        for group in t.nvlink.groups:
+            for a in group:
+                for b in (b for b in group if b > a):
+                    self.anchors.add_link(gpu_vertex(name, a), gpu_vertex(name, b),
+                                          ((gpus[a][0] + GPU / 2, y), (gpus[b][0] + GPU / 2, y)))
+
+    def _nics(self, name: str, t: NodeType, x: float, nic_y: float,
+              gpus: list[tuple[float, float]]) -> None:
         """NIC marks under the GPUs they serve, joined to them by PCIe lines."""
         nics = t.nics
         assert nics is not None
@@ -131,19 +161,34 @@ class NodeDrawer:
             centres = [mid - span / 2 + (k + 0.5) * step for k in range(nics.count)]
         if gpus:
             rows_bottom = max(g[1] for g in gpus) + GPU
-            self.p.lines([((gpus[j][0] + GPU / 2, rows_bottom if gpus[j][1] + GPU >= rows_bottom
-                            else gpus[j][1] + GPU), (centres[k], nic_y))
-                          for j, k in nics.rails(t.gpus)], color=PCIE, lw=0.8, z=3.5)
+            lines = {(j, k): ((gpus[j][0] + GPU / 2, rows_bottom if gpus[j][1] + GPU >= rows_bottom
+                               else gpus[j][1] + GPU), (centres[k], nic_y))
+                     for j, k in nics.rails(t.gpus)}
+            self.p.lines(list(lines.values()), color=PCIE, lw=0.8, z=3.5)
+            self._rail_anchors(name, lines, (rows_bottom + nic_y) / 2)
         rdma = nics.kind == "rdma"
-        for c in centres:
+        for k, c in enumerate(centres):
             self.p.rect(c - mark_w / 2, nic_y, mark_w, NIC_H, face=NIC if rdma else "white",
                         edge=NIC, z=5)
+            self.anchors.nics[nic_vertex(name, k)] = (c - mark_w / 2, nic_y, mark_w, NIC_H)
+
+    def _rail_anchors(self, name: str, lines: dict[tuple[int, int], Segment],
+                      mid_y: float) -> None:
+        """Record the PCIe links of the line from GPU j to NIC k: a stem straight down
+        from the GPU to `mid_y` is its port (shared by host and NIC traffic), the rest
+        of the way the port's link to the NIC."""
+        for (j, k), ((x0, y0), end) in lines.items():
+            port = pcie_vertex(name, j)
+            if link(gpu_vertex(name, j), port) not in self.anchors.links:  # one stem per port
+                self.anchors.add_link(gpu_vertex(name, j), port, ((x0, y0), (x0, mid_y)))
+            self.anchors.add_link(port, nic_vertex(name, k), ((x0, mid_y), end))
 
     def more(self, cell: Cell, x: float, y: float) -> None:
         """The box standing for nodes not drawn."""
         p = self.p
         inner = self.cell_w - 2 * PAD
         p.box(x, y, self.cell_w, self.cell_h, face="#F1F1F1", edge=EDGE, lw=0.9, ls="--", z=3)
+        self.anchors.folded.update(dict.fromkeys(cell.members(), (x, y, self.cell_w, self.cell_h)))
         p.text(x + self.cell_w / 2, y + PAD, cell.label, 10, bold=True, ha="center")
         p.text(x + self.cell_w / 2, y + PAD + NAME_H + 0.03, p.fit(cell.detail, inner, 8.5),
                8.5, color=MUTED, ha="center")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
-from matplotlib.patches import FancyBboxPatch, Rectangle
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+from PIL import Image
 
 from topology.draw.style import INK
 
@@ -46,15 +49,39 @@ class Painter:
             edgecolor=edge, linewidth=lw, linestyle=ls, zorder=z))
 
     def rect(self, x: float, y: float, w: float, h: float, *, face: str,
-             edge: str = "none", z: float = 4) -> None:
+             edge: str = "none", lw: float = 0.8, alpha: float = 1.0, z: float = 4) -> None:
         self.ax.add_patch(Rectangle((x, y), w, h, facecolor=face, edgecolor=edge,
-                                    linewidth=0.8, zorder=z))
+                                    linewidth=lw, alpha=alpha, zorder=z))
 
     def lines(self, segments: list[tuple[tuple[float, float], tuple[float, float]]], *,
-              color: str, lw: float, z: float) -> None:
+              color: str, lw: float, z: float, alpha: float = 1.0) -> None:
         if segments:
             self.ax.add_collection(LineCollection(segments, colors=color, linewidths=lw,
-                                                  zorder=z, capstyle="butt"))
+                                                  alpha=alpha, zorder=z, capstyle="butt"))
+
+    def arc(self, a: tuple[float, float], b: tuple[float, float], *, color: str, lw: float,
+            z: float, bend: float = 0.25) -> None:
+        """A curved line from `a` to `b` with an arrowhead at `b`, bending downwards by
+        `bend` times its length (upwards if negative)."""
+        style = f"-|>,head_length={2 + lw:.2g},head_width={1 + lw / 2:.2g}"
+        rad = bend if b[0] >= a[0] else -bend  # y grows downwards: > 0 is below the chord
+        self.ax.add_patch(FancyArrowPatch(a, b, connectionstyle=f"arc3,rad={rad}",
+                                          arrowstyle=style, color=color, linewidth=lw,
+                                          zorder=z, shrinkA=0, shrinkB=0))
 
 
-__all__ = ["Painter"]
+def save_palette_png(fig: Figure, path: str | Path) -> None:
+    """Save `fig` as a PNG of at most 256 colours, on white.
+
+    A plan's curves defeat PNG's compression of full colour (a megabyte for the
+    largest reference cluster); its palette is a few dozen colours and their edges.
+    """
+    canvas = FigureCanvasAgg(fig)
+    fig.set_facecolor("white")
+    canvas.draw()
+    image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba()).convert("RGB")
+    image.quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(
+        path, format="PNG", optimize=True, dpi=(fig.dpi, fig.dpi))
+
+
+__all__ = ["Painter", "save_palette_png"]
