@@ -64,3 +64,11 @@ def test_every_topo_command_explains_itself_with_an_example(command):
 def test_version():
     result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.startswith("weightfabric ")
+
+
+def test_validate_counts_in_words_and_draw_to_a_bad_path_exits_2(tmp_path, capsys):
+    local = reference_clusters()["localhost"]
+    assert main(["topo", "validate", str(local)]) == 0
+    assert "valid: 1 datacenter, 1 node, 0 GPUs, 1 NIC" in capsys.readouterr().out
+    assert main(["topo", "draw", str(local), "-o", str(tmp_path / "no-dir" / "x.png")]) == 2
+    assert "cannot write" in capsys.readouterr().err

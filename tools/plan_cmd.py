@@ -59,11 +59,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example:\n  fabric topo simulate topology/clusters/two-datacenters.yaml "
                "--scenario cross-dc --json")
     p.add_argument("file", type=Path, help="cluster YAML file")
-    p.add_argument("--scenario", required=True, choices=SCENARIOS)
+    p.add_argument("--scenario", required=True, choices=SCENARIOS,
+                   help="standalone: the trainer to every rollout device; elastic: half the "
+                        "rollout machines already hold it and serve the rest; cross-dc: rollout "
+                        "devices outside the trainer's datacenter read across the WAN; "
+                        "preemption: every fourth rollout machine dies at 40%% of the plan's time")
     p.add_argument("--size", default="140GB", help="bytes of the version (default 140GB)")
     p.add_argument("--storage-bandwidth", default=None,
                    help=f"storage service bandwidth (default {DEFAULT_STORAGE_BANDWIDTH / 1e9:g}GB/s)")
-    p.add_argument("--baselines", nargs="+", choices=BASELINES, default=list(BASELINES))
+    p.add_argument("--baselines", nargs="+", choices=BASELINES, default=list(BASELINES),
+                   help=f"baselines to simulate beside our plan (default: all: "
+                        f"{' '.join(BASELINES)})")
     p.add_argument("--timeline", type=Path, help="write a PNG of our plan's aggregate rate")
     p.add_argument("--json", action="store_true",
                    help="print JSON (keys: scenario, ours_s, baselines, speedup, "

@@ -19,8 +19,14 @@ EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     topo = subparsers.add_parser(
-        "topo", help="cluster descriptions: validate, show, draw, discover",
-        description="Work with cluster YAML files (see the README's YAML reference).")
+        "topo", help="cluster descriptions: validate, show, draw, discover, plan, simulate",
+        description="Work with cluster YAML files (see the README's YAML reference): check and "
+                    "summarise them, draw them, describe this machine, plan and simulate a "
+                    "broadcast of a version over them.",
+        epilog="examples:\n  fabric topo validate topology/clusters/dgx-h100.yaml\n"
+               "  fabric topo plan topology/clusters/two-datacenters.yaml --size 140GB "
+               "--draw plan.png\n\nRun 'fabric topo SUBCOMMAND --help' for each one's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = topo.add_subparsers(dest="topo_command", metavar="SUBCOMMAND", required=True)
     raw = argparse.RawDescriptionHelpFormatter
 
@@ -76,8 +82,7 @@ def _validate(args: argparse.Namespace) -> int:
     if cluster is None:
         return EXIT_BAD_INPUT
     s = summarize(cluster)
-    print(f"{args.file}: valid: {s['datacenters']} datacenters, {s['nodes']} nodes, "
-          f"{s['gpus']} GPUs, {s['nics']} NICs")
+    print(f"{args.file}: valid: {_counts(s)}")
     return EXIT_OK
 
 
@@ -90,8 +95,7 @@ def _show(args: argparse.Namespace) -> int:
         print(json.dumps(s, indent=2))
         return EXIT_OK
     console = Console()
-    console.print(f"[bold]{s['name']}[/]: {s['datacenters']} datacenters, {s['nodes']} nodes, "
-                  f"{s['gpus']} GPUs, {s['nics']} NICs")
+    console.print(f"[bold]{s['name']}[/]: {_counts(s)}")
     table = Table("datacenter", "nodes", "GPUs", "NICs", "oversubscription")
     for dc in s["per_datacenter"]:
         table.add_row(dc["name"], str(dc["nodes"]), str(dc["gpus"]), str(dc["nics"]),
@@ -107,13 +111,23 @@ def _show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _counts(s: dict) -> str:
+    """'1 datacenter, 2 nodes, 16 GPUs, 16 NICs' from a `summarize` dict."""
+    return ", ".join(f"{s[key]} {word}{'' if s[key] == 1 else 's'}" for key, word in (
+        ("datacenters", "datacenter"), ("nodes", "node"), ("gpus", "GPU"), ("nics", "NIC")))
+
+
 def _draw(args: argparse.Namespace) -> int:
     from topology.draw import draw_cluster
 
     cluster = _load(args.file)
     if cluster is None:
         return EXIT_BAD_INPUT
-    draw_cluster(cluster, args.output)
+    try:
+        draw_cluster(cluster, args.output)
+    except OSError as exc:
+        print(f"error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(f"wrote {args.output}")
     return EXIT_OK
 
