@@ -42,6 +42,7 @@ Rollout::
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -67,7 +68,7 @@ from fabric.tensorset import (
     named_tensors,
     views,
 )
-from fabric.transports import Transport, local_host_id
+from fabric.transports import local_host_id
 from kernels import PackLayout, chunk_checksums, pack
 
 if TYPE_CHECKING:
@@ -348,7 +349,9 @@ class ModelStore:
             stats = fetch_chunks(
                 buffer.region.tensor, chunk_size=manifest.chunk_size, progress=progress,
                 planner=HubPlanner(hub, plan, me=self.worker.location),
-                choose=self._transport_for, checksums=list(manifest.checksums),
+                choose=(self.worker.transport_for if self.nvshmem is None else
+                        functools.partial(self.worker.transport_for, symmetric=True)),
+                checksums=list(manifest.checksums),
                 checksum_fn=lambda c, piece: int(chunk_checksums(
                     piece, manifest.chunk_size, first_chunk=c)[0]),
                 verify=_verify_rule(verify), options=options, on_chunk=on_chunk,
@@ -545,9 +548,6 @@ class ModelStore:
             return buffer.region.progress(complete=complete)
         assert self.layout is not None
         return ChunkProgress(-(-self.layout.nbytes // chunk_size), complete=complete)
-
-    def _transport_for(self, source: Source) -> Transport:
-        return self.worker.transport_for(source, symmetric=self.nvshmem is not None)
 
     def _unexpose(self, buffer: _Buffer, *, timeout: float = 5.0) -> None:
         if buffer.exposed is not None:
