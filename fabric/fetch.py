@@ -30,7 +30,7 @@ import torch
 
 from fabric.errors import FabricError, ReadRefusedError, TransportError
 from fabric.progress import ChunkProgress
-from fabric.transports import SourceAddress, Transport
+from fabric.transports import SourceAddress, Transport, local_host_id
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,16 @@ class FetchStats:
                 "corrupted_chunks": self.corrupted_chunks, "sources": dict(self.sources),
                 "transports": dict(self.transports),
                 "failed_sources": list(self.failed_sources)}
+
+
+def verify_rule(verify: bool | None) -> Callable[[Source], bool]:
+    """Whether to check the bytes read from a source against the published checksums:
+    all (True), none (False), or by default (None) only those read from another host
+    (on one host the copy is the transfer, and checksumming costs more than the copy)."""
+    if verify is None:
+        here = local_host_id()
+        return lambda source: source.address.host_id != here
+    return lambda source: verify
 
 
 ChecksumFn = Callable[[int, torch.Tensor], int]

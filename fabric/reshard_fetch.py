@@ -11,8 +11,19 @@ reshard and dequantisation kernels into the reader's tensors.
 
 The reader holds no replica: it does not serve what it read, and the hub records
 nothing, so a holder may retract meanwhile; its read server then refuses the read
-and the next holder of that shard is tried. Bands do not align with chunks, so
-their bytes are not checked against the chunk checksums.
+and the next holder of that shard is tried.
+
+Verification follows `ModelStore.fetch` (`fabric.fetch.verify_rule`): by default
+the bytes read from holders on other hosts are checked against the shard's
+published chunk checksums, same-host reads are not (``verify=True`` checks all,
+``False`` none). Bands do not align with chunks, so a verified band is read as
+the whole chunks covering it; each is checked, then the band's bytes are copied
+into staging. Chunks a band only partly covers stay in a small cache for the
+neighbouring band. A bad chunk counts as its holder failing: the next holder of
+the shard is tried, and `FetchError` names the chunk when none is left. The
+scratch and cache are memory beyond ``budget`` (bounded: see `fetch_resharded`).
+This covers staged reads only; `fabric.direct_read.run_direct` loads peer memory in
+place and checks nothing.
 
 fp8: a tensor stored as ``float8_e4m3fn`` carries its blockwise float32 scales as
 the tensor ``name + scale_suffix`` of the same shard.
@@ -22,20 +33,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from fabric.errors import ManifestMismatchError, TransportError
-from fabric.fetch import FetchError, Source
+from fabric.fetch import FetchError, Source, verify_rule
 from fabric.hub_planner import region_name
 from fabric.manifest import Manifest
 from fabric.staging import FP8, HeldTensor, StagingPlan, WantedTensor, plan_staging, run_staging
 from fabric.tensorset import layout_from_manifest
 from fabric.transports import SourceAddress
-from kernels import Layout
+from kernels import Layout, chunk_checksums
 
 if TYPE_CHECKING:
     from fabric.worker import Worker
@@ -60,7 +72,19 @@ class Resharding:
 
 @dataclass
 class ReshardStats:
-    """What `fetch_resharded` did."""
+    """What `fetch_resharded` did.
+
+    Attributes:
+        fetched_bytes: bytes read from holders: the bands, widened to whole chunks
+            where verified, and reads discarded for a bad checksum.
+        useful_bytes: bytes of source elements that land in a destination.
+        staging_peak_bytes: the staging buffer (at most ``budget``).
+        verify_peak_bytes: verification memory beyond it (scratch and chunk cache).
+        verified_chunks: chunks read and found to match their checksums.
+        reused_chunks: verified chunks taken from the cache instead of read again.
+        sources: worker -> bytes of accepted reads from it.
+        failed_sources: holders that failed a read or sent a bad chunk, in order.
+    """
 
     version: int
     seconds: float = 0.0
@@ -68,7 +92,10 @@ class ReshardStats:
     fetched_bytes: int = 0
     useful_bytes: int = 0
     staging_peak_bytes: int = 0
-    sources: dict[str, int] = field(default_factory=dict)  # worker -> bytes read from it
+    verify_peak_bytes: int = 0
+    verified_chunks: int = 0
+    reused_chunks: int = 0
+    sources: dict[str, int] = field(default_factory=dict)
     failed_sources: list[str] = field(default_factory=list)
 
 
@@ -113,18 +140,40 @@ def held_tensors(manifests: list[Manifest], tensors: Mapping[str, Resharding], *
     return out
 
 
+_CACHED_CHUNKS = 4
+"""Verified chunks a `_ShardReader` keeps for later bands (LRU)."""
+
+
+class _BadChunk(Exception):
+    """A holder sent a chunk whose checksum is not the published one."""
+
+
 class _ShardReader:
     """``read(shard, offset, out)`` over the holders the hub named, best first, moving
-    on to the next holder of a shard when one fails."""
+    on to the next holder of a shard when one fails or sends a chunk whose checksum
+    is wrong.
 
-    def __init__(self, worker: Worker, where: dict, *, timeout: float) -> None:
-        self.worker, self.timeout = worker, timeout
+    A read from a holder ``verify`` selects covers whole chunks: the chunks the band
+    touches that are not cached are read in one request into a scratch buffer (kept,
+    grown to the largest such read), each is checked against the shard's manifest,
+    and the band's bytes are copied into ``out``. A chunk a band covers only in part
+    (the neighbouring band, tensor or fp8 scales start in it) is kept in an LRU cache
+    of `_CACHED_CHUNKS` chunks, so the next band does not read it again. Memory: the
+    scratch (at most the largest read + 2 chunks) and the cache (at most 4 chunks).
+    """
+
+    def __init__(self, worker: Worker, where: dict, manifests: list[Manifest], *,
+                 verify: Callable[[Source], bool], timeout: float) -> None:
+        self.worker, self.manifests, self.verify, self.timeout = worker, manifests, verify, timeout
         self.model, self.version = where["model"], where["version"]
         self.holders = [list(s["holders"]) for s in where["shards"]]
         self.addresses = {w: SourceAddress.from_dict(info["endpoints"]["read"])
                           for w, info in where["workers"].items() if "read" in info["endpoints"]}
         self.failed: list[str] = []
         self.sources: dict[str, int] = {}
+        self.fetched_bytes = self.verified_chunks = self.reused_chunks = self.verify_peak_bytes = 0
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
 
     def __call__(self, shard: int, offset: int, out: torch.Tensor) -> None:
         errors = []
@@ -133,26 +182,78 @@ class _ShardReader:
                 continue
             source = Source(holder, self.addresses[holder],
                             region_name(self.model, self.version, shard))
+            before = self.fetched_bytes
             try:
-                self.worker.transport_for(source).read(source.address, source.region, offset,
-                                                       out, timeout=self.timeout)
-            except TransportError as exc:
-                log.warning("resharded read from %s failed (%s); trying the next holder",
-                            holder, exc)
+                if self.manifests[shard].checksums and self.verify(source):
+                    self._read_verified(source, shard, offset, out)
+                else:
+                    self._read(source, offset, out)
+            except (TransportError, _BadChunk) as exc:
+                log.warning("resharded read of shard %d from %s failed (%s); trying the next "
+                            "holder", shard, holder, exc)
                 self.failed.append(holder)
                 errors.append(f"{holder}: {exc}")
                 continue
-            self.sources[holder] = self.sources.get(holder, 0) + out.numel()
+            self.sources[holder] = self.sources.get(holder, 0) + self.fetched_bytes - before
             return
         raise FetchError(f"{self.model!r} v{self.version} shard {shard}: no holder could serve "
                          f"bytes [{offset}, {offset + out.numel()}): {'; '.join(errors) or 'none left'}")
+
+    def _read(self, source: Source, offset: int, out: torch.Tensor) -> None:
+        self.worker.transport_for(source).read(source.address, source.region, offset, out,
+                                               timeout=self.timeout)
+        self.fetched_bytes += out.numel()
+
+    def _read_verified(self, source: Source, shard: int, offset: int, out: torch.Tensor) -> None:
+        """Fill ``out`` from verified whole chunks, cached or read from ``source``.
+
+        Raises:
+            TransportError: the read failed.  _BadChunk: a chunk's checksum is wrong.
+        """
+        manifest, end = self.manifests[shard], offset + out.numel()
+        size = manifest.chunk_size
+        touched = range(offset // size, (end - 1) // size + 1)
+        need = [c for c in touched if (shard, c) not in self._cache]
+        chunks = (self._read_chunks(source, shard, range(need[0], need[-1] + 1), out.device)
+                  if need else {})
+        self.reused_chunks += len(touched) - len(chunks)
+        for c in touched:
+            chunk = chunks[c] if c in chunks else self._cache[shard, c]
+            a, b = max(offset, c * size), min(end, (c + 1) * size)
+            out[a - offset:b - offset].copy_(chunk[a - c * size:b - c * size])
+            if a > c * size or b < min((c + 1) * size, manifest.total_bytes):  # partly used
+                if c in chunks:
+                    self._cache[shard, c] = chunk.clone()
+                self._cache.move_to_end((shard, c))
+        while len(self._cache) > _CACHED_CHUNKS:
+            self._cache.popitem(last=False)
+        cached = sum(t.numel() for t in self._cache.values())
+        self.verify_peak_bytes = max(self.verify_peak_bytes, self._scratch.numel() + cached)
+
+    def _read_chunks(self, source: Source, shard: int, run: range,
+                     device: torch.device) -> dict[int, torch.Tensor]:
+        """Chunks ``run`` of ``shard``, read in one request into the scratch buffer and
+        checked against the manifest's checksums: chunk -> its bytes (scratch views)."""
+        manifest = self.manifests[shard]
+        size = manifest.chunk_size
+        lo, hi = run[0] * size, min(run[-1] * size + size, manifest.total_bytes)
+        if self._scratch.numel() < hi - lo:
+            self._scratch = torch.empty(hi - lo, dtype=torch.uint8, device=device)
+        span = self._scratch[:hi - lo]
+        self._read(source, lo, span)
+        sums = chunk_checksums(span, size, first_chunk=run[0]).tolist()
+        for c, got in zip(run, sums, strict=True):
+            if got != manifest.checksums[c]:
+                raise _BadChunk(f"chunk {c} failed its checksum")
+        self.verified_chunks += len(run)
+        return {c: span[(c - run[0]) * size:][:size] for c in run}
 
 
 def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding],
                     dst: Mapping[str, torch.Tensor], *, rank: int, version: int | str = "latest",
                     wanted_dtypes: Mapping[str, torch.dtype] | None = None,
                     budget: int = 64 << 20, scale_suffix: str = ".scale",
-                    timeout: float = 30.0) -> ReshardStats:
+                    verify: bool | None = None, timeout: float = 30.0) -> ReshardStats:
     """Read ``version`` of a sharded model into this reader's shards of ``tensors``.
 
     Args:
@@ -163,7 +264,13 @@ def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding
             device the kernels run on; 1-D tensors as 1-D).
         rank: this reader's rank in the wanted layouts.
         wanted_dtypes: dtype per tensor (default: each ``dst`` tensor's dtype).
-        budget: staging bytes at any one time.
+        budget: staging bytes at any one time. Verified reads need more, beyond it: a
+            scratch buffer as large as the largest band widened to whole chunks (at
+            most band + 2 chunks) and a cache of 4 chunks, so at most the largest
+            band + 6 x ``chunk_size`` of the shards' manifests (``verify_peak_bytes``).
+        verify: check the bytes against the published chunk checksums: all (True),
+            none (False), or by default (None) only those read from other hosts.
+            A shard published without checksums is read unverified.
         timeout: per band read.
 
     Returns:
@@ -172,7 +279,8 @@ def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding
     Raises:
         UnknownModelError, UnknownVersionError, NoSourceError: from the hub.
         ManifestMismatchError: the shards do not hold the tensors as described.
-        FetchError: some band could not be read from any holder of its shard.
+        FetchError: some band could not be read from any holder of its shard (none
+            left, or every one failed or sent a chunk with a bad checksum).
         ValueError, TypeError: bad layouts, budget or destinations (see `plan_staging`).
     """
     missing = sorted(set(tensors) - set(dst))
@@ -186,11 +294,13 @@ def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding
     wanted = [WantedTensor(name=n, layout=r.wanted, dtype=dtypes.get(n, dst[n].dtype))
               for n, r in tensors.items()]
     plan: StagingPlan = plan_staging(held, wanted, rank=rank, budget=budget)
-    read = _ShardReader(worker, where, timeout=timeout)
+    read = _ShardReader(worker, where, manifests, verify=verify_rule(verify), timeout=timeout)
     staged = run_staging(plan, read, dst)
     stats = ReshardStats(version=where["version"], seconds=time.monotonic() - start,
-                         bands=staged.bands, fetched_bytes=staged.fetched_bytes,
+                         bands=staged.bands, fetched_bytes=read.fetched_bytes,
                          useful_bytes=plan.useful_bytes, staging_peak_bytes=staged.peak_bytes,
+                         verify_peak_bytes=read.verify_peak_bytes,
+                         verified_chunks=read.verified_chunks, reused_chunks=read.reused_chunks,
                          sources=read.sources, failed_sources=read.failed)
     log.info("fetched %s v%d resharded for rank %d: %d bands, %d bytes in %.3f s", model,
              stats.version, rank, stats.bands, stats.fetched_bytes, stats.seconds)

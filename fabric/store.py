@@ -55,7 +55,7 @@ from torch import nn
 
 from fabric.arena import Region
 from fabric.errors import ArenaError, FabricError, ManifestMismatchError, RetentionError
-from fabric.fetch import FetchOptions, FetchStats, Source, fetch_chunks
+from fabric.fetch import FetchOptions, FetchStats, fetch_chunks, verify_rule
 from fabric.gpu.region import DeviceRegion, SymmetricBuffer
 from fabric.hub_planner import HubPlanner, region_name
 from fabric.progress import ChunkProgress
@@ -68,7 +68,6 @@ from fabric.tensorset import (
     named_tensors,
     views,
 )
-from fabric.transports import local_host_id
 from kernels import PackLayout, chunk_checksums, pack
 
 if TYPE_CHECKING:
@@ -354,7 +353,7 @@ class ModelStore:
                 checksums=list(manifest.checksums),
                 checksum_fn=lambda c, piece: int(chunk_checksums(
                     piece, manifest.chunk_size, first_chunk=c)[0]),
-                verify=_verify_rule(verify), options=options, on_chunk=on_chunk,
+                verify=verify_rule(verify), options=options, on_chunk=on_chunk,
                 before_write=populate)
             hub.complete_fetch(plan.fetch_id)
         except BaseException:
@@ -609,13 +608,6 @@ def _reach(region: Region | DeviceRegion | SymmetricBuffer) -> dict[str, object]
     if region.path is None:
         return {"gpu": region.gpu}
     return {"shm_path": str(region.path)}
-
-
-def _verify_rule(verify: bool | None) -> Callable[[Source], bool]:
-    if verify is None:
-        here = local_host_id()
-        return lambda source: source.address.host_id != here
-    return lambda source: verify
 
 
 def _quietly(fn: Callable[..., object], *args: object) -> None:

@@ -1,14 +1,19 @@
 """Readers with another tensor-parallel layout fetch a sharded version through the fabric:
-TP2 publishers, TP1 and TP4 readers, fp8 stored and bf16 wanted, a holder that fails."""
+TP2 publishers, TP1 and TP4 readers, fp8 stored and bf16 wanted, a holder that fails,
+a holder that sends corrupted bytes (verified against the chunk checksums)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 import fabric
 from fabric.errors import ManifestMismatchError, UnknownModelError, UnknownVersionError
+from fabric.fetch import FetchError, Source, verify_rule
 from fabric.reshard_fetch import Resharding, fetch_resharded
+from fabric.transports import SourceAddress, local_host_id
 from kernels import (
     FusedGateUp,
     FusedQKV,
@@ -145,3 +150,112 @@ def test_locate_names_every_shards_holders_and_refuses_what_is_not_committed(pub
             observer.locate("nope")
         with pytest.raises(UnknownVersionError):
             observer.locate("policy", version + 1)
+
+
+@dataclass
+class Tap:
+    """Installed as a worker's ``transport_for``: reads through its transports, records
+    every read as (worker, region, offset, nbytes), and flips one byte of each read from
+    the worker ``corrupt``. The reader asks for a transport just before each read, one
+    read at a time."""
+
+    choose: object
+    corrupt: str | None = None
+    reads: list[tuple[str, str, int, int]] = field(default_factory=list)
+
+    def __call__(self, source: Source) -> Tap:
+        self.source, self.inner = source, self.choose(source)
+        return self
+
+    def read(self, address, region, offset, out, *, timeout):
+        self.inner.read(address, region, offset, out, timeout=timeout)
+        self.reads.append((self.source.worker, region, offset, out.numel()))
+        if self.source.worker == self.corrupt:
+            out[out.numel() // 2] ^= 0xFF
+
+
+def tapped(reader, monkeypatch, corrupt: str | None = None) -> Tap:
+    tap = Tap(reader.transport_for, corrupt)
+    monkeypatch.setattr(reader, "transport_for", tap)
+    return tap
+
+
+def test_a_holder_sending_corrupted_bytes_is_skipped_for_another_of_its_shard(published,
+                                                                              monkeypatch):
+    hub, full, version, _ = published
+    with fabric.join(hub.url, worker="rollout-0") as spare, \
+            fabric.join(hub.url, worker="reader") as reader:
+        spare.model("policy", chunk_size=CHUNK, shard=0, num_shards=2).fetch(version)
+        locate = reader.hub.locate
+
+        def trainer_first(model, v="latest"):
+            where = locate(model, v)
+            where["shards"][0]["holders"].sort(key=lambda w: w != "trainer-0")
+            return where
+
+        monkeypatch.setattr(reader.hub, "locate", trainer_first)
+        tap = tapped(reader, monkeypatch, corrupt="trainer-0")
+        want = expected(full, 1, 0)
+        dst = {n: torch.empty_like(t) for n, t in want.items()}
+        stats = fetch_resharded(reader, "policy", spec(1), dst, rank=0, budget=64 << 10,
+                                verify=True)
+    assert all(torch.equal(dst[n], want[n]) for n in want)
+    assert stats.failed_sources == ["trainer-0"] and "trainer-0" not in stats.sources
+    assert stats.sources["rollout-0"] > 0 and stats.verified_chunks > 0
+    assert stats.fetched_bytes == sum(n for *_, n in tap.reads) > sum(stats.sources.values())
+    assert 0 < stats.verify_peak_bytes <= stats.staging_peak_bytes + 6 * CHUNK
+
+
+def test_corrupted_bytes_from_the_only_holder_fail_the_fetch_naming_the_chunk(published,
+                                                                             monkeypatch):
+    hub, full, version, _ = published
+    with fabric.join(hub.url, worker="reader") as reader:
+        tapped(reader, monkeypatch, corrupt="trainer-1")
+        dst = {n: torch.empty_like(t) for n, t in expected(full, 1, 0).items()}
+        with pytest.raises(FetchError, match=f"'policy' v{version} shard 1: .*"
+                                             r"trainer-1: chunk \d+ failed its checksum"):
+            fetch_resharded(reader, "policy", spec(1), dst, rank=0, verify=True)
+
+
+@pytest.mark.parametrize("verify", [False, None])
+def test_unverified_reads_let_corrupted_bytes_through(published, monkeypatch, verify):
+    """verify=False, and by default for holders on this host: the checksums are what
+    catches the corruption above."""
+    hub, full, _, _ = published
+    with fabric.join(hub.url, worker="reader") as reader:
+        tapped(reader, monkeypatch, corrupt="trainer-1")
+        want = expected(full, 1, 0)
+        dst = {n: torch.empty_like(t) for n, t in want.items()}
+        stats = fetch_resharded(reader, "policy", spec(1), dst, rank=0, verify=verify)
+    assert not all(torch.equal(dst[n], want[n]) for n in want)
+    assert stats.verified_chunks == 0 and not stats.failed_sources
+
+
+def test_by_default_holders_on_other_hosts_are_verified(published, monkeypatch):
+    hub, full, _, trainers = published
+    monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "elsewhere")  # the trainers' host is not ours
+    with fabric.join(hub.url, worker="reader") as reader:
+        tapped(reader, monkeypatch, corrupt="trainer-1")
+        dst = {n: torch.empty_like(t) for n, t in expected(full, 1, 0).items()}
+        with pytest.raises(FetchError, match=r"trainer-1: chunk \d+ failed its checksum"):
+            fetch_resharded(reader, "policy", spec(1), dst, rank=0)
+    here = Source("w", SourceAddress("127.0.0.1", 1, local_host_id()), "r")
+    there = Source("w", SourceAddress("127.0.0.1", 1, "other-host"), "r")
+    assert (verify_rule(None)(here), verify_rule(None)(there)) == (False, True)
+    assert verify_rule(True)(here) and not verify_rule(False)(there)
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (4, 1)])
+def test_a_chunk_shared_by_neighbouring_bands_is_read_once(published, monkeypatch, tp, rank):
+    hub, full, _, _ = published
+    with fabric.join(hub.url, worker="reader") as reader:
+        tap = tapped(reader, monkeypatch)
+        want = expected(full, tp, rank)
+        dst = {n: torch.empty_like(t) for n, t in want.items()}
+        stats = fetch_resharded(reader, "policy", spec(tp), dst, rank=rank, budget=64 << 10,
+                                verify=True)
+    assert all(torch.equal(dst[n], want[n]) for n in want)
+    read = [(region, c) for _, region, offset, n in tap.reads
+            for c in range(offset // CHUNK, (offset + n - 1) // CHUNK + 1)]
+    assert all(offset % CHUNK == 0 for _, _, offset, _ in tap.reads)
+    assert stats.reused_chunks > 0 and len(read) == len(set(read)) == stats.verified_chunks
