@@ -263,11 +263,14 @@ def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding
         dst: name -> this rank's destination (the wanted layout's shard shape, any
             device the kernels run on; 1-D tensors as 1-D).
         rank: this reader's rank in the wanted layouts.
+        version: a committed version's number, or ``"latest"``.
         wanted_dtypes: dtype per tensor (default: each ``dst`` tensor's dtype).
         budget: staging bytes at any one time. Verified reads need more, beyond it: a
             scratch buffer as large as the largest band widened to whole chunks (at
             most band + 2 chunks) and a cache of 4 chunks, so at most the largest
             band + 6 x ``chunk_size`` of the shards' manifests (``verify_peak_bytes``).
+        scale_suffix: an fp8 tensor ``name``'s blockwise scales are the tensor
+            ``name + scale_suffix`` of the same shard.
         verify: check the bytes against the published chunk checksums: all (True),
             none (False), or by default (None) only those read from other hosts.
             A shard published without checksums is read unverified.
