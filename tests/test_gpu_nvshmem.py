@@ -87,6 +87,31 @@ def test_attach_moves_parameters_into_buffer_views_keeping_values_and_objects():
         attach_views(buffer, params[:1], layout)
 
 
+def _fake_pe(url: str, session: str, rank: int, pes: int, hang: bool, out) -> None:
+    """A PE without NVSHMEM: reports what it inherited; PE 0 may hang in its teardown."""
+    import os
+    import time
+
+    if rank > 0:
+        out.put({"rank": rank, "env": [os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+                                       os.environ.get("NVSHMEM_SYMMETRIC_SIZE")]})
+    if hang and rank == 0:
+        time.sleep(600)
+
+
+def test_pe_processes_get_the_mps_share_and_heap_and_a_hung_teardown_is_an_error(monkeypatch):
+    from tools.bench import gpu_paths
+
+    for name in ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "NVSHMEM_SYMMETRIC_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(gpu_paths, "TEARDOWN_S", 2.0)
+    ok, errors = gpu_paths._run_pes(_fake_pe, (False,), pes=2, readers=1, heap=1 << 30, timeout=60)
+    assert errors == [] and ok == [{"rank": 1, "env": ["50", str((1 << 30) + (256 << 20))]}]
+    ok, errors = gpu_paths._run_pes(_fake_pe, (True,), pes=2, readers=1, heap=1 << 30, timeout=60)
+    assert len(ok) == 1 and errors == [{"rank": 0, "error": "PE 0 exited with code -9 (killed at "
+                                                            "the deadline)"}]
+
+
 # --- on a GPU with NVSHMEM ----------------------------------------------------------------
 
 
@@ -149,7 +174,7 @@ MISSING_TWO_PES = probe().missing("cuda", "nvshmem", "mps")
 def test_two_pes_on_one_gpu_under_mps_read_each_other_bit_exact():
     from tools.bench.gpu_paths import nvshmem_reads
 
-    result = nvshmem_reads(pes=2, size=256 << 20, chunk_size=16 << 20, timeout=240)
+    result = nvshmem_reads(pes=2, size=256 << 20, chunk_size=16 << 20, timeout=120)
     assert result["verified"], result["errors"]
     assert len(result["per_reader_gbps"]) == 1
 
@@ -158,7 +183,7 @@ def test_two_pes_on_one_gpu_under_mps_read_each_other_bit_exact():
 def test_two_pes_fetch_between_symmetric_stores_one_sidedly():
     from tools.bench.gpu_paths import nvshmem_store_fetch
 
-    result = nvshmem_store_fetch(pes=2, size=96 << 20, chunk_size=16 << 20, timeout=240)
+    result = nvshmem_store_fetch(pes=2, size=96 << 20, chunk_size=16 << 20, timeout=120)
     assert not result["errors"], result["errors"]
     assert result["transports"] == [{"nvshmem": 96 << 20}]
     assert result["verified"]

@@ -92,5 +92,9 @@ def test_a_pe_waiting_for_a_missing_pe0_times_out():
 @pytest.mark.skipif(importlib.util.find_spec("nvshmem") is None,
                     reason="nvshmem4py not installed (gpu extra); the byte round-trip needs its bindings, not a GPU")
 def test_uid_bytes_round_trip_through_nvshmem_bindings():
+    import ctypes
+
     raw = os.urandom(UID_NBYTES)
-    assert uid_to_bytes(uid_from_bytes(raw)) == raw
+    uid = uid_from_bytes(raw)
+    assert uid_to_bytes(uid) == raw
+    assert ctypes.string_at(uid.ptr, UID_NBYTES) == raw  # the bytes init hands to libnvshmem

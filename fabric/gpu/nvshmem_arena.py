@@ -27,6 +27,7 @@ Only `AllocationRegistry` and `attach_views` run without a GPU.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -126,6 +127,14 @@ def attach_views(buffer: torch.Tensor, params: Iterable[tuple[str, torch.Tensor]
     return views
 
 
+RMA_LOCK = threading.RLock()
+"""Held around every one-sided NVSHMEM call (get, signal, peer pointer). The host
+library is ``THREAD_SERIALIZED`` (``nvshmem.core.query_thread()``), and the fetch
+engine calls it from several threads: transport reads in its pool, progress flags
+in its loop. Collectives (allocate, free, barrier) block on the other PEs and are
+made from the thread that attaches and closes stores, without this lock."""
+
+
 def _buffer(ptr: int, nbytes: int) -> Any:
     """A cuda.core Buffer over a byte range (nvshmem4py takes exact allocations or Buffers)."""
     from cuda.core import Buffer
@@ -157,17 +166,19 @@ class SymmetricRegion:
         say the chunks are present."""
         import nvshmem.core as nvshmem
 
-        return nvshmem.get_peer_tensor(self.data, pe)
+        with RMA_LOCK:
+            return nvshmem.get_peer_tensor(self.data, pe)
 
     def peer_flags(self, pe: int, stream: torch.cuda.Stream) -> torch.Tensor:
         """PE ``pe``'s chunk flags of this region, read one-sidedly (blocking)."""
         import nvshmem.core as nvshmem
 
         n = 8 * self.num_chunks
-        nvshmem.get(_buffer(self.peer_scratch.data_ptr(), n), _buffer(self.flags.data_ptr(), n),
-                    remote_pe=pe, stream=nvshmem.NvshmemStream(stream))
-        stream.synchronize()
-        return self.peer_scratch.cpu()
+        with RMA_LOCK:  # also keeps the scratch to one reader at a time
+            nvshmem.get(_buffer(self.peer_scratch.data_ptr(), n), _buffer(self.flags.data_ptr(), n),
+                        remote_pe=pe, stream=nvshmem.NvshmemStream(stream))
+            stream.synchronize()
+            return self.peer_scratch.cpu()
 
     def wait_peer_chunks(self, pe: int, first: int, last: int, stream: torch.cuda.Stream, *,
                          timeout: float, poll_interval: float = 2e-4) -> bool:
@@ -202,8 +213,9 @@ class SymmetricProgress(ChunkProgress):
         import nvshmem.core as nvshmem
 
         stream = stream or torch.cuda.current_stream(self.region.flags.device)
-        nvshmem.signal_op(self.region.flag_buffer(chunk), 1, nvshmem.SignalOp.SIGNAL_SET,
-                          remote_pe=nvshmem.my_pe(), stream=nvshmem.NvshmemStream(stream))
+        with RMA_LOCK:
+            nvshmem.signal_op(self.region.flag_buffer(chunk), 1, nvshmem.SignalOp.SIGNAL_SET,
+                              remote_pe=nvshmem.my_pe(), stream=nvshmem.NvshmemStream(stream))
         stream.synchronize()
         super().mark(chunk)
 

@@ -64,7 +64,7 @@ class DeviceRegion:
 
     def close(self) -> None:
         """Drop this region's reference to the memory (attached views keep theirs)."""
-        self.tensor = self.tensor[:0]
+        self.tensor = torch.empty(0, dtype=torch.uint8, device=self.tensor.device)
 
     def __repr__(self) -> str:
         return f"DeviceRegion({self.nbytes} bytes on {self.tensor.device})"

@@ -15,6 +15,7 @@ Limits: IPC handles cover ``cudaMalloc`` memory; PyTorch's caching allocator wit
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from fabric.gpu.probe import normalise_uuid
 from fabric.transports import client
 from fabric.transports.base import SourceAddress
 from fabric.transports.wire import Op
+
+log = logging.getLogger(__name__)
 
 HANDLE_NBYTES = 64  # CUDA_IPC_HANDLE_SIZE
 MAX_MAPPINGS = 16
@@ -106,6 +109,21 @@ def device_index(uuid: str) -> int:
     raise LookupError(f"GPU {want} is not visible in this process")
 
 
+@contextmanager
+def _on_device(index: int) -> Iterator[None]:
+    """GPU ``index`` current in this thread for cuda-bindings calls, then the caller's again.
+
+    cuda-bindings links its own CUDA runtime, whose current device is not torch's:
+    ``cudaSetDevice`` binds the device's primary context (which driver calls need,
+    and a fresh thread lacks); torch's guard restores the caller's device after.
+    """
+    from cuda.bindings import runtime
+
+    with torch.cuda.device(index):
+        _check(runtime.cudaSetDevice(index), "cudaSetDevice")
+        yield
+
+
 def export_tensor(tensor: torch.Tensor) -> IpcHandle:
     """An `IpcHandle` for a contiguous CUDA tensor (its allocation's base + offset)."""
     from cuda.bindings import driver, runtime
@@ -113,10 +131,9 @@ def export_tensor(tensor: torch.Tensor) -> IpcHandle:
     if tensor.device.type != "cuda" or not tensor.is_contiguous():
         raise ValueError("export_tensor: needs a contiguous CUDA tensor")
     ptr = tensor.data_ptr()
-    # the driver call needs this device's context current in this thread
-    _check(runtime.cudaSetDevice(tensor.device.index), "cudaSetDevice")
-    base, _ = _check(driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
-    (handle,) = _check(runtime.cudaIpcGetMemHandle(int(base)), "cudaIpcGetMemHandle")
+    with _on_device(tensor.device.index):
+        base, _ = _check(driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        (handle,) = _check(runtime.cudaIpcGetMemHandle(int(base)), "cudaIpcGetMemHandle")
     raw = ctypes.string_at(handle.getPtr(), HANDLE_NBYTES)
     return IpcHandle(raw, ptr - int(base), tensor.numel() * tensor.element_size(),
                      device_uuid(tensor.device))
@@ -144,7 +161,7 @@ def open_handle(h: IpcHandle) -> _Mapping:
     index = device_index(h.device_uuid)
     handle = runtime.cudaIpcMemHandle_t()
     ctypes.memmove(handle.getPtr(), h.handle, HANDLE_NBYTES)
-    with torch.cuda.device(index):
+    with _on_device(index):
         (base,) = _check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess),
                          "cudaIpcOpenMemHandle")
     return _Mapping(int(base), index)
@@ -152,16 +169,29 @@ def open_handle(h: IpcHandle) -> _Mapping:
 
 def view(mapping: _Mapping, offset: int, nbytes: int, device: int | None = None) -> torch.Tensor:
     """A uint8 CUDA tensor over ``nbytes`` at ``offset`` of a mapped allocation, labelled
-    with ``device`` (default: the GPU the memory is on; another GPU of this process
-    reads it through peer access, which opening the handle enabled)."""
-    return torch.as_tensor(_DevicePointer(mapping.base + offset, nbytes),
-                           device=f"cuda:{mapping.device if device is None else device}")
+    with ``device`` (default: the GPU the memory is on, where the handle was opened).
+    Another GPU's kernels can load it only with peer access from that GPU to the
+    memory's, which opening the handle on the memory's own GPU does not enable.
+
+    Raises:
+        RuntimeError: torch copied the bytes instead of labelling them (releases
+            whose ``as_tensor`` ignores the device index of ``__cuda_array_interface__``
+            memory copy it to another device).
+    """
+    ptr = mapping.base + offset
+    tensor = torch.as_tensor(_DevicePointer(ptr, nbytes),
+                             device=f"cuda:{mapping.device if device is None else device}")
+    if tensor.data_ptr() != ptr:
+        raise RuntimeError(f"torch {torch.__version__} copied a mapped GPU range to cuda:{device} "
+                           "instead of labelling it; read it on its own GPU (device=None)")
+    return tensor
 
 
 def close_mapping(mapping: _Mapping) -> None:
     from cuda.bindings import runtime
 
-    _check(runtime.cudaIpcCloseMemHandle(mapping.base), "cudaIpcCloseMemHandle")
+    with _on_device(mapping.device):
+        _check(runtime.cudaIpcCloseMemHandle(mapping.base), "cudaIpcCloseMemHandle")
 
 
 class CudaIpcTransport(client.ServerTransport):
@@ -196,8 +226,11 @@ class CudaIpcTransport(client.ServerTransport):
             mapped.users += 1
             idle = [k for k, m in self._maps.items() if m.users == 0]
             evicted = [self._maps.pop(k) for k in idle[:max(0, len(self._maps) - MAX_MAPPINGS)]]
-        for old in evicted:
-            close_mapping(old)
+        for old in evicted:  # idle mappings: a failure to unmap one is not this read's
+            try:
+                close_mapping(old)
+            except RuntimeError as exc:
+                log.warning("could not unmap an idle CUDA IPC mapping: %s", exc)
         return mapped
 
     def _release(self, mapped: _Mapping) -> None:
@@ -205,9 +238,12 @@ class CudaIpcTransport(client.ServerTransport):
             mapped.users -= 1
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index if device.type == "cuda" else torch.cuda.current_device()
+        """This transport's copy stream on CUDA ``device`` (one per GPU)."""
         with self._lock:
-            return self._streams.setdefault(index, torch.cuda.Stream(index))
+            stream = self._streams.get(device.index)
+            if stream is None:
+                stream = self._streams[device.index] = torch.cuda.Stream(device.index)
+            return stream
 
     @contextmanager
     def leased(self, source: SourceAddress, region: str, offset: int, nbytes: int, *,
@@ -217,7 +253,7 @@ class CudaIpcTransport(client.ServerTransport):
         holder's retract waits for it. Kernels may read it directly (e.g.
         `fabric.direct_read.run_direct`); synchronise them before the block ends.
         ``device`` labels the tensor for a kernel on another GPU of this process
-        (default: the GPU the bytes are on).
+        (default: the GPU the bytes are on; see `view` for what that takes).
 
         Raises:
             ReadRefusedError: not present in time, out of range, or not IPC-exported.
@@ -244,7 +280,7 @@ class CudaIpcTransport(client.ServerTransport):
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
         with self.leased(source, region, offset, out.numel(), timeout=timeout) as src:
-            stream = self._stream(out.device)
+            stream = self._stream(out.device if out.device.type == "cuda" else src.device)
             if out.device.type == "cuda":
                 stream.wait_stream(torch.cuda.current_stream(out.device))  # out may be in use
             with torch.cuda.stream(stream):

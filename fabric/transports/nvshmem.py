@@ -27,13 +27,12 @@ other memory would need registering first.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 
 from fabric.errors import ReadRefusedError, SourceLostError
-from fabric.gpu.nvshmem_arena import NvshmemRuntime, SymmetricRegion, _buffer
+from fabric.gpu.nvshmem_arena import RMA_LOCK, NvshmemRuntime, SymmetricRegion, _buffer
 from fabric.transports import client
 from fabric.transports.base import SourceAddress
 from fabric.transports.wire import Op
@@ -56,8 +55,7 @@ class NvshmemTransport(client.ServerTransport):
     def __init__(self, runtime: NvshmemRuntime) -> None:
         self.runtime = runtime
         super().__init__()
-        self._stream = torch.cuda.Stream(runtime.device)
-        self._lock = threading.Lock()  # one RMA sequence on the stream at a time
+        self._stream = torch.cuda.Stream(runtime.device)  # one RMA sequence at a time (RMA_LOCK)
 
     def _local(self, gpu: dict[str, Any] | None, source: SourceAddress,
                region: str) -> tuple[int, SymmetricRegion]:
@@ -86,7 +84,7 @@ class NvshmemTransport(client.ServerTransport):
                 if offset < 0 or offset + n > local.data.numel():
                     raise ReadRefusedError(f"read [{offset}, {offset + n}) outside symmetric "
                                            f"region {local.name!r} of {local.data.numel()} bytes")
-                with self._lock:
+                with RMA_LOCK:
                     stream = nvshmem.NvshmemStream(self._stream)
                     self._stream.wait_stream(torch.cuda.current_stream(out.device))
                     try:
@@ -104,5 +102,4 @@ class NvshmemTransport(client.ServerTransport):
     def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
         """The holder's chunk flags, read one-sidedly from its symmetric memory."""
         pe, local = self._local(self.describe(source, region, timeout=timeout).gpu, source, region)
-        with self._lock:
-            return bytes((local.peer_flags(pe, self._stream) != 0).to(torch.uint8).tolist())
+        return bytes((local.peer_flags(pe, self._stream) != 0).to(torch.uint8).tolist())

@@ -26,10 +26,12 @@ PE the hub names) and report the second, warm, fetch.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,6 +44,8 @@ HOLDER_KEY = "{session}/holder"
 DONE_KEY = "{session}/done/{rank}"
 VERSION_KEY = "{session}/version/{round}"
 ROUND_DONE_KEY = "{session}/round/{round}/done/{rank}"
+TEARDOWN_S = 60.0
+"""How long PEs get to free their buffers and finalize after the last result."""
 
 
 def pattern(nbytes: int, device: str | torch.device) -> torch.Tensor:
@@ -60,10 +64,10 @@ def _pe_main(url: str, session: str, rank: int, pes: int, size: int, chunk: int,
     from fabric.transports.nvshmem import NvshmemTransport, nvshmem_descriptor
 
     client = fabric.connect(url)
-    server = transport = None
-    rt = NvshmemRuntime.start(HubRendezvous(client), session=session, rank=rank, nranks=pes,
-                              local_rank=0)
+    server = transport = rt = None
     try:
+        rt = NvshmemRuntime.start(HubRendezvous(client), session=session, rank=rank, nranks=pes,
+                                  local_rank=0)
         src = rt.allocate_region("bench-src", size, chunk)  # collective, same order everywhere
         dst = rt.allocate_region("bench-dst", size, chunk)
         if rank == 0:
@@ -100,15 +104,45 @@ def _pe_main(url: str, session: str, rank: int, pes: int, size: int, chunk: int,
             transport.close()
         if server is not None:
             server.close()
-        rt.close()
+        if rt is not None:
+            rt.close()
         client.close()
 
 
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in the environment, except names already set (what spawned children inherit)."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+def pe_environment(pes: int, heap: int) -> dict[str, str]:
+    """What each PE of a job of ``pes`` processes on one GPU needs in its environment.
+
+    NVSHMEM gives PEs that share a GPU its full API (stream barriers included) only
+    under MPS with their ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` summing to at most
+    100; otherwise "limited MPG" refuses such calls. ``NVSHMEM_SYMMETRIC_SIZE`` covers
+    ``heap`` bytes (the default 1 GiB is all there is when NVSHMEM falls back from
+    VMM to a static heap).
+    """
+    env = {"NVSHMEM_SYMMETRIC_SIZE": str(heap + (256 << 20))}
+    if pes > 1:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 // pes)
+    return env
+
+
 def _run_pes(target: Callable[..., None], args: tuple[Any, ...], *, pes: int, readers: int,
-             timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+             heap: int, timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Start ``pes`` spawned processes ``target(hub_url, session, rank, pes, *args, queue)``
-    on one hub; collect ``readers`` results (or the first error) within ``timeout``;
-    returns (results by rank, errors). Processes still alive at the end are killed."""
+    on one hub, each with `pe_environment` for ``heap`` symmetric bytes; collect
+    ``readers`` results (or the first error) within ``timeout``; returns (results by
+    rank, errors). Processes still alive at the end are killed; when every result
+    came, a PE that did not exit cleanly (a teardown that hung or crashed) is an error."""
     import fabric
 
     session = f"bench-{time.time_ns()}"
@@ -117,8 +151,9 @@ def _run_pes(target: Callable[..., None], args: tuple[Any, ...], *, pes: int, re
     with fabric.serve("tcp://127.0.0.1:0") as hub:
         procs = [ctx.Process(target=target, args=(hub.url, session, r, pes, *args, results))
                  for r in range(pes)]
-        for p in procs:
-            p.start()
+        with _environ(pe_environment(pes, heap)):
+            for p in procs:
+                p.start()
         got: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
         try:
@@ -131,8 +166,9 @@ def _run_pes(target: Callable[..., None], args: tuple[Any, ...], *, pes: int, re
                     got.append(results.get(timeout=min(left, 1.0)))
                 except queue.Empty:
                     continue
-            if any("error" in g for g in got):  # peers may wait in a collective forever
-                deadline = min(deadline, time.monotonic() + 15)
+            # peers of a failed PE may wait in a collective forever; others tear down
+            deadline = min(deadline, time.monotonic() + (
+                15 if any("error" in g for g in got) else TEARDOWN_S))
             for p in procs:
                 p.join(max(0.0, deadline - time.monotonic()))
         finally:
@@ -145,6 +181,10 @@ def _run_pes(target: Callable[..., None], args: tuple[Any, ...], *, pes: int, re
     if len(ok) < readers and not errors:
         errors.append({"rank": None, "error": f"no result within {timeout:g} s; exit codes "
                                               f"{[p.exitcode for p in procs]}"})
+    if not errors:  # the results came, but a PE's teardown (collective frees, finalize) failed
+        errors = [{"rank": r, "error": f"PE {r} exited with code {p.exitcode}"
+                                       + (" (killed at the deadline)" if p.exitcode == -9 else "")}
+                  for r, p in enumerate(procs) if p.exitcode != 0]
     return ok, errors
 
 
@@ -158,7 +198,7 @@ def nvshmem_reads(*, pes: int, size: int, chunk_size: int, timeout: float = 600)
         raise ValueError(f"pes must be >= 1, got {pes}")
     size -= size % 8
     ok, errors = _run_pes(_pe_main, (size, chunk_size), pes=pes, readers=max(1, pes - 1),
-                          timeout=timeout)
+                          heap=2 * size, timeout=timeout)
     return {"pes": pes, "bytes": size, "chunk_size": chunk_size,
             "per_reader_gbps": [g["gbps"] for g in ok],
             "copy_gbps": [g["copy_gbps"] for g in ok],
@@ -172,10 +212,10 @@ def _store_pe_main(url: str, session: str, rank: int, pes: int, size: int, chunk
     from fabric.gpu import HubRendezvous, NvshmemRuntime
 
     client = fabric.connect(url)
-    worker = None
-    rt = NvshmemRuntime.start(HubRendezvous(client), session=session, rank=rank, nranks=pes,
-                              local_rank=0)
+    worker = rt = None
     try:
+        rt = NvshmemRuntime.start(HubRendezvous(client), session=session, rank=rank, nranks=pes,
+                                  local_rank=0)
         worker = fabric.join(url, worker=f"pe-{rank}", nvshmem=rt)
         store = worker.model("bench", device="cuda:0", symmetric=True, chunk_size=chunk)
         weights = (pattern(size, "cuda:0") if rank == 0
@@ -207,7 +247,8 @@ def _store_pe_main(url: str, session: str, rank: int, pes: int, size: int, chunk
     finally:
         if worker is not None:
             worker.close()  # frees the symmetric buffers: a collective, on every PE
-        rt.close()
+        if rt is not None:
+            rt.close()
         client.close()
 
 
@@ -224,7 +265,7 @@ def nvshmem_store_fetch(*, pes: int, size: int, chunk_size: int,
         raise ValueError(f"a store fetch needs a publisher and a reader: pes >= 2, got {pes}")
     size -= size % 8
     ok, errors = _run_pes(_store_pe_main, (size, chunk_size), pes=pes, readers=pes - 1,
-                          timeout=timeout)
+                          heap=2 * size, timeout=timeout)
     return {"pes": pes, "bytes": size, "chunk_size": chunk_size,
             "per_reader_gbps": [g["gbps"] for g in ok],
             "copy_gbps": [g["copy_gbps"] for g in ok],

@@ -11,10 +11,14 @@
 # Wheels from tools/gpu/fetch_wheels.sh are installed from .whl/ when present. Each
 # step's full output (the JSON of a --json bench included) goes to $OUT/<step>.log;
 # the tail of each is printed, and a table of exit codes comes last. The device tool
-# brings back at most 8 files per call: run one phase per call.
+# brings back at most 8 files per call: run one phase per call. The step limits of
+# tests and bench2 add up to less than the 600 s one call may take (a call cut off
+# in an MPS step would lose the summary); bench's runs are slow rather than stuck.
 set -u
 OUT=${OUT:-/tmp/weightfabric-gpu}
 mkdir -p "$OUT"
+# MPS logs come back with the phase's logs (the default /var/log needs root)
+export CUDA_MPS_LOG_DIRECTORY="$OUT/mps"
 phase=${1:-all}
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -36,6 +40,17 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log, print the tail, remember t
     summary+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - start ))")")
 }
 
+mps_on() {  # start an MPS control daemon; its clients are the CUDA processes started after
+    mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || echo "== MPS daemon did not start (already running?)"
+    sleep 2
+}
+
+mps_off() {  # stop the daemon (one a killed earlier phase left behind too) and wait for it
+    echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || return 0
+    for _ in $(seq 20); do pgrep -x nvidia-cuda-mps-control >/dev/null || return 0; sleep 0.5; done
+}
+
 check() {
     step nvidia-smi 30 nvidia-smi
     step topo-m 30 nvidia-smi topo -m
@@ -45,13 +60,14 @@ check() {
 }
 
 tests() {
-    step gpu-tests 480 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
+    step gpu-tests 300 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
         tests/test_gpu_probe.py tests/test_gpu_uid.py tests/test_gpu_nvshmem.py \
-        tests/test_gpu_ipc.py tests/test_gpu_staging.py tests/test_gpu_store.py
-    nvidia-cuda-mps-control -d && sleep 2
-    step mps-two-pes 300 env TRITON_INTERPRET=0 python3 -m pytest -rs -x -q -p no:cacheprovider \
+        tests/test_gpu_ipc.py tests/test_gpu_staging.py tests/test_gpu_store.py \
+        tests/test_gpu_api.py
+    mps_on
+    step mps-two-pes 270 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
         tests/test_gpu_nvshmem.py -k two_pes
-    echo quit | nvidia-cuda-mps-control
+    mps_off
 }
 
 bench() {
@@ -64,13 +80,14 @@ bench() {
 }
 
 bench2() {
-    step kernels-cuda 420 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json
-    nvidia-cuda-mps-control -d && sleep 2
-    step fetch-cuda-nvshmem-2pes 420 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
+    step kernels-cuda 300 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json
+    mps_on
+    step fetch-cuda-nvshmem-2pes 270 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
         --size 2GB --chunk-size 64MiB --versions 2 --nvshmem-pes 2 --no-baselines --json
-    echo quit | nvidia-cuda-mps-control
+    mps_off
 }
 
+mps_off  # none left over from an earlier call that was cut off
 case "$phase" in
     check) check ;;
     tests) tests ;;
