@@ -95,11 +95,6 @@ class SymmetricBuffer:
         self.gpu = nvshmem_descriptor(runtime, self.region)
         self._closed = False
 
-    @property
-    def chunk_size(self) -> int:
-        """The granularity of the buffer's progress flags."""
-        return self.region.chunk_size
-
     def progress(self, *, complete: bool = False) -> ChunkProgress:
         """Fresh progress for a new exposure (resets the symmetric flags)."""
         return self.runtime.progress(self.region, complete=complete)
