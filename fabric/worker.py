@@ -21,7 +21,7 @@ from fabric.client import HubClient
 from fabric.fetch import Source
 from fabric.gpu.probe import normalise_uuid
 from fabric.locality import Location
-from fabric.store import ModelStore, resolve_device
+from fabric.store import PREPARED_BUFFERS, ModelStore, resolve_device
 from fabric.tensorset import DEFAULT_CHUNK_SIZE
 from fabric.transports import (
     ReadServer,
@@ -75,7 +75,7 @@ class Worker:
     def model(self, name: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
               device: torch.device | str = "cpu", shard: int = 0,
               num_shards: int = 1, prepare_spare: bool = True, symmetric: bool = False,
-              buffers: int = 2) -> ModelStore:
+              buffers: int = PREPARED_BUFFERS) -> ModelStore:
         """The store of model `name` (created once per worker).
 
         Args:
