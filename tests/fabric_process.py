@@ -55,8 +55,8 @@ def main() -> None:
     if delay:
         original = worker.transport_for
 
-        def slow(source, **kwargs):
-            transport = original(source, **kwargs)
+        def slow(source):
+            transport = original(source)
             read = transport.read
 
             class Slow:
