@@ -9,17 +9,21 @@ marks it present, so a chain of readers pipelines. When a source fails, or a
 chunk's bytes are wrong, only those chunks go back to the planner, which may
 name other sources; chunks already fetched are kept.
 
+A read covers a span of consecutive chunks (up to `FetchOptions.read_bytes`)
+when its source already holds them all: one lease or request and one copy
+instead of one per chunk, which is what keeps small chunks fast. Chunks of a
+partial replica still filling are read one at a time, each as soon as it lands.
+
 ::
 
-    missing ──plan──► [chunks → ranked sources] ──read (N in flight)──► verify
-       ▲                                                      │ ok: mark, report
-       └──────────── failed source / bad checksum ◄───────────┘
+    missing ──plan──► [spans → ranked sources] ──read (N in flight)──► verify
+       ▲                                                  │ each chunk ok: mark, report
+       └──────────── failed source / bad checksum ◄───────┘
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -51,11 +55,16 @@ class Source:
 @dataclass(frozen=True)
 class Assignment:
     """Chunks to read and the sources that have them, best first. The engine
-    stripes the chunks over the sources of the best `stripe` ranks."""
+    stripes the chunks over the sources of the best `stripe` ranks.
+
+    `filling` says some of those sources are partial replicas that may not have
+    the chunks yet: the engine then reads them one chunk at a time (each as soon as
+    it lands) instead of in spans, which would wait for a whole span."""
 
     chunks: tuple[int, ...]
     sources: tuple[Source, ...]
     stripe: int = 1
+    filling: bool = False
 
 
 class FetchPlanner(Protocol):
@@ -125,18 +134,25 @@ class FetchOptions:
     """Concurrency and time limits of one fetch (``ModelStore.fetch(options=...)``).
 
     Attributes:
-        max_inflight: chunk reads in flight at once.
-        read_timeout: seconds to wait for one chunk (a partial source may still be
-            fetching it).
+        max_inflight: reads in flight at once.
+        read_bytes: the most bytes one read asks a source for (see below).
+        read_timeout: seconds to wait for one read (a partial source may still be
+            fetching its chunks).
         deadline: seconds the whole fetch may take.
         max_rounds: re-plans allowed before giving up.
         report_interval: seconds between progress reports to the hub.
     """
 
     max_inflight: int = 4
-    """Chunk reads in flight at once."""
+    """Reads in flight at once."""
+    read_bytes: int = 64 * 2**20
+    """Most bytes one read asks a source for. Consecutive chunks a source already
+    holds are read together, up to this size and to an even share of the chunks per
+    read in flight; chunks of a partial source still filling, and chunks re-read
+    after a bad checksum, are read one at a time. At most the chunk size: one chunk
+    per read."""
     read_timeout: float = 30.0
-    """Longest wait for one chunk (a partial source may still be fetching it)."""
+    """Longest wait for one read (a partial source may still be fetching its chunks)."""
     deadline: float = 600.0
     """Longest the whole fetch may take."""
     max_rounds: int = 50
@@ -182,8 +198,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
     stats = FetchStats()
     start = time.monotonic()
     failed: set[str] = set()
-    lock = threading.Lock()
     total = progress.num_chunks
+    chunks_per_read = max(1, options.read_bytes // chunk_size)
     attempted: set[int] = set()
     corrupt_from: dict[int, set[str]] = {}  # chunk -> workers that sent it wrong
     unreported: list[int] = []
@@ -196,24 +212,25 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             unreported.clear()
         last_report = time.monotonic()
 
-    def read_one(chunk: int, source: Source) -> tuple[int, Source, str | None, str]:
-        lo = chunk * chunk_size
-        hi = min(lo + chunk_size, dest.numel())
-        piece = dest[lo:hi]
+    def chunk_bytes(chunk: int) -> torch.Tensor:
+        return dest[chunk * chunk_size:min((chunk + 1) * chunk_size, dest.numel())]
+
+    def read_span(span: tuple[int, ...], source: Source) -> _Read:
+        lo = span[0] * chunk_size
+        hi = min((span[-1] + 1) * chunk_size, dest.numel())
         if before_write is not None:
             before_write(lo, hi)
         via = "?"
         try:
             transport = choose(source)
             via = transport.name
-            transport.read(source.address, source.region, lo, piece, timeout=options.read_timeout)
+            transport.read(source.address, source.region, lo, dest[lo:hi], timeout=options.read_timeout)
         except TransportError as exc:
-            return chunk, source, f"{type(exc).__name__}: {exc}", via
+            return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
+        corrupted: tuple[int, ...] = ()
         if checksums is not None and checksum_fn is not None and verify(source):
-            got = checksum_fn(chunk, piece)
-            if got != checksums[chunk]:
-                return chunk, source, "checksum", via
-        return chunk, source, None, via
+            corrupted = tuple(c for c in span if checksum_fn(c, chunk_bytes(c)) != checksums[c])
+        return _Read(span, source, via, corrupted=corrupted)
 
     with ThreadPoolExecutor(max_workers=options.max_inflight,
                             thread_name_prefix="wf-fetch") as pool:
@@ -224,18 +241,19 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             if time.monotonic() - start > options.deadline:
                 raise FetchError(f"fetch ran past its deadline of {options.deadline:g} s with "
                                  f"{len(missing)} of {total} chunks missing")
-            work = _schedule(planner.plan(missing, set(failed)), missing, corrupt_from)
+            work = _schedule(planner.plan(missing, set(failed)), missing, corrupt_from,
+                             chunks_per_read=chunks_per_read, inflight=options.max_inflight)
             if not work:
                 raise FetchError(f"no source for chunks {_ranges(missing)}: every holder failed "
                                  f"or left ({', '.join(sorted(failed)) or 'none failed'})")
-            pending: set[Future] = set()
+            pending: set[Future[_Read]] = set()
             queue = list(work)
             while queue or pending:
                 while queue and len(pending) < options.max_inflight:
-                    chunk, source = queue.pop(0)
+                    span, source = queue.pop(0)
                     if source.worker in failed:
                         continue
-                    pending.add(pool.submit(read_one, chunk, source))
+                    pending.add(pool.submit(read_span, span, source))
                 if not pending:  # the rest was assigned to sources that failed: re-plan
                     break
                 left = options.deadline - (time.monotonic() - start)
@@ -245,30 +263,31 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                                      f"with {len(pending)} reads still waiting on sources")
                 finished: list[int] = []
                 for future in done:
-                    chunk, source, error, via = future.result()
-                    with lock:
-                        if chunk in attempted:
-                            stats.chunks_reread += 1
-                        attempted.add(chunk)
-                    if error is None:
-                        nbytes = min(chunk_size, dest.numel() - chunk * chunk_size)
+                    read = future.result()
+                    worker = read.source.worker
+                    stats.chunks_reread += sum(1 for c in read.span if c in attempted)
+                    attempted.update(read.span)
+                    if read.error is not None:
+                        if worker not in failed and not _transient(read.error):
+                            failed.add(worker)
+                            stats.failed_sources.append(worker)
+                            log.warning("source %s failed (%s); re-planning its chunks",
+                                        worker, read.error)
+                        continue
+                    for chunk in read.span:
+                        if chunk in read.corrupted:
+                            stats.corrupted_chunks += 1
+                            corrupt_from.setdefault(chunk, set()).add(worker)
+                            log.warning("chunk %d from %s failed its checksum; re-reading",
+                                        chunk, worker)
+                            continue
+                        nbytes = chunk_bytes(chunk).numel()
                         progress.mark(chunk)
                         stats.bytes += nbytes
                         stats.chunks += 1
-                        stats.sources[source.worker] = stats.sources.get(source.worker, 0) + nbytes
-                        stats.transports[via] = stats.transports.get(via, 0) + nbytes
+                        stats.sources[worker] = stats.sources.get(worker, 0) + nbytes
+                        stats.transports[read.via] = stats.transports.get(read.via, 0) + nbytes
                         finished.append(chunk)
-                    elif error == "checksum":
-                        stats.corrupted_chunks += 1
-                        corrupt_from.setdefault(chunk, set()).add(source.worker)
-                        log.warning("chunk %d from %s failed its checksum; re-reading",
-                                    chunk, source.worker)
-                    else:
-                        if source.worker not in failed and not _transient(error):
-                            failed.add(source.worker)
-                            stats.failed_sources.append(source.worker)
-                            log.warning("source %s failed (%s); re-planning its chunks",
-                                        source.worker, error)
                 if finished:
                     unreported.extend(finished)
                     if time.monotonic() - last_report >= options.report_interval:
@@ -285,24 +304,63 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
     return stats
 
 
+@dataclass(frozen=True)
+class _Read:
+    """The outcome of one read: a span of consecutive chunks from one source."""
+
+    span: tuple[int, ...]
+    source: Source
+    via: str
+    error: str | None = None
+    corrupted: tuple[int, ...] = ()
+
+
 def _transient(error: str) -> bool:
     """A partial source that did not have the chunk in time is slow, not dead."""
     return error.startswith(ReadRefusedError.__name__) and "NOT_READY" in error
 
 
-def _schedule(assignments: list[Assignment], missing: list[int],
-              avoid: dict[int, set[str]]) -> list[tuple[int, Source]]:
-    """(chunk, source) pairs in chunk order, striped over each assignment's best
-    sources, never pairing a chunk with a source that already sent it corrupted."""
+def _schedule(assignments: list[Assignment], missing: list[int], avoid: dict[int, set[str]], *,
+              chunks_per_read: int, inflight: int) -> list[tuple[tuple[int, ...], Source]]:
+    """Reads as (span of consecutive chunks, source), in chunk order.
+
+    Each assignment's chunks are cut into spans of at most `chunks_per_read`, and
+    of an even share per stripe source or read in flight (so small fetches still
+    read in parallel); spans go round-robin over the assignment's best `stripe`
+    sources. A filling assignment reads single chunks. A chunk that some source
+    already sent corrupted is read alone, from a source that did not.
+    """
     wanted = set(missing)
-    pairs: dict[int, Source] = {}
+    taken: set[int] = set()
+    reads: list[tuple[tuple[int, ...], Source]] = []
     for a in assignments:
-        for i, chunk in enumerate(c for c in a.chunks if c in wanted and c not in pairs):
-            usable = [s for s in a.sources if s.worker not in avoid.get(chunk, ())]
+        chunks = [c for c in a.chunks if c in wanted and c not in taken]
+        best = a.sources[:max(1, a.stripe)]
+        if not best:
+            continue
+        plain = [c for c in chunks if not avoid.get(c)]
+        share = -(-len(plain) // max(len(best), inflight))
+        most = 1 if a.filling else max(1, min(chunks_per_read, share))
+        for i, span in enumerate(_spans(plain, most)):
+            reads.append((span, best[i % len(best)]))
+        taken.update(plain)
+        for chunk in (c for c in chunks if avoid.get(c)):
+            usable = [s for s in a.sources if s.worker not in avoid[chunk]][:max(1, a.stripe)]
             if usable:
-                stripe = usable[:max(1, a.stripe)]
-                pairs[chunk] = stripe[i % len(stripe)]
-    return sorted(pairs.items())
+                reads.append(((chunk,), usable[chunk % len(usable)]))
+                taken.add(chunk)
+    return sorted(reads, key=lambda read: read[0][0])
+
+
+def _spans(chunks: list[int], most: int) -> list[tuple[int, ...]]:
+    """Sorted `chunks` cut into runs of consecutive indices, each at most `most` long."""
+    spans: list[list[int]] = []
+    for c in chunks:
+        if spans and spans[-1][-1] == c - 1 and len(spans[-1]) < most:
+            spans[-1].append(c)
+        else:
+            spans.append([c])
+    return [tuple(span) for span in spans]
 
 
 def _ranges(chunks: list[int]) -> str:

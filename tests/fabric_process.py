@@ -16,7 +16,8 @@ Prints ``{"ready": true}`` once joined, then answers one JSON line per command:
 - ``{"op": "exit"}``.
 
 Errors come back as ``{"error": "TypeName", "message": ...}``. `--read-delay` makes
-every chunk read sleep first, so a test can act while a fetch is in flight.
+every read sleep first, and reads one chunk at a time (`FetchOptions.read_bytes`),
+so a test can act while a fetch is in flight.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main() -> None:
 
         worker.transport_for = slow
     store = worker.model("bench", chunk_size=CHUNK)
+    options = FetchOptions(read_timeout=10, deadline=120,
+                           read_bytes=CHUNK if delay else FetchOptions.read_bytes)
     expected: dict[str, torch.Tensor] | None = None
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -85,7 +88,7 @@ def main() -> None:
                 out = {}
             elif op == "fetch":
                 stats = store.fetch(cmd.get("version", "latest"), verify=cmd.get("verify"),
-                                    options=FetchOptions(read_timeout=10, deadline=120))
+                                    options=options)
                 out = stats.to_dict()
                 got = store.tensors
                 out["exact"] = expected is not None and set(got) == set(expected) and all(

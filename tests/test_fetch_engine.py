@@ -181,3 +181,82 @@ def test_chunks_queued_for_a_source_that_failed_are_replanned_not_an_error(tcp):
         assert torch.equal(dest, data()) and stats.failed_sources == ["dead"]
     finally:
         good.close()
+
+
+class CountingTransport:
+    """Wraps a transport and records each read's (offset, nbytes)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.reads: list[tuple[int, int]] = []
+
+    def read(self, source, region, offset, out, *, timeout):
+        self.reads.append((offset, out.numel()))
+        self.inner.read(source, region, offset, out, timeout=timeout)
+
+
+@pytest.mark.parametrize("filling, spans", [
+    (False, [(0, 4), (4, 4), (8, 3)]),           # read_bytes = 4 chunks, one read in flight
+    (True, [(c, 1) for c in range(NUM_CHUNKS)]),  # a partial source: chunk by chunk
+])
+def test_chunks_a_source_holds_are_read_in_spans(tcp, filling, spans):
+    a, src_a = serve("a", data())
+    counting = CountingTransport(tcp)
+
+    class Planner(StaticPlanner):
+        def plan(self, missing, failed):
+            return [Assignment(tuple(missing), (src_a,), 1, filling=filling)]
+
+    try:
+        dest = torch.zeros(NBYTES, dtype=torch.uint8)
+        stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
+                             planner=Planner([src_a]), choose=lambda _: counting,
+                             checksums=EXPECTED, checksum_fn=crc,
+                             options=FetchOptions(max_inflight=1, read_bytes=4 * CHUNK + 5))
+        assert torch.equal(dest, data()) and stats.chunks == NUM_CHUNKS
+        want = [(first * CHUNK, min(n * CHUNK, NBYTES - first * CHUNK)) for first, n in spans]
+        assert counting.reads == want
+    finally:
+        a.close()
+
+
+def test_spans_are_shared_between_reads_in_flight_and_stripe_sources(tcp):
+    """With room for 64 chunks per read, 11 chunks over 4 reads in flight are cut in
+    spans of 3 (so the reads run in parallel), alternating between the two sources."""
+    a, src_a = serve("a", data())
+    b, src_b = serve("b", data())
+    counting = CountingTransport(tcp)
+    try:
+        dest = torch.zeros(NBYTES, dtype=torch.uint8)
+        fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
+                     planner=StaticPlanner([src_a, src_b]), choose=lambda _: counting,
+                     options=FetchOptions(max_inflight=4, read_bytes=64 * CHUNK))
+        assert torch.equal(dest, data())
+        assert sorted(counting.reads) == [(0, 3 * CHUNK), (3 * CHUNK, 3 * CHUNK),
+                                          (6 * CHUNK, 3 * CHUNK), (9 * CHUNK, NBYTES - 9 * CHUNK)]
+        assert a.bytes_served == 6 * CHUNK and b.bytes_served == NBYTES - 6 * CHUNK
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_corrupted_chunk_inside_a_span_is_reread_alone(tcp):
+    bad = data().clone()
+    bad[5 * CHUNK + 1] ^= 0xFF
+    a, src_a = serve("bad", bad)
+    b, src_b = serve("good", data())
+    counting = CountingTransport(tcp)
+    try:
+        dest = torch.zeros(NBYTES, dtype=torch.uint8)
+        stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
+                             planner=StaticPlanner([src_a, src_b], stripe=1),
+                             choose=lambda _: counting, checksums=EXPECTED, checksum_fn=crc,
+                             options=FetchOptions(max_inflight=1, read_bytes=NUM_CHUNKS * CHUNK))
+        assert torch.equal(dest, data())
+        assert stats.corrupted_chunks == 1 and stats.chunks_reread == 1
+        assert counting.reads == [(0, NBYTES), (5 * CHUNK, CHUNK)]
+        assert stats.sources == {"bad": NBYTES - CHUNK, "good": CHUNK}
+    finally:
+        a.close()
+        b.close()

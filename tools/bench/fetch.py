@@ -52,7 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-size", default="16MiB", help="fetch chunk size (default 16MiB, the "
                                                          "library default)")
     p.add_argument("--max-inflight", type=int, default=4,
-                   help="chunks in flight per reader (default 4)")
+                   help="reads in flight per reader (default 4)")
+    p.add_argument("--read-bytes", default=None,
+                   help="most bytes per read: consecutive chunks a source holds are read "
+                        "together up to this size (FetchOptions.read_bytes; default: the "
+                        "engine's, 64MiB; the chunk size reads chunk by chunk)")
     p.add_argument("--report-interval", type=float, default=None,
                    help="seconds between a reader's progress reports to the hub "
                         "(FetchOptions.report_interval; default: the engine's)")
@@ -78,6 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int = 4,
                 versions: int = 3, baselines: bool = True, report_interval: float | None = None,
+                read_bytes: int | None = None,
                 device: str = "cpu", nvshmem_pes: int = 0, attach: bool = False,
                 on_phase: Callable[[str, int | None], None] = lambda name, total: None,
                 on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
@@ -95,6 +100,8 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
         raise ValueError(f"--size must be at least 1MiB, got {size} bytes")
     if chunk_size <= 0 or chunk_size % 256:
         raise ValueError(f"--chunk-size must be a positive multiple of 256, got {chunk_size}")
+    if read_bytes is not None and read_bytes <= 0:
+        raise ValueError(f"--read-bytes must be positive, got {read_bytes}")
     if device == "cuda":
         from fabric.gpu import probe
 
@@ -102,12 +109,16 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
         if missing is not None:
             raise ValueError(f"--device cuda needs a GPU: {missing}")
     from fabric.arena import remove_stale_regions
+    from fabric.fetch import FetchOptions
     from tools.bench import baselines as base
 
     result: dict[str, Any] = {"readers": readers, "size_requested": size, "device": device,
                               "attach": attach,
-                              "chunk_size": chunk_size, "max_inflight": max_inflight}
+                              "chunk_size": chunk_size, "max_inflight": max_inflight,
+                              "read_bytes": read_bytes or FetchOptions.read_bytes}
     options: dict[str, float] = {"max_inflight": max_inflight}
+    if read_bytes is not None:
+        options["read_bytes"] = read_bytes
     if report_interval is not None:
         options["report_interval"] = report_interval
     if baselines:
@@ -215,6 +226,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         size = int(parse_size(args.size))
         chunk = int(parse_size(args.chunk_size))
+        read_bytes = None if args.read_bytes is None else int(parse_size(args.read_bytes))
     except ValueError as exc:
         print(f"fabric bench fetch: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -236,7 +248,8 @@ def _run(args: argparse.Namespace) -> int:
 
         try:
             result = bench_fetch(readers=args.readers, size=size, chunk_size=chunk,
-                                 max_inflight=args.max_inflight, versions=args.versions,
+                                 max_inflight=args.max_inflight, read_bytes=read_bytes,
+                                 versions=args.versions,
                                  report_interval=args.report_interval, device=args.device,
                                  nvshmem_pes=args.nvshmem_pes, attach=args.attach,
                                  baselines=not args.no_baselines, on_phase=on_phase,
@@ -252,7 +265,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _table(r: dict[str, Any], console: Console) -> None:
     table = Table(title=f"fabric bench fetch: {r['readers']} reader(s), {r['bytes'] / 1e9:.3f} GB "
-                        f"on {r['device']}, chunks of {r['chunk_size'] / (1 << 20):g} MiB")
+                        f"on {r['device']}, chunks of {r['chunk_size'] / (1 << 20):g} MiB, "
+                        f"reads up to {r['read_bytes'] / (1 << 20):g} MiB")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("fabric aggregate GB/s", f"{r['aggregate_gbps']:.2f}")
