@@ -9,10 +9,11 @@ marks it present, so a chain of readers pipelines. When a source fails, or a
 chunk's bytes are wrong, only those chunks go back to the planner, which may
 name other sources; chunks already fetched are kept.
 
-A read covers a span of consecutive chunks (up to `FetchOptions.read_bytes`)
-when its source already holds them all: one lease or request and one copy
-instead of one per chunk, which is what keeps small chunks fast. Chunks of a
-partial replica still filling are read one at a time, each as soon as it lands.
+A read asks for a span of consecutive chunks (up to `FetchOptions.read_bytes`):
+one lease or request and one copy instead of one per chunk, which is what keeps
+small chunks fast. The source waits only for the span's first chunk and grants
+the run of chunks it has from there (all of them, unless it is a partial replica
+still filling); the rest of the span is asked for again.
 
 ::
 
@@ -55,16 +56,11 @@ class Source:
 @dataclass(frozen=True)
 class Assignment:
     """Chunks to read and the sources that have them, best first. The engine
-    stripes the chunks over the sources of the best `stripe` ranks.
-
-    `filling` says some of those sources are partial replicas that may not have
-    the chunks yet: the engine then reads them one chunk at a time (each as soon as
-    it lands) instead of in spans, which would wait for a whole span."""
+    stripes the chunks over the sources of the best `stripe` ranks."""
 
     chunks: tuple[int, ...]
     sources: tuple[Source, ...]
     stripe: int = 1
-    filling: bool = False
 
 
 class FetchPlanner(Protocol):
@@ -146,11 +142,11 @@ class FetchOptions:
     max_inflight: int = 4
     """Reads in flight at once."""
     read_bytes: int = 64 * 2**20
-    """Most bytes one read asks a source for. Consecutive chunks a source already
-    holds are read together, up to this size and to an even share of the chunks per
-    read in flight; chunks of a partial source still filling, and chunks re-read
-    after a bad checksum, are read one at a time. At most the chunk size: one chunk
-    per read."""
+    """Most bytes one read asks a source for: consecutive chunks are asked for
+    together, up to this size and to an even share of the chunks per read in flight,
+    and the source grants those it has from the first (see the module docstring).
+    Chunks re-read after a bad checksum are read alone. At most the chunk size: one
+    chunk per read."""
     read_timeout: float = 30.0
     """Longest wait for one read (a partial source may still be fetching its chunks)."""
     deadline: float = 600.0
@@ -224,13 +220,17 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
         try:
             transport = choose(source)
             via = transport.name
-            transport.read(source.address, source.region, lo, dest[lo:hi], timeout=options.read_timeout)
+            got = transport.read(source.address, source.region, lo, dest[lo:hi],
+                                 timeout=options.read_timeout, prefix=True)
+            if got < hi - lo and got % chunk_size:
+                raise TransportError(f"source granted {got} bytes, not whole chunks of {chunk_size}")
         except TransportError as exc:
             return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
+        done = span if got == hi - lo else span[:got // chunk_size]
         corrupted: tuple[int, ...] = ()
         if checksums is not None and checksum_fn is not None and verify(source):
-            corrupted = tuple(c for c in span if checksum_fn(c, chunk_bytes(c)) != checksums[c])
-        return _Read(span, source, via, corrupted=corrupted)
+            corrupted = tuple(c for c in done if checksum_fn(c, chunk_bytes(c)) != checksums[c])
+        return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):])
 
     with ThreadPoolExecutor(max_workers=options.max_inflight,
                             thread_name_prefix="wf-fetch") as pool:
@@ -262,9 +262,12 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                     raise FetchError(f"fetch ran past its deadline of {options.deadline:g} s "
                                      f"with {len(pending)} reads still waiting on sources")
                 finished: list[int] = []
+                rests: list[tuple[tuple[int, ...], Source]] = []
                 for future in done:
                     read = future.result()
                     worker = read.source.worker
+                    if read.rest:  # a partial source granted a prefix: ask again for the rest
+                        rests.append((read.rest, read.source))
                     stats.chunks_reread += sum(1 for c in read.span if c in attempted)
                     attempted.update(read.span)
                     if read.error is not None:
@@ -288,6 +291,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                         stats.sources[worker] = stats.sources.get(worker, 0) + nbytes
                         stats.transports[read.via] = stats.transports.get(read.via, 0) + nbytes
                         finished.append(chunk)
+                queue[:0] = sorted(rests, key=lambda r: r[0][0])
                 if finished:
                     unreported.extend(finished)
                     if time.monotonic() - last_report >= options.report_interval:
@@ -306,13 +310,15 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
 
 @dataclass(frozen=True)
 class _Read:
-    """The outcome of one read: a span of consecutive chunks from one source."""
+    """The outcome of one read of consecutive chunks from one source: `span` was read
+    (or failed with `error`); `rest` was asked for too but not granted yet."""
 
     span: tuple[int, ...]
     source: Source
     via: str
     error: str | None = None
     corrupted: tuple[int, ...] = ()
+    rest: tuple[int, ...] = ()
 
 
 def _transient(error: str) -> bool:
@@ -327,8 +333,8 @@ def _schedule(assignments: list[Assignment], missing: list[int], avoid: dict[int
     Each assignment's chunks are cut into spans of at most `chunks_per_read`, and
     of an even share per stripe source or read in flight (so small fetches still
     read in parallel); spans go round-robin over the assignment's best `stripe`
-    sources. A filling assignment reads single chunks. A chunk that some source
-    already sent corrupted is read alone, from a source that did not.
+    sources. A chunk that some source already sent corrupted is read alone, from a
+    source that did not.
     """
     wanted = set(missing)
     taken: set[int] = set()
@@ -340,7 +346,7 @@ def _schedule(assignments: list[Assignment], missing: list[int], avoid: dict[int
             continue
         plain = [c for c in chunks if not avoid.get(c)]
         share = -(-len(plain) // max(len(best), inflight))
-        most = 1 if a.filling else max(1, min(chunks_per_read, share))
+        most = max(1, min(chunks_per_read, share))
         for i, span in enumerate(_spans(plain, most)):
             reads.append((span, best[i % len(best)]))
         taken.update(plain)

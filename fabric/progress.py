@@ -34,6 +34,13 @@ class ChunkProgress:
         """True when every chunk in ``first..last`` (inclusive) is present."""
         return all(self._present[first:last + 1])
 
+    def present_through(self, first: int, last: int) -> int:
+        """The last chunk of the run of present chunks from `first`, at most `last`
+        (``first - 1`` when `first` is missing)."""
+        with self._cond:
+            gap = self._present.find(0, first, last + 1)
+        return last if gap < 0 else gap - 1
+
     def wait(self, first: int, last: int, timeout: float) -> bool:
         """Wait until chunks ``first..last`` are present; False on timeout."""
         deadline = time.monotonic() + timeout

@@ -1,6 +1,7 @@
 """The fetch engine against real read servers (in this process, over loopback TCP)."""
 
 import threading
+import time
 import zlib
 
 import pytest
@@ -184,40 +185,71 @@ def test_chunks_queued_for_a_source_that_failed_are_replanned_not_an_error(tcp):
 
 
 class CountingTransport:
-    """Wraps a transport and records each read's (offset, nbytes)."""
+    """Wraps a transport and records each read's (offset, bytes asked, bytes granted)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.name = inner.name
-        self.reads: list[tuple[int, int]] = []
+        self.reads: list[tuple[int, int, int]] = []
 
-    def read(self, source, region, offset, out, *, timeout):
-        self.reads.append((offset, out.numel()))
-        self.inner.read(source, region, offset, out, timeout=timeout)
+    def read(self, source, region, offset, out, *, timeout, prefix=False):
+        got = self.inner.read(source, region, offset, out, timeout=timeout, prefix=prefix)
+        self.reads.append((offset, out.numel(), got))
+        return got
 
 
-@pytest.mark.parametrize("filling, spans", [
-    (False, [(0, 4), (4, 4), (8, 3)]),           # read_bytes = 4 chunks, one read in flight
-    (True, [(c, 1) for c in range(NUM_CHUNKS)]),  # a partial source: chunk by chunk
-])
-def test_chunks_a_source_holds_are_read_in_spans(tcp, filling, spans):
+def test_chunks_a_source_holds_are_read_in_spans(tcp):
     a, src_a = serve("a", data())
     counting = CountingTransport(tcp)
-
-    class Planner(StaticPlanner):
-        def plan(self, missing, failed):
-            return [Assignment(tuple(missing), (src_a,), 1, filling=filling)]
-
     try:
         dest = torch.zeros(NBYTES, dtype=torch.uint8)
         stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
-                             planner=Planner([src_a]), choose=lambda _: counting,
+                             planner=StaticPlanner([src_a]), choose=lambda _: counting,
                              checksums=EXPECTED, checksum_fn=crc,
                              options=FetchOptions(max_inflight=1, read_bytes=4 * CHUNK + 5))
         assert torch.equal(dest, data()) and stats.chunks == NUM_CHUNKS
-        want = [(first * CHUNK, min(n * CHUNK, NBYTES - first * CHUNK)) for first, n in spans]
-        assert counting.reads == want
+        last = NBYTES - 8 * CHUNK
+        assert counting.reads == [(0, 4 * CHUNK, 4 * CHUNK), (4 * CHUNK, 4 * CHUNK, 4 * CHUNK),
+                                  (8 * CHUNK, last, last)]
     finally:
+        a.close()
+
+
+def test_a_partial_source_grants_the_chunks_it_has_and_the_rest_is_asked_again(tcp):
+    """A reads from a partial replica holding chunks 0-5 (one span asked for all 11):
+    it gets those 6 at once, then the rest as the holder marks them."""
+    partial = data().clone()
+    partial[6 * CHUNK:] = 0
+    progress = ChunkProgress(NUM_CHUNKS)
+    for c in range(6):
+        progress.mark(c)
+    a, src_a = serve("a", partial, progress)
+    counting = CountingTransport(tcp)
+
+    def fill() -> None:
+        for c in range(6, NUM_CHUNKS):
+            time.sleep(0.05)
+            partial[c * CHUNK:(c + 1) * CHUNK] = data()[c * CHUNK:(c + 1) * CHUNK]
+            progress.mark(c)
+
+    filler = threading.Thread(target=fill)
+    try:
+        dest = torch.zeros(NBYTES, dtype=torch.uint8)
+        filler.start()
+        stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
+                             planner=StaticPlanner([src_a]), choose=lambda _: counting,
+                             checksums=EXPECTED, checksum_fn=crc,
+                             options=FetchOptions(max_inflight=1, read_bytes=NUM_CHUNKS * CHUNK,
+                                                  read_timeout=10))
+        assert torch.equal(dest, data()) and stats.chunks == NUM_CHUNKS
+        assert stats.chunks_reread == 0
+        assert counting.reads[0] == (0, NBYTES, 6 * CHUNK)
+        for offset, asked, got in counting.reads:   # each ask continues where the last ended
+            assert offset % CHUNK == 0 and offset + asked == NBYTES
+            assert got == asked or (got > 0 and got % CHUNK == 0)
+        assert len(counting.reads) >= 2
+    finally:
+        filler.join(timeout=10)
         a.close()
 
 
@@ -233,8 +265,9 @@ def test_spans_are_shared_between_reads_in_flight_and_stripe_sources(tcp):
                      planner=StaticPlanner([src_a, src_b]), choose=lambda _: counting,
                      options=FetchOptions(max_inflight=4, read_bytes=64 * CHUNK))
         assert torch.equal(dest, data())
-        assert sorted(counting.reads) == [(0, 3 * CHUNK), (3 * CHUNK, 3 * CHUNK),
-                                          (6 * CHUNK, 3 * CHUNK), (9 * CHUNK, NBYTES - 9 * CHUNK)]
+        assert sorted(r[:2] for r in counting.reads) == [
+            (0, 3 * CHUNK), (3 * CHUNK, 3 * CHUNK), (6 * CHUNK, 3 * CHUNK),
+            (9 * CHUNK, NBYTES - 9 * CHUNK)]
         assert a.bytes_served == 6 * CHUNK and b.bytes_served == NBYTES - 6 * CHUNK
     finally:
         a.close()
@@ -255,7 +288,7 @@ def test_a_corrupted_chunk_inside_a_span_is_reread_alone(tcp):
                              options=FetchOptions(max_inflight=1, read_bytes=NUM_CHUNKS * CHUNK))
         assert torch.equal(dest, data())
         assert stats.corrupted_chunks == 1 and stats.chunks_reread == 1
-        assert counting.reads == [(0, NBYTES), (5 * CHUNK, CHUNK)]
+        assert counting.reads == [(0, NBYTES, NBYTES), (5 * CHUNK, CHUNK, CHUNK)]
         assert stats.sources == {"bad": NBYTES - CHUNK, "good": CHUNK}
     finally:
         a.close()

@@ -274,3 +274,25 @@ def test_shm_reader_follows_a_region_moved_to_another_file(tmp_path):
             assert out.eq(2).all()
         finally:
             shm.close()
+
+
+def test_prefix_read_gets_the_present_run_of_chunks(partial_holder, transport):
+    expected = pattern(NBYTES)
+    out = torch.zeros(NBYTES, dtype=torch.uint8)
+    for line in ("mark 0", "mark 1", "mark 3"):
+        partial_holder.send(line)
+    deadline = time.monotonic() + 10
+    while transport.progress(partial_holder.source, "v1", timeout=10) != b"\x01\x01\x00\x01":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    got = transport.read(partial_holder.source, "v1", 0, out, timeout=10, prefix=True)
+    assert got == 2 * CHUNK  # chunk 2 is missing: 3 is not part of the run
+    assert torch.equal(out[:got], expected[:got]) and not out[got:].any()
+    with pytest.raises(ReadRefusedError, match="NOT_READY.*chunks 2..2"):
+        transport.read(partial_holder.source, "v1", 2 * CHUNK, out[2 * CHUNK:], timeout=0.2,
+                       prefix=True)
+    partial_holder.send("mark 2")
+    got = transport.read(partial_holder.source, "v1", CHUNK + 7, out[:NBYTES - CHUNK - 7],
+                         timeout=10, prefix=True)
+    assert got == NBYTES - CHUNK - 7  # the run reaches the end of the region
+    assert torch.equal(out[:got], expected[CHUNK + 7:])

@@ -84,11 +84,16 @@ class Transport(ABC):
 
     @abstractmethod
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float) -> None:
+             timeout: float, prefix: bool = False) -> int:
         """Copy ``out.numel()`` bytes at `offset` of the source's `region` into `out`.
 
         `out` is a contiguous ``uint8`` tensor. Waits at most `timeout` seconds for
-        chunks a partial source does not have yet.
+        chunks a partial source does not have yet. With `prefix`, waits only for the
+        chunk at `offset` and copies the run of chunks present from there (at least
+        that one, at most ``out.numel()`` bytes) to the front of `out`.
+
+        Returns:
+            The bytes copied: ``out.numel()`` unless `prefix`.
 
         Raises:
             SourceLostError: the source is unreachable or vanished mid-read.

@@ -11,9 +11,9 @@ from typing import Any
 
 import msgpack
 
-from fabric.errors import ReadRefusedError, SourceLostError
+from fabric.errors import ReadRefusedError, SourceLostError, TransportError
 from fabric.transports.base import RegionInfo, SourceAddress, Transport
-from fabric.transports.wire import MAGIC, REPLY, REQUEST, Op, Status, recv_exact
+from fabric.transports.wire import MAGIC, REPLY, REQUEST, Flag, Op, Status, recv_exact
 
 CONNECT_TIMEOUT = 5.0
 # Slack on top of the server-side wait so the server's NOT_READY answer arrives
@@ -57,8 +57,9 @@ class ConnectionPool:
 
 
 def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, offset: int = 0,
-            nbytes: int = 0, timeout: float) -> int:
+            nbytes: int = 0, timeout: float, prefix: bool = False) -> int:
     """Send one request and read the reply header; return the payload length.
+    ``prefix`` asks for the present prefix of the range (`Flag.PREFIX`).
 
     Raises:
         SourceLostError: the connection failed or the reply did not come in time.
@@ -67,7 +68,8 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
     name = region.encode()
     conn.settimeout(timeout + REPLY_SLACK)
     try:
-        conn.sendall(REQUEST.pack(MAGIC, op, len(name), offset, nbytes, timeout) + name)
+        flags = Flag.PREFIX if prefix else 0
+        conn.sendall(REQUEST.pack(MAGIC, op, flags, len(name), offset, nbytes, timeout) + name)
         if op == Op.END:
             return 0
         status, msg_len, payload_len = REPLY.unpack(recv_exact(conn, REPLY.size))
@@ -90,19 +92,36 @@ def receive_payload(conn: socket.socket, source: SourceAddress, nbytes: int) -> 
 
 @dataclass(frozen=True)
 class Lease:
-    """Where a leased region's bytes can be copied from by the reader itself."""
+    """Where a leased region's bytes can be copied from by the reader itself, and how
+    many bytes from the requested offset the lease covers."""
 
     shm_path: str | None
     gpu: dict[str, Any] | None
+    nbytes: int
 
 
 def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: int, nbytes: int,
-          timeout: float) -> Lease:
-    """LEASE: wait until the bytes are present and hold them as a read in flight until
-    ``END``; returns where the reader may copy them from."""
-    n = request(conn, source, Op.LEASE, region, offset=offset, nbytes=nbytes, timeout=timeout)
+          timeout: float, prefix: bool = False) -> Lease:
+    """LEASE: wait until the bytes are present (with ``prefix``: the first chunk, and
+    the lease covers the present prefix) and hold them as a read in flight until
+    ``END``; returns where the reader may copy them from.
+
+    Raises:
+        SourceLostError, ReadRefusedError: as `request`.
+        TransportError: the grant is empty or longer than asked for.
+    """
+    n = request(conn, source, Op.LEASE, region, offset=offset, nbytes=nbytes, timeout=timeout,
+                prefix=prefix)
     where = msgpack.unpackb(receive_payload(conn, source, n))
-    return Lease(shm_path=where.get("shm_path") or None, gpu=where.get("gpu"))
+    granted = check_grant(int(where.get("nbytes", nbytes)), nbytes, prefix)
+    return Lease(shm_path=where.get("shm_path") or None, gpu=where.get("gpu"), nbytes=granted)
+
+
+def check_grant(granted: int, asked: int, prefix: bool) -> int:
+    """``granted``, if a server may answer a request for ``asked`` bytes with it."""
+    if granted > asked or granted <= 0 or (not prefix and granted != asked):
+        raise TransportError(f"source granted {granted} bytes for a read of {asked}")
+    return granted
 
 
 def describe(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> RegionInfo:

@@ -247,20 +247,23 @@ class CudaIpcTransport(client.ServerTransport):
 
     @contextmanager
     def leased(self, source: SourceAddress, region: str, offset: int, nbytes: int, *,
-               timeout: float, device: int | None = None) -> Iterator[torch.Tensor]:
+               timeout: float, device: int | None = None,
+               prefix: bool = False) -> Iterator[torch.Tensor]:
         """Bytes ``[offset, offset + nbytes)`` of a holder's GPU region, mapped into this
         process as a uint8 CUDA tensor, under a lease: valid inside the block, and the
         holder's retract waits for it. Kernels may read it directly (e.g.
         `fabric.direct_read.run_direct`); synchronise them before the block ends.
         ``device`` labels the tensor for a kernel on another GPU of this process
-        (default: the GPU the bytes are on; see `view` for what that takes).
+        (default: the GPU the bytes are on; see `view` for what that takes). With
+        ``prefix`` the tensor covers the present prefix of the range (see `Transport.read`).
 
         Raises:
             ReadRefusedError: not present in time, out of range, or not IPC-exported.
             SourceLostError: the holder vanished or its GPU is not visible here.
         """
         with self._pool.connection(source) as conn:
-            where = client.lease(conn, source, region, offset=offset, nbytes=nbytes, timeout=timeout)
+            where = client.lease(conn, source, region, offset=offset, nbytes=nbytes,
+                                 timeout=timeout, prefix=prefix)
             try:
                 try:
                     h = IpcHandle.from_dict(where.gpu or {})
@@ -269,23 +272,25 @@ class CudaIpcTransport(client.ServerTransport):
                                            f"not exported over CUDA IPC: {exc}") from None
                 mapped = self._acquire(h)
                 try:
-                    yield view(mapped, h.offset + offset, nbytes, device)
+                    yield view(mapped, h.offset + offset, where.nbytes, device)
                 finally:
                     self._release(mapped)
             finally:
                 client.request(conn, source, Op.END, region, timeout=timeout)
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float) -> None:
+             timeout: float, prefix: bool = False) -> int:
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
-        with self.leased(source, region, offset, out.numel(), timeout=timeout) as src:
+        with self.leased(source, region, offset, out.numel(), timeout=timeout,
+                         prefix=prefix) as src:
             stream = self._stream(out.device if out.device.type == "cuda" else src.device)
             if out.device.type == "cuda":
                 stream.wait_stream(torch.cuda.current_stream(out.device))  # out may be in use
             with torch.cuda.stream(stream):
-                out.copy_(src, non_blocking=True)
+                out[:src.numel()].copy_(src, non_blocking=True)
             stream.synchronize()
+            return src.numel()
 
     def close(self) -> None:
         super().close()

@@ -71,14 +71,15 @@ class NvshmemTransport(client.ServerTransport):
         return int(gpu["pe"]), local
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float) -> None:
+             timeout: float, prefix: bool = False) -> int:
         import nvshmem.core as nvshmem
 
         if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cuda":
             raise ValueError("read into a contiguous uint8 CUDA tensor")
-        n = out.numel()
         with self._pool.connection(source) as conn:
-            where = client.lease(conn, source, region, offset=offset, nbytes=n, timeout=timeout)
+            where = client.lease(conn, source, region, offset=offset, nbytes=out.numel(),
+                                 timeout=timeout, prefix=prefix)
+            n = where.nbytes
             try:
                 pe, local = self._local(where.gpu, source, region)
                 if offset < 0 or offset + n > local.data.numel():
@@ -98,6 +99,7 @@ class NvshmemTransport(client.ServerTransport):
                                               f"{type(exc).__name__}: {exc}") from exc
             finally:
                 client.request(conn, source, Op.END, region, timeout=timeout)
+        return n
 
     def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
         """The holder's chunk flags, read one-sidedly from its symmetric memory."""

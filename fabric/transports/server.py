@@ -22,7 +22,7 @@ import torch
 
 from fabric.progress import ChunkProgress
 from fabric.transports.base import SourceAddress, local_host_id
-from fabric.transports.wire import MAGIC, MAX_NAME, REPLY, REQUEST, Op, Status, recv_exact
+from fabric.transports.wire import MAGIC, MAX_NAME, REPLY, REQUEST, Flag, Op, Status, recv_exact
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class ReadServer:
         lease: _Exposed | None = None
         try:
             while True:
-                magic, op, name_len, offset, nbytes, timeout = REQUEST.unpack(
+                magic, op, flags, name_len, offset, nbytes, timeout = REQUEST.unpack(
                     recv_exact(conn, REQUEST.size))
                 if magic != MAGIC or name_len > MAX_NAME:
                     self._reply(conn, Status.BAD_REQUEST, "not a weightfabric read request")
@@ -170,7 +170,8 @@ class ReadServer:
                     self._end(lease)
                     lease = None
                 if op != Op.END:
-                    lease = self._handle(conn, op, name, offset, nbytes, timeout)
+                    lease = self._handle(conn, op, name, offset, nbytes, timeout,
+                                         prefix=bool(flags & Flag.PREFIX))
         except (ConnectionError, OSError):
             pass
         finally:
@@ -181,7 +182,7 @@ class ReadServer:
             conn.close()
 
     def _handle(self, conn: socket.socket, op: int, name: str, offset: int, nbytes: int,
-                timeout: float) -> _Exposed | None:
+                timeout: float, *, prefix: bool = False) -> _Exposed | None:
         """Answer one request; return the region when a shared-memory lease was granted."""
         region = self._begin(name)
         if region is None:
@@ -205,15 +206,20 @@ class ReadServer:
                                 f"read [{offset}, {offset + nbytes}) of region {name!r} "
                                 f"({size} bytes)")
                     return None
-                first, last = offset // region.chunk_size, (offset + nbytes - 1) // region.chunk_size
-                if not region.progress.wait(first, last, timeout):
+                chunk = region.chunk_size
+                first, last = offset // chunk, (offset + nbytes - 1) // chunk
+                needed = first if prefix else last
+                if not region.progress.wait(first, needed, timeout):
                     self._reply(conn, Status.NOT_READY,
-                                f"chunks {first}..{last} of {name!r} not present after {timeout:g} s")
+                                f"chunks {first}..{needed} of {name!r} not present after {timeout:g} s")
                     return None
+                if prefix:  # the present run from `first`, cut to the request
+                    end = (region.progress.present_through(first, last) + 1) * chunk
+                    nbytes = min(offset + nbytes, end) - offset
                 with self._lock:
                     self.bytes_served += nbytes
                 if op == Op.LEASE:
-                    where = {"shm_path": region.shm_path, "gpu": region.gpu}
+                    where = {"shm_path": region.shm_path, "gpu": region.gpu, "nbytes": nbytes}
                     self._reply(conn, Status.OK, payload=msgpack.packb(where))
                     keep = True
                     return region

@@ -52,20 +52,21 @@ class ShmTransport(client.ServerTransport):
         return mapped
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float) -> None:
+             timeout: float, prefix: bool = False) -> int:
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
-        end = offset + out.numel()
         with self._pool.connection(source) as conn:
-            path = client.lease(conn, source, region, offset=offset, nbytes=out.numel(),
-                                timeout=timeout).shm_path
+            granted = client.lease(conn, source, region, offset=offset, nbytes=out.numel(),
+                                   timeout=timeout, prefix=prefix)
             try:
-                if not path:
+                if not granted.shm_path:
                     raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} "
                                            "is not in shared memory; read it over tcp")
-                out.copy_(self._mapping(path, end).tensor[offset:end])
+                end = offset + granted.nbytes
+                out[:granted.nbytes].copy_(self._mapping(granted.shm_path, end).tensor[offset:end])
             finally:
                 client.request(conn, source, Op.END, region, timeout=timeout)
+        return granted.nbytes
 
     def close(self) -> None:
         super().close()

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from fabric.errors import SourceLostError, TransportError
+from fabric.errors import SourceLostError
 from fabric.transports import client
 from fabric.transports.base import SourceAddress
 from fabric.transports.wire import Op, recv_into_exact
@@ -26,23 +26,23 @@ class TcpTransport(client.ServerTransport):
         self._bounce = threading.local()
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float) -> None:
+             timeout: float, prefix: bool = False) -> int:
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
         host = out if out.device.type == "cpu" else self._pinned(out.numel())
         view = memoryview(host.numpy()).cast("B")
         with self._pool.connection(source) as conn:
             n = client.request(conn, source, Op.READ, region, offset=offset, nbytes=len(view),
-                               timeout=timeout)
-            if n != len(view):
-                raise TransportError(f"source sent {n} bytes for a read of {len(view)}")
+                               timeout=timeout, prefix=prefix)
+            client.check_grant(n, len(view), prefix)
             try:
-                recv_into_exact(conn, view)
+                recv_into_exact(conn, view[:n])
             except (OSError, ConnectionError) as exc:
                 raise SourceLostError(f"source {source.host}:{source.port} vanished while "
                                       f"sending {region!r}: {exc}") from exc
         if host is not out:
-            out.copy_(host)  # synchronous: the bounce buffer is free again on return
+            out[:n].copy_(host[:n])  # synchronous: the bounce buffer is free again on return
+        return n
 
     def _pinned(self, nbytes: int) -> torch.Tensor:
         buf: torch.Tensor | None = getattr(self._bounce, "buf", None)

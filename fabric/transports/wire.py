@@ -2,7 +2,7 @@
 
 Every request is a fixed header followed by the region name::
 
-    magic "WFR2" | op u8 | pad u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
+    magic "WFR2" | op u8 | flags u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
 
 Every reply is a fixed header, then a UTF-8 message (errors) and a payload::
 
@@ -12,10 +12,15 @@ A connection carries one request at a time. Ops:
 
 - ``READ``: wait (up to timeout) until the chunks covering ``[offset, offset+nbytes)``
   are present, then send those bytes as the payload.
-- ``LEASE``: the same wait; the payload is msgpack ``{shm_path, gpu}``: where the
-  reader copies the bytes from itself (the holder's `/dev/shm` file, or its GPU
+- ``LEASE``: the same wait; the payload is msgpack ``{shm_path, gpu, nbytes}``: where
+  the reader copies the bytes from itself (the holder's `/dev/shm` file, or its GPU
   memory through the ``gpu`` descriptor), then it sends ``END``. The server counts
   the lease as a read in flight until ``END`` arrives or the connection drops.
+
+With the ``PREFIX`` flag, ``READ`` and ``LEASE`` wait only for the chunk at
+``offset`` and grant the run of present chunks from there, up to ``nbytes``: a
+partial replica serves what it has in one request. The granted length is the
+``READ`` payload's length, and the ``LEASE`` payload's ``nbytes``.
 - ``END``: ends the connection's lease (no reply).
 - ``DESCRIBE``: payload is msgpack ``{nbytes, chunk_size, num_chunks, present, shm_path, gpu}``
   (``gpu``: None for host memory, else a descriptor such as a CUDA IPC handle).
@@ -29,7 +34,7 @@ import socket
 import struct
 
 MAGIC = b"WFR2"
-REQUEST = struct.Struct("!4sBxHQQf")
+REQUEST = struct.Struct("!4sBBHQQf")
 REPLY = struct.Struct("!BxxxIQ")
 MAX_NAME = 1024
 
@@ -40,6 +45,10 @@ class Op(enum.IntEnum):
     END = 3
     DESCRIBE = 4
     BITMAP = 5
+
+
+class Flag(enum.IntFlag):
+    PREFIX = 1         # grant the present prefix of the range (see above)
 
 
 class Status(enum.IntEnum):

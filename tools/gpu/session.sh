@@ -4,7 +4,7 @@
 #
 #   bash tools/gpu/session.sh check   # GPU, topology, probe, Hopper compile, discovery
 #   bash tools/gpu/session.sh tests   # GPU tests (real Triton), then two PEs under MPS
-#   bash tools/gpu/session.sh bench   # fabric bench fetch --device cuda (chunk sweep, 2 readers)
+#   bash tools/gpu/session.sh bench   # fabric bench fetch --device cuda (read sizes, 2 readers)
 #   bash tools/gpu/session.sh bench2  # fabric bench kernels; NVSHMEM fetches between 2 PEs (MPS)
 #   bash tools/gpu/session.sh all     # the four, in that order
 #
@@ -73,9 +73,11 @@ tests() {
 bench() {  # the step limits add up to 590 s; only the 64MiB run repeats the extra sections
     step fetch-cuda-64MiB 180 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
         --size 4GB --chunk-size 64MiB --max-inflight 8 --versions 2 --json
-    for chunk in 16MiB 256MiB; do
-        step "fetch-cuda-$chunk" 135 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
-            --size 2GB --chunk-size "$chunk" --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
+    # 16MiB chunks read one per lease, then in spans of 256MiB (one lease each)
+    for span in 16MiB 256MiB; do
+        step "fetch-cuda-16MiB-reads-$span" 135 "${FABRIC[@]}" bench fetch --device cuda \
+            --readers 1 --size 2GB --chunk-size 16MiB --read-bytes "$span" --max-inflight 8 \
+            --versions 2 --nvshmem-pes 0 --json
     done
     step fetch-cuda-2-readers 140 "${FABRIC[@]}" bench fetch --device cuda --readers 2 \
         --size 2GB --chunk-size 64MiB --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
