@@ -6,10 +6,12 @@ import zlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from fabric.fetch import Assignment, FetchError, FetchOptions, Source, fetch_chunks
+from fabric.fetch import Assignment, FetchError, FetchOptions, Source, _schedule, fetch_chunks
 from fabric.progress import ChunkProgress
-from fabric.transports import ReadServer, TcpTransport
+from fabric.transports import ReadServer, SourceAddress, TcpTransport
 
 CHUNK = 64 * 1024
 NBYTES = 10 * CHUNK + 123
@@ -293,3 +295,44 @@ def test_a_corrupted_chunk_inside_a_span_is_reread_alone(tcp):
     finally:
         a.close()
         b.close()
+
+
+WORKERS = ("a", "b", "c")
+
+
+@st.composite
+def schedules(draw):
+    """Missing chunks, assignments over them (overlapping, possibly without sources),
+    chunks some workers sent corrupted, and the read limits."""
+    total = draw(st.integers(1, 40))
+    missing = sorted(draw(st.sets(st.integers(0, total - 1), min_size=1)))
+    sources = {w: Source(w, SourceAddress("127.0.0.1", 1, "h"), "v") for w in WORKERS}
+    assignments = []
+    for _ in range(draw(st.integers(0, 3))):
+        chunks = tuple(sorted(draw(st.sets(st.integers(0, total - 1)))))
+        names = draw(st.lists(st.sampled_from(WORKERS), unique=True, max_size=3))
+        assignments.append(Assignment(chunks, tuple(sources[w] for w in names),
+                                      draw(st.integers(1, 3))))
+    avoid = draw(st.dictionaries(st.sampled_from(missing),
+                                 st.sets(st.sampled_from(WORKERS), min_size=1), max_size=4))
+    return missing, assignments, avoid, draw(st.integers(1, 8)), draw(st.integers(1, 6))
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedules())
+def test_schedule_reads_each_servable_chunk_once_in_spans(case):
+    missing, assignments, avoid, per_read, inflight = case
+    reads = _schedule(assignments, missing, avoid, chunks_per_read=per_read, inflight=inflight)
+    scheduled = [c for span, _ in reads for c in span]
+    assert len(scheduled) == len(set(scheduled)) and set(scheduled) <= set(missing)
+    servable = {c for a in assignments for c in a.chunks if c in missing
+                and any(s.worker not in avoid.get(c, ()) for s in a.sources)}
+    assert set(scheduled) == servable
+    for span, source in reads:
+        assert list(span) == list(range(span[0], span[0] + len(span))) and len(span) <= per_read
+        assert all(source.worker not in avoid.get(c, ()) for c in span)
+        assert len(span) == 1 or not any(avoid.get(c) for c in span)
+        owner = next(a for a in assignments if span[0] in a.chunks
+                     and any(s.worker not in avoid.get(span[0], ()) for s in a.sources))
+        assert source in owner.sources[:max(1, owner.stripe)] or avoid.get(span[0])
+    assert [span[0] for span, _ in reads] == sorted(span[0] for span, _ in reads)
