@@ -275,7 +275,7 @@ def nvshmem_store_fetch(*, pes: int, size: int, chunk_size: int,
             "errors": errors}
 
 
-def _layer(tp: int, scale: int) -> dict[str, tuple[tuple[int, int], Layout]]:
+def llama_layer(tp: int, scale: int) -> dict[str, tuple[tuple[int, int], Layout]]:
     """Shapes and layouts of one Llama-3-70B layer at tensor-parallel degree ``tp``."""
     hidden, inter, heads, kv, head_dim = 8192 // scale, 28672 // scale, 64, 8, 128 // scale
     return {
@@ -366,7 +366,7 @@ def reshard_reads(*, device: str = "cuda", budget: int = 64 << 20, scale: int = 
     """
     dev = torch.device(device)
     g = torch.Generator(device="cpu").manual_seed(7)
-    src_layer, dst_layer = _layer(2, scale), _layer(1, scale)
+    src_layer, dst_layer = llama_layer(2, scale), llama_layer(1, scale)
     full = {n: torch.randn(shape, generator=g).to(torch.bfloat16).to(dev)
             for n, (shape, _) in src_layer.items()}
     out: dict[str, Any] = {"budget": budget, "device": str(dev)}
