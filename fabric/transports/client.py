@@ -113,7 +113,7 @@ def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: in
     n = request(conn, source, Op.LEASE, region, offset=offset, nbytes=nbytes, timeout=timeout,
                 prefix=prefix)
     where = msgpack.unpackb(receive_payload(conn, source, n))
-    granted = check_grant(int(where.get("nbytes", nbytes)), nbytes, prefix)
+    granted = check_grant(int(where.get("nbytes", 0)), nbytes, prefix)
     return Lease(shm_path=where.get("shm_path") or None, gpu=where.get("gpu"), nbytes=granted)
 
 

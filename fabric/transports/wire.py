@@ -16,15 +16,15 @@ A connection carries one request at a time. Ops:
   the reader copies the bytes from itself (the holder's `/dev/shm` file, or its GPU
   memory through the ``gpu`` descriptor), then it sends ``END``. The server counts
   the lease as a read in flight until ``END`` arrives or the connection drops.
+- ``END``: ends the connection's lease (no reply).
+- ``DESCRIBE``: payload is msgpack ``{nbytes, chunk_size, num_chunks, present, shm_path, gpu}``
+  (``gpu``: None for host memory, else a descriptor such as a CUDA IPC handle).
+- ``BITMAP``: payload is one byte per chunk, 1 where the chunk is present.
 
 With the ``PREFIX`` flag, ``READ`` and ``LEASE`` wait only for the chunk at
 ``offset`` and grant the run of present chunks from there, up to ``nbytes``: a
 partial replica serves what it has in one request. The granted length is the
 ``READ`` payload's length, and the ``LEASE`` payload's ``nbytes``.
-- ``END``: ends the connection's lease (no reply).
-- ``DESCRIBE``: payload is msgpack ``{nbytes, chunk_size, num_chunks, present, shm_path, gpu}``
-  (``gpu``: None for host memory, else a descriptor such as a CUDA IPC handle).
-- ``BITMAP``: payload is one byte per chunk, 1 where the chunk is present.
 """
 
 from __future__ import annotations

@@ -54,9 +54,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, default=4,
                    help="reads in flight per reader (default 4)")
     p.add_argument("--read-bytes", default=None,
-                   help="most bytes per read: consecutive chunks a source holds are read "
-                        "together up to this size (FetchOptions.read_bytes; default: the "
-                        "engine's, 64MiB; the chunk size reads chunk by chunk)")
+                   help="most bytes per read: consecutive chunks are asked for together "
+                        "up to this size, and a partial source grants those it has "
+                        "(FetchOptions.read_bytes; default: the engine's, 64MiB; the chunk "
+                        "size reads chunk by chunk)")
     p.add_argument("--report-interval", type=float, default=None,
                    help="seconds between a reader's progress reports to the hub "
                         "(FetchOptions.report_interval; default: the engine's)")
