@@ -3,6 +3,7 @@
 import threading
 import time
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -60,12 +61,16 @@ def serve(worker: str, tensor: torch.Tensor, progress: ChunkProgress | None = No
     return server, Source(worker, server.address, "v1")
 
 
-def run(planner, tcp, dest=None, progress=None, **kw):
+LIMITS = FetchOptions(read_timeout=5, deadline=60)
+
+
+def run(planner, transport, dest=None, progress=None, options=LIMITS, **kw):
+    """Fetch the 11 chunks (verified) through `transport`; returns (dest, progress, stats)."""
     dest = torch.zeros(NBYTES, dtype=torch.uint8) if dest is None else dest
     progress = progress or ChunkProgress(NUM_CHUNKS)
     stats = fetch_chunks(dest, chunk_size=CHUNK, progress=progress, planner=planner,
-                         choose=lambda _: tcp, checksums=EXPECTED, checksum_fn=crc,
-                         options=FetchOptions(read_timeout=5, deadline=60), **kw)
+                         choose=lambda _: transport, checksums=EXPECTED, checksum_fn=crc,
+                         options=options, **kw)
     return dest, progress, stats
 
 
@@ -175,12 +180,8 @@ def test_chunks_queued_for_a_source_that_failed_are_replanned_not_an_error(tcp):
     dead, src_dead = serve("dead", data())
     dead.close()
     try:
-        planner = StaticPlanner([src_dead, src_good])
-        dest = torch.zeros(NBYTES, dtype=torch.uint8)
-        stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
-                             planner=planner, choose=lambda _: tcp, checksums=EXPECTED,
-                             checksum_fn=crc, options=FetchOptions(max_inflight=1,
-                                                                   read_timeout=5, deadline=60))
+        dest, _, stats = run(StaticPlanner([src_dead, src_good]), tcp,
+                             options=replace(LIMITS, max_inflight=1))
         assert torch.equal(dest, data()) and stats.failed_sources == ["dead"]
     finally:
         good.close()
@@ -204,11 +205,8 @@ def test_chunks_a_source_holds_are_read_in_spans(tcp):
     a, src_a = serve("a", data())
     counting = CountingTransport(tcp)
     try:
-        dest = torch.zeros(NBYTES, dtype=torch.uint8)
-        stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
-                             planner=StaticPlanner([src_a]), choose=lambda _: counting,
-                             checksums=EXPECTED, checksum_fn=crc,
-                             options=FetchOptions(max_inflight=1, read_bytes=4 * CHUNK + 5))
+        dest, _, stats = run(StaticPlanner([src_a]), counting,
+                             options=replace(LIMITS, max_inflight=1, read_bytes=4 * CHUNK + 5))
         assert torch.equal(dest, data()) and stats.chunks == NUM_CHUNKS
         last = NBYTES - 8 * CHUNK
         assert counting.reads == [(0, 4 * CHUNK, 4 * CHUNK), (4 * CHUNK, 4 * CHUNK, 4 * CHUNK),
@@ -236,13 +234,10 @@ def test_a_partial_source_grants_the_chunks_it_has_and_the_rest_is_asked_again(t
 
     filler = threading.Thread(target=fill)
     try:
-        dest = torch.zeros(NBYTES, dtype=torch.uint8)
         filler.start()
-        stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
-                             planner=StaticPlanner([src_a]), choose=lambda _: counting,
-                             checksums=EXPECTED, checksum_fn=crc,
-                             options=FetchOptions(max_inflight=1, read_bytes=NUM_CHUNKS * CHUNK,
-                                                  read_timeout=10))
+        dest, _, stats = run(StaticPlanner([src_a]), counting,
+                             options=replace(LIMITS, max_inflight=1, read_timeout=10,
+                                             read_bytes=NUM_CHUNKS * CHUNK))
         assert torch.equal(dest, data()) and stats.chunks == NUM_CHUNKS
         assert stats.chunks_reread == 0
         assert counting.reads[0] == (0, NBYTES, 6 * CHUNK)
@@ -262,10 +257,8 @@ def test_spans_are_shared_between_reads_in_flight_and_stripe_sources(tcp):
     b, src_b = serve("b", data())
     counting = CountingTransport(tcp)
     try:
-        dest = torch.zeros(NBYTES, dtype=torch.uint8)
-        fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
-                     planner=StaticPlanner([src_a, src_b]), choose=lambda _: counting,
-                     options=FetchOptions(max_inflight=4, read_bytes=64 * CHUNK))
+        dest, _, _ = run(StaticPlanner([src_a, src_b]), counting,
+                         options=replace(LIMITS, max_inflight=4, read_bytes=64 * CHUNK))
         assert torch.equal(dest, data())
         assert sorted(r[:2] for r in counting.reads) == [
             (0, 3 * CHUNK), (3 * CHUNK, 3 * CHUNK), (6 * CHUNK, 3 * CHUNK),
@@ -283,11 +276,9 @@ def test_a_corrupted_chunk_inside_a_span_is_reread_alone(tcp):
     b, src_b = serve("good", data())
     counting = CountingTransport(tcp)
     try:
-        dest = torch.zeros(NBYTES, dtype=torch.uint8)
-        stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
-                             planner=StaticPlanner([src_a, src_b], stripe=1),
-                             choose=lambda _: counting, checksums=EXPECTED, checksum_fn=crc,
-                             options=FetchOptions(max_inflight=1, read_bytes=NUM_CHUNKS * CHUNK))
+        dest, _, stats = run(StaticPlanner([src_a, src_b], stripe=1), counting,
+                             options=replace(LIMITS, max_inflight=1,
+                                             read_bytes=NUM_CHUNKS * CHUNK))
         assert torch.equal(dest, data())
         assert stats.corrupted_chunks == 1 and stats.chunks_reread == 1
         assert counting.reads == [(0, NBYTES, NBYTES), (5 * CHUNK, CHUNK, CHUNK)]
