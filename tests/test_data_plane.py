@@ -165,11 +165,12 @@ def test_elastic_join_stripes_over_holders_trainer_serves_nothing(cluster):
     served_before = trainer.ask("served")["bytes"]
     assert trainer.ask("retract", version=version)["state"] == "done"
     joiners = [spawn(f"joiner-{i}") for i in range(2)]
+    # One after the other: a joiner that plans while another is fetching may be told
+    # to follow it (a partial replica, less loaded than the holders it reads from),
+    # which is pipelining (test_four_readers_bit_exact_and_pipelined), not striping.
     for j in joiners:
         j.ask("expect", seed=3, mb=64)
-        j.send("fetch", version=version)
-    for j in joiners:
-        stats = j.reply()
+        stats = j.ask("fetch", version=version)
         assert stats["exact"]
         assert len(set(stats["sources"]) - {"joiner-0", "joiner-1"}) >= 2, stats["sources"]
     assert trainer.ask("served")["bytes"] == served_before
