@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import shutil
 import tempfile
 import threading
@@ -22,6 +23,17 @@ def resident_bytes(path: Path) -> int:
             elif inside and line.startswith("Rss:"):
                 total += int(line.split()[1]) * 1024
     return total
+
+
+UNMAP_SLACK = 64 * mmap.PAGESIZE
+"""Pages a resident check forgives: the kernel may unmap a page of a shared file at
+any time (migrating it for compaction, reclaiming it), which CI once caught on one
+page of 8192. One skipped populate step (`POPULATE_PIECE`, 4 MiB) is far more."""
+
+
+def is_resident(path: Path, nbytes: int) -> bool:
+    """Whether the first `nbytes` of `path` are mapped here, to within `UNMAP_SLACK`."""
+    return resident_bytes(path) >= nbytes - UNMAP_SLACK
 
 
 def populate_threads(paths: Iterable[Path] | None = None) -> list[threading.Thread]:

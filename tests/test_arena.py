@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from shm_pages import populate_threads, resident_bytes, scratch_shm
+from shm_pages import is_resident, populate_threads, resident_bytes, scratch_shm
 
 from fabric import arena
 from fabric.arena import ArenaError, Region, remove_stale_regions
@@ -142,7 +142,7 @@ def test_a_populated_region_is_resident_before_its_first_write(tmpfs):
     with Region.create("w", 64 * MiB + 100, directory=tmpfs) as sparse:
         assert resident_bytes(sparse.path) == 0
     with Region.create("w", 64 * MiB + 100, directory=tmpfs, populate=True) as region:
-        assert resident_bytes(region.path) >= region.nbytes
+        assert is_resident(region.path, region.nbytes)
         assert region.populated_bytes == region.nbytes and region.wait_populated(timeout=0)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         region.tensor.fill_(7)
@@ -155,7 +155,7 @@ def test_background_populate_finishes_and_its_thread_ends(tmpfs):
         region.populate(background=True)
         region.populate(background=True)  # a second call does nothing
         assert region.wait_populated(timeout=60)
-        assert resident_bytes(region.path) >= region.nbytes
+        assert is_resident(region.path, region.nbytes)
         deadline = time.monotonic() + 10
         while populate_threads() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -181,7 +181,7 @@ def test_populate_in_the_foreground_takes_over_from_the_background(tmpfs, monkey
         region.populate(background=True)
         region.populate()
         assert region.populated_bytes == region.nbytes and not populate_threads()
-        assert resident_bytes(region.path) >= region.nbytes
+        assert is_resident(region.path, region.nbytes)
 
 
 @pytest.mark.parametrize("fallocate", [True, False], ids=["fallocate", "no-fallocate"])
@@ -196,7 +196,7 @@ def test_populate_falls_back_when_the_kernel_lacks_madv_populate_write(tmpfs, mo
     with Region.create("w", 8 * MiB + 1, directory=tmpfs, populate=True) as region:
         assert len(calls) == 1  # asked once, then the fallback for every step
         assert region._populator.methods == {"madvise": False, "fallocate": fallocate}
-        assert resident_bytes(region.path) >= region.nbytes
+        assert is_resident(region.path, region.nbytes)
         region.populate_range(5, 4 * MiB + 3)  # a writer's range after the fallback
         assert len(calls) == 1
 

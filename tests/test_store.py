@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from shm_pages import populate_threads, resident_bytes
+from shm_pages import is_resident, populate_threads
 from test_arena import slow_populate
 from torch import nn
 
@@ -176,7 +176,7 @@ def test_attach_prepares_a_populated_spare_that_the_first_fetch_fills(hub):
     store.attach(model)
     [spare] = spares(store)
     assert spare.region.wait_populated(timeout=60)
-    assert resident_bytes(spare.region.path) >= spare.region.nbytes
+    assert is_resident(spare.region.path, spare.region.nbytes)
     before = paths(store)
     store.fetch(v1)
     assert store._active is spare and paths(store) == before  # no buffer allocated
@@ -233,7 +233,7 @@ def test_fetch_overtaking_a_background_populate_is_exact(hub, monkeypatch):
     files = paths(store)
     region = store._active.region
     assert region.populated_bytes < region.nbytes  # the background is still at it...
-    assert resident_bytes(region.path) >= region.nbytes  # ...the fetch populated the rest
+    assert is_resident(region.path, region.nbytes)  # ...the fetch populated the rest
     assert all(torch.equal(store.tensors[n], t) for n, t in source.items())
     store.close()
     assert not populate_threads(files) and not any(p.exists() for p in files)
