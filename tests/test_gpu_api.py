@@ -66,7 +66,8 @@ def test_cuda_bindings_ipc_calls_return_an_error_code_first():
     from fabric.transports.cuda_ipc import HANDLE_NBYTES, _check
 
     for fn in (runtime.cudaSetDevice, runtime.cudaIpcGetMemHandle, runtime.cudaIpcOpenMemHandle,
-               runtime.cudaIpcCloseMemHandle, driver.cuMemGetAddressRange):
+               runtime.cudaIpcCloseMemHandle, driver.cuMemGetAddressRange, runtime.cudaMalloc,
+               runtime.cudaFree):
         assert callable(fn)
     handle = runtime.cudaIpcMemHandle_t()
     raw = bytes(range(HANDLE_NBYTES))
@@ -83,3 +84,6 @@ def test_cuda_bindings_ipc_calls_return_an_error_code_first():
     assert len(runtime.cudaIpcGetMemHandle(0)) == 2  # (err, handle)
     assert len(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)) == 2
     assert len(runtime.cudaIpcCloseMemHandle(0)) == 1
+    assert len(runtime.cudaMalloc(16)) == 2  # (err, pointer)
+    assert len(runtime.cudaFree(0)) == 1
+    assert isinstance(runtime.cudaError_t.cudaErrorMemoryAllocation, runtime.cudaError_t)

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from fabric.errors import ReadRefusedError
+from fabric.gpu import region
 from fabric.gpu.probe import probe
 from fabric.progress import ChunkProgress
-from fabric.transports import ReadServer, TcpTransport, client
+from fabric.transports import ReadServer, TcpTransport, client, cuda_ipc
 from fabric.transports.cuda_ipc import HANDLE_NBYTES, CudaIpcTransport, IpcHandle
 from fabric.transports.wire import Op
 
@@ -41,6 +42,42 @@ def test_malformed_ipc_handles_are_errors():
         IpcHandle.unpack(msgpack.packb({"kind": "cuda_ipc", "offset": 0}))
     with pytest.raises(ValueError, match="not msgpack"):
         IpcHandle.unpack(b"\xc1")
+
+
+@pytest.mark.parametrize("var,value,expected", [
+    ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", True),
+    ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments: true", True),
+    ("PYTORCH_ALLOC_CONF", "expandable_segments:True", True),
+    ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False", False),
+    ("PYTORCH_CUDA_ALLOC_CONF", "", False),
+])
+def test_expandable_segments_is_read_from_torchs_allocator_settings(monkeypatch, var, value,
+                                                                    expected):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(var, value)
+    assert region.expandable_segments() is expected
+
+
+def test_device_region_memory_comes_from_cudamalloc_only_under_expandable_segments(monkeypatch):
+    calls = []
+
+    def fake_allocate(nbytes, device):
+        calls.append((nbytes, device))
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(cuda_ipc, "allocate", fake_allocate)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert region._allocate(8, "cpu").numel() == 8 and calls == []  # torch's allocator
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert region._allocate(8, "cpu").numel() == 8 and calls == [(8, "cpu")]
+
+    def without_cuda_python(nbytes, device):
+        raise ImportError("No module named 'cuda'")
+
+    monkeypatch.setattr(cuda_ipc, "allocate", without_cuda_python)
+    assert region._allocate(8, "cpu").numel() == 8  # torch's again (and no IPC: TCP)
 
 
 def test_gpu_descriptor_travels_in_describe_and_lease_and_tcp_still_reads():

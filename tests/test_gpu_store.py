@@ -39,7 +39,12 @@ def hub():
         yield server
 
 
-def test_gpu_reader_copies_a_gpu_holder_over_cuda_ipc_bit_exact(hub):
+@pytest.mark.parametrize("alloc_conf", ["", "expandable_segments:True"],
+                         ids=["torch-allocator", "expandable-segments"])
+def test_gpu_reader_copies_a_gpu_holder_over_cuda_ipc_bit_exact(hub, monkeypatch, alloc_conf):
+    # The spawned trainer starts with this allocator setting; with expandable segments
+    # its buffers come from cudaMalloc (torch's would be VMM memory, not exportable).
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", alloc_conf)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_gpu_trainer, args=(hub.url, child))

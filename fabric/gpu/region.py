@@ -1,16 +1,18 @@
 """GPU buffers of model stores: `DeviceRegion` (CUDA IPC) and `SymmetricBuffer` (NVSHMEM).
 
-The GPU counterpart of `fabric.arena.Region`: a flat ``uint8`` CUDA tensor from
-torch's allocator, exported over CUDA IPC (`fabric.transports.cuda_ipc`) so
-readers on the same node copy from it directly. Without cuda-python, or when the
-allocation cannot be exported (PyTorch's ``expandable_segments`` allocator uses
-VMM memory, which legacy IPC handles do not cover), the region has no ``gpu``
-descriptor and readers fall back to TCP, which the holder serves by copying to
-the host; a warning says so once.
+The GPU counterpart of `fabric.arena.Region`: a flat ``uint8`` CUDA tensor,
+exported over CUDA IPC (`fabric.transports.cuda_ipc`) so readers on the same node
+copy from it directly. It comes from torch's allocator, unless torch is set to use
+``expandable_segments`` (VMM memory, which legacy IPC handles do not cover): then
+from ``cudaMalloc`` (`cuda_ipc.allocate`). Without cuda-python, or when the
+allocation cannot be exported anyway, the region has no ``gpu`` descriptor and
+readers fall back to TCP, which the holder serves by copying to the host; a
+warning says so once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -37,18 +39,39 @@ def ipc_descriptor(tensor: torch.Tensor) -> dict[str, Any] | None:
     except (ImportError, RuntimeError) as exc:
         if not _warned:
             _warned = True
+            hint = " Install the gpu extra (cuda-python)." if isinstance(exc, ImportError) else ""
             log.warning("GPU buffers are not exported over CUDA IPC (%s: %s); readers on this "
-                        "node will read them over TCP through host memory. Install the gpu extra "
-                        "and leave PYTORCH_CUDA_ALLOC_CONF without expandable_segments.",
-                        type(exc).__name__, exc)
+                        "node will read them over TCP through host memory.%s",
+                        type(exc).__name__, exc, hint)
         return None
+
+
+def expandable_segments() -> bool:
+    """Whether the environment sets torch's CUDA allocator to ``expandable_segments``
+    (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``; a setting changed at run
+    time is not seen)."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for option in os.environ.get(var, "").split(","):
+            key, _, value = option.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return True
+    return False
+
+
+def _allocate(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    if expandable_segments():
+        from fabric.transports.cuda_ipc import allocate
+
+        with contextlib.suppress(ImportError):  # without cuda-python, no IPC: ipc_descriptor warns
+            return allocate(nbytes, device)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 class DeviceRegion:
     """``nbytes`` of GPU memory on ``device`` as a flat ``uint8`` tensor.
 
     Attributes:
-        tensor: the bytes (torch owns the memory; views of it keep it alive).
+        tensor: the bytes (views of it keep the memory alive).
         gpu: the ``gpu`` descriptor readers use (`IpcHandle.to_dict()`), or None.
         path: always None (no shared-memory file).
     """
@@ -59,7 +82,7 @@ class DeviceRegion:
         if nbytes <= 0:
             raise ValueError(f"a region needs a positive size, got {nbytes} bytes")
         self.nbytes = nbytes
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.tensor = _allocate(nbytes, device)
         self.gpu = ipc_descriptor(self.tensor)
 
     def close(self) -> None:

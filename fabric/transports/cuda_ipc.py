@@ -8,12 +8,14 @@ gives a 64-byte handle) and exposes the region on its `ReadServer` with that
 own stream under a lease. Devices are named by UUID, never by index: indices
 differ between processes with different ``CUDA_VISIBLE_DEVICES``.
 
-Limits: IPC handles cover ``cudaMalloc`` memory; PyTorch's caching allocator with
-``expandable_segments`` uses VMM memory, which needs POSIX-fd handles instead.
+Limits: IPC handles cover ``cudaMalloc`` memory, not the VMM memory of PyTorch's
+caching allocator with ``expandable_segments``; `allocate` gives buffers from
+``cudaMalloc`` for that case (`fabric.gpu.region.DeviceRegion` uses it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -145,6 +147,50 @@ class _DevicePointer:
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None, "stream": None}
+
+
+class _DeviceMemory(_DevicePointer):
+    """A ``cudaMalloc`` allocation, freed with its last reference: torch keeps the
+    object of a tensor made from ``__cuda_array_interface__`` while the tensor's
+    storage lives, so that is when the last view of it is gone."""
+
+    def __init__(self, ptr: int, nbytes: int, device: int) -> None:
+        super().__init__(ptr, nbytes)
+        self.ptr, self.device = ptr, device
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit CUDA may be gone already
+            from cuda.bindings import runtime
+
+            with _on_device(self.device):
+                runtime.cudaFree(self.ptr)
+
+
+def allocate(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """``nbytes`` of GPU memory from ``cudaMalloc``, outside torch's caching allocator,
+    as a flat uint8 tensor: memory `export_tensor` covers whatever torch's allocator
+    is set to. Freed when the last tensor over it is gone.
+
+    Raises:
+        RuntimeError: ``cudaMalloc`` failed (out of memory after emptying torch's
+            cache once), or torch copied the memory instead of wrapping it.
+    """
+    from cuda.bindings import runtime
+
+    device = torch.device(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with _on_device(index):
+        result = runtime.cudaMalloc(nbytes)
+        if result[0] == runtime.cudaError_t.cudaErrorMemoryAllocation:
+            torch.cuda.empty_cache()  # torch may be caching the memory we need
+            result = runtime.cudaMalloc(nbytes)
+        (ptr,) = _check(result, f"cudaMalloc of {nbytes} bytes on cuda:{index}")
+    memory = _DeviceMemory(int(ptr), nbytes, index)
+    tensor = torch.as_tensor(memory, device=f"cuda:{index}")
+    if tensor.data_ptr() != memory.ptr:
+        raise RuntimeError(f"torch {torch.__version__} copied a cudaMalloc buffer instead of "
+                           "wrapping it")
+    return tensor
 
 
 @dataclass
