@@ -54,7 +54,13 @@ import torch
 from torch import nn
 
 from fabric.arena import Region
-from fabric.errors import ArenaError, FabricError, ManifestMismatchError, RetentionError
+from fabric.errors import (
+    ArenaError,
+    FabricError,
+    ManifestMismatchError,
+    RetentionError,
+    UnknownVersionError,
+)
 from fabric.fetch import FetchOptions, FetchStats, fetch_chunks, verify_rule
 from fabric.gpu.region import DeviceRegion, SymmetricBuffer
 from fabric.hub_planner import HubPlanner, region_name
@@ -372,18 +378,29 @@ class ModelStore:
         """Stop serving `version` to peers; keep the bytes.
 
         Returns ``"done"`` once no read can be in flight (the memory may change), else
-        the hub's state (``"retracting"``, ``"delayed"``) when `wait` ran out.
+        the hub's state (``"retracting"``, ``"delayed"``) when `wait` ran out, or
+        ``"retracting"`` when the hub is done but a read it does not track (a
+        resharding reader's) is still in flight here after `wait`.
 
         Raises:
             RetentionError: it would leave the version with too few replicas and
                 `delay` is false.
         """
-        state = self.worker.hub.retract(self.model, version, wait=wait, delay=delay)
+        try:
+            state = self.worker.hub.retract(self.model, version, wait=wait, delay=delay)
+        except UnknownVersionError:
+            with self._lock:
+                if not any(b.version == version and b.exposed for b in self._buffers):
+                    raise
+            state = "done"  # an earlier retract got the hub's part done; reads here remain
         if state == "done":
             with self._lock:
                 for buffer in self._buffers:
                     if buffer.version == version and buffer.exposed:
-                        self.worker.server.retract(buffer.exposed, timeout=wait)
+                        if not self.worker.server.retract(buffer.exposed, timeout=wait):
+                            log.warning("%s v%d: a read is still in flight after %g s",
+                                        self.model, version, wait)
+                            return "retracting"
                         buffer.exposed = None
         return state
 
@@ -516,7 +533,10 @@ class ModelStore:
                 self._drop(buffer)  # /dev/shm had no room for it; try afresh below
                 continue
             if buffer.version is None:
-                return buffer
+                if buffer.exposed is None or self.worker.server.retract(buffer.exposed, timeout=5.0):
+                    buffer.exposed = None
+                    return buffer
+                continue  # a read of its last exposure is still in flight
             try:
                 if buffer.exposed is None or self.retract(buffer.version, wait=5.0) == "done":
                     buffer.version = None
@@ -549,9 +569,12 @@ class ModelStore:
         return ChunkProgress(-(-self.layout.nbytes // chunk_size), complete=complete)
 
     def _unexpose(self, buffer: _Buffer, *, timeout: float = 5.0) -> None:
-        if buffer.exposed is not None:
-            self.worker.server.retract(buffer.exposed, timeout=timeout)
-        buffer.version = buffer.exposed = None
+        """Forget the buffer's version; it stays `exposed` (not reused, see
+        `_spare_buffer`) while a read of it is still in flight after `timeout`."""
+        if buffer.exposed is not None and self.worker.server.retract(buffer.exposed,
+                                                                     timeout=timeout):
+            buffer.exposed = None
+        buffer.version = None
 
     def _activate(self, buffer: _Buffer) -> None:
         with self._lock:

@@ -3,6 +3,7 @@ buffers populated ahead of writes."""
 
 import errno
 import os
+import socket
 import time
 
 import pytest
@@ -22,6 +23,9 @@ from fabric.errors import (
     UnknownModelError,
     UnknownVersionError,
 )
+from fabric.hub_planner import region_name
+from fabric.transports import client
+from fabric.transports.wire import Op
 
 CHUNK = 64 * 1024
 
@@ -91,6 +95,25 @@ def test_in_place_publish_and_hold(hub):
         model[0].weight.add_(1)
     v2 = t_store.publish(snapshot=False, hold=False)
     assert v2 == version + 1
+
+
+def test_retract_is_not_done_while_a_read_the_hub_does_not_track_is_in_flight(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    model = net(seed=3)
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    t_store.attach(model)
+    version = t_store.publish(snapshot=False)
+    rollout.model("m", chunk_size=CHUNK).fetch(version)  # a second replica: the hub allows it
+    source = trainer.server.address
+    with socket.create_connection((source.host, source.port), timeout=10) as conn:
+        # a resharding reader's lease: the hub knows nothing of it
+        client.lease(conn, source, region_name("m", version), offset=0, nbytes=CHUNK, timeout=10)
+        assert t_store.retract(version, wait=0.3) == "retracting"
+        with pytest.raises(FabricError, match="still exposed"):
+            t_store.publish(snapshot=False)  # the optimizer may not write yet
+        client.request(conn, source, Op.END, region_name("m", version), timeout=10)
+    assert t_store.retract(version, wait=10) == "done"
+    assert t_store.publish(snapshot=False, hold=False) == version + 1
 
 
 def test_mismatched_tensors_are_refused_naming_the_tensor(hub):
