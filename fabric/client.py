@@ -358,7 +358,8 @@ class HubClient:
             waiting for), the manifest, and each named worker's location and endpoints.
 
         Raises:
-            UnknownModelError, UnknownVersionError, ManifestMismatchError, NoSourceError.
+            UnknownModelError, UnknownVersionError, ManifestMismatchError, NoSourceError,
+            InvalidStateError, GroupAbortedError: see `HubState.begin_fetch`.
         """
         fetch_id = fetch_id or f"{self.worker}/{secrets.token_hex(6)}"
         raw = self.call("begin_fetch", self._w(model=model, version=version, shard=shard,
@@ -510,6 +511,7 @@ class HubClient:
         Raises:
             ValueTooLargeError: ``value`` or ``key`` over the limit (or the hub is full).
             BadRequestError: empty key or non-positive ``ttl``.
+            TypeError: ``value`` is not bytes.
             HubTimeoutError: the hub did not answer.
 
         Example::

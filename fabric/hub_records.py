@@ -62,10 +62,6 @@ class Replica:
         self.have[:] = b"\x01" * len(self.have)
         self.count = len(self.have)
 
-    @property
-    def routable(self) -> bool:
-        return self.status == LIVE and (self.complete or self.count > 0)
-
 
 @dataclass
 class VersionRecord:

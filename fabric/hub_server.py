@@ -61,8 +61,8 @@ class HubServer:
         max_message_size: bytes; larger frames are dropped by zmq and refused by the codec.
 
     Raises:
-        ValueError: the state file is corrupt, or the state dir cannot be created or
-            written (checked here, not at the first version).
+        ValueError: the state file is corrupt, the state dir cannot be created or
+            written (checked here, not at the first version), or ``lease_s <= 0``.
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,
@@ -104,6 +104,7 @@ class HubServer:
 
         Raises:
             HubUnavailableError: bad URL. zmq.ZMQError: the address is in use.
+            TimeoutError: not bound within ``timeout`` seconds.
         """
         self._thread = threading.Thread(target=self._run, name="fabric-hub", daemon=True)
         self._thread.start()

@@ -145,6 +145,7 @@ class HubState:
 
         Raises:
             DuplicateWorkerError: a live worker with this id belongs to another session.
+            ValueError: an empty worker id.
         """
         self.expire()
         if not worker:
@@ -282,8 +283,8 @@ class HubState:
             ``{"state": "publishing" | "committed"}``.
 
         Raises:
-            InvalidStateError: the worker is not a publisher of this version, or it was
-                retired (a publisher of the group was lost).
+            InvalidStateError: the worker is not a publisher of this version.
+            GroupAbortedError: the version was retired (a publisher of the group was lost).
         """
         self._worker(worker, session)
         v = self._version(model, version)
@@ -337,6 +338,10 @@ class HubState:
             UnknownModelError, UnknownVersionError: nothing to fetch.
             ManifestMismatchError: ``fingerprint`` differs from the version's manifest.
             NoSourceError: some chunks have no live source.
+            InvalidStateError: the fetch id is another worker's, or this worker already
+                fetches (or holds) this version and shard.
+            GroupAbortedError: the version was retired.
+            ValueError: no such shard.
         """
         self._worker(worker, session)
         if fetch_id in self.fetches:

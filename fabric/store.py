@@ -8,7 +8,7 @@ fills, then switches. A buffer that holds an older version is reused only after
 the hub agrees to its retract (no reader in flight, retention respected).
 
 Fresh shared memory is slow to write (each page is allocated, zeroed and mapped
-by a fault: 0.5-2 s per GB, against 0.06 s for the copy), so a new host buffer
+by a fault: about 0.6-1 s of CPU per GB, against 0.06 s for the copy), so a new host buffer
 populates its pages in a background thread (`Region.populate`); a fetch that
 overtakes it populates each chunk's pages just before writing it, a publish
 finishes the populate first. With ``prepare_spare`` (the default) the store
@@ -294,6 +294,9 @@ class ModelStore:
             UnknownModelError, UnknownVersionError: nothing to fetch.
             ManifestMismatchError: the version's tensors do not fit the attached ones.
             FetchError: some chunks could not be read from any source in time.
+            FabricError: the store is closed, or every buffer holds a version readers
+                still need.
+            ArenaError: no room in /dev/shm for a buffer.
         """
         return self.fetch_async(version, verify=verify, options=options,
                                 on_chunk=on_chunk).result()
@@ -408,7 +411,8 @@ class ModelStore:
         """Retract `version` and free its memory.
 
         Raises:
-            FabricError: it is the version the store's tensors use now.
+            FabricError: it is the version the store's tensors use now, or reads are
+                still in flight after `wait`.
             RetentionError: the hub still needs this replica.
         """
         with self._lock:

@@ -22,9 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "The trainer runs a short RL loop on a small Llama-shaped model and\n"
                     "publishes a version every step; rollouts fetch it from each other,\n"
                     "generate, and send samples back. One rollout is killed mid-fetch (at\n"
-                    "version 2) and a new one joins (at version 3). Ends with a summary and\n"
-                    "checks that every rollout's logits equal the trainer's at every version;\n"
-                    "exits 1 if any check fails, 2 on bad options.",
+                    "version 2, if there are 2 or more) and a new one joins (at version 3).\n"
+                    "Ends with a summary and checks that every rollout's logits equal the\n"
+                    "trainer's at every version; exits 1 if any check fails, 2 on bad options.",
         epilog="examples:\n  fabric demo\n  fabric demo --workers 5 --steps 10 --size medium\n"
                "  fabric demo --json | jq .versions")
     p.add_argument("--workers", type=int, default=3, help="rollouts at the start (default 3)")
@@ -51,7 +51,8 @@ def _demo(args: argparse.Namespace) -> int:
         chunk = int(parse_size(args.chunk_size)) if args.chunk_size else None
         config = DemoConfig(workers=args.workers, steps=args.steps, size=args.size,
                             chunk_size=chunk or default_chunk_size(args.size),
-                            kill_step=None if args.no_kill or args.steps < 2 else 2,
+                            kill_step=None if args.no_kill or args.steps < 2 or args.workers < 2
+                            else 2,
                             join_step=None if args.no_join or args.steps < 3 else 3)
     except (UnitError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -32,8 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        description="Run a hub until interrupted. Prints 'fabric hub serving at "
                                    "URL' once bound;\nwith --port 0 the OS picks the port. "
                                    "Exits 0 on SIGTERM or Ctrl-C, 1 if it\ncannot serve (e.g. "
-                                   "the port is taken), 2 on a bad --port, --state-dir or\n"
-                                   "--cluster.",
+                                   "the port is taken), 2 on a bad --port, --state-dir,\n"
+                                   "--cluster or --lease (it must be > 0).",
                        epilog="examples:\n  fabric hub serve --host 0.0.0.0 --port 7470 "
                               "--state-dir /var/lib/fabric-hub\n"
                               "  fabric hub serve --port 0 --cluster topology/clusters/two-datacenters.yaml")

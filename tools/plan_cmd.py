@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", help="pipelining chunk, e.g. 32MB (default: chosen)")
     p.add_argument("--json", action="store_true",
                    help="print JSON (keys: predicted_s, simulated_s, lower_bound_s, efficiency, "
-                        "wan_bytes, plan_seconds, readers, transfers, stripes, chunk, depth)")
+                        "wan_bytes, plan_seconds, readers, transfers, stripes, chunk, depth, ...)")
     p.add_argument("-o", "--output", type=Path, help="write the full plan (every transfer) as JSON")
     p.add_argument("--draw", type=Path, metavar="PNG",
                    help="draw the plan over the cluster's picture: the links it uses, as wide "

@@ -13,7 +13,7 @@ deterministic order on every PE, never from ``__del__`` (a garbage-collector fre
 on one PE only deadlocks or raises). Its ``fingerprint`` lets PEs compare their
 allocation histories through the rendezvous before they diverge silently.
 
-Progress: each region has one uint64 flag per chunk in symmetric memory. The
+Progress: each region has one 64-bit flag (int64) per chunk in symmetric memory. The
 holder sets a flag (``signal_op`` SET on its own PE, on the stream that wrote the
 chunk, so the flag follows the bytes), then marks the chunk on the host, where
 its read server's leases wait. A kernel reading a peer's copy in place waits on

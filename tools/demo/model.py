@@ -164,10 +164,6 @@ def probe_inputs(cfg: TinyLlamaConfig, *, batch: int = 2, seq: int = 16) -> torc
     return torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
 
 
-def num_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def init_weights(model: TinyLlama, seed: int) -> None:
     """Deterministic initialisation (scaled normal), independent of torch's defaults."""
     g = torch.Generator().manual_seed(seed)
