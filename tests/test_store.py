@@ -77,12 +77,17 @@ def test_fetch_async_keeps_the_old_version_until_result(hub):
     assert r_store.fetch("latest").bytes == 0  # already there: nothing moves
 
 
+def publish_in_place(worker) -> tuple[nn.Module, fabric.ModelStore, int]:
+    """A model attached to `worker`'s store of "m" and published in place."""
+    model = net(seed=3)
+    store = worker.model("m", chunk_size=CHUNK)
+    store.attach(model)
+    return model, store, store.publish(snapshot=False)
+
+
 def test_in_place_publish_and_hold(hub):
     trainer, rollout = hub("trainer"), hub("rollout")
-    model = net(seed=3)
-    t_store = trainer.model("m", chunk_size=CHUNK)
-    t_store.attach(model)
-    version = t_store.publish(snapshot=False)
+    model, t_store, version = publish_in_place(trainer)
     with pytest.raises(FabricError, match="still exposed"):
         t_store.publish(snapshot=False)
     replica = net(seed=4)
@@ -99,10 +104,7 @@ def test_in_place_publish_and_hold(hub):
 
 def test_retract_is_not_done_while_a_read_the_hub_does_not_track_is_in_flight(hub):
     trainer, rollout = hub("trainer"), hub("rollout")
-    model = net(seed=3)
-    t_store = trainer.model("m", chunk_size=CHUNK)
-    t_store.attach(model)
-    version = t_store.publish(snapshot=False)
+    _, t_store, version = publish_in_place(trainer)
     rollout.model("m", chunk_size=CHUNK).fetch(version)  # a second replica: the hub allows it
     source = trainer.server.address
     with socket.create_connection((source.host, source.port), timeout=10) as conn:
