@@ -399,12 +399,10 @@ class ModelStore:
         if state == "done":
             with self._lock:
                 for buffer in self._buffers:
-                    if buffer.version == version and buffer.exposed:
-                        if not self.worker.server.retract(buffer.exposed, timeout=wait):
-                            log.warning("%s v%d: a read is still in flight after %g s",
-                                        self.model, version, wait)
-                            return "retracting"
-                        buffer.exposed = None
+                    if buffer.version == version and not self._drained(buffer, wait):
+                        log.warning("%s v%d: a read is still in flight after %g s",
+                                    self.model, version, wait)
+                        return "retracting"
         return state
 
     def release(self, version: int, *, wait: float = 30.0) -> None:
@@ -537,8 +535,7 @@ class ModelStore:
                 self._drop(buffer)  # /dev/shm had no room for it; try afresh below
                 continue
             if buffer.version is None:
-                if buffer.exposed is None or self.worker.server.retract(buffer.exposed, timeout=5.0):
-                    buffer.exposed = None
+                if self._drained(buffer, 5.0):
                     return buffer
                 continue  # a read of its last exposure is still in flight
             try:
@@ -575,10 +572,17 @@ class ModelStore:
     def _unexpose(self, buffer: _Buffer, *, timeout: float = 5.0) -> None:
         """Forget the buffer's version; it stays `exposed` (not reused, see
         `_spare_buffer`) while a read of it is still in flight after `timeout`."""
-        if buffer.exposed is not None and self.worker.server.retract(buffer.exposed,
-                                                                     timeout=timeout):
-            buffer.exposed = None
+        self._drained(buffer, timeout)
         buffer.version = None
+
+    def _drained(self, buffer: _Buffer, timeout: float) -> bool:
+        """Retract the buffer's exposure on the read server; True (and no longer
+        exposed) once no read of it is in flight, False if one still is after `timeout`."""
+        if buffer.exposed is not None and not self.worker.server.retract(buffer.exposed,
+                                                                         timeout=timeout):
+            return False
+        buffer.exposed = None
+        return True
 
     def _activate(self, buffer: _Buffer) -> None:
         with self._lock:
