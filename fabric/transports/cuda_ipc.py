@@ -149,6 +149,21 @@ class _DevicePointer:
                                          "version": 3, "strides": None, "stream": None}
 
 
+def _wrap(memory: _DevicePointer, device: int, what: str) -> torch.Tensor:
+    """A uint8 tensor over `memory` labelled ``cuda:device``, never a copy of it.
+
+    Raises:
+        RuntimeError: torch copied the bytes (releases whose ``as_tensor`` ignores the
+            device index of ``__cuda_array_interface__`` memory copy it elsewhere).
+    """
+    ptr = memory.__cuda_array_interface__["data"][0]
+    tensor = torch.as_tensor(memory, device=f"cuda:{device}")
+    if tensor.data_ptr() != ptr:
+        raise RuntimeError(f"torch {torch.__version__} copied {what} to cuda:{device} instead "
+                           "of wrapping it")
+    return tensor
+
+
 class _DeviceMemory(_DevicePointer):
     """A ``cudaMalloc`` allocation, freed with its last reference: torch keeps the
     object of a tensor made from ``__cuda_array_interface__`` while the tensor's
@@ -185,12 +200,7 @@ def allocate(nbytes: int, device: torch.device | str) -> torch.Tensor:
             torch.cuda.empty_cache()  # torch may be caching the memory we need
             result = runtime.cudaMalloc(nbytes)
         (ptr,) = _check(result, f"cudaMalloc of {nbytes} bytes on cuda:{index}")
-    memory = _DeviceMemory(int(ptr), nbytes, index)
-    tensor = torch.as_tensor(memory, device=f"cuda:{index}")
-    if tensor.data_ptr() != memory.ptr:
-        raise RuntimeError(f"torch {torch.__version__} copied a cudaMalloc buffer instead of "
-                           "wrapping it")
-    return tensor
+    return _wrap(_DeviceMemory(int(ptr), nbytes, index), index, "a cudaMalloc buffer")
 
 
 @dataclass
@@ -224,13 +234,9 @@ def view(mapping: _Mapping, offset: int, nbytes: int, device: int | None = None)
             whose ``as_tensor`` ignores the device index of ``__cuda_array_interface__``
             memory copy it to another device).
     """
-    ptr = mapping.base + offset
-    tensor = torch.as_tensor(_DevicePointer(ptr, nbytes),
-                             device=f"cuda:{mapping.device if device is None else device}")
-    if tensor.data_ptr() != ptr:
-        raise RuntimeError(f"torch {torch.__version__} copied a mapped GPU range to cuda:{device} "
-                           "instead of labelling it; read it on its own GPU (device=None)")
-    return tensor
+    return _wrap(_DevicePointer(mapping.base + offset, nbytes),
+                 mapping.device if device is None else device,
+                 "a mapped GPU range (read it on its own GPU: device=None)")
 
 
 def close_mapping(mapping: _Mapping) -> None:
