@@ -103,11 +103,15 @@ def test_a_dead_source_is_replaced_and_only_its_chunks_reread(tcp):
         a.close()
 
 
-def test_corrupted_chunk_is_caught_and_reread_elsewhere(tcp):
+def bad_and_good(flipped_byte: int):
+    """Two holders: "bad" with one byte flipped, "good" intact (holder, source each)."""
     bad = data().clone()
-    bad[2 * CHUNK + 10] ^= 0xFF
-    a, src_a = serve("bad", bad)
-    b, src_b = serve("good", data())
+    bad[flipped_byte] ^= 0xFF
+    return serve("bad", bad), serve("good", data())
+
+
+def test_corrupted_chunk_is_caught_and_reread_elsewhere(tcp):
+    (a, src_a), (b, src_b) = bad_and_good(2 * CHUNK + 10)
     try:
         dest, _, stats = run(StaticPlanner([src_a, src_b]), tcp)
         assert torch.equal(dest, data())
@@ -270,10 +274,7 @@ def test_spans_are_shared_between_reads_in_flight_and_stripe_sources(tcp):
 
 
 def test_a_corrupted_chunk_inside_a_span_is_reread_alone(tcp):
-    bad = data().clone()
-    bad[5 * CHUNK + 1] ^= 0xFF
-    a, src_a = serve("bad", bad)
-    b, src_b = serve("good", data())
+    (a, src_a), (b, src_b) = bad_and_good(5 * CHUNK + 1)
     counting = CountingTransport(tcp)
     try:
         dest, _, stats = run(StaticPlanner([src_a, src_b], stripe=1), counting,
