@@ -3,11 +3,12 @@
 The trainer's model-parallel ranks publish their shards of one version
 (``worker.model(name, shard=k, num_shards=n)`` and ``publish(group=...)``). A reader
 whose layout differs (another TP degree, fused QKV or gate-up split differently,
-fp8 stored and bf16 wanted) cannot take any shard as it is. `fetch_resharded`
-asks the hub where each shard lives (`HubClient.locate`), plans the rows its rank
-needs (`fabric.staging.plan_staging`, bounded by ``budget``), reads each band of
-rows from a holder of that shard through the worker's transports, and runs the
-reshard and dequantisation kernels into the reader's tensors.
+fp8 stored and bf16 wanted) cannot take any shard as it is. A `ReshardReader`
+asks the hub where each shard of a version lives (`HubClient.locate`), plans the
+rows its rank needs (`fabric.staging.plan_staging`, bounded by ``budget``), reads
+each band of rows from a holder of that shard through the worker's transports,
+and runs the reshard and dequantisation kernels into the reader's tensors; it
+keeps its buffers for the next version. `fetch_resharded` is the one-shot form.
 
 The reader holds no replica: it does not serve what it read, and the hub records
 nothing, so a holder may retract meanwhile; its read server then refuses the read
@@ -21,7 +22,7 @@ the whole chunks covering it; each is checked, then the band's bytes are copied
 into staging. Chunks a band only partly covers stay in a small cache for the
 neighbouring band. A bad chunk counts as its holder failing: the next holder of
 the shard is tried, and `FetchError` names the chunk when none is left. The
-scratch and cache are memory beyond ``budget`` (bounded: see `fetch_resharded`).
+scratch and cache are memory beyond ``budget`` (bounded: see `ReshardReader`).
 This covers staged reads only; `fabric.direct_read.run_direct` loads peer memory in
 place and checks nothing.
 
@@ -141,7 +142,59 @@ def held_tensors(manifests: list[Manifest], tensors: Mapping[str, Resharding], *
 
 
 _CACHED_CHUNKS = 4
-"""Verified chunks a `_ShardReader` keeps for later bands (LRU)."""
+"""Verified chunks kept for later bands (LRU)."""
+
+
+class _ChunkBuffers:
+    """The memory verified reads reuse, band after band and fetch after fetch.
+
+    ``scratch`` receives a run of whole chunks (grown to the largest run); `_CACHED_CHUNKS`
+    slots keep chunks a band used only in part, so the next band does not read them
+    again. Both are allocated once and kept: on CPU, first-touch page faults of fresh
+    buffers cost more than the copies into them.
+    """
+
+    def __init__(self) -> None:
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._slots = torch.empty(0, 0, dtype=torch.uint8)
+        self._cached: OrderedDict[tuple[int, int], tuple[int, int]] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        return self._scratch.numel() + self._slots.numel()
+
+    def clear(self) -> None:
+        """Forget the cached chunks (a new fetch); the memory stays."""
+        self._cached.clear()
+
+    def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self._scratch.numel() < nbytes or self._scratch.device != device:
+            self._scratch = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._scratch[:nbytes]
+
+    def get(self, key: tuple[int, int]) -> torch.Tensor | None:
+        """The cached chunk ``key`` = (shard, chunk), now the most recently used, or None."""
+        if key not in self._cached:
+            return None
+        self._cached.move_to_end(key)
+        slot, nbytes = self._cached[key]
+        return self._slots[slot, :nbytes]
+
+    def put(self, key: tuple[int, int], chunk: torch.Tensor) -> None:
+        """Copy ``chunk`` into a slot, evicting the least recently used chunk if all are taken."""
+        if self._slots.shape[1] < chunk.numel() or self._slots.device != chunk.device:
+            self._cached.clear()
+            self._slots = torch.empty(0, 0, dtype=torch.uint8)
+            self._slots = torch.empty(_CACHED_CHUNKS, chunk.numel(), dtype=torch.uint8,
+                                      device=chunk.device)
+        taken = {slot for slot, _ in self._cached.values()}
+        if len(taken) < _CACHED_CHUNKS:
+            slot = min(set(range(_CACHED_CHUNKS)) - taken)
+        else:
+            slot, _ = self._cached.popitem(last=False)[1]
+        self._slots[slot, :chunk.numel()].copy_(chunk)
+        self._cached[key] = (slot, chunk.numel())
 
 
 class _BadChunk(Exception):
@@ -154,16 +207,17 @@ class _ShardReader:
     is wrong.
 
     A read from a holder ``verify`` selects covers whole chunks: the chunks the band
-    touches that are not cached are read in one request into a scratch buffer (kept,
-    grown to the largest such read), each is checked against the shard's manifest,
-    and the band's bytes are copied into ``out``. A chunk a band covers only in part
-    (the neighbouring band, tensor or fp8 scales start in it) is kept in an LRU cache
-    of `_CACHED_CHUNKS` chunks, so the next band does not read it again. Memory: the
-    scratch (at most the largest read + 2 chunks) and the cache (at most 4 chunks).
+    touches that are not cached are read in one request into the scratch of
+    ``buffers``, each is checked against the shard's manifest, and the band's bytes
+    are copied into ``out``. A chunk a band covers only in part (the neighbouring
+    band, tensor or fp8 scales start in it) is kept in the cache of ``buffers``, so the
+    next band does not read it again. Memory: the scratch (at most the largest read +
+    2 chunks) and the cache (4 chunks).
     """
 
     def __init__(self, worker: Worker, where: dict, manifests: list[Manifest], *,
-                 verify: Callable[[Source], bool], timeout: float) -> None:
+                 verify: Callable[[Source], bool], timeout: float,
+                 buffers: _ChunkBuffers) -> None:
         self.worker, self.manifests, self.verify, self.timeout = worker, manifests, verify, timeout
         self.model, self.version = where["model"], where["version"]
         self.holders = [list(s["holders"]) for s in where["shards"]]
@@ -172,8 +226,8 @@ class _ShardReader:
         self.failed: list[str] = []
         self.sources: dict[str, int] = {}
         self.fetched_bytes = self.verified_chunks = self.reused_chunks = self.verify_peak_bytes = 0
-        self._scratch = torch.empty(0, dtype=torch.uint8)
-        self._cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self.buffers = buffers
+        buffers.clear()
 
     def __call__(self, shard: int, offset: int, out: torch.Tensor) -> None:
         errors = []
@@ -213,22 +267,21 @@ class _ShardReader:
         manifest, end = self.manifests[shard], offset + out.numel()
         size = manifest.chunk_size
         touched = range(offset // size, (end - 1) // size + 1)
-        need = [c for c in touched if (shard, c) not in self._cache]
-        chunks = (self._read_chunks(source, shard, range(need[0], need[-1] + 1), out.device)
-                  if need else {})
-        self.reused_chunks += len(touched) - len(chunks)
-        for c in touched:
-            chunk = chunks[c] if c in chunks else self._cache[shard, c]
+        chunks = {c: self.buffers.get((shard, c)) for c in touched}
+        need = [c for c, chunk in chunks.items() if chunk is None]
+        run = range(need[0], need[-1] + 1) if need else range(0)
+        if run:
+            chunks.update(self._read_chunks(source, shard, run, out.device))
+        self.reused_chunks += len(touched) - len(run)
+        partly_used = []
+        for c, chunk in chunks.items():
             a, b = max(offset, c * size), min(end, (c + 1) * size)
             out[a - offset:b - offset].copy_(chunk[a - c * size:b - c * size])
-            if a > c * size or b < min((c + 1) * size, manifest.total_bytes):  # partly used
-                if c in chunks:
-                    self._cache[shard, c] = chunk.clone()
-                self._cache.move_to_end((shard, c))
-        while len(self._cache) > _CACHED_CHUNKS:
-            self._cache.popitem(last=False)
-        cached = sum(t.numel() for t in self._cache.values())
-        self.verify_peak_bytes = max(self.verify_peak_bytes, self._scratch.numel() + cached)
+            if c in run and (a > c * size or b < min((c + 1) * size, manifest.total_bytes)):
+                partly_used.append(c)
+        for c in partly_used:  # after the copies: caching may evict a chunk used above
+            self.buffers.put((shard, c), chunks[c])
+        self.verify_peak_bytes = max(self.verify_peak_bytes, self.buffers.nbytes)
 
     def _read_chunks(self, source: Source, shard: int, run: range,
                      device: torch.device) -> dict[int, torch.Tensor]:
@@ -237,9 +290,7 @@ class _ShardReader:
         manifest = self.manifests[shard]
         size = manifest.chunk_size
         lo, hi = run[0] * size, min(run[-1] * size + size, manifest.total_bytes)
-        if self._scratch.numel() < hi - lo:
-            self._scratch = torch.empty(hi - lo, dtype=torch.uint8, device=device)
-        span = self._scratch[:hi - lo]
+        span = self.buffers.scratch(hi - lo, device)
         self._read(source, lo, span)
         sums = chunk_checksums(span, size, first_chunk=run[0]).tolist()
         for c, got in zip(run, sums, strict=True):
@@ -249,22 +300,21 @@ class _ShardReader:
         return {c: span[(c - run[0]) * size:][:size] for c in run}
 
 
-def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding],
-                    dst: Mapping[str, torch.Tensor], *, rank: int, version: int | str = "latest",
-                    wanted_dtypes: Mapping[str, torch.dtype] | None = None,
-                    budget: int = 64 << 20, scale_suffix: str = ".scale",
-                    verify: bool | None = None, timeout: float = 30.0) -> ReshardStats:
-    """Read ``version`` of a sharded model into this reader's shards of ``tensors``.
+class ReshardReader:
+    """Reads versions of a sharded model into this rank's tensors in another layout.
+
+    One per reader rank and model, kept across training steps: `fetch` plans each
+    version anew (the hub names the holders; the shards' manifests may change) but
+    reuses its buffers, so a loop that fetches every version does not allocate and
+    fault in fresh staging memory each time. It holds up to ``budget`` bytes of
+    staging and, once a verified read ran, the verification memory described under
+    ``budget``; drop the reader to free them.
 
     Args:
         worker: the reader's worker (its transports are used).
         model: the model the publishers' ranks publish shards of.
         tensors: name -> `Resharding` (logical shape, held and wanted layouts).
-        dst: name -> this rank's destination (the wanted layout's shard shape, any
-            device the kernels run on; 1-D tensors as 1-D).
         rank: this reader's rank in the wanted layouts.
-        version: a committed version's number, or ``"latest"``.
-        wanted_dtypes: dtype per tensor (default: each ``dst`` tensor's dtype).
         budget: staging bytes at any one time. Verified reads need more, beyond it: a
             scratch buffer as large as the largest band widened to whole chunks (at
             most band + 2 chunks) and a cache of 4 chunks, so at most the largest
@@ -275,36 +325,81 @@ def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding
             none (False), or by default (None) only those read from other hosts.
             A shard published without checksums is read unverified.
         timeout: per band read.
-
-    Returns:
-        `ReshardStats`.
-
-    Raises:
-        UnknownModelError, UnknownVersionError, NoSourceError: from the hub.
-        ManifestMismatchError: the shards do not hold the tensors as described.
-        FetchError: some band could not be read from any holder of its shard (none
-            left, or every one failed or sent a chunk with a bad checksum).
-        ValueError, TypeError: bad layouts, budget or destinations (see `plan_staging`).
     """
-    missing = sorted(set(tensors) - set(dst))
-    if missing:
-        raise ValueError(f"resharded fetch: no destination for {missing}")
-    start = time.monotonic()
-    where = worker.hub.locate(model, version)
-    manifests = [Manifest.from_wire(s["manifest"]) for s in where["shards"]]
-    held = held_tensors(manifests, tensors, scale_suffix=scale_suffix)
-    dtypes = dict(wanted_dtypes or {})
-    wanted = [WantedTensor(name=n, layout=r.wanted, dtype=dtypes.get(n, dst[n].dtype))
-              for n, r in tensors.items()]
-    plan: StagingPlan = plan_staging(held, wanted, rank=rank, budget=budget)
-    read = _ShardReader(worker, where, manifests, verify=verify_rule(verify), timeout=timeout)
-    staged = run_staging(plan, read, dst)
-    stats = ReshardStats(version=where["version"], seconds=time.monotonic() - start,
-                         bands=staged.bands, fetched_bytes=read.fetched_bytes,
-                         useful_bytes=plan.useful_bytes, staging_peak_bytes=staged.peak_bytes,
-                         verify_peak_bytes=read.verify_peak_bytes,
-                         verified_chunks=read.verified_chunks, reused_chunks=read.reused_chunks,
-                         sources=read.sources, failed_sources=read.failed)
-    log.info("fetched %s v%d resharded for rank %d: %d bands, %d bytes in %.3f s", model,
-             stats.version, rank, stats.bands, stats.fetched_bytes, stats.seconds)
-    return stats
+
+    def __init__(self, worker: Worker, model: str, tensors: Mapping[str, Resharding], *,
+                 rank: int, budget: int = 64 << 20, scale_suffix: str = ".scale",
+                 verify: bool | None = None, timeout: float = 30.0) -> None:
+        self.worker, self.model, self.tensors, self.rank = worker, model, dict(tensors), rank
+        self.budget, self.scale_suffix, self.timeout = budget, scale_suffix, timeout
+        self._verify = verify_rule(verify)
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._chunks = _ChunkBuffers()
+
+    def fetch(self, dst: Mapping[str, torch.Tensor], version: int | str = "latest", *,
+              wanted_dtypes: Mapping[str, torch.dtype] | None = None) -> ReshardStats:
+        """Read ``version`` into ``dst``.
+
+        Args:
+            dst: name -> this rank's destination (the wanted layout's shard shape, any
+                device the kernels run on; 1-D tensors as 1-D).
+            version: a committed version's number, or ``"latest"``.
+            wanted_dtypes: dtype per tensor (default: each ``dst`` tensor's dtype).
+
+        Returns:
+            `ReshardStats`.
+
+        Raises:
+            UnknownModelError, UnknownVersionError, NoSourceError: from the hub.
+            ManifestMismatchError: the shards do not hold the tensors as described.
+            FetchError: some band could not be read from any holder of its shard (none
+                left, or every one failed or sent a chunk with a bad checksum).
+            ValueError, TypeError: bad layouts, budget or destinations (see `plan_staging`).
+        """
+        missing = sorted(set(self.tensors) - set(dst))
+        if missing:
+            raise ValueError(f"resharded fetch: no destination for {missing}")
+        start = time.monotonic()
+        where = self.worker.hub.locate(self.model, version)
+        manifests = [Manifest.from_wire(s["manifest"]) for s in where["shards"]]
+        held = held_tensors(manifests, self.tensors, scale_suffix=self.scale_suffix)
+        dtypes = dict(wanted_dtypes or {})
+        wanted = [WantedTensor(name=n, layout=r.wanted, dtype=dtypes.get(n, dst[n].dtype))
+                  for n, r in self.tensors.items()]
+        plan: StagingPlan = plan_staging(held, wanted, rank=self.rank, budget=self.budget)
+        read = _ShardReader(self.worker, where, manifests, verify=self._verify,
+                            timeout=self.timeout, buffers=self._chunks)
+        staged = run_staging(plan, read, dst, staging=self._staging_for(plan, dst))
+        stats = ReshardStats(version=where["version"], seconds=time.monotonic() - start,
+                             bands=staged.bands, fetched_bytes=read.fetched_bytes,
+                             useful_bytes=plan.useful_bytes, staging_peak_bytes=staged.peak_bytes,
+                             verify_peak_bytes=read.verify_peak_bytes,
+                             verified_chunks=read.verified_chunks,
+                             reused_chunks=read.reused_chunks, sources=read.sources,
+                             failed_sources=read.failed)
+        log.info("fetched %s v%d resharded for rank %d: %d bands, %d bytes in %.3f s", self.model,
+                 stats.version, self.rank, stats.bands, stats.fetched_bytes, stats.seconds)
+        return stats
+
+    def _staging_for(self, plan: StagingPlan, dst: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The kept staging buffer, replaced when ``plan`` needs more or another device."""
+        device = dst[next(iter(self.tensors))].device if self.tensors else torch.device("cpu")
+        if self._staging.numel() < plan.staging_nbytes or self._staging.device != device:
+            self._staging = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._staging = torch.empty(plan.staging_nbytes, dtype=torch.uint8, device=device)
+        return self._staging
+
+
+def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding],
+                    dst: Mapping[str, torch.Tensor], *, rank: int, version: int | str = "latest",
+                    wanted_dtypes: Mapping[str, torch.dtype] | None = None,
+                    budget: int = 64 << 20, scale_suffix: str = ".scale",
+                    verify: bool | None = None, timeout: float = 30.0) -> ReshardStats:
+    """Read ``version`` of a sharded model into this reader's shards of ``tensors``, once.
+
+    A `ReshardReader` used for one fetch (arguments as there and in its `fetch`); a
+    loop fetching every version should keep a `ReshardReader`, which reuses its buffers.
+    """
+    reader = ReshardReader(worker, model, tensors, rank=rank, budget=budget,
+                           scale_suffix=scale_suffix, verify=verify, timeout=timeout)
+    return reader.fetch(dst, version, wanted_dtypes=wanted_dtypes)

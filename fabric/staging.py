@@ -164,6 +164,13 @@ class StagingPlan:
     useful_bytes: int
     dst_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
 
+    @property
+    def staging_nbytes(self) -> int:
+        """The staging buffer `run_staging` needs: the largest band as read (fp8: with its
+        scales), without the dequantised copy the kernel allocates."""
+        return max((_round_up(b.nbytes, _ALIGN) + b.scale_nbytes if b.dtype == FP8 else b.nbytes
+                    for b in self.bands), default=0)
+
 
 @dataclass
 class StagingStats:
@@ -347,7 +354,7 @@ def destination_views(plan: StagingPlan, dst: Mapping[str, torch.Tensor], *,
 
 
 def run_staging(plan: StagingPlan, read: ReadFn, dst: Mapping[str, torch.Tensor], *,
-                backend: str | None = None) -> StagingStats:
+                backend: str | None = None, staging: torch.Tensor | None = None) -> StagingStats:
     """Execute ``plan``: fetch every band into staging and transform it into ``dst``.
 
     Parameters:
@@ -357,21 +364,29 @@ def run_staging(plan: StagingPlan, read: ReadFn, dst: Mapping[str, torch.Tensor]
         dst: tensor name -> this rank's destination shard (the reader layout's shard
             shape, 2-D or 1-D for 1-D tensors; any strides; the wanted dtype).
         backend: kernel backend (``None``: Triton on CUDA tensors, torch elsewhere).
+        staging: a contiguous uint8 buffer of at least ``plan.staging_nbytes`` bytes on
+            the destinations' device to stage in, instead of allocating one.
 
     Returns:
-        `StagingStats`; ``staging_allocated`` is the staging buffer's size, which is
-        ``plan.peak_bytes`` minus the dequantised band (allocated by the kernel).
+        `StagingStats`; ``staging_allocated`` is the staging buffer allocated here
+        (``plan.staging_nbytes``; 0 when ``staging`` was given).
 
     Raises:
-        ValueError: a destination is missing or has the wrong shape, or destinations
-            sit on several devices.
+        ValueError: a destination is missing or has the wrong shape, destinations sit
+            on several devices, or ``staging`` is too small, elsewhere or not uint8.
         TypeError: a destination dtype does not match the plan.
     """
     views, device = destination_views(plan, dst)
-    size = max((_round_up(b.nbytes, _ALIGN) + b.scale_nbytes if b.dtype == FP8 else b.nbytes
-                for b in plan.bands), default=0)
-    staging = torch.empty(size, dtype=torch.uint8, device=device)
-    stats = StagingStats(staging_allocated=size)
+    size = plan.staging_nbytes
+    if staging is None:
+        staging = torch.empty(size, dtype=torch.uint8, device=device)
+        stats = StagingStats(staging_allocated=size)
+    elif (staging.dtype != torch.uint8 or staging.dim() != 1 or not staging.is_contiguous()
+          or staging.numel() < size or staging.device != device):
+        raise ValueError(f"staging: the buffer given is {staging.dtype} {tuple(staging.shape)} on "
+                         f"{staging.device}; this plan needs {size} contiguous uint8 bytes on {device}")
+    else:
+        stats = StagingStats()
     for b in plan.bands:
         raw = staging[:b.nbytes]
         read(b.src_rank, b.offset, raw)

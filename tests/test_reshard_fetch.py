@@ -12,7 +12,7 @@ import torch
 import fabric
 from fabric.errors import ManifestMismatchError, UnknownModelError, UnknownVersionError
 from fabric.fetch import FetchError, Source, verify_rule
-from fabric.reshard_fetch import Resharding, fetch_resharded
+from fabric.reshard_fetch import Resharding, ReshardReader, fetch_resharded
 from fabric.transports import SourceAddress, local_host_id
 from kernels import (
     FusedGateUp,
@@ -40,8 +40,8 @@ def layouts(tp: int) -> dict[str, tuple[tuple[int, ...], object]]:
     }
 
 
-def full_tensors() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
+def full_tensors(seed: int = 3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     out = {n: torch.randn(shape, generator=g).to(torch.bfloat16)
            for n, (shape, _) in layouts(1).items()}
     out["norm"] = out["norm"].float()
@@ -259,3 +259,46 @@ def test_a_chunk_shared_by_neighbouring_bands_is_read_once(published, monkeypatc
             for c in range(offset // CHUNK, (offset + n - 1) // CHUNK + 1)]
     assert all(offset % CHUNK == 0 for _, _, offset, _ in tap.reads)
     assert stats.reused_chunks > 0 and len(read) == len(set(read)) == stats.verified_chunks
+
+
+def test_a_kept_reader_fetches_each_new_version_in_the_same_buffers(published):
+    """The chunks cached for v1's bands must not serve v2's, and the staging and
+    verification buffers of v1 are reused for v2 (same layout, so same sizes)."""
+    hub, full, version, trainers = published
+    with fabric.join(hub.url, worker="reader") as reader:
+        kept = ReshardReader(reader, "policy", spec(1), rank=0, budget=64 << 10, verify=True)
+        dst = {n: torch.empty_like(t) for n, t in expected(full, 1, 0).items()}
+        first = kept.fetch(dst, version)
+        assert first.reused_chunks > 0 and all(torch.equal(dst[n], t)
+                                               for n, t in expected(full, 1, 0).items())
+        buffers = [kept._staging.data_ptr(), kept._chunks._scratch.data_ptr(),
+                   kept._chunks._slots.data_ptr()]
+        full2 = full_tensors(seed=4)
+        for r in range(2):
+            trainers[r].model("policy", chunk_size=CHUNK, shard=r,
+                              num_shards=2).publish(publisher_tensors(full2, r), group="step-2")
+        second = kept.fetch(dst)
+    assert second.version == version + 1
+    for name, want in expected(full2, 1, 0).items():
+        assert torch.equal(dst[name], want), name
+    assert [kept._staging.data_ptr(), kept._chunks._scratch.data_ptr(),
+            kept._chunks._slots.data_ptr()] == buffers
+
+
+def test_the_chunk_cache_keeps_the_most_recently_used_chunks_in_its_slots():
+    from fabric.reshard_fetch import _CACHED_CHUNKS, _ChunkBuffers
+
+    buffers = _ChunkBuffers()
+    chunk = {c: torch.full((8,), c, dtype=torch.uint8) for c in range(_CACHED_CHUNKS + 2)}
+    for c in range(_CACHED_CHUNKS):
+        buffers.put((0, c), chunk[c])
+    assert torch.equal(buffers.get((0, 0)), chunk[0])  # now the most recently used
+    buffers.put((0, _CACHED_CHUNKS), chunk[_CACHED_CHUNKS][:5])  # a shorter last chunk
+    assert buffers.get((0, 1)) is None  # the least recently used went
+    assert torch.equal(buffers.get((0, _CACHED_CHUNKS)), chunk[_CACHED_CHUNKS][:5])
+    assert all(torch.equal(buffers.get((0, c)), chunk[c]) for c in (0, 2, 3))
+    slots = buffers.nbytes
+    buffers.clear()
+    assert buffers.get((0, 0)) is None and buffers.nbytes == slots
+    buffers.put((1, 0), torch.zeros(16, dtype=torch.uint8))  # larger than a slot: new slots
+    assert buffers.nbytes == _CACHED_CHUNKS * 16 and buffers.get((1, 0)).numel() == 16

@@ -150,6 +150,21 @@ def test_tp2_to_tp1_with_fused_qkv_gqa_and_gate_up_is_bit_exact(budget):
     assert stats.staging_allocated <= budget
 
 
+def test_a_staging_buffer_given_is_used_instead_of_allocating_one():
+    weights, plan, _, _, holder = fetch(2, 1, 0, 200)
+    staging = torch.empty(plan.staging_nbytes + 5, dtype=torch.uint8)
+    seen = []
+
+    def read(rank, offset, out):
+        seen.append(out.untyped_storage().data_ptr() == staging.untyped_storage().data_ptr())
+        holder.reader()(rank, offset, out)
+
+    dst = {name: torch.empty_like(t) for name, t in weights.items()}
+    stats = run_staging(plan, read, dst, staging=staging)
+    assert all(torch.equal(dst[name], t) for name, t in weights.items())
+    assert stats.staging_allocated == 0 and seen and all(seen)
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_tp1_to_tp2_each_rank_gets_its_shard_bit_exact(rank):
     weights, plan, _, dst, _ = fetch(1, 2, rank, 100)
@@ -253,6 +268,9 @@ def test_mismatched_tensor_sets_and_bad_destinations_are_errors():
         run_staging(plan, lambda *a: None, {})
     with pytest.raises(ValueError, match="needs \\(4, 4\\)"):
         run_staging(plan, lambda *a: None, {"a": torch.zeros(4, 5)})
+    with pytest.raises(ValueError, match=f"needs {plan.staging_nbytes} contiguous uint8"):
+        run_staging(plan, lambda *a: None, {"a": torch.zeros(4, 4)},
+                    staging=torch.empty(plan.staging_nbytes - 1, dtype=torch.uint8))
     with pytest.raises(ValueError, match="offsets"):
         HeldTensor(name="x", shape=(4, 4), layout=Sharded(tp=2), dtype=torch.float32, offsets=(0,))
 

@@ -335,7 +335,10 @@ def _reshard_case(full: dict[str, torch.Tensor], src_layer: dict, dst_layer: dic
     def read(rank: int, offset: int, buf: torch.Tensor) -> None:
         buf.copy_(regions[rank][offset:offset + buf.numel()])
 
-    staged_s = median_seconds(lambda: run_staging(staged_plan, read, staged), dev, repeats)
+    staging = torch.empty(staged_plan.staging_nbytes, dtype=torch.uint8, device=dev)  # kept,
+    # as a ReshardReader keeps it
+    staged_s = median_seconds(lambda: run_staging(staged_plan, read, staged, staging=staging),
+                              dev, repeats)
     direct_s = median_seconds(lambda: run_direct(direct_plan, dict(enumerate(regions)), direct),
                                dev, repeats)
     flat = torch.cat([t.reshape(-1) for t in full.values()])
