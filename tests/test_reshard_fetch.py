@@ -302,3 +302,21 @@ def test_the_chunk_cache_keeps_the_most_recently_used_chunks_in_its_slots():
     assert buffers.get((0, 0)) is None and buffers.nbytes == slots
     buffers.put((1, 0), torch.zeros(16, dtype=torch.uint8))  # larger than a slot: new slots
     assert buffers.nbytes == _CACHED_CHUNKS * 16 and buffers.get((1, 0)).numel() == 16
+
+
+def test_one_resharding_reader_republishes_its_layout_for_the_others_to_fetch(published):
+    """The fan-out recipe of docs/gpu.md: resharding readers hold no replica, so one
+    reader per wanted layout publishes what it read under its own model name, and the
+    other readers of that layout fetch it layout-matched (through the fabric's trees)."""
+    hub, full, _, _ = published
+    want = expected(full, 1, 0)
+    with fabric.join(hub.url, worker="rollout-0") as first, \
+            fabric.join(hub.url, worker="rollout-1") as second:
+        mine = {n: torch.empty_like(t) for n, t in want.items()}
+        ReshardReader(first, "policy", spec(1), rank=0).fetch(mine)
+        v = first.model("policy-tp1", chunk_size=CHUNK).publish(mine)
+        store = second.model("policy-tp1")
+        stats = store.fetch(v)
+        got = store.tensors
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    assert set(stats.sources) == {"rollout-0"}
