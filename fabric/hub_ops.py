@@ -98,15 +98,42 @@ def op_unregister(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any
 
 
 def op_restore(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    holdings = []
-    for h in _arg(a, "holdings", list):
-        if not isinstance(h, dict):
-            raise BadRequestError("each holding must be a map")
-        try:
-            holdings.append({**h, "manifest": Manifest.from_wire(h.get("manifest"))})
-        except ValueError as exc:
-            raise BadRequestError(f"bad manifest in holding: {exc}") from exc
+    holdings = [_holding(h) for h in _arg(a, "holdings", list)]
     return s.restore(_worker(a), session=session, holdings=holdings)
+
+
+_HOLDING_STATES = ("publishing", "committed")
+
+
+def _holding(h: Any) -> dict[str, Any]:
+    """One ``restore`` holding, every field type-checked (nothing changes on a bad one).
+
+    Raises:
+        BadRequestError: not a map, a field of the wrong type, a bad manifest, an
+            unknown state, or chunk indices out of range.
+    """
+    if not isinstance(h, dict):
+        raise BadRequestError("each holding must be a map")
+    try:
+        manifest = Manifest.from_wire(h.get("manifest"))
+    except ValueError as exc:
+        raise BadRequestError(f"bad manifest in holding: {exc}") from exc
+    out = {"model": _arg(h, "model", str), "version": _arg(h, "version", int),
+           "shard": _arg(h, "shard", int), "num_shards": _arg(h, "num_shards", int, 1),
+           "manifest": manifest, "state": _arg(h, "state", str, "publishing"),
+           "complete": _arg(h, "complete", bool, False),
+           "publisher": _arg(h, "publisher", bool, False),
+           "fetch_id": _arg(h, "fetch_id", str, None), "chunks": _ints(h, "chunks") or []}
+    if out["state"] not in _HOLDING_STATES:
+        raise BadRequestError(f"holding state must be one of {_HOLDING_STATES}, "
+                              f"got {out['state']!r}")
+    if out["version"] < 1:
+        raise BadRequestError(f"holding version must be >= 1, got {out['version']}")
+    bad = [c for c in out["chunks"] if not 0 <= c < manifest.num_chunks]
+    if bad:
+        raise BadRequestError(f"holding chunk indices out of range 0..{manifest.num_chunks - 1}:"
+                              f" {bad[:8]}")
+    return out
 
 
 def op_begin_publish(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:

@@ -89,6 +89,7 @@ class HubServer:
         self.num_requests = 0
         self.num_bad_frames = 0
         self._saved_generation = self.state.durable_generation
+        self._failed_generation = -1
         self._replies: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._parked: dict[tuple[str, int], _Parked] = {}
         self._seen_generation = -1
@@ -155,13 +156,23 @@ class HubServer:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                         except zmq.Again:
                             break
-                        self._handle(frames)
-                self.state.expire()
-                self._wake_parked()
-                self._persist()
+                        self._guarded(self._handle, frames)
+                self._guarded(self._tick)
         finally:
             sock.close(0)
             log.info("hub stopped url=%s", self.url)
+
+    def _tick(self) -> None:
+        self.state.expire()
+        self._wake_parked()
+        self._persist()
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run one step of the loop; a bug in it is logged, never ends the loop."""
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("hub loop step %s failed; serving on", fn.__name__)
 
     def _handle(self, frames: list[bytes]) -> None:
         self.num_requests += 1
@@ -213,7 +224,13 @@ class HubServer:
         self._finish(ident, key, self._reply_bytes(msg.req_id, result))
 
     def _finish(self, ident: bytes, key: tuple[str, int], data: bytes) -> None:
-        self._persist()
+        try:
+            self._persist()
+        except Exception as exc:  # answer anyway: the caller must not wait for nothing
+            log.exception("saving the hub state failed")
+            data = self._error_bytes(key[1], HubError(
+                f"internal hub error: could not save the hub state ({exc!r}); the operation "
+                "may have taken effect in memory only; check the hub's log and state dir"))
         self._replies[key] = data
         if len(self._replies) > REPLY_CACHE_SIZE:
             self._replies.popitem(last=False)
@@ -241,10 +258,22 @@ class HubServer:
                 self._finish(p.ident, key, self._reply_bytes(p.req_id, body))
 
     def _persist(self) -> None:
-        if self.state_dir is None or self.state.durable_generation == self._saved_generation:
+        """Save the durable state if it changed.
+
+        Raises:
+            Exception: whatever saving raised (once per state generation: the timer tick
+                does not retry a failed generation, the next change does).
+        """
+        generation = self.state.durable_generation
+        if self.state_dir is None or generation in (self._saved_generation,
+                                                    self._failed_generation):
             return
-        save_state(self.state_dir, self.state.durable())
-        self._saved_generation = self.state.durable_generation
+        try:
+            save_state(self.state_dir, self.state.durable())
+        except Exception:
+            self._failed_generation = generation
+            raise
+        self._saved_generation = generation
 
     # --------------------------------------------------------------- replies
     def _reply_bytes(self, req_id: int, body: dict[str, Any]) -> bytes:

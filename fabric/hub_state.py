@@ -718,14 +718,16 @@ class HubState:
         """
         self._worker(worker, session)
         restored, rejected = 0, []
-        for h in holdings:
-            model, number, shard = h["model"], int(h["version"]), int(h["shard"])
-            try:
-                self._restore_one(worker, h, model, number, shard)
-                restored += 1
-            except (ManifestMismatchError, InvalidStateError, ValueError) as exc:
-                rejected.append([model, number, shard, str(exc)])
-        self._settle()
+        try:
+            for h in holdings:
+                model, number, shard = h["model"], int(h["version"]), int(h["shard"])
+                try:
+                    self._restore_one(worker, h, model, number, shard)
+                    restored += 1
+                except (ManifestMismatchError, InvalidStateError, ValueError) as exc:
+                    rejected.append([model, number, shard, str(exc)])
+        finally:        # even a bug half-way leaves retention and retracts settled
+            self._settle()
         return {"restored": restored, "rejected": rejected}
 
     def _restore_one(self, worker: str, h: dict[str, Any], model: str, number: int,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import random
 import socket
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -16,7 +17,8 @@ import zmq
 from hub_helpers import small_manifest
 
 import fabric
-from fabric.errors import BadRequestError, ProtocolError
+from fabric import hub_server
+from fabric.errors import BadRequestError, HubError, ProtocolError
 from fabric.protocol import ERROR, PROTOCOL_VERSION, REQUEST, decode, encode
 from fabric.zmq_util import make_socket
 
@@ -117,3 +119,56 @@ def test_raw_tcp_garbage_does_not_stop_the_hub(hub) -> None:
             s.sendall(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 512))))
     with fabric.connect(hub.url, timeout=5) as client:
         assert client.call("ping", {}) == {"pong": True}
+
+
+def _holding(**fields) -> dict:
+    good = {"model": "m", "version": 1, "shard": 0, "num_shards": 1,
+            "manifest": small_manifest().to_wire(), "state": "committed", "complete": True,
+            "chunks": [], "fetch_id": None, "publisher": False}
+    return {**good, **fields}
+
+
+@pytest.mark.parametrize("bad", [
+    {"model": b"m"}, {"model": 5}, {"version": "1"}, {"version": 0}, {"shard": None},
+    {"num_shards": 2.0}, {"fetch_id": ["x"]}, {"chunks": [0, 99]}, {"chunks": ["0"]},
+    {"state": "retired"}, {"complete": "yes"}, {"publisher": 1}, {"manifest": None},
+])
+def test_malformed_restore_is_refused_before_any_change_and_hub_serves_on(
+        tmp_path: Path, bad: dict) -> None:
+    server = fabric.serve("tcp://127.0.0.1:0", state_dir=tmp_path)
+    try:
+        with fabric.connect(server.url, worker="evil", heartbeat=False, timeout=5) as c:
+            before = c.status()["models"]
+            holdings = [_holding(model="ok"), _holding(**bad)]
+            with pytest.raises(BadRequestError, match="holding|argument"):
+                c.call("restore", {"worker": "evil", "holdings": holdings})
+            assert c.status()["models"] == before          # the good holding did not land
+            v = c.begin_publish("policy", small_manifest())  # the hub (and its saves) go on
+            assert c.commit("policy", v) == "committed"
+            assert c.latest("policy") == v
+    finally:
+        server.stop()
+
+
+def test_failing_state_save_answers_an_error_and_the_hub_serves_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_save = hub_server.save_state
+    calls = []
+
+    def save_once_broken(*args) -> None:
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError("disk full")
+        real_save(*args)
+    monkeypatch.setattr(hub_server, "save_state", save_once_broken)
+    server = fabric.serve("tcp://127.0.0.1:0", state_dir=tmp_path)
+    try:
+        with fabric.connect(server.url, worker="w", heartbeat=False, timeout=5) as c:
+            with pytest.raises(HubError, match="could not save the hub state"):
+                c.begin_publish("policy", small_manifest())
+            v = c.begin_publish("policy", small_manifest())
+            assert c.commit("policy", v) == "committed"
+            assert c.call("ping", {}) == {"pong": True}
+        assert server._thread.is_alive()
+    finally:
+        server.stop()
