@@ -7,6 +7,7 @@ whenever the state changes and answers ``on_timeout()`` at the deadline.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,16 @@ def _manifest(args: dict[str, Any]) -> Manifest:
 
 
 def _wait(args: dict[str, Any]) -> float:
-    return min(max(float(_arg(args, "timeout", (int, float), 0.0)), 0.0), MAX_WAIT_S)
+    """A long poll's wait in seconds, clamped to 0..`MAX_WAIT_S`.
+
+    Raises:
+        BadRequestError: not a number, or NaN / infinite (it could never be answered).
+    """
+    timeout = float(_arg(args, "timeout", (int, float), 0.0))
+    if not math.isfinite(timeout):
+        raise BadRequestError(f"argument 'timeout' must be a finite number of seconds, got "
+                              f"{timeout}; pass at most {MAX_WAIT_S:g}")
+    return min(max(timeout, 0.0), MAX_WAIT_S)
 
 
 def _worker(args: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 
@@ -127,3 +128,14 @@ def test_kv_state_ttl_heap_drops_only_expired_versions_of_a_key() -> None:
     now[0] = 11
     s.expire()
     assert s.kv_get("k") is None and not s.kv
+
+
+@pytest.mark.parametrize("op,args", [("kv_get", {"key": "never"}),
+                                     ("wait_version", {"model": "m"})])
+@pytest.mark.parametrize("timeout", [math.nan, math.inf, -math.inf])
+def test_long_poll_with_non_finite_timeout_is_refused_not_parked_forever(
+        hub, clients, op, args, timeout) -> None:
+    c = clients()
+    with pytest.raises(BadRequestError, match="finite"):
+        c.call(op, {**args, "timeout": timeout})
+    assert not hub._parked
