@@ -384,14 +384,15 @@ class HubState:
         if rep is not None and (rep.complete or rep.status != LIVE):
             raise InvalidStateError(f"{worker!r} already holds {model!r} v{number} shard {shard}"
                                     + (" (retracting)" if rep.status != LIVE else ""))
+        have = _check_chunks(have or [], manifest.num_chunks)   # check before any change
+        if group is not None and group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
         if rep is None:
             rep = Replica(worker, shard, bytearray(manifest.num_chunks))
             self._index.add_replica(v, rep)
         if have:
-            rep.add_chunks(_check_chunks(have, manifest.num_chunks))
+            rep.add_chunks(have)
         if group is not None and g is None:
-            if group_size < 1:
-                raise ValueError("group_size must be >= 1")
             g = FetchGroup(group, model, number, group_size)
             self.groups[(model, group)] = g
             self._trim_groups()

@@ -185,6 +185,17 @@ def test_group_publish_commits_when_every_shard_commits(clients) -> None:
     assert b.commit("policy", vb) == "committed" and r.latest("policy") == va
 
 
+@pytest.mark.parametrize("bad", [{"have": [99]}, {"group": "g", "group_size": 0}])
+def test_refused_begin_fetch_leaves_no_partial_replica(hub, clients, bad) -> None:
+    t, r, r2 = clients("trainer"), clients("r"), clients("r2")
+    v = publish(t)
+    with pytest.raises(fabric.BadRequestError):
+        r.begin_fetch("policy", v, **bad)
+    assert ("r", 0) not in hub.state.models["policy"].versions[v].replicas
+    plan = r2.begin_fetch("policy", v)             # nobody is told to wait on "r"
+    assert set(plan.workers) == {"trainer"} and all(not rg.wait for rg in plan.ranges)
+
+
 def test_group_fetch_is_all_or_nothing(clients) -> None:
     t = clients("trainer")
     t.set_retention("policy", min_replicas=0)
