@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabric.errors import BadRequestError
-from fabric.hub_state import HubState
+from fabric.hub_state import HubState, check_manifest_size
 from fabric.locality import Location
 from fabric.manifest import Manifest
 
@@ -62,10 +62,21 @@ def _strs(args: dict[str, Any], key: str) -> list[str] | None:
 
 
 def _manifest(args: dict[str, Any]) -> Manifest:
+    return _parse_manifest(_arg(args, "manifest", dict), "bad manifest")
+
+
+def _parse_manifest(raw: Any, what: str) -> Manifest:
+    """A wire manifest, checked (fields and `MAX_CHUNKS`).
+
+    Raises:
+        BadRequestError: malformed, or too many chunks.
+    """
     try:
-        return Manifest.from_wire(_arg(args, "manifest", dict))
+        manifest = Manifest.from_wire(raw)
+        check_manifest_size(manifest)
     except ValueError as exc:
-        raise BadRequestError(f"bad manifest: {exc}") from exc
+        raise BadRequestError(f"{what}: {exc}") from exc
+    return manifest
 
 
 def _wait(args: dict[str, Any]) -> float:
@@ -124,10 +135,7 @@ def _holding(h: Any) -> dict[str, Any]:
     """
     if not isinstance(h, dict):
         raise BadRequestError("each holding must be a map")
-    try:
-        manifest = Manifest.from_wire(h.get("manifest"))
-    except ValueError as exc:
-        raise BadRequestError(f"bad manifest in holding: {exc}") from exc
+    manifest = _parse_manifest(h.get("manifest"), "bad manifest in holding")
     out = {"model": _arg(h, "model", str), "version": _arg(h, "version", int),
            "shard": _arg(h, "shard", int), "num_shards": _arg(h, "num_shards", int, 1),
            "manifest": manifest, "state": _arg(h, "state", str, "publishing"),

@@ -82,6 +82,7 @@ log = logging.getLogger("fabric.hub")
 
 DEFAULT_LEASE_S = 10.0
 MAX_FINISHED_GROUPS = 4096
+MAX_CHUNKS = 1 << 20    # per manifest: 4 TB in 4 MiB chunks; the hub keeps a byte per chunk
 
 
 class HubState:
@@ -243,6 +244,7 @@ class HubState:
         """
         self._worker(worker, session)
         _check_shard(shard, num_shards)
+        check_manifest_size(manifest)
         m = self.models.setdefault(model, ModelRecord(model))
         v = None
         if group is not None and group in m.publish_groups:
@@ -736,6 +738,7 @@ class HubState:
         num_shards = int(h.get("num_shards", 1))
         _check_shard(shard, num_shards)
         manifest: Manifest = h["manifest"]
+        check_manifest_size(manifest)
         m = self.models.setdefault(model, ModelRecord(model))
         if number >= self.next_versions.get(model, 1):
             self.next_versions[model] = number + 1
@@ -923,6 +926,20 @@ class HubState:
             del self.groups[k]
 
 
+def check_manifest_size(manifest: Manifest) -> None:
+    """Refuse a manifest of more than `MAX_CHUNKS` chunks (the hub's work per replica,
+    plan and progress report grows with the chunk count).
+
+    Raises:
+        ValueError: too many chunks; the message suggests a chunk size that fits.
+    """
+    if manifest.num_chunks > MAX_CHUNKS:
+        fits = 1 << max(0, -(-manifest.total_bytes // MAX_CHUNKS) - 1).bit_length()
+        raise ValueError(f"manifest has {manifest.num_chunks} chunks, over the hub's limit of "
+                         f"{MAX_CHUNKS} per manifest; publish with a larger chunk_size "
+                         f"(at least {fits} bytes for {manifest.total_bytes} bytes)")
+
+
 def _check_shard(shard: int, num_shards: int) -> None:
     if num_shards < 1 or not 0 <= shard < num_shards:
         raise ValueError(f"shard must be in 0..num_shards-1, got shard={shard} "
@@ -941,4 +958,4 @@ def _fmt_chunks(chunks: list[int]) -> str:
     return ", ".join(map(str, chunks[:16])) + (" ..." if len(chunks) > 16 else "")
 
 
-__all__ = ["DEFAULT_LEASE_S", "MAX_KV_KEY", "MAX_KV_KEYS", "MAX_KV_VALUE", "HubState"]
+__all__ = ["DEFAULT_LEASE_S", "MAX_CHUNKS", "MAX_KV_KEY", "MAX_KV_KEYS", "MAX_KV_VALUE", "HubState", "check_manifest_size"]

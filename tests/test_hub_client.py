@@ -21,6 +21,8 @@ from fabric.errors import (
     UnknownModelError,
     UnknownVersionError,
 )
+from fabric.hub_state import MAX_CHUNKS
+from fabric.manifest import Manifest, TensorSpec
 
 _names = itertools.count()
 
@@ -194,6 +196,19 @@ def test_refused_begin_fetch_leaves_no_partial_replica(hub, clients, bad) -> Non
     assert ("r", 0) not in hub.state.models["policy"].versions[v].replicas
     plan = r2.begin_fetch("policy", v)             # nobody is told to wait on "r"
     assert set(plan.workers) == {"trainer"} and all(not rg.wait for rg in plan.ranges)
+
+
+def test_manifest_over_the_chunk_limit_is_refused_naming_the_limit(clients) -> None:
+    n = MAX_CHUNKS + 1           # one byte per chunk: a tiny message, too many chunks
+    huge = Manifest((TensorSpec("w", (n,), "uint8", n, 0),), 1, (), n)
+    t = clients("trainer")
+    with pytest.raises(fabric.BadRequestError, match=f"limit of {MAX_CHUNKS}.*chunk_size"):
+        t.begin_publish("policy", huge)
+    holding = {"model": "policy", "version": 1, "shard": 0, "num_shards": 1,
+               "manifest": huge.to_wire(), "state": "committed", "complete": True}
+    with pytest.raises(fabric.BadRequestError, match=f"limit of {MAX_CHUNKS}"):
+        t.call("restore", {"worker": "trainer", "holdings": [holding]})
+    assert "policy" not in t.status()["models"]
 
 
 def test_group_fetch_is_all_or_nothing(clients) -> None:
