@@ -303,21 +303,26 @@ class HubState:
             rep = v.replicas.get(key)
             if rep is not None:
                 rep.fill()
-        if v.state == PUBLISHING and all(
-                any(done for (_, s), done in v.publishers.items() if s == shard)
-                for shard in range(v.num_shards)):
-            v.state = COMMITTED
-            self._index.unpublish(v)
-            for rep in v.replicas.values():
-                if v.publishers.get((rep.worker, rep.shard)):
-                    rep.complete = True
-                    v.reindex(rep)
-            self.models[model].publish_groups.pop(v.group or "", None)
-            self._index.dirty_models.add(model)
-            self.durable_generation += 1
-            log.info("committed model=%s version=%d worker=%s", model, version, worker)
+        self._commit_if_every_shard_committed(v, worker)
         self._settle()
         return {"state": v.state}
+
+    def _commit_if_every_shard_committed(self, v: VersionRecord, worker: str) -> None:
+        """A publishing version whose every shard has a committed publisher commits."""
+        if v.state != PUBLISHING or not all(
+                any(done for (_, s), done in v.publishers.items() if s == shard)
+                for shard in range(v.num_shards)):
+            return
+        v.state = COMMITTED
+        self._index.unpublish(v)
+        for rep in v.replicas.values():
+            if v.publishers.get((rep.worker, rep.shard)):
+                rep.complete = True
+                v.reindex(rep)
+        self.models[v.model].publish_groups.pop(v.group or "", None)
+        self._index.dirty_models.add(v.model)
+        self.durable_generation += 1
+        log.info("committed model=%s version=%d worker=%s", v.model, v.number, worker)
 
     # ------------------------------------------------------------------- fetch
     def begin_fetch(self, model: str, version: int | str, worker: str, *, session: str,
@@ -766,16 +771,20 @@ class HubState:
         self._index.dirty_models.add(model)
         self._set_manifest(v, shard, manifest)
         rep = Replica(worker, shard, bytearray(manifest.num_chunks))
+        committed_shard = bool(h.get("publisher") and h.get("complete"))
         if h.get("complete") and v.state == COMMITTED:
             rep.fill()
             rep.complete = True
+        elif committed_shard:       # this shard committed, the version waits for others
+            rep.fill()
         else:
             rep.add_chunks(_check_chunks(list(h.get("chunks", ())), manifest.num_chunks))
         self._index.add_replica(v, rep)
         if h.get("publisher") and v.state == PUBLISHING:
-            v.publishers[(worker, shard)] = False
+            v.publishers[(worker, shard)] = committed_shard
             self._index.add_publisher(worker, v)
             self._leases.claim(v)
+            self._commit_if_every_shard_committed(v, worker)
         fid = h.get("fetch_id")
         if fid and not rep.complete and v.state == COMMITTED and fid not in self.fetches:
             self._index.add_fetch(FetchRecord(fid, model, number, shard, worker))

@@ -130,3 +130,28 @@ def test_unregister_drops_replicas_and_publishes_now() -> None:
                 pass
     finally:
         hub.stop()
+
+
+@pytest.mark.parametrize("last_to_restore", ["p0", "p1"])
+def test_shard_commit_before_a_restart_still_counts(tmp_path: Path, last_to_restore: str
+                                                    ) -> None:
+    clock = OffsetClock()
+    url = f"memory://restart-shard-commit-{last_to_restore}"
+    hub = fabric.serve(url, state_dir=tmp_path, lease_s=LEASE, clock=clock)
+    try:
+        p0 = fabric.connect(url, worker="p0", heartbeat=False, timeout=5)
+        p1 = fabric.connect(url, worker="p1", heartbeat=False, timeout=5)
+        v = p0.begin_publish("policy", small_manifest(tag="s0"), shard=0, num_shards=2, group="g")
+        p1.begin_publish("policy", small_manifest(tag="s1"), shard=1, num_shards=2, group="g")
+        assert p0.commit("policy", v) == "publishing"          # waits for shard 1
+        hub.stop()
+        hub = fabric.serve(url, state_dir=tmp_path, lease_s=LEASE, clock=clock)
+        first, last = (p1, p0) if last_to_restore == "p0" else (p0, p1)
+        first.heartbeat()                                      # re-registers and restores
+        last.heartbeat()
+        assert p1.commit("policy", v) == "committed"
+        assert p0.latest("policy") == v
+        p0.close()
+        p1.close()
+    finally:
+        hub.stop()
