@@ -517,16 +517,25 @@ class HubState:
         f.done = True
         self._index.set_sources(f, set())
         if len(g.members) == g.size and all(g.members.values()):
-            g.state = GROUP_COMMITTED
-            for fid in list(g.members):
-                member = self._index.pop_fetch(fid)
-                mv = self._version(member.model, member.version)
-                mrep = mv.replicas[(member.worker, member.shard)]
-                mrep.complete = True
-                mv.reindex(mrep)
-            log.info("fetch group committed group=%s model=%s version=%d", g.key, g.model, g.version)
+            self._commit_group(g, v)
         self._settle()
         return {"complete": g.state == GROUP_COMMITTED, "group": g.state}
+
+    def _commit_group(self, g: FetchGroup, v: VersionRecord) -> None:
+        """Every member completed: their replicas become complete together, or, if one
+        no longer holds a live replica, the group aborts (all or none)."""
+        members = [self.fetches.get(fid) for fid in g.members]
+        reps = [None if f is None else v.replicas.get((f.worker, f.shard)) for f in members]
+        if any(r is None or r.status != LIVE for r in reps):
+            self._abort_group(g, "a member's replica was retracted or lost before the group "
+                                 "committed")
+            return
+        g.state = GROUP_COMMITTED
+        for f, rep in zip(members, reps, strict=True):
+            self._index.pop_fetch(f.fetch_id)
+            rep.complete = True
+            v.reindex(rep)
+        log.info("fetch group committed group=%s model=%s version=%d", g.key, g.model, g.version)
 
     def group_status(self, model: str, group: str) -> dict[str, Any]:
         """``{"state", "version", "size", "done", "reason"}`` of a fetch group."""
@@ -578,8 +587,8 @@ class HubState:
             self._touch()
             return {"state": "delayed"}
         for fid in list(self._index.own_fetches.get(worker, ())):
-            f = self.fetches[fid]
-            if f.model == model and f.version == version and not f.done:
+            f = self.fetches[fid]      # a done one is a group member waiting for the others
+            if f.model == model and f.version == version:
                 self._end_fetch(f, keep_replica=False, reason=f"{worker} retracted")
         for r in reps:
             r.retract_delayed = False

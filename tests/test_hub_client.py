@@ -18,6 +18,7 @@ from fabric.errors import (
     ManifestMismatchError,
     NoSourceError,
     RetentionError,
+    UnknownFetchError,
     UnknownModelError,
     UnknownVersionError,
 )
@@ -232,6 +233,25 @@ def test_group_fetch_is_all_or_nothing(clients) -> None:
     assert t.status()["models"]["policy"]["versions"][0]["full"] == 3
     with pytest.raises(GroupAbortedError):
         clients("a2").begin_fetch("policy", group="g3", group_size=2)
+
+
+def test_group_member_retracting_after_completing_aborts_the_group(hub, clients) -> None:
+    t = clients("trainer")
+    v = t.begin_publish("policy", small_manifest(tag="s0"), shard=0, num_shards=2, group="p")
+    t.begin_publish("policy", small_manifest(tag="s1"), shard=1, num_shards=2, group="p")
+    assert t.commit("policy", v) == "committed"
+    r0, r1 = clients("r0"), clients("r1")
+    f0 = r0.begin_fetch("policy", v, shard=0, group="g", group_size=2)
+    f1 = r1.begin_fetch("policy", v, shard=1, group="g", group_size=2)
+    assert r0.complete_fetch(f0.fetch_id)["group"] == "open"
+    assert r0.retract("policy", v, wait=1) == "done"         # gives up before the others
+    g = r1.group_status("policy", "g")
+    assert g["state"] == "aborted" and "retracted" in g["reason"]
+    with pytest.raises(UnknownFetchError):
+        r1.complete_fetch(f1.fetch_id)
+    assert t.status()["models"]["policy"]["versions"][0]["full"] == 2   # the publisher's
+    again = r1.begin_fetch("policy", v, shard=1)                # r1 may start over alone
+    assert r1.complete_fetch(again.fetch_id)["complete"]
 
 
 def test_expired_worker_leaves_plans_and_readers_learn(hub, clock, clients) -> None:
