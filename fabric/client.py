@@ -458,6 +458,27 @@ class HubClient:
             self._forget(model, version)
         return state
 
+    def drop(self, model: str) -> list[int]:
+        """Let go of everything this worker holds of ``model`` (its memory is going away):
+        the hub drops its replicas and fetches of that model at once, as if the worker
+        were lost (no retention check), and this client forgets them, so no heartbeat or
+        restore after a hub restart registers them again.
+
+        Returns:
+            The versions whose replica the hub dropped.
+
+        Raises:
+            HubError: the hub refused or did not answer (the local holdings are
+                forgotten anyway).
+        """
+        with self._lock:          # first: a restore during the call must not bring them back
+            for key in [k for k in self._holdings if k[0] == model]:
+                h = self._holdings.pop(key)
+                if h.fetch_id is not None:
+                    self.lost.pop(h.fetch_id, None)
+            self.retired = {(m, n) for m, n in self.retired if m != model}
+        return list(self.call("drop", self._w(model=model))["dropped"])
+
     def _forget(self, model: str, version: int) -> None:
         with self._lock:
             for key in [k for k in self._holdings if k[0] == model and k[1] == version]:

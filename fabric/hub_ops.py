@@ -118,6 +118,10 @@ def op_unregister(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any
     return s.unregister(_worker(a), session=session)
 
 
+def op_drop(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+    return s.drop(_arg(a, "model", str), _worker(a), session=session)
+
+
 def op_restore(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
     holdings = [_holding(h) for h in _arg(a, "holdings", list)]
     return s.restore(_worker(a), session=session, holdings=holdings)

@@ -207,6 +207,25 @@ class HubState:
         self._settle()
         return {}
 
+    def drop(self, model: str, worker: str, *, session: str) -> dict[str, Any]:
+        """The worker lets go of everything it holds of ``model`` (its memory is going
+        away): its replicas and fetches of that model go at once, as if it were lost
+        (fetch groups abort, readers learn it, versions it was publishing retire);
+        retention is not consulted.
+
+        Returns:
+            ``{"dropped": [version...]}``: the versions whose replica was dropped.
+
+        Raises:
+            UnknownWorkerError: not registered, or the lease already expired.
+            DuplicateWorkerError: the worker id belongs to another client.
+        """
+        self._worker(worker, session)
+        log.info("worker dropped model=%s worker=%s", model, worker)
+        dropped = self._drop_holdings(worker, f"dropped {model!r}", model)
+        self._settle()
+        return {"dropped": dropped}
+
     def expire(self) -> list[str]:
         """Drop every worker whose lease ended (and rendezvous keys whose ttl ran out);
         returns the dropped workers' ids."""
@@ -914,19 +933,34 @@ class HubState:
         log.log(level, "worker dropped worker=%s why=%s", worker, why)
         self.workers.pop(worker, None)
         self._leases.drop(worker)
+        self._drop_holdings(worker, why)
+
+    def _drop_holdings(self, worker: str, why: str, model: str | None = None) -> list[int]:
+        """The worker lost its replicas and fetches (of ``model``, or all): its fetches
+        end (their groups abort), readers of it learn it, the versions it was publishing
+        retire. Retention is not consulted. Returns the versions whose replica went."""
+        def mine(name: str) -> bool:
+            return model is None or name == model
         for fid in list(self._index.own_fetches.get(worker, ())):
             f = self.fetches.get(fid)
-            if f is not None:
+            if f is not None and mine(f.model):
                 self._end_fetch(f, keep_replica=False, reason=f"{worker}: {why}")
         for fid in list(self._index.reading.get(worker, ())):
             f = self.fetches[fid]
-            self._index.set_sources(f, f.sources - {worker})
-            f.lost.add(worker)
-        for model, number, shard in list(self._index.held.get(worker, ())):
-            self._index.remove_replica(self.models[model].versions[number], (worker, shard))
-        for model, number in list(self._index.publishing.get(worker, ())):
-            self._retire(self.models[model].versions[number], f"publisher {worker} lost ({why})")
+            if mine(f.model):
+                self._index.set_sources(f, f.sources - {worker})
+                f.lost.add(worker)
+        dropped = set()
+        for name, number, shard in list(self._index.held.get(worker, ())):
+            if mine(name):
+                self._index.remove_replica(self.models[name].versions[number], (worker, shard))
+                dropped.add(number)
+        for name, number in list(self._index.publishing.get(worker, ())):
+            if mine(name):
+                self._retire(self.models[name].versions[number],
+                             f"publisher {worker} lost ({why})")
         self._touch()
+        return sorted(dropped)
 
     def _settle(self) -> None:
         """Apply retention and finish what retracts may (`fabric.hub_retention.settle`)."""

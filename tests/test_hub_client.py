@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from hub_helpers import OffsetClock, small_manifest
+from hub_helpers import FakeClock, OffsetClock, small_manifest
 
 import fabric
 from fabric.errors import (
@@ -294,3 +294,44 @@ def test_call_to_stopped_hub_times_out(clock) -> None:
         assert time.monotonic() - t0 < 3
     finally:
         client.close()
+
+
+def test_drop_lets_go_of_one_model_at_once_ignoring_retention() -> None:
+    hub = fabric.HubState(clock=FakeClock(), lease_s=10.0)
+    for w in ("w", "x", "r"):
+        hub.register(w, session=w)
+    v1 = hub.begin_publish("m", "w", small_manifest(), session="w")["version"]
+    hub.commit("m", v1, "w", session="w")             # only replica of the latest: retained
+    v2 = hub.begin_publish("m", "w", small_manifest(), session="w")["version"]  # publishing
+    v3 = hub.begin_publish("m", "x", small_manifest(), session="x")["version"]
+    hub.commit("m", v3, "x", session="x")
+    hub.begin_fetch("m", v3, "w", session="w", fetch_id="fw")      # w's fetch in flight
+    hub.begin_fetch("m", v1, "r", session="r", fetch_id="fr")      # r reads from w
+    keep = hub.begin_publish("other", "w", small_manifest(), session="w")["version"]
+    hub.commit("other", keep, "w", session="w")
+    assert hub.drop("m", "w", session="w") == {"dropped": [v1, v2, v3]}
+    hub._check_indexes()
+    versions = hub.models["m"].versions
+    assert not any(w == "w" for v in versions.values() for w, _ in v.replicas)
+    assert "fw" not in hub.fetches and v2 not in versions      # retired, nobody holds it
+    assert hub.heartbeat("r", session="r")["lost"] == {"fr": ["w"]}
+    assert hub.latest("m") == v3 and hub.latest("other") == keep
+
+
+def test_dropped_model_is_not_restored_after_a_hub_restart(clock) -> None:
+    url = f"memory://drop-{next(_names)}"
+    hub = fabric.serve(url, lease_s=10.0, clock=clock)
+    try:
+        with fabric.connect(url, worker="w", heartbeat=False, timeout=5) as w, \
+                fabric.connect(url, timeout=5) as obs:
+            vp, vc = publish(w, "policy"), publish(w, "critic")
+            assert w.drop("policy") == [vp]
+            assert obs.latest("policy") is None and obs.latest("critic") == vc
+            assert w.drop("policy") == []
+            hub.stop()
+            hub = fabric.serve(url, lease_s=10.0, clock=clock)
+            w.heartbeat()                       # new epoch: re-registers what it holds
+            assert obs.latest("critic") == vc
+            assert "policy" not in obs.status()["models"]
+    finally:
+        hub.stop()
