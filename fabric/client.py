@@ -103,12 +103,13 @@ class _Holding:
     publisher: bool = False
     fetch_id: str | None = None
     chunks: set[int] = field(default_factory=set)
+    group: str | None = None      # fetch group: the hub does not resume it after a restart
 
     def to_wire(self) -> dict[str, Any]:
         return {"model": self.model, "version": self.version, "shard": self.shard,
                 "num_shards": self.num_shards, "manifest": self.manifest.to_wire(),
                 "state": self.state, "complete": self.complete, "publisher": self.publisher,
-                "fetch_id": self.fetch_id, "chunks": sorted(self.chunks)}
+                "fetch_id": self.fetch_id, "chunks": sorted(self.chunks), "group": self.group}
 
 
 class HubClient:
@@ -370,7 +371,7 @@ class HubClient:
         with self._lock:
             self._holdings[(model, plan.version, shard)] = _Holding(
                 model, plan.version, shard, plan.num_shards, plan.manifest, "committed",
-                fetch_id=fetch_id, chunks=set(have or ()))
+                fetch_id=fetch_id, chunks=set(have or ()), group=group)
         return plan
 
     def locate(self, model: str, version: int | str = "latest") -> dict[str, Any]:

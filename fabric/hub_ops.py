@@ -145,7 +145,8 @@ def _holding(h: Any) -> dict[str, Any]:
            "manifest": manifest, "state": _arg(h, "state", str, "publishing"),
            "complete": _arg(h, "complete", bool, False),
            "publisher": _arg(h, "publisher", bool, False),
-           "fetch_id": _arg(h, "fetch_id", str, None), "chunks": _ints(h, "chunks") or []}
+           "fetch_id": _arg(h, "fetch_id", str, None), "chunks": _ints(h, "chunks") or [],
+           "group": _arg(h, "group", str, None)}
     if out["state"] not in _HOLDING_STATES:
         raise BadRequestError(f"holding state must be one of {_HOLDING_STATES}, "
                               f"got {out['state']!r}")

@@ -747,7 +747,9 @@ class HubState:
         Args:
             holdings: dicts with ``model, version, shard, num_shards, manifest (Manifest),
                 state ("publishing" | "committed"), complete (bool), chunks (list),
-                fetch_id (str | None), publisher (bool)``.
+                fetch_id (str | None), publisher (bool), group (str | None: the fetch
+                group; such a holding, not complete, is rejected: groups do not survive a
+                restart)``.
 
         Returns:
             ``{"restored": int, "rejected": [[model, version, shard, why]]}``.
@@ -772,6 +774,9 @@ class HubState:
         _check_shard(shard, num_shards)
         manifest: Manifest = h["manifest"]
         check_manifest_size(manifest)
+        if h.get("group") is not None and not h.get("complete"):
+            raise InvalidStateError(f"it was fetched in fetch group {h['group']!r}, and fetch "
+                                    "groups do not survive a hub restart; begin a new group")
         m = self.models.setdefault(model, ModelRecord(model))
         if number >= self.next_versions.get(model, 1):
             self.next_versions[model] = number + 1

@@ -9,7 +9,7 @@ import pytest
 from hub_helpers import OffsetClock, small_manifest
 
 import fabric
-from fabric.errors import GroupAbortedError
+from fabric.errors import GroupAbortedError, UnknownFetchError
 from fabric.hub_persist import STATE_FILE
 
 LEASE = 10.0
@@ -153,5 +153,36 @@ def test_shard_commit_before_a_restart_still_counts(tmp_path: Path, last_to_rest
         assert p0.latest("policy") == v
         p0.close()
         p1.close()
+    finally:
+        hub.stop()
+
+
+def test_fetch_group_is_not_resumed_after_a_restart(tmp_path: Path) -> None:
+    clock = OffsetClock()
+    url = "memory://restart-fetch-group"
+    hub = fabric.serve(url, state_dir=tmp_path, lease_s=LEASE, clock=clock)
+    try:
+        p = fabric.connect(url, worker="pub", heartbeat=False, timeout=5)
+        r0 = fabric.connect(url, worker="r0", heartbeat=False, timeout=5)
+        r1 = fabric.connect(url, worker="r1", heartbeat=False, timeout=5)
+        v = p.begin_publish("policy", small_manifest(tag="a"), shard=0, num_shards=2, group="p")
+        p.begin_publish("policy", small_manifest(tag="b"), shard=1, num_shards=2, group="p")
+        assert p.commit("policy", v) == "committed"
+        f0 = r0.begin_fetch("policy", v, shard=0, group="g", group_size=2)
+        r1.begin_fetch("policy", v, shard=1, group="g", group_size=2)
+        hub.stop()
+        hub = fabric.serve(url, state_dir=tmp_path, lease_s=LEASE, clock=clock)
+        p.heartbeat()
+        r1.heartbeat()
+        with pytest.raises(UnknownFetchError):      # re-registers, restores, retries once
+            r0.complete_fetch(f0.fetch_id)          # its group's fetch was not resumed
+        full = {x["version"]: x["full"] for x in p.status()["models"]["policy"]["versions"]}
+        assert full[v] == 2                         # only the publisher's two shards
+        n0 = r0.begin_fetch("policy", v, shard=0, group="g2", group_size=2)
+        n1 = r1.begin_fetch("policy", v, shard=1, group="g2", group_size=2)
+        assert r0.complete_fetch(n0.fetch_id)["group"] == "open"
+        assert r1.complete_fetch(n1.fetch_id)["group"] == "committed"
+        for c in (p, r0, r1):
+            c.close()
     finally:
         hub.stop()
