@@ -46,7 +46,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -113,10 +113,16 @@ class FetchFuture:
         Raises:
             FetchError, HubError, ManifestMismatchError: the fetch failed; the store
                 still serves the previous version.
+            FabricError: the store was closed (before the fetch started, or since).
+            TimeoutError: `timeout` passed before the fetch ended.
         """
-        buffer, stats = self._inner.result(timeout)
-        if not self._switched and buffer is not None:
-            self._store._activate(buffer)
+        try:
+            buffer, stats = self._inner.result(timeout)
+        except CancelledError:
+            raise FabricError(f"model {self._store.model!r}: the store is closed; it was "
+                              "closed before this fetch started (open another store)") from None
+        if not self._switched:
+            self._store._switch_to(buffer, stats.version)
             self._switched = True
         return stats
 
@@ -305,9 +311,15 @@ class ModelStore:
                     options: FetchOptions | None = None,
                     on_chunk: Callable[[int, int], None] | None = None) -> FetchFuture:
         """Start `fetch` in the background; the store keeps its current version until
-        the returned future's `result` is called."""
-        inner = self._fetcher.submit(self._fetch, version, verify, options or FetchOptions(),
-                                     on_chunk)
+        the returned future's `result` is called.
+
+        Raises:
+            FabricError: the store is closed (the fetch's own errors come from `result`).
+        """
+        with self._lock:
+            self._check_open()
+            inner = self._fetcher.submit(self._fetch, version, verify,
+                                         options or FetchOptions(), on_chunk)
         return FetchFuture(self, inner)
 
     def _fetch(self, version: int | str, verify: bool | None, options: FetchOptions,
@@ -432,10 +444,13 @@ class ModelStore:
     def close(self) -> None:
         """Stop serving every version of this model and free the buffers (stopping
         any background populate first). Symmetric buffers are freed collectively:
-        every PE closes its stores in the same order."""
+        every PE closes its stores in the same order. A fetch already running finishes
+        first; queued ones are cancelled, and their futures' `result` (like that of any
+        fetch not switched to yet) raises `FabricError`."""
+        with self._lock:
+            self._closed = True  # under the lock: no fetch_async submits after this
         self._fetcher.shutdown(wait=True, cancel_futures=True)
         with self._lock:
-            self._closed = True
             for buffer in self._buffers:
                 if buffer.exposed:
                     self.worker.server.retract(buffer.exposed, timeout=5.0)
@@ -445,11 +460,21 @@ class ModelStore:
 
     # --- buffers -----------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        """Raises:
+            FabricError: the store is closed."""
+        if self._closed:
+            raise FabricError(f"model {self.model!r}: the store is closed; open another "
+                              "with worker.model(...)")
+
     def _new_buffer(self) -> _Buffer:
         """A new buffer; in host memory it populates itself in the background (writers:
-        `_ready`, and a fetch's ``before_write``)."""
-        if self._closed:
-            raise FabricError(f"model {self.model!r}: the store is closed")
+        `_ready`, and a fetch's ``before_write``).
+
+        Raises:
+            FabricError: the store is closed, or it is a symmetric one (no new buffers).
+        """
+        self._check_open()
         if self.nvshmem is not None:
             raise self._no_symmetric_buffer()
         assert self.layout is not None
@@ -583,6 +608,20 @@ class ModelStore:
             return False
         buffer.exposed = None
         return True
+
+    def _switch_to(self, buffer: _Buffer | None, version: int | None) -> None:
+        """Make `buffer`, which a fetch filled with `version`, the active one (None:
+        the version was active already).
+
+        Raises:
+            FabricError: the store is closed (the buffer was freed with it).
+        """
+        with self._lock:
+            if self._closed:
+                raise FabricError(f"model {self.model!r}: the store is closed, and v{version} "
+                                  "was freed with it; open another store and fetch again")
+            if buffer is not None:
+                self._activate(buffer)
 
     def _activate(self, buffer: _Buffer) -> None:
         with self._lock:

@@ -167,6 +167,24 @@ def test_misuse_is_refused_with_a_reason(hub):
         store.attach([1, 2])
 
 
+def test_a_closed_store_refuses_fetches_and_switches_to_nothing(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    v1 = trainer.model("m", chunk_size=CHUNK).publish(net(seed=1))
+    store = rollout.model("m", chunk_size=CHUNK)
+    store.attach(net(seed=2))
+    done = store.fetch_async(v1)
+    queued = store.fetch_async(v1)  # behind `done` on the store's one fetch thread
+    store.close()  # lets `done` finish, cancels `queued` if it had not started
+    for future in (done, queued):
+        with pytest.raises(FabricError, match="the store is closed"):
+            future.result(timeout=30)
+    assert store._active is None and store.version is None
+    with pytest.raises(FabricError, match="the store is closed"):
+        store.fetch(v1)
+    with pytest.raises(FabricError, match="the store is closed"):
+        store.fetch_async(v1)
+
+
 def test_devices_are_checked_before_any_memory_is_taken(hub):
     worker = hub("w")
     with pytest.raises(ValueError, match="cpu or cuda, not meta"):
