@@ -92,11 +92,20 @@ class _Buffer:
     region: Region | DeviceRegion | SymmetricBuffer
     version: int | None = None
     exposed: str | None = None  # name on the read server while peers may read it
+    pending: bool = False
+    """Filled by a fetch whose `FetchFuture.result` has not switched to it yet:
+    reserved, not reused or released, until then or until a newer version is active."""
 
 
 class FetchFuture:
     """A fetch running in the background. `result` switches the store to the new
-    version (in the caller's thread, at a moment the caller chose)."""
+    version (in the caller's thread, at a moment the caller chose).
+
+    Once the bytes are in, the buffer holding them is reserved for this future: later
+    fetches do not reuse it and `release` refuses it, until `result` switches to it or
+    a newer version becomes active (a superseded future then no longer pins memory,
+    and its `result` raises `FabricError` instead of switching back).
+    """
 
     def __init__(self, store: ModelStore, inner: Future) -> None:
         self._store = store
@@ -113,7 +122,9 @@ class FetchFuture:
         Raises:
             FetchError, HubError, ManifestMismatchError: the fetch failed; the store
                 still serves the previous version.
-            FabricError: the store was closed (before the fetch started, or since).
+            FabricError: the store was closed (before the fetch started, or since), or
+                a newer version became active first, so this one's buffer is no longer
+                reserved (fetch it again).
             TimeoutError: `timeout` passed before the fetch ended.
         """
         try:
@@ -267,7 +278,7 @@ class ModelStore:
             buffer.version, buffer.exposed = version, name
             hub.commit(self.model, version)
             if snapshot and self._attached is None:
-                self._active = buffer
+                self._set_active(buffer)
             if snapshot:
                 self._prepare_spare()
             log.info("published %s v%d (%d bytes, %d chunks)", self.model, version,
@@ -311,7 +322,9 @@ class ModelStore:
                     options: FetchOptions | None = None,
                     on_chunk: Callable[[int, int], None] | None = None) -> FetchFuture:
         """Start `fetch` in the background; the store keeps its current version until
-        the returned future's `result` is called.
+        the returned future's `result` is called. The buffer the fetch fills stays
+        reserved for the future until then, or until a newer version is active (see
+        `FetchFuture`).
 
         Raises:
             FabricError: the store is closed (the fetch's own errors come from `result`).
@@ -376,6 +389,8 @@ class ModelStore:
                     piece, manifest.chunk_size, first_chunk=c)[0]),
                 verify=verify_rule(verify), options=options, on_chunk=on_chunk,
                 before_write=populate)
+            with self._lock:
+                buffer.pending = True  # before the hub lists it complete: reserved from now
             hub.complete_fetch(plan.fetch_id)
         except BaseException:
             _quietly(hub.release, plan.fetch_id)
@@ -421,8 +436,8 @@ class ModelStore:
         """Retract `version` and free its memory.
 
         Raises:
-            FabricError: it is the version the store's tensors use now, or reads are
-                still in flight after `wait`.
+            FabricError: it is the version the store's tensors use now, or one fetched
+                for a future not switched to yet, or reads are still in flight after `wait`.
             RetentionError: the hub still needs this replica.
         """
         with self._lock:
@@ -432,6 +447,10 @@ class ModelStore:
             if buffer is self._active:
                 raise FabricError(f"{self.model!r} v{version} is the active version; fetch or "
                                   "publish another before releasing it")
+            if buffer.pending:
+                raise FabricError(f"{self.model!r} v{version} was fetched for a FetchFuture whose "
+                                  "result() was not called yet; call it, or make a newer "
+                                  "version active, before releasing it")
         if buffer.exposed and self.retract(version, wait=wait) != "done":
             raise FabricError(f"{self.model!r} v{version}: reads still in flight after {wait:g} s")
         with self._lock:
@@ -554,7 +573,7 @@ class ModelStore:
     def _spare_buffer(self) -> _Buffer:
         """A buffer that is neither active nor needed by readers, reclaiming the oldest
         versions whose retract the hub allows, or allocating a new one."""
-        for buffer in sorted((b for b in self._buffers if b is not self._active),
+        for buffer in sorted((b for b in self._buffers if b is not self._active and not b.pending),
                              key=lambda b: b.version or -1):
             if buffer.version is None and getattr(buffer.region, "populate_error", None):
                 self._drop(buffer)  # /dev/shm had no room for it; try afresh below
@@ -571,7 +590,8 @@ class ModelStore:
                 continue  # another reader may still need it; try the next one
         if len(self._buffers) >= MAX_BUFFERS:
             raise FabricError(f"model {self.model!r}: all {MAX_BUFFERS} buffers hold versions "
-                              "readers still need; retract or release one first")
+                              "readers still need or fetches whose result() was not called "
+                              "yet; retract or release one, or call result(), first")
         return self._new_buffer()
 
     def _expose_spare(self, version: int, chunk_size: int) -> tuple[_Buffer, ChunkProgress]:
@@ -598,7 +618,7 @@ class ModelStore:
         """Forget the buffer's version; it stays `exposed` (not reused, see
         `_spare_buffer`) while a read of it is still in flight after `timeout`."""
         self._drained(buffer, timeout)
-        buffer.version = None
+        buffer.version, buffer.pending = None, False
 
     def _drained(self, buffer: _Buffer, timeout: float) -> bool:
         """Retract the buffer's exposure on the read server; True (and no longer
@@ -620,16 +640,32 @@ class ModelStore:
             if self._closed:
                 raise FabricError(f"model {self.model!r}: the store is closed, and v{version} "
                                   "was freed with it; open another store and fetch again")
-            if buffer is not None:
-                self._activate(buffer)
+            if buffer is None:
+                return
+            if buffer not in self._buffers or buffer.version != version or not buffer.pending:
+                raise FabricError(f"model {self.model!r} v{version}: a newer version "
+                                  f"(v{self.version}) became active before result() was called, "
+                                  "so its buffer is no longer reserved (it may hold another "
+                                  "version now); fetch it again")
+            self._activate(buffer)
 
     def _activate(self, buffer: _Buffer) -> None:
         with self._lock:
-            self._active = buffer
+            self._set_active(buffer)
             if self._attached is not None and self.layout is not None:
                 for name, view in views(self.layout, buffer.region.tensor).items():
                     self._attached[name].data = view
             self._prepare_spare()
+
+    def _set_active(self, buffer: _Buffer) -> None:
+        """Make `buffer` active; fetched buffers of older versions no future switched
+        to lose their reservation (a superseded future must not pin memory)."""
+        self._active = buffer
+        buffer.pending = False
+        for other in self._buffers:
+            if (other.pending and other.version is not None and buffer.version is not None
+                    and other.version < buffer.version):
+                other.pending = False
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for name, t in tensors.items():

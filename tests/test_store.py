@@ -77,6 +77,38 @@ def test_fetch_async_keeps_the_old_version_until_result(hub):
     assert r_store.fetch("latest").bytes == 0  # already there: nothing moves
 
 
+def wait_done(future, timeout: float = 30.0) -> None:
+    """Until the background fetch has its bytes in (without switching to them)."""
+    end = time.monotonic() + timeout
+    while not future.done():
+        assert time.monotonic() < end, f"fetch not done after {timeout:g} s"
+        time.sleep(0.01)
+
+
+def test_a_fetched_buffer_stays_reserved_until_result_or_a_newer_version(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    sources = {k: net(seed=k) for k in (1, 2, 3, 4)}
+    r_store = rollout.model("m", chunk_size=CHUNK)
+    model = net(seed=9)
+    r_store.attach(model)
+    r_store.fetch(t_store.publish(sources[1]))
+    v2 = t_store.publish(sources[2])
+    f2 = r_store.fetch_async(v2)
+    wait_done(f2)
+    v3 = t_store.publish(sources[3])
+    f3 = r_store.fetch_async(v3)  # must not reuse v2's buffer, which f2 has not switched to
+    wait_done(f3)
+    with pytest.raises(FabricError, match="result\\(\\) was not called"):
+        r_store.release(v2)
+    assert f2.result().version == v2 and r_store.version == v2 and same(model, sources[2])
+    v4 = t_store.publish(sources[4])
+    assert r_store.fetch(v4).version == v4 and same(model, sources[4])
+    with pytest.raises(FabricError, match="no longer reserved"):  # superseded: no switch back to v3
+        f3.result()
+    assert r_store.version == v4 and same(model, sources[4])
+
+
 def publish_in_place(worker) -> tuple[nn.Module, fabric.ModelStore, int]:
     """A model attached to `worker`'s store of "m" and published in place."""
     model = net(seed=3)
