@@ -95,6 +95,7 @@ class _Buffer:
     pending: bool = False
     """Filled by a fetch whose `FetchFuture.result` has not switched to it yet:
     reserved, not reused or released, until then or until a newer version is active."""
+    releasing: bool = False  # `release` is retracting it: not reused meanwhile
 
 
 class FetchFuture:
@@ -451,14 +452,21 @@ class ModelStore:
                 raise FabricError(f"{self.model!r} v{version} was fetched for a FetchFuture whose "
                                   "result() was not called yet; call it, or make a newer "
                                   "version active, before releasing it")
-        if buffer.exposed and self.retract(version, wait=wait) != "done":
-            raise FabricError(f"{self.model!r} v{version}: reads still in flight after {wait:g} s")
-        with self._lock:
-            if self.nvshmem is not None:  # symmetric buffers are freed together, in close
-                buffer.version = None
-                return
-            self._buffers.remove(buffer)
-            buffer.region.close()
+            buffer.releasing = True  # the lock is dropped for the retract: no fetch takes it
+        try:
+            if buffer.exposed and self.retract(version, wait=wait) != "done":
+                raise FabricError(f"{self.model!r} v{version}: reads still in flight after "
+                                  f"{wait:g} s; release it again later")
+            with self._lock:
+                if buffer.version != version or buffer not in self._buffers:
+                    return  # freed meanwhile (close, or another release)
+                if self.nvshmem is not None:  # symmetric buffers are freed together, in close
+                    buffer.version = None
+                    return
+                self._buffers.remove(buffer)
+                buffer.region.close()
+        finally:
+            buffer.releasing = False
 
     def close(self) -> None:
         """Stop serving every version of this model and free the buffers (stopping
@@ -573,7 +581,8 @@ class ModelStore:
     def _spare_buffer(self) -> _Buffer:
         """A buffer that is neither active nor needed by readers, reclaiming the oldest
         versions whose retract the hub allows, or allocating a new one."""
-        for buffer in sorted((b for b in self._buffers if b is not self._active and not b.pending),
+        for buffer in sorted((b for b in self._buffers
+                              if b is not self._active and not b.pending and not b.releasing),
                              key=lambda b: b.version or -1):
             if buffer.version is None and getattr(buffer.region, "populate_error", None):
                 self._drop(buffer)  # /dev/shm had no room for it; try afresh below
@@ -642,11 +651,13 @@ class ModelStore:
                                   "was freed with it; open another store and fetch again")
             if buffer is None:
                 return
-            if buffer not in self._buffers or buffer.version != version or not buffer.pending:
+            if buffer not in self._buffers or buffer.version != version:
+                raise FabricError(f"model {self.model!r} v{version}: its buffer was released or "
+                                  "reused before result() was called; fetch it again")
+            if not buffer.pending:
                 raise FabricError(f"model {self.model!r} v{version}: a newer version "
                                   f"(v{self.version}) became active before result() was called, "
-                                  "so its buffer is no longer reserved (it may hold another "
-                                  "version now); fetch it again")
+                                  "so its buffer is no longer reserved; fetch it again")
             self._activate(buffer)
 
     def _activate(self, buffer: _Buffer) -> None:

@@ -109,6 +109,37 @@ def test_a_fetched_buffer_stays_reserved_until_result_or_a_newer_version(hub):
     assert r_store.version == v4 and same(model, sources[4])
 
 
+def test_a_fetch_during_release_does_not_take_the_buffer_being_freed(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    r_store = rollout.model("m", chunk_size=CHUNK)
+    model = net(seed=9)
+    r_store.attach(model)
+    v1 = t_store.publish(net(seed=1))
+    r_store.fetch(v1)
+    r_store.fetch(t_store.publish(net(seed=2)))
+    source = net(seed=3)
+    v3 = t_store.publish(source)
+    released = next(b for b in r_store._buffers if b.version == v1)
+    hub_retract, during = rollout.hub.retract, []
+
+    def retract(model_name, version, **kw):  # release has dropped the lock for this call
+        state = hub_retract(model_name, version, **kw)
+        if version == v1 and not during:
+            during.append(r_store.fetch_async(v3))
+            wait_done(during[0])
+        return state
+
+    rollout.hub.retract = retract
+    try:
+        r_store.release(v1)
+    finally:
+        rollout.hub.retract = hub_retract
+    assert during[0].result().version == v3 and same(model, source)
+    assert r_store._active is not released and not r_store._active.region.closed
+    assert released not in r_store._buffers and released.region.closed
+
+
 def publish_in_place(worker) -> tuple[nn.Module, fabric.ModelStore, int]:
     """A model attached to `worker`'s store of "m" and published in place."""
     model = net(seed=3)
