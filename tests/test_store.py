@@ -23,6 +23,7 @@ from fabric.errors import (
     UnknownModelError,
     UnknownVersionError,
 )
+from fabric.fetch import FetchError, FetchOptions
 from fabric.hub_planner import region_name
 from fabric.transports import client
 from fabric.transports.wire import Op
@@ -246,6 +247,15 @@ def test_a_closed_store_refuses_fetches_and_switches_to_nothing(hub):
         store.fetch(v1)
     with pytest.raises(FabricError, match="the store is closed"):
         store.fetch_async(v1)
+
+
+def test_a_fetch_whose_only_holder_is_unreachable_fails_with_fetch_error(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    v1 = trainer.model("m", chunk_size=CHUNK).publish(net(seed=1))
+    trainer.server.close()  # its data plane is down; its hub lease lives on
+    store = rollout.model("m", chunk_size=CHUNK)
+    with pytest.raises(FetchError, match=r"no source left .*trainer: SourceLostError"):
+        store.fetch(v1, options=FetchOptions(deadline=20, read_timeout=2))
 
 
 def test_devices_are_checked_before_any_memory_is_taken(hub):
