@@ -296,7 +296,8 @@ class ModelStore:
     def fetch(self, version: int | str = "latest", *, verify: bool | None = None,
               options: FetchOptions | None = None,
               on_chunk: Callable[[int, int], None] | None = None) -> FetchStats:
-        """Fetch a version and switch the store's tensors to it.
+        """Fetch a version and switch the store's tensors to it (a version the store
+        still holds in another buffer, e.g. pinned, is switched to without a read).
 
         Args:
             version: a number or ``"latest"``.
@@ -345,6 +346,9 @@ class ModelStore:
             version = hub.latest(self.model) or "latest"
         if version == self.version:
             return None, FetchStats(version=self.version)
+        held = self._held(version)
+        if held is not None:  # still here (e.g. pinned): switch back to it, nothing moves
+            return held, FetchStats(version=version)
         # Expose the buffer before the hub lists this worker as a partial replica, so
         # peers told to wait on it find the region at once.
         early = (self._expose_spare(version, self.chunk_size)
@@ -486,6 +490,17 @@ class ModelStore:
             self._active = None
 
     # --- buffers -----------------------------------------------------------------------
+
+    def _held(self, version: int | str) -> _Buffer | None:
+        """A buffer other than the active one that holds all of `version` (a fetched or
+        published copy kept, e.g. pinned), reserved for the fetch's future; else None."""
+        with self._lock:
+            for buffer in self._buffers:
+                if (buffer.version == version and buffer is not self._active
+                        and not buffer.releasing):
+                    buffer.pending = True
+                    return buffer
+        return None
 
     def _check_open(self) -> None:
         """Raises:

@@ -141,6 +141,23 @@ def test_a_fetch_during_release_does_not_take_the_buffer_being_freed(hub):
     assert released not in r_store._buffers and released.region.closed
 
 
+def test_fetching_a_version_the_store_still_holds_switches_back_to_it(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    r_store = rollout.model("m", chunk_size=CHUNK)
+    model, baseline = net(seed=9), net(seed=1)
+    r_store.attach(model)
+    v1 = t_store.publish(baseline)
+    rollout.hub.pin("m", v1)  # a baseline to roll back to: retention keeps a replica
+    r_store.fetch(v1)
+    r_store.fetch(t_store.publish(net(seed=2)))
+    t_store.publish(net(seed=3))  # the trainer reuses v1's buffer: ours is its last copy
+    buffers = list(r_store._buffers)
+    stats = r_store.fetch(v1)
+    assert stats.version == v1 and stats.bytes == 0  # nothing read again
+    assert r_store.version == v1 and same(model, baseline) and r_store._buffers == buffers
+
+
 def publish_in_place(worker) -> tuple[nn.Module, fabric.ModelStore, int]:
     """A model attached to `worker`'s store of "m" and published in place."""
     model = net(seed=3)
