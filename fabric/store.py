@@ -170,6 +170,8 @@ class ModelStore:
         self._closed = False
         self._lock = threading.RLock()
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"wf-fetch-{model}")
+        self._early_chunk_size = self.chunk_size
+        """Chunks of the exposure made before `begin_fetch`: the last fetched version's."""
 
     # --- state ---------------------------------------------------------------------
 
@@ -351,7 +353,8 @@ class ModelStore:
             return held, FetchStats(version=version)
         # Expose the buffer before the hub lists this worker as a partial replica, so
         # peers told to wait on it find the region at once.
-        early = (self._expose_spare(version, self.chunk_size)
+        early_chunk = self._early_chunk_size
+        early = (self._expose_spare(version, early_chunk)
                  if self.layout is not None and isinstance(version, int) else None)
         try:
             plan = hub.begin_fetch(self.model, version, shard=self.shard)
@@ -371,10 +374,12 @@ class ModelStore:
                         f"model {self.model!r} v{plan.version} was published in chunks of "
                         f"{manifest.chunk_size} bytes; this symmetric store's progress flags count "
                         f"chunks of {self.chunk_size} (open it with the publisher's chunk_size)")
-                if early is not None and manifest.chunk_size != self.chunk_size:
-                    self._unexpose(early[0])
-                    early = None
-                buffer, progress = early or self._expose_spare(plan.version, manifest.chunk_size)
+                self._early_chunk_size = manifest.chunk_size  # the publisher's, next time
+            if early is not None and manifest.chunk_size != early_chunk:
+                withdrawn, early = early[0], None
+                self._withdraw_early(withdrawn, plan.version, manifest.chunk_size,
+                                     options.read_timeout)
+            buffer, progress = early or self._expose_spare(plan.version, manifest.chunk_size)
         except BaseException:
             _quietly(hub.release, plan.fetch_id)
             if early is not None:
@@ -629,6 +634,25 @@ class ModelStore:
                                       progress=progress, **_reach(buffer.region))
             buffer.version, buffer.exposed = version, name
             return buffer, progress
+
+    def _withdraw_early(self, buffer: _Buffer, version: int, chunk_size: int,
+                        timeout: float) -> None:
+        """Retract an exposure made before the version's chunk size was known, waiting
+        up to `timeout` for peers' reads of it (they end at their read timeout), so the
+        version can be exposed again under the same name in `chunk_size` chunks.
+
+        Raises:
+            FabricError: a read of it is still in flight after `timeout`.
+        """
+        if self._drained(buffer, timeout):
+            buffer.version = None
+            return
+        buffer.version = None  # stays `exposed`: not reused while the read is in flight
+        raise FabricError(
+            f"model {self.model!r} v{version} was published in chunks of {chunk_size} bytes, "
+            f"not this store's; a peer's read of the exposure made in this store's chunks is "
+            f"still in flight after {timeout:g} s, so v{version} cannot be exposed again yet: "
+            f"fetch again, or open the store with chunk_size={chunk_size} (the publisher's)")
 
     def _progress(self, buffer: _Buffer, chunk_size: int, *, complete: bool = False
                   ) -> ChunkProgress:

@@ -1,9 +1,11 @@
 """ModelStore in one process: switching versions, in-place publish, bad input, and
 buffers populated ahead of writes."""
 
+import contextlib
 import errno
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -25,7 +27,7 @@ from fabric.errors import (
 )
 from fabric.fetch import FetchError, FetchOptions
 from fabric.hub_planner import region_name
-from fabric.transports import client
+from fabric.transports import TcpTransport, client
 from fabric.transports.wire import Op
 
 CHUNK = 64 * 1024
@@ -156,6 +158,59 @@ def test_fetching_a_version_the_store_still_holds_switches_back_to_it(hub):
     stats = r_store.fetch(v1)
     assert stats.version == v1 and stats.bytes == 0  # nothing read again
     assert r_store.version == v1 and same(model, baseline) and r_store._buffers == buffers
+
+
+def read_in_flight(worker, name: str, peer_timeout: float) -> threading.Thread:
+    """A peer's read of `name` on `worker`'s server, waiting there (at most
+    `peer_timeout` s) for a chunk that never comes; returns once it is in flight."""
+    peer = TcpTransport()
+
+    def read() -> None:
+        with contextlib.suppress(FabricError):
+            peer.read(worker.server.address, name, 0, torch.empty(CHUNK, dtype=torch.uint8),
+                      timeout=peer_timeout, prefix=True)
+        peer.close()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    end = time.monotonic() + 10
+    while getattr(worker.server._regions.get(name), "inflight", 0) == 0:
+        assert time.monotonic() < end, "the peer's read never reached the server"
+        time.sleep(0.01)
+    return thread
+
+
+@pytest.mark.parametrize("read_timeout, works", [(30.0, True), (0.5, False)])
+def test_a_store_in_other_chunks_than_the_publisher_waits_out_peers_of_its_early_exposure(
+        hub, read_timeout, works):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    source = net(seed=1)
+    v1 = t_store.publish(source)
+    r_store = rollout.model("m", chunk_size=2 * CHUNK)  # exposes early in its own chunks
+    model = net(seed=9)
+    r_store.attach(model)
+    begin_fetch, peers = rollout.hub.begin_fetch, []
+
+    def begin_fetch_with_a_waiting_peer(*args, **kw):  # the hub lists us: a peer waits on us
+        # (11 s: longer than the two 5 s drains a store used to allow before exposing again)
+        plan = begin_fetch(*args, **kw)
+        peers.append(read_in_flight(rollout, region_name("m", plan.version), peer_timeout=11))
+        return plan
+
+    rollout.hub.begin_fetch = begin_fetch_with_a_waiting_peer
+    try:
+        if works:
+            assert r_store.fetch(v1, options=FetchOptions(read_timeout=read_timeout)).version == v1
+            assert same(model, source)
+        else:
+            with pytest.raises(FabricError, match=f"chunk_size={CHUNK}"):
+                r_store.fetch(v1, options=FetchOptions(read_timeout=read_timeout))
+    finally:
+        rollout.hub.begin_fetch = begin_fetch
+        peers[0].join(15)
+    v2 = t_store.publish(net(seed=2))  # later fetches expose early in the publisher's chunks
+    assert r_store._early_chunk_size == CHUNK and r_store.fetch(v2).version == v2
 
 
 def publish_in_place(worker) -> tuple[nn.Module, fabric.ModelStore, int]:
