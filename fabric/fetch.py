@@ -193,7 +193,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
     """
     stats = FetchStats()
     start = time.monotonic()
-    failed: set[str] = set()
+    failed: dict[str, str] = {}  # worker given up on -> why
     total = progress.num_chunks
     chunks_per_read = max(1, options.read_bytes // chunk_size)
     attempted: set[int] = set()
@@ -244,8 +244,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             work = _schedule(planner.plan(missing, set(failed)), missing, corrupt_from,
                              chunks_per_read=chunks_per_read, inflight=options.max_inflight)
             if not work:
-                raise FetchError(f"no source for chunks {_ranges(missing)}: every holder failed "
-                                 f"or left ({', '.join(sorted(failed)) or 'none failed'})")
+                raise _no_source_left(missing, failed, corrupt_from)
             pending: set[Future[_Read]] = set()
             queue = list(work)
             while queue or pending:
@@ -272,7 +271,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                     attempted.update(read.span)
                     if read.error is not None:
                         if worker not in failed and not _transient(read.error):
-                            failed.add(worker)
+                            failed[worker] = read.error
                             stats.failed_sources.append(worker)
                             log.warning("source %s failed (%s); re-planning its chunks",
                                         worker, read.error)
@@ -319,6 +318,26 @@ class _Read:
     error: str | None = None
     corrupted: tuple[int, ...] = ()
     rest: tuple[int, ...] = ()
+
+
+def _no_source_left(missing: list[int], failed: dict[str, str],
+                    corrupt_from: dict[int, set[str]]) -> FetchError:
+    """The error for `missing` chunks that no source is left for: which failed their
+    checksum from which sources, and which sources failed and why."""
+    corrupt = sorted(c for c in missing if corrupt_from.get(c))
+    rest = [c for c in missing if not corrupt_from.get(c)]
+    parts = []
+    if corrupt:
+        senders = sorted(set().union(*(corrupt_from[c] for c in corrupt)))
+        parts.append(f"chunks {_ranges(corrupt)} failed their checksum from every source that "
+                     f"sent them ({', '.join(senders)}): those replicas are corrupt or do not "
+                     "match the published checksums; republish the version or fetch another")
+    if rest:
+        why = "; ".join(f"{w}: {e}" for w, e in sorted(failed.items()))
+        parts.append(f"no source left for chunks {_ranges(rest)}: "
+                     + (f"the sources failed ({why})" if why else "the planner named none")
+                     + "; retry once a holder is reachable again, or fetch another version")
+    return FetchError(". ".join(parts))
 
 
 def _transient(error: str) -> bool:

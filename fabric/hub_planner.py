@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 
 from fabric.client import FetchPlan, HubClient
+from fabric.errors import NoSourceError
 from fabric.fetch import Assignment, Source
 from fabric.locality import Location, locality_tier
 from fabric.transports import SourceAddress
@@ -39,9 +40,23 @@ class HubPlanner:
         self._fresh = True
 
     def plan(self, missing: list[int], failed: set[str]) -> list[Assignment]:
+        """Sources for the `missing` chunks, never the workers in `failed`; none when
+        the hub has no other holder (the engine then raises `FetchError` naming the
+        failed sources).
+
+        Raises:
+            NoSourceError: no live replica holds some chunks and none was excluded
+                here (the hub's message says to wait for a holder).
+            HubError: the hub refused the re-plan otherwise.
+        """
         if not self._fresh or failed:
-            self.current = self.hub.replan(self.current.fetch_id, chunks=missing,
-                                           exclude=sorted(failed) or None)
+            try:
+                self.current = self.hub.replan(self.current.fetch_id, chunks=missing,
+                                               exclude=sorted(failed) or None)
+            except NoSourceError:
+                if not failed:
+                    raise
+                return []  # only holders this reader gave up on are left
         self._fresh = False
         wanted = set(missing)
         out = []

@@ -46,7 +46,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -92,11 +92,21 @@ class _Buffer:
     region: Region | DeviceRegion | SymmetricBuffer
     version: int | None = None
     exposed: str | None = None  # name on the read server while peers may read it
+    pending: bool = False
+    """Filled by a fetch whose `FetchFuture.result` has not switched to it yet:
+    reserved, not reused or released, until then or until a newer version is active."""
+    releasing: bool = False  # `release` is retracting it: not reused meanwhile
 
 
 class FetchFuture:
     """A fetch running in the background. `result` switches the store to the new
-    version (in the caller's thread, at a moment the caller chose)."""
+    version (in the caller's thread, at a moment the caller chose).
+
+    Once the bytes are in, the buffer holding them is reserved for this future: later
+    fetches do not reuse it and `release` refuses it, until `result` switches to it or
+    a newer version becomes active (a superseded future then no longer pins memory,
+    and its `result` raises `FabricError` instead of switching back).
+    """
 
     def __init__(self, store: ModelStore, inner: Future) -> None:
         self._store = store
@@ -113,10 +123,18 @@ class FetchFuture:
         Raises:
             FetchError, HubError, ManifestMismatchError: the fetch failed; the store
                 still serves the previous version.
+            FabricError: the store was closed (before the fetch started, or since), or
+                a newer version became active first, so this one's buffer is no longer
+                reserved (fetch it again).
+            TimeoutError: `timeout` passed before the fetch ended.
         """
-        buffer, stats = self._inner.result(timeout)
-        if not self._switched and buffer is not None:
-            self._store._activate(buffer)
+        try:
+            buffer, stats = self._inner.result(timeout)
+        except CancelledError:
+            raise FabricError(f"model {self._store.model!r}: the store is closed; it was "
+                              "closed before this fetch started (open another store)") from None
+        if not self._switched:
+            self._store._switch_to(buffer, stats.version)
             self._switched = True
         return stats
 
@@ -152,6 +170,8 @@ class ModelStore:
         self._closed = False
         self._lock = threading.RLock()
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"wf-fetch-{model}")
+        self._early_chunk_size = self.chunk_size
+        """Chunks of the exposure made before `begin_fetch`: the last fetched version's."""
 
     # --- state ---------------------------------------------------------------------
 
@@ -261,7 +281,7 @@ class ModelStore:
             buffer.version, buffer.exposed = version, name
             hub.commit(self.model, version)
             if snapshot and self._attached is None:
-                self._active = buffer
+                self._set_active(buffer)
             if snapshot:
                 self._prepare_spare()
             log.info("published %s v%d (%d bytes, %d chunks)", self.model, version,
@@ -278,7 +298,8 @@ class ModelStore:
     def fetch(self, version: int | str = "latest", *, verify: bool | None = None,
               options: FetchOptions | None = None,
               on_chunk: Callable[[int, int], None] | None = None) -> FetchStats:
-        """Fetch a version and switch the store's tensors to it.
+        """Fetch a version and switch the store's tensors to it (a version the store
+        still holds in another buffer, e.g. pinned, is switched to without a read).
 
         Args:
             version: a number or ``"latest"``.
@@ -305,9 +326,17 @@ class ModelStore:
                     options: FetchOptions | None = None,
                     on_chunk: Callable[[int, int], None] | None = None) -> FetchFuture:
         """Start `fetch` in the background; the store keeps its current version until
-        the returned future's `result` is called."""
-        inner = self._fetcher.submit(self._fetch, version, verify, options or FetchOptions(),
-                                     on_chunk)
+        the returned future's `result` is called. The buffer the fetch fills stays
+        reserved for the future until then, or until a newer version is active (see
+        `FetchFuture`).
+
+        Raises:
+            FabricError: the store is closed (the fetch's own errors come from `result`).
+        """
+        with self._lock:
+            self._check_open()
+            inner = self._fetcher.submit(self._fetch, version, verify,
+                                         options or FetchOptions(), on_chunk)
         return FetchFuture(self, inner)
 
     def _fetch(self, version: int | str, verify: bool | None, options: FetchOptions,
@@ -319,9 +348,13 @@ class ModelStore:
             version = hub.latest(self.model) or "latest"
         if version == self.version:
             return None, FetchStats(version=self.version)
+        held = self._held(version)
+        if held is not None:  # still here (e.g. pinned): switch back to it, nothing moves
+            return held, FetchStats(version=version)
         # Expose the buffer before the hub lists this worker as a partial replica, so
         # peers told to wait on it find the region at once.
-        early = (self._expose_spare(version, self.chunk_size)
+        early_chunk = self._early_chunk_size
+        early = (self._expose_spare(version, early_chunk)
                  if self.layout is not None and isinstance(version, int) else None)
         try:
             plan = hub.begin_fetch(self.model, version, shard=self.shard)
@@ -341,10 +374,12 @@ class ModelStore:
                         f"model {self.model!r} v{plan.version} was published in chunks of "
                         f"{manifest.chunk_size} bytes; this symmetric store's progress flags count "
                         f"chunks of {self.chunk_size} (open it with the publisher's chunk_size)")
-                if early is not None and manifest.chunk_size != self.chunk_size:
-                    self._unexpose(early[0])
-                    early = None
-                buffer, progress = early or self._expose_spare(plan.version, manifest.chunk_size)
+                self._early_chunk_size = manifest.chunk_size  # the publisher's, next time
+            if early is not None and manifest.chunk_size != early_chunk:
+                withdrawn, early = early[0], None
+                self._withdraw_early(withdrawn, plan.version, manifest.chunk_size,
+                                     options.read_timeout)
+            buffer, progress = early or self._expose_spare(plan.version, manifest.chunk_size)
         except BaseException:
             _quietly(hub.release, plan.fetch_id)
             if early is not None:
@@ -364,6 +399,8 @@ class ModelStore:
                     piece, manifest.chunk_size, first_chunk=c)[0]),
                 verify=verify_rule(verify), options=options, on_chunk=on_chunk,
                 before_write=populate)
+            with self._lock:
+                buffer.pending = True  # before the hub lists it complete: reserved from now
             hub.complete_fetch(plan.fetch_id)
         except BaseException:
             _quietly(hub.release, plan.fetch_id)
@@ -409,8 +446,8 @@ class ModelStore:
         """Retract `version` and free its memory.
 
         Raises:
-            FabricError: it is the version the store's tensors use now, or reads are
-                still in flight after `wait`.
+            FabricError: it is the version the store's tensors use now, or one fetched
+                for a future not switched to yet, or reads are still in flight after `wait`.
             RetentionError: the hub still needs this replica.
         """
         with self._lock:
@@ -420,22 +457,36 @@ class ModelStore:
             if buffer is self._active:
                 raise FabricError(f"{self.model!r} v{version} is the active version; fetch or "
                                   "publish another before releasing it")
-        if buffer.exposed and self.retract(version, wait=wait) != "done":
-            raise FabricError(f"{self.model!r} v{version}: reads still in flight after {wait:g} s")
-        with self._lock:
-            if self.nvshmem is not None:  # symmetric buffers are freed together, in close
-                buffer.version = None
-                return
-            self._buffers.remove(buffer)
-            buffer.region.close()
+            if buffer.pending:
+                raise FabricError(f"{self.model!r} v{version} was fetched for a FetchFuture whose "
+                                  "result() was not called yet; call it, or make a newer "
+                                  "version active, before releasing it")
+            buffer.releasing = True  # the lock is dropped for the retract: no fetch takes it
+        try:
+            if buffer.exposed and self.retract(version, wait=wait) != "done":
+                raise FabricError(f"{self.model!r} v{version}: reads still in flight after "
+                                  f"{wait:g} s; release it again later")
+            with self._lock:
+                if buffer.version != version or buffer not in self._buffers:
+                    return  # freed meanwhile (close, or another release)
+                if self.nvshmem is not None:  # symmetric buffers are freed together, in close
+                    buffer.version = None
+                    return
+                self._buffers.remove(buffer)
+                buffer.region.close()
+        finally:
+            buffer.releasing = False
 
     def close(self) -> None:
         """Stop serving every version of this model and free the buffers (stopping
         any background populate first). Symmetric buffers are freed collectively:
-        every PE closes its stores in the same order."""
+        every PE closes its stores in the same order. A fetch already running finishes
+        first; queued ones are cancelled, and their futures' `result` (like that of any
+        fetch not switched to yet) raises `FabricError`."""
+        with self._lock:
+            self._closed = True  # under the lock: no fetch_async submits after this
         self._fetcher.shutdown(wait=True, cancel_futures=True)
         with self._lock:
-            self._closed = True
             for buffer in self._buffers:
                 if buffer.exposed:
                     self.worker.server.retract(buffer.exposed, timeout=5.0)
@@ -445,11 +496,32 @@ class ModelStore:
 
     # --- buffers -----------------------------------------------------------------------
 
+    def _held(self, version: int | str) -> _Buffer | None:
+        """A buffer other than the active one that holds all of `version` (a fetched or
+        published copy kept, e.g. pinned), reserved for the fetch's future; else None."""
+        with self._lock:
+            for buffer in self._buffers:
+                if (buffer.version == version and buffer is not self._active
+                        and not buffer.releasing):
+                    buffer.pending = True
+                    return buffer
+        return None
+
+    def _check_open(self) -> None:
+        """Raises:
+            FabricError: the store is closed."""
+        if self._closed:
+            raise FabricError(f"model {self.model!r}: the store is closed; open another "
+                              "with worker.model(...)")
+
     def _new_buffer(self) -> _Buffer:
         """A new buffer; in host memory it populates itself in the background (writers:
-        `_ready`, and a fetch's ``before_write``)."""
-        if self._closed:
-            raise FabricError(f"model {self.model!r}: the store is closed")
+        `_ready`, and a fetch's ``before_write``).
+
+        Raises:
+            FabricError: the store is closed, or it is a symmetric one (no new buffers).
+        """
+        self._check_open()
         if self.nvshmem is not None:
             raise self._no_symmetric_buffer()
         assert self.layout is not None
@@ -529,7 +601,8 @@ class ModelStore:
     def _spare_buffer(self) -> _Buffer:
         """A buffer that is neither active nor needed by readers, reclaiming the oldest
         versions whose retract the hub allows, or allocating a new one."""
-        for buffer in sorted((b for b in self._buffers if b is not self._active),
+        for buffer in sorted((b for b in self._buffers
+                              if b is not self._active and not b.pending and not b.releasing),
                              key=lambda b: b.version or -1):
             if buffer.version is None and getattr(buffer.region, "populate_error", None):
                 self._drop(buffer)  # /dev/shm had no room for it; try afresh below
@@ -546,7 +619,8 @@ class ModelStore:
                 continue  # another reader may still need it; try the next one
         if len(self._buffers) >= MAX_BUFFERS:
             raise FabricError(f"model {self.model!r}: all {MAX_BUFFERS} buffers hold versions "
-                              "readers still need; retract or release one first")
+                              "readers still need or fetches whose result() was not called "
+                              "yet; retract or release one, or call result(), first")
         return self._new_buffer()
 
     def _expose_spare(self, version: int, chunk_size: int) -> tuple[_Buffer, ChunkProgress]:
@@ -561,6 +635,25 @@ class ModelStore:
             buffer.version, buffer.exposed = version, name
             return buffer, progress
 
+    def _withdraw_early(self, buffer: _Buffer, version: int, chunk_size: int,
+                        timeout: float) -> None:
+        """Retract an exposure made before the version's chunk size was known, waiting
+        up to `timeout` for peers' reads of it (they end at their read timeout), so the
+        version can be exposed again under the same name in `chunk_size` chunks.
+
+        Raises:
+            FabricError: a read of it is still in flight after `timeout`.
+        """
+        if self._drained(buffer, timeout):
+            buffer.version = None
+            return
+        buffer.version = None  # stays `exposed`: not reused while the read is in flight
+        raise FabricError(
+            f"model {self.model!r} v{version} was published in chunks of {chunk_size} bytes, "
+            f"not this store's; a peer's read of the exposure made in this store's chunks is "
+            f"still in flight after {timeout:g} s, so v{version} cannot be exposed again yet: "
+            f"fetch again, or open the store with chunk_size={chunk_size} (the publisher's)")
+
     def _progress(self, buffer: _Buffer, chunk_size: int, *, complete: bool = False
                   ) -> ChunkProgress:
         """Progress of a new exposure of ``buffer`` (symmetric: also its flags, reset)."""
@@ -573,7 +666,7 @@ class ModelStore:
         """Forget the buffer's version; it stays `exposed` (not reused, see
         `_spare_buffer`) while a read of it is still in flight after `timeout`."""
         self._drained(buffer, timeout)
-        buffer.version = None
+        buffer.version, buffer.pending = None, False
 
     def _drained(self, buffer: _Buffer, timeout: float) -> bool:
         """Retract the buffer's exposure on the read server; True (and no longer
@@ -584,13 +677,45 @@ class ModelStore:
         buffer.exposed = None
         return True
 
+    def _switch_to(self, buffer: _Buffer | None, version: int | None) -> None:
+        """Make `buffer`, which a fetch filled with `version`, the active one (None:
+        the version was active already).
+
+        Raises:
+            FabricError: the store is closed (the buffer was freed with it).
+        """
+        with self._lock:
+            if self._closed:
+                raise FabricError(f"model {self.model!r}: the store is closed, and v{version} "
+                                  "was freed with it; open another store and fetch again")
+            if buffer is None:
+                return
+            if buffer not in self._buffers or buffer.version != version:
+                raise FabricError(f"model {self.model!r} v{version}: its buffer was released or "
+                                  "reused before result() was called; fetch it again")
+            if not buffer.pending:
+                raise FabricError(f"model {self.model!r} v{version}: a newer version "
+                                  f"(v{self.version}) became active before result() was called, "
+                                  "so its buffer is no longer reserved; fetch it again")
+            self._activate(buffer)
+
     def _activate(self, buffer: _Buffer) -> None:
         with self._lock:
-            self._active = buffer
+            self._set_active(buffer)
             if self._attached is not None and self.layout is not None:
                 for name, view in views(self.layout, buffer.region.tensor).items():
                     self._attached[name].data = view
             self._prepare_spare()
+
+    def _set_active(self, buffer: _Buffer) -> None:
+        """Make `buffer` active; fetched buffers of older versions no future switched
+        to lose their reservation (a superseded future must not pin memory)."""
+        self._active = buffer
+        buffer.pending = False
+        for other in self._buffers:
+            if (other.pending and other.version is not None and buffer.version is not None
+                    and other.version < buffer.version):
+                other.pending = False
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for name, t in tensors.items():

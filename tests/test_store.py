@@ -1,9 +1,11 @@
 """ModelStore in one process: switching versions, in-place publish, bad input, and
 buffers populated ahead of writes."""
 
+import contextlib
 import errno
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -23,8 +25,9 @@ from fabric.errors import (
     UnknownModelError,
     UnknownVersionError,
 )
+from fabric.fetch import FetchError, FetchOptions
 from fabric.hub_planner import region_name
-from fabric.transports import client
+from fabric.transports import TcpTransport, client
 from fabric.transports.wire import Op
 
 CHUNK = 64 * 1024
@@ -75,6 +78,139 @@ def test_fetch_async_keeps_the_old_version_until_result(hub):
     assert future.result().version == v2
     assert same(model, source) and r_store.version == v2
     assert r_store.fetch("latest").bytes == 0  # already there: nothing moves
+
+
+def wait_done(future, timeout: float = 30.0) -> None:
+    """Until the background fetch has its bytes in (without switching to them)."""
+    end = time.monotonic() + timeout
+    while not future.done():
+        assert time.monotonic() < end, f"fetch not done after {timeout:g} s"
+        time.sleep(0.01)
+
+
+def test_a_fetched_buffer_stays_reserved_until_result_or_a_newer_version(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    sources = {k: net(seed=k) for k in (1, 2, 3, 4)}
+    r_store = rollout.model("m", chunk_size=CHUNK)
+    model = net(seed=9)
+    r_store.attach(model)
+    r_store.fetch(t_store.publish(sources[1]))
+    v2 = t_store.publish(sources[2])
+    f2 = r_store.fetch_async(v2)
+    wait_done(f2)
+    v3 = t_store.publish(sources[3])
+    f3 = r_store.fetch_async(v3)  # must not reuse v2's buffer, which f2 has not switched to
+    wait_done(f3)
+    with pytest.raises(FabricError, match="result\\(\\) was not called"):
+        r_store.release(v2)
+    assert f2.result().version == v2 and r_store.version == v2 and same(model, sources[2])
+    v4 = t_store.publish(sources[4])
+    assert r_store.fetch(v4).version == v4 and same(model, sources[4])
+    with pytest.raises(FabricError, match="no longer reserved"):  # superseded: no switch back to v3
+        f3.result()
+    assert r_store.version == v4 and same(model, sources[4])
+
+
+def test_a_fetch_during_release_does_not_take_the_buffer_being_freed(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    r_store = rollout.model("m", chunk_size=CHUNK)
+    model = net(seed=9)
+    r_store.attach(model)
+    v1 = t_store.publish(net(seed=1))
+    r_store.fetch(v1)
+    r_store.fetch(t_store.publish(net(seed=2)))
+    source = net(seed=3)
+    v3 = t_store.publish(source)
+    released = next(b for b in r_store._buffers if b.version == v1)
+    hub_retract, during = rollout.hub.retract, []
+
+    def retract(model_name, version, **kw):  # release has dropped the lock for this call
+        state = hub_retract(model_name, version, **kw)
+        if version == v1 and not during:
+            during.append(r_store.fetch_async(v3))
+            wait_done(during[0])
+        return state
+
+    rollout.hub.retract = retract
+    try:
+        r_store.release(v1)
+    finally:
+        rollout.hub.retract = hub_retract
+    assert during[0].result().version == v3 and same(model, source)
+    assert r_store._active is not released and not r_store._active.region.closed
+    assert released not in r_store._buffers and released.region.closed
+
+
+def test_fetching_a_version_the_store_still_holds_switches_back_to_it(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    r_store = rollout.model("m", chunk_size=CHUNK)
+    model, baseline = net(seed=9), net(seed=1)
+    r_store.attach(model)
+    v1 = t_store.publish(baseline)
+    rollout.hub.pin("m", v1)  # a baseline to roll back to: retention keeps a replica
+    r_store.fetch(v1)
+    r_store.fetch(t_store.publish(net(seed=2)))
+    t_store.publish(net(seed=3))  # the trainer reuses v1's buffer: ours is its last copy
+    buffers = list(r_store._buffers)
+    stats = r_store.fetch(v1)
+    assert stats.version == v1 and stats.bytes == 0  # nothing read again
+    assert r_store.version == v1 and same(model, baseline) and r_store._buffers == buffers
+
+
+def read_in_flight(worker, name: str, peer_timeout: float) -> threading.Thread:
+    """A peer's read of `name` on `worker`'s server, waiting there (at most
+    `peer_timeout` s) for a chunk that never comes; returns once it is in flight."""
+    peer = TcpTransport()
+
+    def read() -> None:
+        with contextlib.suppress(FabricError):
+            peer.read(worker.server.address, name, 0, torch.empty(CHUNK, dtype=torch.uint8),
+                      timeout=peer_timeout, prefix=True)
+        peer.close()
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    end = time.monotonic() + 10
+    while getattr(worker.server._regions.get(name), "inflight", 0) == 0:
+        assert time.monotonic() < end, "the peer's read never reached the server"
+        time.sleep(0.01)
+    return thread
+
+
+@pytest.mark.parametrize("read_timeout, works", [(30.0, True), (0.5, False)])
+def test_a_store_in_other_chunks_than_the_publisher_waits_out_peers_of_its_early_exposure(
+        hub, read_timeout, works):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    source = net(seed=1)
+    v1 = t_store.publish(source)
+    r_store = rollout.model("m", chunk_size=2 * CHUNK)  # exposes early in its own chunks
+    model = net(seed=9)
+    r_store.attach(model)
+    begin_fetch, peers = rollout.hub.begin_fetch, []
+
+    def begin_fetch_with_a_waiting_peer(*args, **kw):  # the hub lists us: a peer waits on us
+        # (11 s: longer than the two 5 s drains a store used to allow before exposing again)
+        plan = begin_fetch(*args, **kw)
+        peers.append(read_in_flight(rollout, region_name("m", plan.version), peer_timeout=11))
+        return plan
+
+    rollout.hub.begin_fetch = begin_fetch_with_a_waiting_peer
+    try:
+        if works:
+            assert r_store.fetch(v1, options=FetchOptions(read_timeout=read_timeout)).version == v1
+            assert same(model, source)
+        else:
+            with pytest.raises(FabricError, match=f"chunk_size={CHUNK}"):
+                r_store.fetch(v1, options=FetchOptions(read_timeout=read_timeout))
+    finally:
+        rollout.hub.begin_fetch = begin_fetch
+        peers[0].join(15)
+    v2 = t_store.publish(net(seed=2))  # later fetches expose early in the publisher's chunks
+    assert r_store._early_chunk_size == CHUNK and r_store.fetch(v2).version == v2
 
 
 def publish_in_place(worker) -> tuple[nn.Module, fabric.ModelStore, int]:
@@ -165,6 +301,33 @@ def test_misuse_is_refused_with_a_reason(hub):
         worker.model("n", chunk_size=1000)
     with pytest.raises(TypeError, match="nn.Module or a mapping"):
         store.attach([1, 2])
+
+
+def test_a_closed_store_refuses_fetches_and_switches_to_nothing(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    v1 = trainer.model("m", chunk_size=CHUNK).publish(net(seed=1))
+    store = rollout.model("m", chunk_size=CHUNK)
+    store.attach(net(seed=2))
+    done = store.fetch_async(v1)
+    queued = store.fetch_async(v1)  # behind `done` on the store's one fetch thread
+    store.close()  # lets `done` finish, cancels `queued` if it had not started
+    for future in (done, queued):
+        with pytest.raises(FabricError, match="the store is closed"):
+            future.result(timeout=30)
+    assert store._active is None and store.version is None
+    with pytest.raises(FabricError, match="the store is closed"):
+        store.fetch(v1)
+    with pytest.raises(FabricError, match="the store is closed"):
+        store.fetch_async(v1)
+
+
+def test_a_fetch_whose_only_holder_is_unreachable_fails_with_fetch_error(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    v1 = trainer.model("m", chunk_size=CHUNK).publish(net(seed=1))
+    trainer.server.close()  # its data plane is down; its hub lease lives on
+    store = rollout.model("m", chunk_size=CHUNK)
+    with pytest.raises(FetchError, match=r"no source left .*trainer: SourceLostError"):
+        store.fetch(v1, options=FetchOptions(deadline=20, read_timeout=2))
 
 
 def test_devices_are_checked_before_any_memory_is_taken(hub):
