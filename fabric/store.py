@@ -477,16 +477,31 @@ class ModelStore:
         finally:
             buffer.releasing = False
 
-    def close(self) -> None:
+    def close(self, *, tell_hub: bool = True) -> None:
         """Stop serving every version of this model and free the buffers (stopping
-        any background populate first). Symmetric buffers are freed collectively:
-        every PE closes its stores in the same order. A fetch already running finishes
-        first; queued ones are cancelled, and their futures' `result` (like that of any
-        fetch not switched to yet) raises `FabricError`."""
+        any background populate first).
+
+        The hub is told first that this worker holds nothing of the model any more
+        (`HubClient.drop`, retention not consulted: the memory is going away), so it
+        sends readers elsewhere and ``latest`` names only versions someone still
+        serves; `Worker.close`, which unregisters the whole worker, passes
+        ``tell_hub=False``. A hub that does not answer is logged, not raised. Symmetric
+        buffers are freed collectively: every PE closes its stores in the same order.
+        A fetch already running finishes first; queued ones are cancelled, and their
+        futures' `result` (like that of any fetch not switched to yet) raises
+        `FabricError`."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True  # under the lock: no fetch_async submits after this
         self._fetcher.shutdown(wait=True, cancel_futures=True)
         with self._lock:
+            if tell_hub and any(b.version is not None or b.exposed for b in self._buffers):
+                try:
+                    self.worker.hub.drop(self.model)
+                except Exception as exc:  # the hub may be gone; the lease then runs out
+                    log.warning("%s: could not tell the hub this worker drops it: %s",
+                                self.model, exc)
             for buffer in self._buffers:
                 if buffer.exposed:
                     self.worker.server.retract(buffer.exposed, timeout=5.0)

@@ -195,7 +195,7 @@ class Worker:
         except Exception as exc:  # the hub may be gone; our lease then simply runs out
             log.warning("worker %s could not unregister: %s", self.name, exc)
         for store in list(self._stores.values()):
-            store.close()  # waits for reads already in flight
+            store.close(tell_hub=False)  # waits for reads already in flight
         self.hub.close()
         self.server.close()
         self._shm.close()

@@ -21,6 +21,7 @@ from fabric.errors import (
     FabricError,
     HubUnavailableError,
     ManifestMismatchError,
+    NoSourceError,
     RetentionError,
     UnknownModelError,
     UnknownVersionError,
@@ -319,6 +320,20 @@ def test_a_closed_store_refuses_fetches_and_switches_to_nothing(hub):
         store.fetch(v1)
     with pytest.raises(FabricError, match="the store is closed"):
         store.fetch_async(v1)
+
+
+def test_closing_a_store_tells_the_hub_its_replicas_are_gone(hub):
+    trainer, rollout = hub("trainer"), hub("rollout")
+    publisher = trainer.model("m", chunk_size=CHUNK)
+    v1 = publisher.publish(net(seed=1))
+    mirror = rollout.model("m", chunk_size=CHUNK)
+    mirror.fetch(v1)
+    publisher.close()  # the trainer's worker stays (it may serve other models)
+    assert rollout.hub.locate("m", v1)["shards"][0]["holders"] == ["rollout"]
+    mirror.close()
+    assert rollout.hub.latest("m") is None  # no version is served by anyone now
+    with pytest.raises(NoSourceError, match="no live replica"):
+        hub("late").model("m", chunk_size=CHUNK).fetch(v1)
 
 
 def test_a_fetch_whose_only_holder_is_unreachable_fails_with_fetch_error(hub):
