@@ -181,6 +181,11 @@ class ModelStore:
         return self._active.version if self._active else None
 
     @property
+    def closed(self) -> bool:
+        """True after `close`; `Worker.model` then opens a new store for the name."""
+        return self._closed
+
+    @property
     def tensors(self) -> dict[str, torch.Tensor]:
         """name -> tensor of the active version (views of arena memory: read only
         while the version is exposed)."""

@@ -76,7 +76,7 @@ class Worker:
               device: torch.device | str = "cpu", shard: int = 0,
               num_shards: int = 1, prepare_spare: bool = True, symmetric: bool = False,
               buffers: int = PREPARED_BUFFERS) -> ModelStore:
-        """The store of model `name` (created once per worker).
+        """The store of model `name` (created once per worker, and again after its `close`).
 
         Args:
             chunk_size: bytes per chunk of the versions this worker publishes.
@@ -107,7 +107,7 @@ class Worker:
             raise ValueError(f"model {name!r}: symmetric memory is GPU memory; pass a CUDA device")
         with self._lock:
             store = self._stores.get(name)
-            if store is None:
+            if store is None or store.closed:
                 store = self._stores[name] = ModelStore(
                     self, name, chunk_size=chunk_size, device=device, shard=shard,
                     num_shards=num_shards, prepare_spare=prepare_spare,

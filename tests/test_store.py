@@ -320,6 +320,8 @@ def test_a_closed_store_refuses_fetches_and_switches_to_nothing(hub):
         store.fetch(v1)
     with pytest.raises(FabricError, match="the store is closed"):
         store.fetch_async(v1)
+    reopened = rollout.model("m", chunk_size=CHUNK)
+    assert reopened is not store and reopened.fetch(v1).version == v1
 
 
 def test_closing_a_store_tells_the_hub_its_replicas_are_gone(hub):
