@@ -94,15 +94,19 @@ def test_ranges_across_chunk_boundaries(holder, transport):
         assert torch.equal(out, expected[offset:offset + nbytes]), (offset, nbytes)
 
 
+def await_progress(transport, holder, want: bytes, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while transport.progress(holder.source, "v1", timeout=timeout) != want:
+        assert time.monotonic() < deadline, f"progress never became {want!r}"
+        time.sleep(0.01)
+
+
 def test_describe_and_progress(partial_holder, transport):
     info = transport.describe(partial_holder.source, "v1", timeout=10)
     assert (info.nbytes, info.chunk_size, info.num_chunks, info.present) == (NBYTES, CHUNK, 4, 0)
     assert info.shm_path == str(partial_holder.shm_path)
     partial_holder.send("mark 2")
-    deadline = time.monotonic() + 10
-    while transport.progress(partial_holder.source, "v1", timeout=10) != b"\x00\x00\x01\x00":
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    await_progress(transport, partial_holder, b"\x00\x00\x01\x00")
 
 
 def test_read_from_partial_replica_waits_for_its_chunks(partial_holder, transport):
@@ -281,17 +285,15 @@ def test_prefix_read_gets_the_present_run_of_chunks(partial_holder, transport):
     out = torch.zeros(NBYTES, dtype=torch.uint8)
     for line in ("mark 0", "mark 1", "mark 3"):
         partial_holder.send(line)
-    deadline = time.monotonic() + 10
-    while transport.progress(partial_holder.source, "v1", timeout=10) != b"\x01\x01\x00\x01":
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    await_progress(transport, partial_holder, b"\x01\x01\x00\x01")
     got = transport.read(partial_holder.source, "v1", 0, out, timeout=10, prefix=True)
     assert got == 2 * CHUNK  # chunk 2 is missing: 3 is not part of the run
     assert torch.equal(out[:got], expected[:got]) and not out[got:].any()
     with pytest.raises(ReadRefusedError, match="NOT_READY.*chunks 2..2"):
         transport.read(partial_holder.source, "v1", 2 * CHUNK, out[2 * CHUNK:], timeout=0.2,
                        prefix=True)
-    partial_holder.send("mark 2")
+    partial_holder.send("mark 2")  # the holder marks it in its own time: wait to see it
+    await_progress(transport, partial_holder, b"\x01\x01\x01\x01")
     got = transport.read(partial_holder.source, "v1", CHUNK + 7, out[:NBYTES - CHUNK - 7],
                          timeout=10, prefix=True)
     assert got == NBYTES - CHUNK - 7  # the run reaches the end of the region
