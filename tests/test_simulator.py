@@ -113,7 +113,9 @@ def test_plans_stay_valid_after_sources_vanish(case, size, when, data):
         check_exactly_once(r.delivered[reader], plan.needs[reader])
     if survivors:
         bound = lower_bound(lay, plan.sources, {x: plan.needs[x] for x in survivors})
-        assert r.makespan >= bound.seconds * (1 - 1e-9)
+        # the simulator groups events within a relative 1e-6 (its docstring), so a
+        # re-planned run may land that far below the bound (seen: 2.5e-8)
+        assert r.makespan >= bound.seconds * (1 - 1e-6)
 
 
 def test_readers_joining_mid_broadcast_read_from_everyone_complete():
