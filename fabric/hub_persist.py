@@ -8,9 +8,10 @@ rename) before a reply that depends on it leaves the hub. Per model it keeps:
 * ``versions``: every version not retired yet, with its state and shard count,
   so holders re-registering after a restart find it (and a publishing version
   nobody comes back for is retired as orphaned);
-* ``known_below``: every version number below it is either in ``versions`` or
-  retired, so a holder restoring a version retired before the restart gets it
-  back as retired, never as committed;
+* ``seen``: the version numbers handed out or restored, as ``[lo, hi)`` ranges:
+  one not in ``versions`` was retired, so a holder restoring a version retired
+  before the restart gets it back as retired, never as committed (files written
+  before ``seen`` have ``known_below``: every number below it);
 * ``retired``: the most recent retired versions with the reason (for status).
 
 Soft state (replicas, fetches, leases, rendezvous keys) is not kept: workers
@@ -42,7 +43,7 @@ class DurableState:
     next_versions: dict[str, int] = field(default_factory=dict)
     policies: dict[str, RetentionPolicy] = field(default_factory=dict)
     versions: dict[str, dict[int, tuple[str, int]]] | None = None
-    known_below: dict[str, int] = field(default_factory=dict)
+    seen: dict[str, list[list[int]]] = field(default_factory=dict)
     retired: dict[str, dict[int, str]] = field(default_factory=dict)
 
 
@@ -65,7 +66,9 @@ def load_state(state_dir: Path) -> DurableState:
         if "versions" in raw:
             out.versions = {str(m): {int(n): (str(s), int(k)) for n, (s, k) in vs.items()}
                             for m, vs in raw["versions"].items()}
-            out.known_below = {str(m): int(n) for m, n in raw.get("known_below", {}).items()}
+            out.seen = {str(m): [[1, int(n)]] for m, n in raw.get("known_below", {}).items()}
+            out.seen.update({str(m): [[int(lo), int(hi)] for lo, hi in rs]
+                             for m, rs in raw.get("seen", {}).items()})
             out.retired = {str(m): {int(n): str(r) for n, r in rs.items()}
                            for m, rs in raw.get("retired", {}).items()}
     except (ValueError, KeyError, TypeError) as exc:
@@ -83,7 +86,7 @@ def save_state(state_dir: Path, state: DurableState) -> None:
         "policies": {k: p.to_wire() for k, p in state.policies.items()},
         "versions": {m: {str(n): list(v) for n, v in vs.items()}
                      for m, vs in (state.versions or {}).items()},
-        "known_below": state.known_below,
+        "seen": state.seen,
         "retired": {m: {str(n): r for n, r in sorted(rs.items())[-MAX_RETIRED_KEPT:]}
                     for m, rs in state.retired.items()},
     }, indent=1)

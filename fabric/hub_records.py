@@ -18,6 +18,8 @@ stays live until another complete replica exists.
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +150,49 @@ class RetentionPolicy:
     def to_wire(self) -> dict[str, Any]:
         return {"keep_last": self.keep_last, "min_replicas": self.min_replicas,
                 "pinned": sorted(self.pinned)}
+
+
+class VersionRanges:
+    """A set of version numbers kept as sorted, disjoint, half-open ranges ``[lo, hi)``.
+
+    The hub's record of which numbers of a model it has seen: numbers are handed out
+    in order, and a restart adds the (few, mostly adjacent) numbers holders restore,
+    so a handful of ranges covers them.
+    """
+
+    def __init__(self, ranges: Iterable[Iterable[int]] = ()) -> None:
+        self._ranges: list[list[int]] = []
+        for lo, hi in sorted((int(lo), int(hi)) for lo, hi in ranges):
+            if lo >= hi:
+                continue
+            if self._ranges and lo <= self._ranges[-1][1]:
+                self._ranges[-1][1] = max(self._ranges[-1][1], hi)
+            else:
+                self._ranges.append([lo, hi])
+
+    def _find(self, n: int) -> int:
+        """Index of the range whose start is the largest <= n (-1 if none)."""
+        return bisect_right(self._ranges, [n, float("inf")]) - 1
+
+    def __contains__(self, n: int) -> bool:
+        i = self._find(n)
+        return i >= 0 and n < self._ranges[i][1]
+
+    def add(self, n: int) -> None:
+        """Add one number, merging with the ranges it touches."""
+        if n in self:
+            return
+        i = self._find(n)
+        if i >= 0 and self._ranges[i][1] == n:          # extends range i
+            self._ranges[i][1] = n + 1
+        else:
+            i += 1
+            self._ranges.insert(i, [n, n + 1])
+        if i + 1 < len(self._ranges) and self._ranges[i + 1][0] == self._ranges[i][1]:
+            self._ranges[i][1] = self._ranges.pop(i + 1)[1]
+
+    def to_wire(self) -> list[list[int]]:
+        return [list(r) for r in self._ranges]
 
 
 @dataclass

@@ -69,6 +69,7 @@ from fabric.hub_records import (
     ModelRecord,
     Replica,
     RetentionPolicy,
+    VersionRanges,
     VersionRecord,
     WorkerRecord,
 )
@@ -116,7 +117,9 @@ class HubState:
         self.groups: OrderedDict[tuple[str, str], FetchGroup] = OrderedDict()
         durable = durable or DurableState()
         self.next_versions: dict[str, int] = {**durable.next_versions, **(next_versions or {})}
-        self.known_below: dict[str, int] = dict(durable.known_below)
+        # Per model, every version number this hub has handed out or heard of (with a
+        # state dir, also before restarts): one of those missing from `versions` was retired.
+        self.seen = {m: VersionRanges(r) for m, r in durable.seen.items()}
         self.generation = 0
         self.durable_generation = 0
         self.kv = KvStore(clock)
@@ -131,6 +134,7 @@ class HubState:
             for n, (state, num_shards) in versions.items():
                 v = VersionRecord(name, n, num_shards, state=state)
                 m.versions[n] = v
+                self.seen.setdefault(name, VersionRanges()).add(n)
                 if state == PUBLISHING:     # its publisher must come back within a lease
                     self._leases.claim(v)
 
@@ -277,8 +281,7 @@ class HubState:
         if v is None:
             number = max(self.next_versions.get(model, 1), 1)
             self.next_versions[model] = number + 1
-            if self.known_below.get(model, 1) == number:   # every number below is known
-                self.known_below[model] = number + 1
+            self.seen.setdefault(model, VersionRanges()).add(number)
             self.durable_generation += 1
             v = VersionRecord(model, number, num_shards, group=group)
             m.versions[number] = v
@@ -782,7 +785,8 @@ class HubState:
             self.next_versions[model] = number + 1
             self.durable_generation += 1
         v = m.versions.get(number)
-        if v is None and number < self.known_below.get(model, 1):
+        seen = self.seen.setdefault(model, VersionRanges())
+        if v is None and number in seen:
             # Retired earlier (in this run, or before a restart with a state dir): it stays
             # retired; the holder hears so in its heartbeat news and may retract.
             v = VersionRecord(model, number, num_shards, state=RETIRED, retire_reason=(
@@ -792,6 +796,7 @@ class HubState:
             state = COMMITTED if h.get("state") == COMMITTED else PUBLISHING
             v = VersionRecord(model, number, num_shards, state=state)
             m.versions[number] = v
+            seen.add(number)
             self.durable_generation += 1
             if state == PUBLISHING:
                 self._leases.claim(v)
@@ -901,7 +906,7 @@ class HubState:
             policies={n: m.policy for n, m in self.models.items()},
             versions={n: {k: (v.state, v.num_shards) for k, v in m.versions.items()
                           if v.state != RETIRED} for n, m in self.models.items()},
-            known_below=dict(self.known_below),
+            seen={n: r.to_wire() for n, r in self.seen.items()},
             retired={n: dict(m.retired_log) for n, m in self.models.items() if m.retired_log})
 
     def _end_fetch(self, f: FetchRecord, *, keep_replica: bool, reason: str = "") -> None:
