@@ -34,6 +34,7 @@ def e4m3_to_f32(code):
     mant = code & 7
     normal = ((code & 0x80) << 24) | ((e + 120) << 23) | (mant << 20)
     normal = tl.where((code & 0x7F) == 0x7F, 0x7FC00000, normal)
-    sub = mant.to(tl.float32) * 0.001953125  # e == 0: mant * 2**-9
-    sub = tl.where((code & 0x80) != 0, -sub, sub)
-    return tl.where(e == 0, sub, normal.to(tl.float32, bitcast=True))
+    # e == 0: mant * 2**-9 (exact), then the sign bit set directly: Triton before 3.7
+    # compiles a float `-x` as `0 - x`, which turns -0.0 into +0.0
+    sub = (mant.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True) | ((code & 0x80) << 24)
+    return tl.where(e == 0, sub, normal).to(tl.float32, bitcast=True)
