@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 
 class ChunkProgress:
@@ -41,16 +42,25 @@ class ChunkProgress:
             gap = self._present.find(0, first, last + 1)
         return last if gap < 0 else gap - 1
 
-    def wait(self, first: int, last: int, timeout: float) -> bool:
-        """Wait until chunks ``first..last`` are present; False on timeout."""
+    def wait(self, first: int, last: int, timeout: float,
+             abort: Callable[[], bool] | None = None) -> bool:
+        """Wait until chunks ``first..last`` are present; False on timeout, or as soon
+        as ``abort()`` is true after a `wake`."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self.has(first, last):
+                if abort is not None and abort():
+                    return False
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
                 self._cond.wait(remaining)
         return True
+
+    def wake(self) -> None:
+        """Wake every waiter so it checks its ``abort`` (call after making it true)."""
+        with self._cond:
+            self._cond.notify_all()
 
     @property
     def complete(self) -> bool:

@@ -14,6 +14,7 @@ from holder_process import pattern
 
 import fabric
 from fabric.fetch import Source
+from fabric.progress import ChunkProgress
 from fabric.transports import (
     ReadRefusedError,
     ReadServer,
@@ -203,6 +204,37 @@ def test_retract_refuses_new_reads_and_waits_for_shm_leases():
             assert server.regions() == []
         finally:
             tcp.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_retract_answers_reads_waiting_for_chunks_at_once(kind):
+    """A read blocked on a partial replica's missing chunk learns of a retract at once
+    (NOT_FOUND: the reader moves to another source), and retract does not wait for it."""
+    with ReadServer() as server:
+        server.expose("v1", pattern(4 * CHUNK), chunk_size=CHUNK,
+                      progress=ChunkProgress(4))
+        transport = TcpTransport() if kind == "tcp" else ShmTransport()
+        got: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                transport.read(server.address, "v1", 0, torch.empty(CHUNK, dtype=torch.uint8),
+                               timeout=20)
+            except Exception as exc:
+                got.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        try:
+            reader.start()
+            time.sleep(0.3)                         # now waiting for chunk 0 on the server
+            start = time.monotonic()
+            assert server.retract("v1", timeout=20) is True
+            reader.join(20)
+            assert time.monotonic() - start < 5
+            assert len(got) == 1 and isinstance(got[0], ReadRefusedError)
+            assert "NOT_FOUND" in str(got[0]) and "retracted" in str(got[0])
+        finally:
+            transport.close()
 
 
 def test_bytes_served_counts_egress(holder):

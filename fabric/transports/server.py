@@ -102,14 +102,16 @@ class ReadServer:
     def retract(self, name: str, *, timeout: float = 30.0) -> bool:
         """Stop serving `name`; wait up to `timeout` s for reads in flight to finish.
 
-        New reads are refused at once. Returns True when no read was left in flight
-        (the memory may be reused), False if the wait timed out.
+        New reads are refused at once, and reads waiting for chunks of it are answered
+        `NOT_FOUND` at once. Returns True when no read was left in flight (the memory
+        may be reused), False if the wait timed out.
         """
         with self._lock:
             region = self._regions.get(name)
             if region is None:
                 return True
             region.retracting = True
+        region.progress.wake()
         with region.drained:
             done = region.drained.wait_for(lambda: region.inflight == 0, timeout)
         if done:
@@ -209,7 +211,12 @@ class ReadServer:
                 chunk = region.chunk_size
                 first, last = offset // chunk, (offset + nbytes - 1) // chunk
                 needed = first if prefix else last
-                if not region.progress.wait(first, needed, timeout):
+                if not region.progress.wait(first, needed, timeout,
+                                            abort=lambda: region.retracting):
+                    if region.retracting:
+                        self._reply(conn, Status.NOT_FOUND, f"region {name!r} was retracted "
+                                    "while this read waited for its chunks")
+                        return None
                     self._reply(conn, Status.NOT_READY,
                                 f"chunks {first}..{needed} of {name!r} not present after {timeout:g} s")
                     return None
