@@ -159,7 +159,12 @@ def test_single_pe_allocate_attach_get_from_self_and_signals():
         assert torch.equal(dst.data[:layout.nbytes], src.data[:layout.nbytes])
         for name, p in params:
             assert torch.equal(p.detach(), weights[name])
+        # this PE's own copy is the data itself (no extra reference that would make
+        # the collective free skip the real free)
+        assert src.peer_data(0).data_ptr() == src.data.data_ptr()
         assert server.retract("v1", timeout=5)
+        rt.free_region("v1-copy")
+        assert "v1-copy" not in rt.regions
     finally:
         if transport is not None:
             transport.close()

@@ -163,10 +163,14 @@ class SymmetricRegion:
         """PE ``pe``'s copy of the data as a tensor this process can load from directly
         (same node, NVLink or PCIe peer access): ``nvshmem.core.get_peer_tensor``.
         Kernels may read it (e.g. `fabric.direct_read.run_direct`) once the peer's flags
-        say the chunks are present."""
+        say the chunks are present. This PE's own copy is `data` itself."""
         import nvshmem.core as nvshmem
 
-        with RMA_LOCK:
+        with RMA_LOCK, torch.cuda.device(self.data.device):
+            if pe == nvshmem.my_pe():
+                # nvshmem4py would hand back the allocation itself with one more
+                # reference, and this PE's collective free would then skip the real free
+                return self.data
             return nvshmem.get_peer_tensor(self.data, pe)
 
     def peer_flags(self, pe: int, stream: torch.cuda.Stream) -> torch.Tensor:
@@ -174,7 +178,9 @@ class SymmetricRegion:
         import nvshmem.core as nvshmem
 
         n = 8 * self.num_chunks
-        with RMA_LOCK:  # also keeps the scratch to one reader at a time
+        # the lock also keeps the scratch to one reader at a time; NVSHMEM calls run in
+        # the current CUDA context, which on another thread may be another device's
+        with RMA_LOCK, torch.cuda.device(self.flags.device):
             nvshmem.get(_buffer(self.peer_scratch.data_ptr(), n), _buffer(self.flags.data_ptr(), n),
                         remote_pe=pe, stream=nvshmem.NvshmemStream(stream))
             stream.synchronize()
@@ -213,7 +219,7 @@ class SymmetricProgress(ChunkProgress):
         import nvshmem.core as nvshmem
 
         stream = stream or torch.cuda.current_stream(self.region.flags.device)
-        with RMA_LOCK:
+        with RMA_LOCK, torch.cuda.device(self.region.flags.device):
             nvshmem.signal_op(self.region.flag_buffer(chunk), 1, nvshmem.SignalOp.SIGNAL_SET,
                               remote_pe=nvshmem.my_pe(), stream=nvshmem.NvshmemStream(stream))
         stream.synchronize()
@@ -253,13 +259,17 @@ class NvshmemRuntime:
         import nvshmem.core as nvshmem
 
         num_chunks = -(-nbytes // chunk_size)
-        data = self.registry.allocate(f"{name}/data", nbytes)
-        flags = self.registry.allocate(f"{name}/flags", 8 * num_chunks).view(torch.int64)
-        scratch = self.registry.allocate(f"{name}/scratch", 8 * num_chunks).view(torch.int64)
-        flags.zero_()
-        torch.cuda.current_stream().synchronize()
-        nvshmem.barrier_all(stream=nvshmem.NvshmemStream(torch.cuda.current_stream()))
-        torch.cuda.current_stream().synchronize()
+        # NVSHMEM calls run in the current CUDA context, which on another thread than
+        # the one that called `start` may be another device's
+        with torch.cuda.device(self.device):
+            data = self.registry.allocate(f"{name}/data", nbytes)
+            flags = self.registry.allocate(f"{name}/flags", 8 * num_chunks).view(torch.int64)
+            scratch = self.registry.allocate(f"{name}/scratch", 8 * num_chunks).view(torch.int64)
+            stream = torch.cuda.current_stream(self.device)
+            flags.zero_()
+            stream.synchronize()
+            nvshmem.barrier_all(stream=nvshmem.NvshmemStream(stream))
+            stream.synchronize()
         region = SymmetricRegion(name, data, flags, scratch, chunk_size)
         self.regions[name] = region
         return region
@@ -271,14 +281,16 @@ class NvshmemRuntime:
     def free_region(self, name: str) -> None:
         """Collective: free region ``name`` (same point on every PE)."""
         self.regions.pop(name)
-        for part in ("scratch", "flags", "data"):
-            self.registry.free(f"{name}/{part}")
+        with torch.cuda.device(self.device):
+            for part in ("scratch", "flags", "data"):
+                self.registry.free(f"{name}/{part}")
 
     def close(self) -> None:
         """Free everything in reverse allocation order, then ``finalize``."""
         import nvshmem.core as nvshmem
 
-        torch.cuda.synchronize()
-        self.regions.clear()
-        self.registry.close()
-        nvshmem.finalize()
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            self.regions.clear()
+            self.registry.close()
+            nvshmem.finalize()

@@ -1,10 +1,12 @@
 """What GPU machinery this process can use, and why not: one function, never raises.
 
-`probe` checks, in order, CUDA (torch sees a device and ``cuda.core`` can open it),
-NVSHMEM (``nvshmem4py`` imports and its host library loads; a full ``init`` is a
-collective, so it is left to the caller), peer access between the visible GPUs,
-and whether an MPS control daemon is running. Each check carries the reason when
-it fails, e.g. ``cuda.core.Device(0) raised DynamicLibNotFoundError: ...``.
+`probe` checks, in order, CUDA (torch sees a device and ``cuda.bindings``, which
+the CUDA IPC transport calls, counts it too), NVSHMEM (``nvshmem4py`` and
+``cuda.core`` import, ``cuda.core`` opens the device and the host library loads; a
+full ``init`` is a collective, so it is left to the caller), peer access between
+the visible GPUs, and whether an MPS control daemon is running. Each check carries
+the reason when it fails, e.g. ``cuda.core.Device(0) raised
+DynamicLibNotFoundError: ...``.
 `missing` turns a probe into a pytest skip reason.
 """
 
@@ -30,8 +32,8 @@ class GpuProbe:
     """The result of `probe`.
 
     Attributes:
-        cuda: torch.cuda and cuda-python usable with at least one device.
-        nvshmem: nvshmem4py importable and its host library loadable.
+        cuda: torch.cuda and cuda-bindings usable with at least one device.
+        nvshmem: nvshmem4py and cuda.core importable, the host library loadable.
         peer: every pair of visible GPUs can access each other's memory.
         mps: an MPS control daemon is running.
         devices: UUIDs of the visible GPUs (normalised, see `normalise_uuid`).
@@ -92,6 +94,22 @@ def _check_torch_cuda() -> tuple[str | None, tuple[str, ...]]:
         return f"torch.cuda raised {_describe(exc)}", ()
 
 
+def _check_cuda_bindings() -> str | None:
+    try:
+        from cuda.bindings import runtime
+    except Exception as exc:  # noqa: BLE001
+        return f"import cuda.bindings raised {_describe(exc)} (install the gpu extra)"
+    try:
+        err, count = runtime.cudaGetDeviceCount()
+    except Exception as exc:  # noqa: BLE001
+        return f"cuda.bindings cudaGetDeviceCount raised {_describe(exc)}"
+    if int(err) != 0:
+        return f"cuda.bindings cudaGetDeviceCount failed: {err!r}"
+    if count < 1:
+        return "cuda.bindings sees no CUDA device"
+    return None
+
+
 def _check_cuda_core() -> str | None:
     try:
         from cuda.core import Device
@@ -106,7 +124,7 @@ def _check_cuda_core() -> str | None:
 
 def _check_cuda() -> tuple[Check, tuple[str, ...]]:
     torch_problem, uuids = _check_torch_cuda()
-    problems = [p for p in (torch_problem, _check_cuda_core()) if p]
+    problems = [p for p in (torch_problem, _check_cuda_bindings()) if p]
     if problems:
         return Check(False, "; ".join(problems)), uuids
     return Check(True, f"{len(uuids)} device(s)"), uuids
@@ -119,6 +137,9 @@ def _check_nvshmem(cuda: Check) -> Check:
         return Check(False, f"import nvshmem.core raised {_describe(exc)} (install the gpu extra)")
     if not cuda.ok:
         return Check(False, f"nvshmem4py imports but needs CUDA ({cuda.reason})")
+    core_problem = _check_cuda_core()
+    if core_problem:
+        return Check(False, core_problem)
     try:
         version = nvshmem.get_version()
     except Exception as exc:  # noqa: BLE001

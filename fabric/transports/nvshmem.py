@@ -85,7 +85,7 @@ class NvshmemTransport(client.ServerTransport):
                 if offset < 0 or offset + n > local.data.numel():
                     raise ReadRefusedError(f"read [{offset}, {offset + n}) outside symmetric "
                                            f"region {local.name!r} of {local.data.numel()} bytes")
-                with RMA_LOCK:
+                with RMA_LOCK, torch.cuda.device(self.runtime.device):
                     stream = nvshmem.NvshmemStream(self._stream)
                     self._stream.wait_stream(torch.cuda.current_stream(out.device))
                     try:

@@ -11,9 +11,9 @@
 # Wheels from tools/gpu/fetch_wheels.sh are installed from .whl/ when present. Each
 # step's full output (the JSON of a --json bench included) goes to $OUT/<step>.log;
 # the tail of each is printed, and a table of exit codes comes last. The device tool
-# brings back at most 8 files per call: run one phase per call. The step limits of
-# tests and bench2 add up to less than the 600 s one call may take (a call cut off
-# in an MPS step would lose the summary); bench's runs are slow rather than stuck.
+# brings back at most 8 files per call: run one phase per call. Each phase's step
+# limits, plus 10 s of kill grace per step and the MPS start and stop, stay under the
+# 600 s one call may take (a call cut off would lose the summary).
 set -u
 OUT=${OUT:-/tmp/weightfabric-gpu}
 mkdir -p "$OUT"
@@ -51,42 +51,55 @@ mps_off() {  # stop the daemon (one a killed earlier phase left behind too) and 
     for _ in $(seq 20); do pgrep -x nvidia-cuda-mps-control >/dev/null || return 0; sleep 0.5; done
 }
 
+VERSIONS='
+import importlib.metadata as md
+for dist in ("torch", "triton", "numpy", "cuda-bindings", "cuda-core", "nvshmem4py-cu13",
+             "nvidia-nvshmem-cu13"):
+    try:
+        print(dist, md.version(dist))
+    except md.PackageNotFoundError:
+        print(dist, "not installed")
+import nvshmem.core
+print(nvshmem.core.get_version())
+'
+
 check() {
     step nvidia-smi 30 nvidia-smi
     step topo-m 30 nvidia-smi topo -m
     step probe 60 python3 -c "from fabric.gpu import probe; print(probe())"
+    step versions 60 python3 -c "$VERSIONS"
     step aot-sm90 300 env TRITON_INTERPRET=0 python3 -m kernels.aot
     step discover 60 "${FABRIC[@]}" topo discover -o "$OUT/discovered.yaml"
 }
 
 tests() {
-    step gpu-tests 300 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
+    step gpu-tests 280 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
         tests/test_gpu_probe.py tests/test_gpu_uid.py tests/test_gpu_nvshmem.py \
         tests/test_gpu_ipc.py tests/test_gpu_staging.py tests/test_gpu_store.py \
         tests/test_gpu_api.py
     mps_on
-    step mps-two-pes 270 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
+    step mps-two-pes 250 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
         tests/test_gpu_nvshmem.py -k two_pes
     mps_off
 }
 
-bench() {  # the step limits add up to 590 s; only the 64MiB run repeats the extra sections
-    step fetch-cuda-64MiB 180 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
+bench() {  # the step limits add up to 535 s; only the 64MiB run repeats the extra sections
+    step fetch-cuda-64MiB 165 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
         --size 4GB --chunk-size 64MiB --max-inflight 8 --versions 2 --json
     # 16MiB chunks read one per lease, then in spans of 256MiB (one lease each)
     for span in 16MiB 256MiB; do
-        step "fetch-cuda-16MiB-reads-$span" 135 "${FABRIC[@]}" bench fetch --device cuda \
+        step "fetch-cuda-16MiB-reads-$span" 120 "${FABRIC[@]}" bench fetch --device cuda \
             --readers 1 --size 2GB --chunk-size 16MiB --read-bytes "$span" --max-inflight 8 \
             --versions 2 --nvshmem-pes 0 --json
     done
-    step fetch-cuda-2-readers 140 "${FABRIC[@]}" bench fetch --device cuda --readers 2 \
+    step fetch-cuda-2-readers 130 "${FABRIC[@]}" bench fetch --device cuda --readers 2 \
         --size 2GB --chunk-size 64MiB --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
 }
 
 bench2() {
-    step kernels-cuda 300 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json
+    step kernels-cuda 280 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json
     mps_on
-    step fetch-cuda-nvshmem-2pes 270 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
+    step fetch-cuda-nvshmem-2pes 250 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
         --size 2GB --chunk-size 64MiB --versions 2 --nvshmem-pes 2 --no-baselines --json
     mps_off
 }
