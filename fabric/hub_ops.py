@@ -296,4 +296,9 @@ OPS: dict[str, Callable[[HubState, str, dict[str, Any]], dict[str, Any] | Park]]
     name[3:]: fn for name, fn in globals().items() if name.startswith("op_")
 }
 
-__all__ = ["MAX_WAIT_S", "OPS", "Park"]
+# Operations that change nothing a retry could see twice: the hub does not keep their
+# replies for retries (a retried one runs again and answers from the current state).
+READ_ONLY = frozenset({"group_status", "kv_get", "latest", "locate", "ping", "retract_status",
+                       "status", "wait_version"})
+
+__all__ = ["MAX_WAIT_S", "OPS", "READ_ONLY", "Park"]
