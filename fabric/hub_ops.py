@@ -185,7 +185,8 @@ def op_locate(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
 
 def op_plan(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
     return s.plan(_arg(a, "fetch_id", str), _worker(a), session=session,
-                  chunks=_ints(a, "chunks"), exclude=_strs(a, "exclude"))
+                  chunks=_ints(a, "chunks"), exclude=_strs(a, "exclude"),
+                  with_manifest=_arg(a, "with_manifest", bool, True))
 
 
 def op_report_progress(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:

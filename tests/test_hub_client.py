@@ -350,6 +350,17 @@ def test_reply_cache_stays_under_its_byte_budget(hub, clients, monkeypatch) -> N
     assert 0 < held <= budget and hub._replies_size == held
 
 
+def test_replan_reuses_the_manifest_from_begin_fetch(hub, clients) -> None:
+    t, r = clients("trainer"), clients("r")
+    v = publish(t, num_chunks=4096)
+    plan = r.begin_fetch("policy", v)
+    before = set(hub._replies)
+    again = r.replan(plan.fetch_id)
+    assert again.manifest == plan.manifest and again.ranges == plan.ranges
+    [reply] = [data for key, data in hub._replies.items() if key not in before]
+    assert len(reply) < 1024                   # the manifest alone is ~12 KiB
+
+
 def test_replies_of_read_only_operations_are_not_cached(hub, clients) -> None:
     t, r = clients("trainer"), clients("r")
     v = publish(t)
