@@ -539,7 +539,7 @@ class HubClient:
 
         Raises:
             ValueTooLargeError: ``value`` or ``key`` over the limit (or the hub is full).
-            BadRequestError: empty key or non-positive ``ttl``.
+            BadRequestError: empty key, or a ``ttl`` that is not a finite number > 0.
             TypeError: ``value`` is not bytes.
             HubTimeoutError: the hub did not answer.
 

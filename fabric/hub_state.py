@@ -678,7 +678,8 @@ class HubState:
         Raises:
             ValueTooLargeError: the key or value is over its limit, or the hub already
                 holds `MAX_KV_KEYS` keys.
-            ValueError: empty key or a ``ttl`` that is not positive.
+            BadRequestError: a ``ttl`` that is not a finite number > 0 (NaN, inf).
+            ValueError: empty key.
         """
         self.kv.put(key, value, ttl=ttl)
         self._touch()
