@@ -77,10 +77,13 @@ class FetchPlan:
     workers: dict[str, SourceInfo]
 
     @classmethod
-    def from_wire(cls, raw: dict[str, Any]) -> FetchPlan:
-        """Build from the hub's reply to ``begin_fetch`` or ``plan``."""
+    def from_wire(cls, raw: dict[str, Any], manifest: Manifest | None = None) -> FetchPlan:
+        """Build from the hub's reply to ``begin_fetch`` or ``plan`` (``manifest``: the
+        one the reader kept, for a reply without it)."""
+        if manifest is None:
+            manifest = Manifest.from_wire(raw["manifest"])
         return cls(raw["fetch_id"], raw["model"], raw["version"], raw["shard"],
-                   raw["num_shards"], Manifest.from_wire(raw["manifest"]),
+                   raw["num_shards"], manifest,
                    tuple(PlanRange(r["start"], r["stop"], tuple(r["sources"]), tuple(r["wait"]))
                          for r in raw["ranges"]),
                    {w: SourceInfo(w, Location.from_wire(i["location"]), i["endpoints"],
@@ -390,8 +393,12 @@ class HubClient:
                exclude: list[str] | None = None) -> FetchPlan:
         """New sources for the chunks still missing (or ``chunks``), avoiding ``exclude``."""
         self.lost.pop(fetch_id, None)
-        return FetchPlan.from_wire(self.call("plan", self._w(fetch_id=fetch_id, chunks=chunks,
-                                                            exclude=exclude)))
+        with self._lock:      # kept from begin_fetch: the hub need not send it again
+            kept = next((h.manifest for h in self._holdings.values()
+                         if h.fetch_id == fetch_id), None)
+        raw = self.call("plan", self._w(fetch_id=fetch_id, chunks=chunks, exclude=exclude,
+                                        with_manifest=kept is None))
+        return FetchPlan.from_wire(raw, kept)
 
     def report_progress(self, fetch_id: str, chunks: list[int], *,
                         sources: list[str] | None = None) -> dict[str, Any]:
@@ -532,7 +539,7 @@ class HubClient:
 
         Raises:
             ValueTooLargeError: ``value`` or ``key`` over the limit (or the hub is full).
-            BadRequestError: empty key or non-positive ``ttl``.
+            BadRequestError: empty key, or a ``ttl`` that is not a finite number > 0.
             TypeError: ``value`` is not bytes.
             HubTimeoutError: the hub did not answer.
 

@@ -2,15 +2,17 @@
 
 Soft state owned by `fabric.hub_state.HubState` (``HubState.kv``), which wraps
 `KvStore.put`/`KvStore.get` as the ``kv_put``/``kv_get`` operations. Expiry is
-lazy: a heap of ttl deadlines is drained on every put and by the hub's timer.
+lazy: a heap of ttl deadlines is drained on every put and by the hub's timer, and
+rebuilt from the live keys when overwrites leave it over twice their number.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 
-from fabric.errors import ValueTooLargeError
+from fabric.errors import BadRequestError, ValueTooLargeError
 
 MAX_KV_VALUE = 64 * 1024
 MAX_KV_KEY = 256
@@ -40,8 +42,9 @@ class KvStore:
             raise ValueTooLargeError(f"value for key {key!r} is {len(value)} bytes, over the "
                                      f"{MAX_KV_VALUE}-byte limit; the rendezvous store is for "
                                      "small handshakes (ids, addresses), not data")
-        if ttl is not None and not ttl > 0:
-            raise ValueError(f"ttl must be > 0 seconds or None, got {ttl}")
+        if ttl is not None and not 0 < ttl < math.inf:     # refuses NaN too
+            raise BadRequestError(f"ttl must be a finite number of seconds > 0, or None (kept "
+                                  f"while the hub runs), got {ttl}")
         if key not in self._items and len(self._items) >= MAX_KV_KEYS:
             raise ValueTooLargeError(f"the hub already holds {MAX_KV_KEYS} rendezvous keys; "
                                      "use a ttl so old keys vanish")
@@ -49,6 +52,9 @@ class KvStore:
         self._items[key] = (bytes(value), expires)
         if expires is not None:
             heapq.heappush(self._ttl, (expires, key))
+            if len(self._ttl) > 2 * len(self._items) + 64:    # overwritten keys' old entries
+                self._ttl = [(e, k) for k, (_, e) in self._items.items() if e is not None]
+                heapq.heapify(self._ttl)
 
     def get(self, key: str) -> bytes | None:
         """The value under ``key``, or None when absent or expired; see `HubState.kv_get`."""

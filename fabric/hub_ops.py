@@ -185,7 +185,8 @@ def op_locate(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
 
 def op_plan(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
     return s.plan(_arg(a, "fetch_id", str), _worker(a), session=session,
-                  chunks=_ints(a, "chunks"), exclude=_strs(a, "exclude"))
+                  chunks=_ints(a, "chunks"), exclude=_strs(a, "exclude"),
+                  with_manifest=_arg(a, "with_manifest", bool, True))
 
 
 def op_report_progress(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
@@ -296,4 +297,9 @@ OPS: dict[str, Callable[[HubState, str, dict[str, Any]], dict[str, Any] | Park]]
     name[3:]: fn for name, fn in globals().items() if name.startswith("op_")
 }
 
-__all__ = ["MAX_WAIT_S", "OPS", "Park"]
+# Operations that change nothing a retry could see twice: the hub does not keep their
+# replies for retries (a retried one runs again and answers from the current state).
+READ_ONLY = frozenset({"group_status", "kv_get", "latest", "locate", "ping", "retract_status",
+                       "status", "wait_version"})
+
+__all__ = ["MAX_WAIT_S", "OPS", "READ_ONLY", "Park"]

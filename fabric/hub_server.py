@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 
 from fabric.errors import BadRequestError, HubError, ProtocolError
-from fabric.hub_ops import OPS, Park
+from fabric.hub_ops import OPS, READ_ONLY, Park
 from fabric.hub_persist import load_state, save_state
 from fabric.hub_state import DEFAULT_LEASE_S, HubState
 from fabric.locality import RankSources, rank_by_locality
@@ -37,7 +37,8 @@ from fabric.zmq_util import endpoint, make_socket, url_of
 log = logging.getLogger("fabric.hub")
 
 TICK_S = 0.05
-REPLY_CACHE_SIZE = 65_536
+REPLY_CACHE_SIZE = 65_536            # replies kept for retries: at most this many
+REPLY_CACHE_BYTES = 256 * 1024 ** 2  # and at most this many bytes, oldest out first
 
 
 @dataclass
@@ -47,6 +48,7 @@ class _Parked:
     session: str
     park: Park
     deadline: float
+    cache: bool
 
 
 class HubServer:
@@ -91,6 +93,7 @@ class HubServer:
         self._saved_generation = self.state.durable_generation
         self._failed_generation = -1
         self._replies: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._replies_size = 0    # bytes in self._replies
         self._parked: dict[tuple[str, int], _Parked] = {}
         self._seen_generation = -1
         self._stop = threading.Event()
@@ -200,30 +203,32 @@ class HubServer:
             self._parked[key].ident = ident
             return
         fn = OPS.get(msg.name)
+        cache = msg.name not in READ_ONLY
         try:
             if fn is None:
                 raise BadRequestError(f"unknown operation {msg.name!r}; is the client newer "
                                       "than the hub?")
             result = fn(self.state, msg.tag, msg.body)
         except HubError as exc:
-            self._finish(ident, key, self._error_bytes(msg.req_id, exc))
+            self._finish(ident, key, self._error_bytes(msg.req_id, exc), cache=cache)
             return
         except (ValueError, TypeError, KeyError) as exc:
             self._finish(ident, key, self._error_bytes(msg.req_id, BadRequestError(
-                f"{msg.name}: {exc}")))
+                f"{msg.name}: {exc}")), cache=cache)
             return
         except Exception as exc:  # a bug must not take the hub down for everyone
             log.exception("operation %s failed", msg.name)
             self._finish(ident, key, self._error_bytes(msg.req_id, HubError(
-                f"internal hub error in {msg.name}: {exc!r}")))
+                f"internal hub error in {msg.name}: {exc!r}")), cache=cache)
             return
         if isinstance(result, Park):
             self._parked[key] = _Parked(ident, msg.req_id, msg.tag, result,
-                                        self.clock() + result.timeout)
+                                        self.clock() + result.timeout, cache)
             return
-        self._finish(ident, key, self._reply_bytes(msg.req_id, result))
+        self._finish(ident, key, self._reply_bytes(msg.req_id, result), cache=cache)
 
-    def _finish(self, ident: bytes, key: tuple[str, int], data: bytes) -> None:
+    def _finish(self, ident: bytes, key: tuple[str, int], data: bytes, *, cache: bool) -> None:
+        """Persist, send the reply, and keep it for retries unless ``cache`` is false."""
         try:
             self._persist()
         except Exception as exc:  # answer anyway: the caller must not wait for nothing
@@ -231,10 +236,18 @@ class HubServer:
             data = self._error_bytes(key[1], HubError(
                 f"internal hub error: could not save the hub state ({exc!r}); the operation "
                 "may have taken effect in memory only; check the hub's log and state dir"))
-        self._replies[key] = data
-        if len(self._replies) > REPLY_CACHE_SIZE:
-            self._replies.popitem(last=False)
+        if cache:
+            self._remember(key, data)
         self._send(ident, data)
+
+    def _remember(self, key: tuple[str, int], data: bytes) -> None:
+        """Keep a reply for retries of its request; the oldest go first beyond
+        `REPLY_CACHE_SIZE` replies or `REPLY_CACHE_BYTES` bytes."""
+        self._replies[key] = data
+        self._replies_size += len(data)
+        while (len(self._replies) > REPLY_CACHE_SIZE
+               or self._replies_size > REPLY_CACHE_BYTES):
+            self._replies_size -= len(self._replies.popitem(last=False)[1])
 
     def _wake_parked(self) -> None:
         if not self._parked:
@@ -249,13 +262,13 @@ class HubServer:
                     body = p.park.check()
                 except HubError as exc:
                     del self._parked[key]
-                    self._finish(p.ident, key, self._error_bytes(p.req_id, exc))
+                    self._finish(p.ident, key, self._error_bytes(p.req_id, exc), cache=p.cache)
                     continue
             if body is None and now >= p.deadline:
                 body = p.park.on_timeout()
             if body is not None:
                 del self._parked[key]
-                self._finish(p.ident, key, self._reply_bytes(p.req_id, body))
+                self._finish(p.ident, key, self._reply_bytes(p.req_id, body), cache=p.cache)
 
     def _persist(self) -> None:
         """Save the durable state if it changed.

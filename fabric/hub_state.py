@@ -438,18 +438,21 @@ class HubState:
             raise
 
     def plan(self, fetch_id: str, worker: str, *, session: str,
-             chunks: list[int] | None = None, exclude: list[str] | None = None
-             ) -> dict[str, Any]:
+             chunks: list[int] | None = None, exclude: list[str] | None = None,
+             with_manifest: bool = True) -> dict[str, Any]:
         """(Re)plan a fetch: ranked sources for each chunk range the reader still needs.
 
         Args:
             chunks: the chunks to plan (default: those the reader has not reported).
             exclude: workers the reader failed to read from; not named again in this plan.
+            with_manifest: include the manifest (a reader that kept it from `begin_fetch`
+                asks without: it is one checksum per chunk, megabytes for a big shard).
 
         Returns:
             ``{"fetch_id", "model", "version", "shard", "num_shards", "manifest",
-            "ranges": [{"start", "stop", "sources": [worker...], "wait": [worker...]}],
-            "workers": {worker: {"location", "endpoints", "complete"}}}`` — chunks
+            "fingerprint", "ranges": [{"start", "stop", "sources": [worker...],
+            "wait": [worker...]}], "workers": {worker: {"location", "endpoints",
+            "complete"}}}`` (``manifest`` only ``with_manifest``) — chunks
             ``start..stop-1`` can be read from any of ``sources`` (best first; each has
             them now); ``wait`` names partial replicas ranked better than every source
             that do not have them yet and began fetching before this reader (so waits
@@ -478,15 +481,17 @@ class HubState:
         self._index.set_sources(f, (f.sources - banned) | named)
         if self._index.pending_retracts:          # an excluded retracting source may be done
             self._settle()
-        return {
+        out = {
             "fetch_id": f.fetch_id, "model": f.model, "version": f.version, "shard": f.shard,
-            "num_shards": v.num_shards, "manifest": manifest.to_wire(),
-            "fingerprint": manifest.fingerprint, "ranges": ranges,
+            "num_shards": v.num_shards, "fingerprint": manifest.fingerprint, "ranges": ranges,
             "workers": {w: {"location": self.workers[w].location.to_wire(),
                             "endpoints": self.workers[w].endpoints,
                             "complete": v.replicas[(w, f.shard)].complete}
                         for w in sorted(named)},
         }
+        if with_manifest:
+            out["manifest"] = manifest.to_wire()
+        return out
 
     def report_progress(self, fetch_id: str, worker: str, *, session: str,
                         chunks: list[int], sources: list[str] | None = None
@@ -673,7 +678,8 @@ class HubState:
         Raises:
             ValueTooLargeError: the key or value is over its limit, or the hub already
                 holds `MAX_KV_KEYS` keys.
-            ValueError: empty key or a ``ttl`` that is not positive.
+            BadRequestError: a ``ttl`` that is not a finite number > 0 (NaN, inf).
+            ValueError: empty key.
         """
         self.kv.put(key, value, ttl=ttl)
         self._touch()

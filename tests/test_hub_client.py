@@ -10,6 +10,7 @@ import pytest
 from hub_helpers import FakeClock, OffsetClock, small_manifest
 
 import fabric
+from fabric import hub_server
 from fabric.errors import (
     DuplicateWorkerError,
     GroupAbortedError,
@@ -335,3 +336,41 @@ def test_dropped_model_is_not_restored_after_a_hub_restart(clock) -> None:
             assert "policy" not in obs.status()["models"]
     finally:
         hub.stop()
+
+
+def test_reply_cache_stays_under_its_byte_budget(hub, clients, monkeypatch) -> None:
+    budget = 64 * 1024
+    monkeypatch.setattr(hub_server, "REPLY_CACHE_BYTES", budget)
+    t, r = clients("trainer"), clients("r")
+    v = publish(t, num_chunks=4096)
+    plan = r.begin_fetch("policy", v)
+    for _ in range(40):         # plans that carry the manifest (~12 KiB each)
+        assert "manifest" in r.call("plan", {"worker": "r", "fetch_id": plan.fetch_id})
+    held = sum(map(len, hub._replies.values()))
+    assert 0 < held <= budget and hub._replies_size == held
+
+
+def test_replan_reuses_the_manifest_from_begin_fetch(hub, clients) -> None:
+    t, r = clients("trainer"), clients("r")
+    v = publish(t, num_chunks=4096)
+    plan = r.begin_fetch("policy", v)
+    before = set(hub._replies)
+    again = r.replan(plan.fetch_id)
+    assert again.manifest == plan.manifest and again.ranges == plan.ranges
+    [reply] = [data for key, data in hub._replies.items() if key not in before]
+    assert len(reply) < 1024                   # the manifest alone is ~12 KiB
+
+
+def test_replies_of_read_only_operations_are_not_cached(hub, clients) -> None:
+    t, r = clients("trainer"), clients("r")
+    v = publish(t)
+    r.kv_put("k", b"v")
+    r.call("complete_fetch", {"worker": "r", "fetch_id": r.begin_fetch("policy", v).fetch_id})
+    cached = len(hub._replies)
+    assert r.latest("policy") == v and r.locate("policy")["version"] == v
+    assert r.wait_version("policy", timeout=0) == v and r.kv_get("k", timeout=0) == b"v"
+    assert t.retract_status("policy", v) == "live" and r.status()["models"]
+    assert r.call("ping", {}) == {"pong": True}
+    with pytest.raises(UnknownFetchError):
+        r.group_status("policy", "nope")
+    assert len(hub._replies) == cached

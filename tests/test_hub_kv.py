@@ -8,10 +8,11 @@ import threading
 import time
 
 import pytest
-from hub_helpers import OffsetClock
+from hub_helpers import FakeClock, OffsetClock
 
 import fabric
 from fabric.errors import BadRequestError, HubTimeoutError, ValueTooLargeError
+from fabric.hub_kv import KvStore
 from fabric.hub_state import MAX_KV_VALUE, HubState
 
 _names = itertools.count()
@@ -128,6 +129,30 @@ def test_kv_state_ttl_heap_drops_only_expired_versions_of_a_key() -> None:
     now[0] = 11
     s.expire()
     assert s.kv_get("k") is None and not s.kv
+
+
+def test_kv_ttl_heap_stays_bounded_when_a_key_is_overwritten_often() -> None:
+    clock = FakeClock()
+    kv = KvStore(clock)
+    kv.put("forever", b"x")
+    for i in range(10_000):
+        kv.put("job-7/leader", b"%d" % i, ttl=3600)
+        kv.put(f"short-{i % 8}", b"s", ttl=1 + i % 3)
+        clock.advance(0.001)
+        assert len(kv._ttl) <= 2 * len(kv) + 64
+    assert kv.get("job-7/leader") == b"9999" and len(kv) == 10
+    clock.advance(3600)
+    kv.expire()
+    assert len(kv) == 1 and kv.get("forever") == b"x" and not kv._ttl
+
+
+@pytest.mark.parametrize("ttl", [math.nan, math.inf, -math.inf, -1.0, 0])
+def test_kv_ttl_must_be_finite_and_positive(clients, ttl) -> None:
+    c = clients()
+    with pytest.raises(BadRequestError, match="finite"):
+        c.kv_put("k", b"v", ttl=ttl)
+    with pytest.raises(HubTimeoutError):
+        c.kv_get("k", timeout=0)            # nothing stored
 
 
 @pytest.mark.parametrize("op,args", [("kv_get", {"key": "never"}),
