@@ -42,7 +42,7 @@ from typing import Protocol
 
 import torch
 
-from fabric.errors import FabricError, ReadRefusedError, TransportError
+from fabric.errors import FabricError, TransportError
 from fabric.progress import ChunkProgress
 from fabric.transports import ReadAbort, SourceAddress, Transport, local_host_id
 
@@ -166,8 +166,9 @@ class FetchOptions:
     chunk per read."""
     read_timeout: float = 30.0
     """Longest wait for one read (a partial source may still be fetching its chunks),
-    and never beyond the deadline. A source that does not answer in time counts as
-    failed and its chunks are re-planned without it."""
+    and never beyond the deadline. A source that does not answer in time, or a partial
+    one that did not get the chunk in time, counts as failed and its chunks are
+    re-planned without it."""
     deadline: float = 600.0
     """Longest the whole fetch may take: past it the fetch raises `FetchError` within
     about `WAIT_SLICE`, aborting the reads still in flight."""
@@ -323,8 +324,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                     stats.chunks_reread += sum(1 for c in read.span if c in attempted)
                     attempted.update(read.span)
                     if read.error is not None:
-                        if not _transient(read.error):
-                            give_up(worker, read.error)
+                        give_up(worker, read.error)
                         continue
                     for chunk in read.span:
                         if chunk in read.corrupted:
@@ -423,11 +423,6 @@ def _no_source_left(missing: list[int], failed: dict[str, str],
                      + (f"the sources failed ({why})" if why else "the planner named none")
                      + "; retry once a holder is reachable again, or fetch another version")
     return FetchError(". ".join(parts))
-
-
-def _transient(error: str) -> bool:
-    """A partial source that did not have the chunk in time is slow, not dead."""
-    return error.startswith(ReadRefusedError.__name__) and "NOT_READY" in error
 
 
 def _schedule(assignments: list[Assignment], missing: list[int], avoid: dict[int, set[str]], *,

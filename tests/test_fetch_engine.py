@@ -445,6 +445,22 @@ def test_a_source_reported_lost_is_left_at_once_and_never_writes_again(tcp):
             b.close()
 
 
+def test_a_partial_source_that_does_not_get_the_chunk_in_time_is_replaced(tcp):
+    """NOT_READY from a partial replica the reads wait on fails it for this fetch:
+    the chunks are re-planned on a source that has them."""
+    a, src_a = stalled("a")
+    b, src_b = serve("b", data())
+    with hard_timeout(30):
+        try:
+            dest, _, stats = run(StaticPlanner([src_a, src_b], stripe=1), tcp,
+                                 options=FetchOptions(read_timeout=0.3, deadline=4))
+            assert torch.equal(dest, data())
+            assert stats.failed_sources == ["a"] and stats.sources == {"b": NBYTES}
+        finally:
+            a.close()
+            b.close()
+
+
 def test_a_cancelled_fetch_stops_within_a_wait_slice(tcp):
     a, src_a = stalled("a")
     cancel = threading.Event()

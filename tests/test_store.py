@@ -12,6 +12,7 @@ import pytest
 import torch
 from shm_pages import is_resident, populate_threads
 from test_arena import slow_populate
+from timeouts import hard_timeout
 from torch import nn
 
 import fabric
@@ -28,6 +29,7 @@ from fabric.errors import (
 )
 from fabric.fetch import FetchError, FetchOptions
 from fabric.hub_planner import region_name
+from fabric.progress import ChunkProgress
 from fabric.transports import TcpTransport, client
 from fabric.transports.wire import Op
 
@@ -44,8 +46,8 @@ def hub():
     server = fabric.serve("tcp://127.0.0.1:0", lease_s=5.0)
     workers = []
 
-    def join(name):
-        workers.append(fabric.join(server.url, worker=name, timeout=5))
+    def join(name, location=None):
+        workers.append(fabric.join(server.url, worker=name, timeout=5, location=location))
         return workers[-1]
 
     yield join
@@ -345,6 +347,39 @@ def test_a_fetch_whose_only_holder_is_unreachable_fails_with_fetch_error(hub):
     store = rollout.model("m", chunk_size=CHUNK)
     with pytest.raises(FetchError, match=r"no source left .*trainer: SourceLostError"):
         store.fetch(v1, options=FetchOptions(deadline=20, read_timeout=2))
+
+
+# --- fetches that wait on a partial replica ------------------------------------------------
+
+NEAR, FAR = {"datacenter": "a", "node": "n1"}, {"datacenter": "b", "node": "o"}
+
+
+def begin_stalled_fetch(worker, version: int) -> None:
+    """`worker` (alive) begins fetching `version` of "m" and exposes its partial replica,
+    which never gets a chunk; the hub tells later readers near it to wait on it."""
+    manifest = worker.hub.begin_fetch("m", version).manifest
+    worker.server.expose(region_name("m", version),
+                         torch.zeros(manifest.total_bytes, dtype=torch.uint8),
+                         chunk_size=manifest.chunk_size,
+                         progress=ChunkProgress(manifest.num_chunks))
+
+
+def origin_and_reader(hub) -> tuple[nn.Module, int, fabric.ModelStore]:
+    """A version published far from the reader, and the reader's store of it."""
+    source = net(seed=1)
+    version = hub("origin", FAR).model("m", chunk_size=CHUNK).publish(source)
+    return source, version, hub("reader", NEAR).model("m", chunk_size=CHUNK)
+
+
+def test_a_fetch_falls_back_to_the_origin_when_the_partial_replica_it_waits_on_stalls(hub):
+    source, version, store = origin_and_reader(hub)
+    begin_stalled_fetch(hub("partial", NEAR), version)
+    model = net(seed=9)
+    store.attach(model)
+    with hard_timeout(30):
+        stats = store.fetch(version, options=FetchOptions(read_timeout=0.5, deadline=5))
+    assert stats.failed_sources == ["partial"] and list(stats.sources) == ["origin"]
+    assert same(model, source)
 
 
 def test_devices_are_checked_before_any_memory_is_taken(hub):
