@@ -271,9 +271,10 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
         return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):])
 
-    # Room for reads abandoned while still asking a hung source what it is (`choose`):
-    # they hold a thread until that times out, but never `dest`.
-    pool = ThreadPoolExecutor(max_workers=2 * options.max_inflight, thread_name_prefix="wf-fetch")
+    def new_pool() -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=options.max_inflight, thread_name_prefix="wf-fetch")
+
+    pool = new_pool()
     inflight: dict[Future[_Read], tuple[Source, _Claim]] = {}
     try:
         for _ in range(options.max_rounds):
@@ -312,8 +313,13 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                 for worker in gone - failed.keys():
                     give_up(worker, "lost: the hub dropped it (its lease ran out, or it "
                                     "dropped the model)")
-                _revoke([f for f, (source, _) in inflight.items() if source.worker in gone],
-                        inflight)
+                stale = [f for f, (source, _) in inflight.items() if source.worker in gone]
+                if stale:
+                    _revoke(stale, inflight)
+                    # Their threads may still be asking a hung source what it is (`choose`,
+                    # never touching `dest`): the next reads get threads of their own.
+                    pool.shutdown(wait=False)
+                    pool = new_pool()
                 finished: list[int] = []
                 rests: list[tuple[tuple[int, ...], Source]] = []
                 for future in done:

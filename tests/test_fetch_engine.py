@@ -445,6 +445,35 @@ def test_a_source_reported_lost_is_left_at_once_and_never_writes_again(tcp):
             b.close()
 
 
+def test_reads_left_while_asking_a_lost_source_what_it_is_do_not_hold_up_the_rest(tcp):
+    """Choosing a transport may ask the source first (a same-host lookup): with "a" hung
+    there, its reads are left when it is reported lost, and the re-planned reads of "b"
+    do not wait for the threads still stuck asking."""
+    b, src_b = serve("b", data())
+    hung = Source("a", SourceAddress("127.0.0.1", 1, "elsewhere"), "v1")
+    answer = threading.Event()
+
+    def choose(source: Source) -> TcpTransport:
+        if source.worker == "a":
+            answer.wait(10)
+        return tcp
+
+    planner = LostPlanner([hung, src_b], stripe=1)  # every read goes to "a"
+    dest = torch.zeros(NBYTES, dtype=torch.uint8)
+    with hard_timeout(30):
+        try:
+            threading.Timer(0.3, planner.gone.add, ["a"]).start()
+            start = time.monotonic()
+            stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
+                                 planner=planner, choose=choose,
+                                 options=FetchOptions(read_timeout=5, deadline=4))
+            assert time.monotonic() - start < 1.5
+            assert torch.equal(dest, data()) and stats.sources == {"b": NBYTES}
+        finally:
+            answer.set()
+            b.close()
+
+
 def test_a_partial_source_that_does_not_get_the_chunk_in_time_is_replaced(tcp):
     """NOT_READY from a partial replica the reads wait on fails it for this fetch:
     the chunks are re-planned on a source that has them."""
