@@ -308,8 +308,8 @@ class HubClient:
             log.warning("lease of worker=%s had expired; registering again", self.worker)
             self._register(channel)
             out = self.call("heartbeat", args, channel=channel)
-        for fid, workers in out["lost"].items():
-            self.lost.setdefault(fid, set()).update(workers)
+        for fid, workers in out["lost"].items():  # a new set: fetches read it unlocked
+            self.lost[fid] = self.lost.get(fid, set()) | set(workers)
         self.retired.update((m, v) for m, v in out["retired"])
         return out
 

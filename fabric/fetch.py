@@ -15,6 +15,13 @@ small chunks fast. The source waits only for the span's first chunk and grants
 the run of chunks it has from there (all of them, unless it is a partial replica
 still filling); the rest of the span is asked for again.
 
+The engine waits on its reads in short slices (`WAIT_SLICE`) and between them
+looks at the deadline, at a cancel event, and at the sources the planner heard
+are lost (the hub dropped them): a read from a lost source is abandoned and its
+chunks re-planned at once, without waiting out its timeout. An abandoned read is
+aborted (`ReadAbort`: its sockets are shut down) and never writes into the
+destination again, before its chunks are read elsewhere or the fetch returns.
+
 ::
 
     missing ──plan──► [spans → ranked sources] ──read (N in flight)──► verify
@@ -25,23 +32,28 @@ still filling); the rest of the span is asked for again.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from fabric.errors import FabricError, ReadRefusedError, TransportError
+from fabric.errors import FabricError, TransportError
 from fabric.progress import ChunkProgress
-from fabric.transports import SourceAddress, Transport, local_host_id
+from fabric.transports import ReadAbort, SourceAddress, Transport, local_host_id
 
 log = logging.getLogger(__name__)
 
+WAIT_SLICE = 0.25
+"""Seconds between the engine's looks at the deadline, the cancel event and lost sources."""
+
 
 class FetchError(FabricError):
-    """A fetch could not complete: no source left for some chunks, or out of time."""
+    """A fetch could not complete: no source left for some chunks, out of time, or cancelled."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,11 @@ class FetchPlanner(Protocol):
 
     def report(self, chunks: list[int]) -> None:
         """Chunks now present and verified here (the reader is a partial replica)."""
+
+    def lost(self) -> set[str]:
+        """Workers this fetch reads from that are gone (e.g. the hub dropped them): their
+        reads in flight are abandoned and their chunks re-planned. Optional: a planner
+        without it hears of none."""
 
 
 @dataclass
@@ -148,9 +165,13 @@ class FetchOptions:
     Chunks re-read after a bad checksum are read alone. At most the chunk size: one
     chunk per read."""
     read_timeout: float = 30.0
-    """Longest wait for one read (a partial source may still be fetching its chunks)."""
+    """Longest wait for one read (a partial source may still be fetching its chunks),
+    and never beyond the deadline. A source that does not answer in time, or a partial
+    one that did not get the chunk in time, counts as failed and its chunks are
+    re-planned without it."""
     deadline: float = 600.0
-    """Longest the whole fetch may take."""
+    """Longest the whole fetch may take: past it the fetch raises `FetchError` within
+    about `WAIT_SLICE`, aborting the reads still in flight."""
     max_rounds: int = 50
     """Re-plans allowed before giving up."""
     report_interval: float = 0.02
@@ -166,7 +187,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                  verify: Callable[[Source], bool] = lambda source: True,
                  options: FetchOptions = FetchOptions(),
                  on_chunk: Callable[[int, int], None] | None = None,
-                 before_write: Callable[[int, int], None] | None = None) -> FetchStats:
+                 before_write: Callable[[int, int], None] | None = None,
+                 cancel: threading.Event | None = None) -> FetchStats:
     """Fill the missing chunks of `dest` (flat ``uint8``) from the planner's sources.
 
     Args:
@@ -184,12 +206,15 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
         on_chunk: called with (chunks done, chunks total) after every chunk.
         before_write: called with the byte range ``[lo, hi)`` of `dest` a read is about
             to write (e.g. to populate fresh pages first); what it raises ends the fetch.
+        cancel: set from another thread to stop the fetch within `WAIT_SLICE`.
 
     Returns:
         FetchStats of this call.
 
     Raises:
-        FetchError: some chunks had no working source, or the deadline passed.
+        FetchError: some chunks had no working source, the deadline passed, or
+            `cancel` was set. Once it returns or raises, no read of this call
+            touches `dest` again.
     """
     stats = FetchStats()
     start = time.monotonic()
@@ -200,6 +225,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
     corrupt_from: dict[int, set[str]] = {}  # chunk -> workers that sent it wrong
     unreported: list[int] = []
     last_report = start
+    lost_news: Callable[[], set[str]] = getattr(planner, "lost", set)
 
     def flush_reports() -> None:
         nonlocal last_report
@@ -211,29 +237,46 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
     def chunk_bytes(chunk: int) -> torch.Tensor:
         return dest[chunk * chunk_size:min((chunk + 1) * chunk_size, dest.numel())]
 
-    def read_span(span: tuple[int, ...], source: Source) -> _Read:
+    def give_up(worker: str, why: str) -> None:
+        if worker not in failed:
+            failed[worker] = why
+            stats.failed_sources.append(worker)
+            log.warning("source %s failed (%s); re-planning its chunks", worker, why)
+
+    def read_span(span: tuple[int, ...], source: Source, claim: _Claim) -> _Read:
         lo = span[0] * chunk_size
         hi = min((span[-1] + 1) * chunk_size, dest.numel())
-        if before_write is not None:
-            before_write(lo, hi)
         via = "?"
         try:
             transport = choose(source)
             via = transport.name
-            got = transport.read(source.address, source.region, lo, dest[lo:hi],
-                                 timeout=options.read_timeout, prefix=True)
-            if got < hi - lo and got % chunk_size:
-                raise TransportError(f"source granted {got} bytes, not whole chunks of {chunk_size}")
+            with claim.held() as live:
+                if not live:
+                    return _Read(span, source, via, error="abandoned")
+                if before_write is not None:
+                    before_write(lo, hi)
+                left = options.deadline - (time.monotonic() - start)
+                got = transport.read(source.address, source.region, lo, dest[lo:hi],
+                                     timeout=max(0.0, min(options.read_timeout, left)),
+                                     prefix=True, abort=claim.abort)
+                if got < hi - lo and got % chunk_size:
+                    raise TransportError(f"source granted {got} bytes, not whole chunks of "
+                                         f"{chunk_size}")
+                done = span if got == hi - lo else span[:got // chunk_size]
+                corrupted: tuple[int, ...] = ()
+                if checksums is not None and checksum_fn is not None and verify(source):
+                    corrupted = tuple(c for c in done
+                                      if checksum_fn(c, chunk_bytes(c)) != checksums[c])
         except TransportError as exc:
             return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
-        done = span if got == hi - lo else span[:got // chunk_size]
-        corrupted: tuple[int, ...] = ()
-        if checksums is not None and checksum_fn is not None and verify(source):
-            corrupted = tuple(c for c in done if checksum_fn(c, chunk_bytes(c)) != checksums[c])
         return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):])
 
-    with ThreadPoolExecutor(max_workers=options.max_inflight,
-                            thread_name_prefix="wf-fetch") as pool:
+    def new_pool() -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=options.max_inflight, thread_name_prefix="wf-fetch")
+
+    pool = new_pool()
+    inflight: dict[Future[_Read], tuple[Source, _Claim]] = {}
+    try:
         for _ in range(options.max_rounds):
             missing = [c for c in range(total) if not progress.has(c, c)]
             if not missing:
@@ -245,21 +288,38 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                              chunks_per_read=chunks_per_read, inflight=options.max_inflight)
             if not work:
                 raise _no_source_left(missing, failed, corrupt_from)
-            pending: set[Future[_Read]] = set()
             queue = list(work)
-            while queue or pending:
-                while queue and len(pending) < options.max_inflight:
+            while queue or inflight:
+                while queue and len(inflight) < options.max_inflight:
                     span, source = queue.pop(0)
                     if source.worker in failed:
                         continue
-                    pending.add(pool.submit(read_span, span, source))
-                if not pending:  # the rest was assigned to sources that failed: re-plan
+                    claim = _Claim()
+                    inflight[pool.submit(read_span, span, source, claim)] = (source, claim)
+                if not inflight:  # the rest was assigned to sources that failed: re-plan
                     break
                 left = options.deadline - (time.monotonic() - start)
-                done, pending = wait(pending, timeout=max(0.0, left), return_when=FIRST_COMPLETED)
-                if not done:
+                if left <= 0:
                     raise FetchError(f"fetch ran past its deadline of {options.deadline:g} s "
-                                     f"with {len(pending)} reads still waiting on sources")
+                                     f"with {len(inflight)} reads still waiting on sources")
+                done, _ = wait(inflight, timeout=min(WAIT_SLICE, left),
+                               return_when=FIRST_COMPLETED)
+                if cancel is not None and cancel.is_set():
+                    raise FetchError(f"fetch cancelled with {total - progress.count} of "
+                                     f"{total} chunks missing")
+                for future in done:
+                    del inflight[future]
+                gone = lost_news()
+                for worker in gone - failed.keys():
+                    give_up(worker, "lost: the hub dropped it (its lease ran out, or it "
+                                    "dropped the model)")
+                stale = [f for f, (source, _) in inflight.items() if source.worker in gone]
+                if stale:
+                    _revoke(stale, inflight)
+                    # Their threads may still be asking a hung source what it is (`choose`,
+                    # never touching `dest`): the next reads get threads of their own.
+                    pool.shutdown(wait=False)
+                    pool = new_pool()
                 finished: list[int] = []
                 rests: list[tuple[tuple[int, ...], Source]] = []
                 for future in done:
@@ -270,11 +330,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                     stats.chunks_reread += sum(1 for c in read.span if c in attempted)
                     attempted.update(read.span)
                     if read.error is not None:
-                        if worker not in failed and not _transient(read.error):
-                            failed[worker] = read.error
-                            stats.failed_sources.append(worker)
-                            log.warning("source %s failed (%s); re-planning its chunks",
-                                        worker, read.error)
+                        give_up(worker, read.error)
                         continue
                     for chunk in read.span:
                         if chunk in read.corrupted:
@@ -303,8 +359,43 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             if missing:
                 raise FetchError(f"gave up after {options.max_rounds} re-plans; chunks "
                                  f"{_ranges(missing)} still missing")
+    finally:
+        _revoke(list(inflight), inflight)  # before returning: none of them writes `dest` again
+        pool.shutdown(wait=False, cancel_futures=True)
     stats.seconds = time.monotonic() - start
     return stats
+
+
+class _Claim:
+    """One read's hold on the destination, which the engine can revoke."""
+
+    def __init__(self) -> None:
+        self.abort = ReadAbort()
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def held(self) -> Iterator[bool]:
+        """Held while the read touches the destination; yields False once revoked
+        (the read must then not touch it)."""
+        with self._lock:
+            yield not self.abort.aborted
+
+    def wait_released(self) -> None:
+        """Return once the read no longer touches the destination (after `abort`,
+        promptly: its transport's sockets are shut down)."""
+        with self._lock:
+            pass
+
+
+def _revoke(futures: Iterable[Future[_Read]],
+            inflight: dict[Future[_Read], tuple[Source, _Claim]]) -> None:
+    """Abandon these reads: abort them all, wait until none touches the destination
+    any more, and forget them (their results are never looked at)."""
+    claims = [inflight.pop(f)[1] for f in list(futures)]
+    for claim in claims:
+        claim.abort.abort()
+    for claim in claims:
+        claim.wait_released()
 
 
 @dataclass(frozen=True)
@@ -338,11 +429,6 @@ def _no_source_left(missing: list[int], failed: dict[str, str],
                      + (f"the sources failed ({why})" if why else "the planner named none")
                      + "; retry once a holder is reachable again, or fetch another version")
     return FetchError(". ".join(parts))
-
-
-def _transient(error: str) -> bool:
-    """A partial source that did not have the chunk in time is slow, not dead."""
-    return error.startswith(ReadRefusedError.__name__) and "NOT_READY" in error
 
 
 def _schedule(assignments: list[Assignment], missing: list[int], avoid: dict[int, set[str]], *,

@@ -10,6 +10,11 @@ every source that already has the chunks (a peer that is fetching the same
 version from nearer the origin). They come first: the read server of a partial
 replica holds a read until the chunk arrives, so readers form chains instead of
 all pulling from the origin. Sources of the best locality tier are striped; with partial replicas to wait for, only the nearest of those are.
+
+Liveness: the hub tells a reader which sources of its fetch it dropped (a lease
+that ran out, a holder that dropped the model), in progress reports and in the
+worker's heartbeats; `lost` hands both to the engine, which abandons its reads
+from them and re-plans their chunks at once.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class HubPlanner:
         self.current = plan
         self.me = me
         self._fresh = True
+        self._lost: set[str] = set()  # sources the hub said it dropped, in progress reports
 
     def plan(self, missing: list[int], failed: set[str]) -> list[Assignment]:
         """Sources for the `missing` chunks, never the workers in `failed`; none when
@@ -71,7 +77,13 @@ class HubPlanner:
         return out
 
     def report(self, chunks: list[int]) -> None:
-        self.hub.report_progress(self.current.fetch_id, chunks)
+        out = self.hub.report_progress(self.current.fetch_id, chunks)
+        self._lost.update(out.get("lost", ()))
+
+    def lost(self) -> set[str]:
+        """Sources of this fetch the hub dropped, as told in progress reports and in this
+        worker's heartbeats (`HubClient.lost`)."""
+        return self._lost | self.hub.lost.get(self.current.fetch_id, set())
 
     def _source(self, worker: str) -> Source | None:
         plan = self.current

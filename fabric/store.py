@@ -61,7 +61,7 @@ from fabric.errors import (
     RetentionError,
     UnknownVersionError,
 )
-from fabric.fetch import FetchOptions, FetchStats, fetch_chunks, verify_rule
+from fabric.fetch import FetchError, FetchOptions, FetchStats, fetch_chunks, verify_rule
 from fabric.gpu.region import DeviceRegion, SymmetricBuffer
 from fabric.hub_planner import HubPlanner, region_name
 from fabric.progress import ChunkProgress
@@ -85,6 +85,9 @@ log = logging.getLogger(__name__)
 MAX_BUFFERS = 4
 PREPARED_BUFFERS = 2
 """`prepare_spare` tops the store up to this many buffers (active + spare), never more."""
+FAILED_DRAIN_S = 0.5
+"""Seconds a failed fetch waits for peers' reads of its partial replica before it raises;
+a buffer still being read stays exposed, and is not reused, until they end."""
 
 
 @dataclass
@@ -170,6 +173,7 @@ class ModelStore:
         self._closed = False
         self._lock = threading.RLock()
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"wf-fetch-{model}")
+        self._cancel = threading.Event()  # set by `close`: the running fetch stops
         self._early_chunk_size = self.chunk_size
         """Chunks of the exposure made before `begin_fetch`: the last fetched version's."""
 
@@ -319,7 +323,8 @@ class ModelStore:
         Raises:
             UnknownModelError, UnknownVersionError: nothing to fetch.
             ManifestMismatchError: the version's tensors do not fit the attached ones.
-            FetchError: some chunks could not be read from any source in time.
+            FetchError: some chunks could not be read from any source in time, or the
+                store was closed meanwhile.
             FabricError: the store is closed, or every buffer holds a version readers
                 still need.
             ArenaError: no room in /dev/shm for a buffer.
@@ -393,23 +398,27 @@ class ModelStore:
         region = buffer.region  # a fetch that overtakes the background populate does its part
         populate = (region.populate_range if isinstance(region, Region)
                     and region.populated_bytes < region.nbytes else None)
+        choose = functools.partial(self.worker.transport_for, timeout=options.read_timeout,
+                                   symmetric=self.nvshmem is not None)
         try:
             stats = fetch_chunks(
                 buffer.region.tensor, chunk_size=manifest.chunk_size, progress=progress,
-                planner=HubPlanner(hub, plan, me=self.worker.location),
-                choose=(self.worker.transport_for if self.nvshmem is None else
-                        functools.partial(self.worker.transport_for, symmetric=True)),
+                planner=HubPlanner(hub, plan, me=self.worker.location), choose=choose,
                 checksums=list(manifest.checksums),
                 checksum_fn=lambda c, piece: int(chunk_checksums(
                     piece, manifest.chunk_size, first_chunk=c)[0]),
                 verify=verify_rule(verify), options=options, on_chunk=on_chunk,
-                before_write=populate)
+                before_write=populate, cancel=self._cancel)
             with self._lock:
                 buffer.pending = True  # before the hub lists it complete: reserved from now
             hub.complete_fetch(plan.fetch_id)
-        except BaseException:
+        except BaseException as exc:
             _quietly(hub.release, plan.fetch_id)
-            self._unexpose(buffer, timeout=options.read_timeout)
+            self._unexpose(buffer, timeout=min(options.read_timeout, FAILED_DRAIN_S))
+            if self._cancel.is_set() and isinstance(exc, FetchError):
+                raise FetchError(f"model {self.model!r}: the store is closed; the fetch of "
+                                 f"v{plan.version} was cancelled (open another store with "
+                                 "worker.model(...) and fetch again)") from exc
             raise
         stats.version = plan.version
         log.info("fetched %s v%d: %d bytes in %.3f s (%.2f GB/s) from %s", self.model,
@@ -492,13 +501,16 @@ class ModelStore:
         serves; `Worker.close`, which unregisters the whole worker, passes
         ``tell_hub=False``. A hub that does not answer is logged, not raised. Symmetric
         buffers are freed collectively: every PE closes its stores in the same order.
-        A fetch already running finishes first; queued ones are cancelled, and their
-        futures' `result` (like that of any fetch not switched to yet) raises
-        `FabricError`."""
+        A fetch already running is cancelled: it stops within a fraction of a second
+        (`fabric.fetch.WAIT_SLICE`, plus `FAILED_DRAIN_S` for peers reading its
+        partial replica) and its `result` raises `FetchError`; queued ones are
+        cancelled too, and their futures' `result` (like that of any fetch not
+        switched to yet) raises `FabricError`."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True  # under the lock: no fetch_async submits after this
+        self._cancel.set()
         self._fetcher.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             if tell_hub and any(b.version is not None or b.exposed for b in self._buffers):

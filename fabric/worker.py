@@ -122,7 +122,8 @@ class Worker:
                                  f"(symmetric={symmetric})")
             return store
 
-    def transport_for(self, source: Source, *, symmetric: bool = False) -> Transport:
+    def transport_for(self, source: Source, *, symmetric: bool = False,
+                      timeout: float | None = None) -> Transport:
         """The transport for a source's region (see `choose_transport`): on this host it
         asks the source once whether the region is in GPU memory.
 
@@ -130,6 +131,8 @@ class Worker:
             symmetric: the destination is this PE's symmetric memory, so a region in
                 the symmetric memory of this worker's NVSHMEM job is read one-sidedly,
                 on any host (the source is then asked on every host).
+            timeout: seconds to wait for the source's answer (a fetch passes its read
+                timeout); default: the hub call timeout given to `join`.
 
         Raises:
             TransportError: the source could not be asked.
@@ -142,7 +145,8 @@ class Worker:
                 known = key in self._gpu_descriptors
                 gpu = self._gpu_descriptors.get(key)
             if not known:
-                gpu = self._shm.describe(source.address, source.region, timeout=self._timeout).gpu
+                gpu = self._shm.describe(source.address, source.region,
+                                         timeout=self._timeout if timeout is None else timeout).gpu
                 with self._lock:
                     self._gpu_descriptors[key] = gpu
                     while len(self._gpu_descriptors) > MAX_DESCRIPTORS:

@@ -56,8 +56,8 @@ def main() -> None:
     if delay:
         original = worker.transport_for
 
-        def slow(source):
-            transport = original(source)
+        def slow(source, **kwargs):
+            transport = original(source, **kwargs)
             read = transport.read
 
             class Slow:

@@ -1,5 +1,7 @@
 """The fetch engine against real read servers (in this process, over loopback TCP)."""
 
+import contextlib
+import socket
 import threading
 import time
 import zlib
@@ -9,10 +11,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from timeouts import hard_timeout
 
 from fabric.fetch import Assignment, FetchError, FetchOptions, Source, _schedule, fetch_chunks
 from fabric.progress import ChunkProgress
 from fabric.transports import ReadServer, SourceAddress, TcpTransport
+from fabric.transports.wire import REPLY, REQUEST, Status, recv_exact
 
 CHUNK = 64 * 1024
 NBYTES = 10 * CHUNK + 123
@@ -210,8 +214,9 @@ class CountingTransport:
         self.name = inner.name
         self.reads: list[tuple[int, int, int]] = []
 
-    def read(self, source, region, offset, out, *, timeout, prefix=False):
-        got = self.inner.read(source, region, offset, out, timeout=timeout, prefix=prefix)
+    def read(self, source, region, offset, out, *, timeout, prefix=False, abort=None):
+        got = self.inner.read(source, region, offset, out, timeout=timeout, prefix=prefix,
+                              abort=abort)
         self.reads.append((offset, out.numel(), got))
         return got
 
@@ -339,3 +344,162 @@ def test_schedule_reads_each_servable_chunk_once_in_spans(case):
                      and any(s.worker not in avoid.get(span[0], ()) for s in a.sources))
         assert source in owner.sources[:max(1, owner.stripe)] or avoid.get(span[0])
     assert [span[0] for span, _ in reads] == sorted(span[0] for span, _ in reads)
+
+
+# --- time limits and lost sources ---------------------------------------------------------
+
+
+def stalled(worker: str):
+    """A partial replica that never gets a chunk (holder, source)."""
+    return serve(worker, torch.zeros(NBYTES, dtype=torch.uint8), ChunkProgress(NUM_CHUNKS))
+
+
+class LateSource:
+    """A source that reads each request and answers it with `fill` bytes only once
+    `answer` is set (a holder that froze, then woke up)."""
+
+    def __init__(self, worker: str, fill: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.source = Source(worker, SourceAddress("127.0.0.1", self.listener.getsockname()[1],
+                                                   "elsewhere"), "v1")
+        self.fill, self.answer, self.answered = fill, threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conns = []
+        with contextlib.suppress(OSError):
+            while len(conns) < 4:  # the reads in flight
+                conn, _ = self.listener.accept()
+                magic, op, flags, name_len, offset, nbytes, timeout = REQUEST.unpack(
+                    recv_exact(conn, REQUEST.size))
+                recv_exact(conn, name_len)
+                conns.append((conn, nbytes))
+        self.answer.wait(30)
+        for conn, nbytes in conns:
+            with contextlib.suppress(OSError):
+                conn.sendall(REPLY.pack(Status.OK, 0, nbytes) + bytes([self.fill]) * nbytes)
+            conn.close()
+        self.answered.set()
+
+    def close(self) -> None:
+        self.answer.set()
+        self.listener.close()
+        self.thread.join(10)
+
+
+@pytest.mark.parametrize("kind", ["stalled partial", "late"])
+def test_a_fetch_raises_at_its_deadline_without_waiting_out_its_reads(tcp, kind):
+    """Reads in flight at the deadline are abandoned: the fetch does not wait for them
+    (read_timeout 5 s), and a late answer never lands in the destination."""
+    holder, source = stalled("a") if kind == "stalled partial" else (LateSource("a", 0xAB), None)
+    source = source or holder.source
+    dest = torch.zeros(NBYTES, dtype=torch.uint8)
+    with hard_timeout(30):
+        try:
+            start = time.monotonic()
+            with pytest.raises(FetchError, match="deadline of 0.5 s"):
+                run(StaticPlanner([source]), tcp, dest=dest,
+                    options=FetchOptions(read_timeout=5, deadline=0.5))
+            assert time.monotonic() - start < 1.5
+            if kind == "late":
+                holder.answer.set()
+                assert holder.answered.wait(10)
+                time.sleep(0.2)
+            assert not dest.any()
+        finally:
+            holder.close()
+
+
+class LostPlanner(StaticPlanner):
+    """A `StaticPlanner` that can be told a source is lost (as the hub tells it)."""
+
+    def __init__(self, sources: list[Source], stripe: int | None = None) -> None:
+        super().__init__(sources, stripe)
+        self.gone: set[str] = set()
+
+    def lost(self) -> set[str]:
+        return set(self.gone)
+
+
+def test_a_source_reported_lost_is_left_at_once_and_never_writes_again(tcp):
+    """The planner hears that "a" (a partial replica the reads wait on) is lost: its
+    reads are abandoned and re-planned on "b" without waiting out read_timeout, and
+    "a" waking up later with wrong bytes does not touch the destination."""
+    late = LateSource("a", 0xEE)
+    b, src_b = serve("b", data())
+    planner = LostPlanner([late.source, src_b], stripe=1)  # every read goes to "a"
+    with hard_timeout(30):
+        try:
+            threading.Timer(0.3, planner.gone.add, ["a"]).start()
+            start = time.monotonic()
+            dest, _, stats = run(planner, tcp, options=FetchOptions(read_timeout=5, deadline=4))
+            assert time.monotonic() - start < 1.5
+            assert stats.failed_sources == ["a"] and stats.sources == {"b": NBYTES}
+            late.answer.set()
+            assert late.answered.wait(10)
+            time.sleep(0.2)
+            assert torch.equal(dest, data())
+        finally:
+            late.close()
+            b.close()
+
+
+def test_reads_left_while_asking_a_lost_source_what_it_is_do_not_hold_up_the_rest(tcp):
+    """Choosing a transport may ask the source first (a same-host lookup): with "a" hung
+    there, its reads are left when it is reported lost, and the re-planned reads of "b"
+    do not wait for the threads still stuck asking."""
+    b, src_b = serve("b", data())
+    hung = Source("a", SourceAddress("127.0.0.1", 1, "elsewhere"), "v1")
+    answer = threading.Event()
+
+    def choose(source: Source) -> TcpTransport:
+        if source.worker == "a":
+            answer.wait(10)
+        return tcp
+
+    planner = LostPlanner([hung, src_b], stripe=1)  # every read goes to "a"
+    dest = torch.zeros(NBYTES, dtype=torch.uint8)
+    with hard_timeout(30):
+        try:
+            threading.Timer(0.3, planner.gone.add, ["a"]).start()
+            start = time.monotonic()
+            stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
+                                 planner=planner, choose=choose,
+                                 options=FetchOptions(read_timeout=5, deadline=4))
+            assert time.monotonic() - start < 1.5
+            assert torch.equal(dest, data()) and stats.sources == {"b": NBYTES}
+        finally:
+            answer.set()
+            b.close()
+
+
+def test_a_partial_source_that_does_not_get_the_chunk_in_time_is_replaced(tcp):
+    """NOT_READY from a partial replica the reads wait on fails it for this fetch:
+    the chunks are re-planned on a source that has them."""
+    a, src_a = stalled("a")
+    b, src_b = serve("b", data())
+    with hard_timeout(30):
+        try:
+            dest, _, stats = run(StaticPlanner([src_a, src_b], stripe=1), tcp,
+                                 options=FetchOptions(read_timeout=0.3, deadline=4))
+            assert torch.equal(dest, data())
+            assert stats.failed_sources == ["a"] and stats.sources == {"b": NBYTES}
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_cancelled_fetch_stops_within_a_wait_slice(tcp):
+    a, src_a = stalled("a")
+    cancel = threading.Event()
+    with hard_timeout(30):
+        try:
+            threading.Timer(0.2, cancel.set).start()
+            start = time.monotonic()
+            with pytest.raises(FetchError, match="cancelled"):
+                run(StaticPlanner([src_a]), tcp, options=FetchOptions(read_timeout=5, deadline=4),
+                    cancel=cancel)
+            assert time.monotonic() - start < 1.0
+        finally:
+            a.close()

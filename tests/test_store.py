@@ -12,10 +12,12 @@ import pytest
 import torch
 from shm_pages import is_resident, populate_threads
 from test_arena import slow_populate
+from timeouts import hard_timeout
 from torch import nn
 
 import fabric
 from fabric import arena
+from fabric.client import HubClient
 from fabric.errors import (
     ArenaError,
     FabricError,
@@ -28,7 +30,8 @@ from fabric.errors import (
 )
 from fabric.fetch import FetchError, FetchOptions
 from fabric.hub_planner import region_name
-from fabric.transports import TcpTransport, client
+from fabric.progress import ChunkProgress
+from fabric.transports import SourceAddress, TcpTransport, client, local_host_id
 from fabric.transports.wire import Op
 
 CHUNK = 64 * 1024
@@ -44,8 +47,8 @@ def hub():
     server = fabric.serve("tcp://127.0.0.1:0", lease_s=5.0)
     workers = []
 
-    def join(name):
-        workers.append(fabric.join(server.url, worker=name, timeout=5))
+    def join(name, location=None):
+        workers.append(fabric.join(server.url, worker=name, timeout=5, location=location))
         return workers[-1]
 
     yield join
@@ -345,6 +348,100 @@ def test_a_fetch_whose_only_holder_is_unreachable_fails_with_fetch_error(hub):
     store = rollout.model("m", chunk_size=CHUNK)
     with pytest.raises(FetchError, match=r"no source left .*trainer: SourceLostError"):
         store.fetch(v1, options=FetchOptions(deadline=20, read_timeout=2))
+
+
+# --- fetches that wait on a partial replica ------------------------------------------------
+
+NEAR, FAR = {"datacenter": "a", "node": "n1"}, {"datacenter": "b", "node": "o"}
+
+
+def begin_stalled_fetch(worker, version: int) -> None:
+    """`worker` (alive) begins fetching `version` of "m" and exposes its partial replica,
+    which never gets a chunk; the hub tells later readers near it to wait on it."""
+    manifest = worker.hub.begin_fetch("m", version).manifest
+    worker.server.expose(region_name("m", version),
+                         torch.zeros(manifest.total_bytes, dtype=torch.uint8),
+                         chunk_size=manifest.chunk_size,
+                         progress=ChunkProgress(manifest.num_chunks))
+
+
+def origin_and_reader(hub) -> tuple[nn.Module, int, fabric.ModelStore]:
+    """A version published far from the reader, and the reader's store of it."""
+    source = net(seed=1)
+    version = hub("origin", FAR).model("m", chunk_size=CHUNK).publish(source)
+    return source, version, hub("reader", NEAR).model("m", chunk_size=CHUNK)
+
+
+def test_a_fetch_falls_back_to_the_origin_when_the_partial_replica_it_waits_on_stalls(hub):
+    source, version, store = origin_and_reader(hub)
+    begin_stalled_fetch(hub("partial", NEAR), version)
+    model = net(seed=9)
+    store.attach(model)
+    with hard_timeout(30):
+        stats = store.fetch(version, options=FetchOptions(read_timeout=0.5, deadline=5))
+    assert stats.failed_sources == ["partial"] and list(stats.sources) == ["origin"]
+    assert same(model, source)
+
+
+def test_a_fetch_asks_a_frozen_holder_on_its_host_only_within_its_read_timeout(hub):
+    """A partial replica on this host whose read server accepts but never answers: the
+    reader's question (is the region in GPU memory?) gives up after the fetch's read
+    timeout, not the hub call timeout, and the fetch reads from the origin."""
+    _, version, store = origin_and_reader(hub)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    address = SourceAddress("127.0.0.1", silent.getsockname()[1], local_host_id())
+    frozen = HubClient(store.worker.hub.url, worker="frozen", location=NEAR,
+                       endpoints={"read": address.to_dict()}).open()
+    try:
+        frozen.begin_fetch("m", version)
+        with hard_timeout(30):
+            start = time.monotonic()
+            stats = store.fetch(version, options=FetchOptions(read_timeout=0.3, deadline=10))
+        assert time.monotonic() - start < 4  # the hub call timeout alone is 5 s
+        assert stats.failed_sources == ["frozen"] and list(stats.sources) == ["origin"]
+    finally:
+        frozen.close()
+        silent.close()
+
+
+def test_closing_a_store_cancels_its_running_fetch(hub):
+    _, version, store = origin_and_reader(hub)
+    begin_stalled_fetch(hub("partial", NEAR), version)
+    with hard_timeout(30):
+        future = store.fetch_async(version, options=FetchOptions(read_timeout=5, deadline=8))
+        time.sleep(0.3)
+        start = time.monotonic()
+        store.close()
+        assert time.monotonic() - start < 1.5
+        with pytest.raises(FetchError, match="the store is closed"):
+            future.result(timeout=5)
+
+
+def test_a_failed_fetch_does_not_wait_out_peers_reading_its_partial_replica(hub):
+    """The fetch fails at its deadline (its only source stalls) while a peer's read of
+    its own partial replica is in flight: it raises without waiting for that read."""
+    _, version, store = origin_and_reader(hub)
+    begin_stalled_fetch(hub("partial", NEAR), version)
+    store.attach(net(seed=9))  # exposes its partial replica before begin_fetch
+    reader, peers = store.worker, []
+    begin_fetch = reader.hub.begin_fetch
+
+    def begin_fetch_with_a_waiting_peer(*args, **kw):
+        plan = begin_fetch(*args, **kw)
+        peers.append(read_in_flight(reader, region_name("m", plan.version), peer_timeout=3))
+        return plan
+
+    reader.hub.begin_fetch = begin_fetch_with_a_waiting_peer
+    with hard_timeout(30):
+        try:
+            start = time.monotonic()
+            with pytest.raises(FetchError, match="deadline of 0.5 s"):
+                store.fetch(version, options=FetchOptions(read_timeout=5, deadline=0.5))
+            assert time.monotonic() - start < 1.8
+        finally:
+            reader.hub.begin_fetch = begin_fetch
+            for peer in peers:
+                peer.join(10)
 
 
 def test_devices_are_checked_before_any_memory_is_taken(hub):

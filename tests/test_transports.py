@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from holder_process import pattern
+from timeouts import hard_timeout
 
 import fabric
 from fabric.fetch import Source
 from fabric.progress import ChunkProgress
 from fabric.transports import (
+    ReadAbort,
     ReadRefusedError,
     ReadServer,
     ShmTransport,
@@ -138,6 +140,26 @@ def test_missing_chunks_time_out_with_a_clear_error(partial_holder, transport):
     out = torch.empty(10, dtype=torch.uint8)
     with pytest.raises(ReadRefusedError, match="NOT_READY.*chunks 0..0"):
         transport.read(partial_holder.source, "v1", 0, out, timeout=0.2)
+
+
+def test_an_aborted_read_ends_at_once_and_later_reads_still_work(partial_holder, transport):
+    """A read waiting on a partial replica is cut short by its `ReadAbort` (how a fetch
+    leaves a source); a read with that abort fails at once, and one without it works."""
+    abort = ReadAbort()
+    with hard_timeout(30):
+        threading.Timer(0.2, abort.abort).start()
+        start = time.monotonic()
+        with pytest.raises(SourceLostError):
+            transport.read(partial_holder.source, "v1", 0, torch.empty(10, dtype=torch.uint8),
+                           timeout=10, abort=abort)
+        assert time.monotonic() - start < 2
+        with pytest.raises(SourceLostError, match="aborted"):
+            transport.read(partial_holder.source, "v1", 0, torch.empty(10, dtype=torch.uint8),
+                           timeout=10, abort=abort)
+        partial_holder.send("mark 0")
+        out = torch.empty(10, dtype=torch.uint8)
+        transport.read(partial_holder.source, "v1", 0, out, timeout=10)
+        assert torch.equal(out, pattern(NBYTES)[:10])
 
 
 @pytest.mark.parametrize(("region", "offset", "nbytes", "words"), [

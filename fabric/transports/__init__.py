@@ -14,7 +14,13 @@ import logging
 from typing import Any
 
 from fabric.errors import ReadRefusedError, SourceLostError, TransportError
-from fabric.transports.base import RegionInfo, SourceAddress, Transport, local_host_id
+from fabric.transports.base import (
+    ReadAbort,
+    RegionInfo,
+    SourceAddress,
+    Transport,
+    local_host_id,
+)
 from fabric.transports.server import ReadServer
 from fabric.transports.shm import ShmTransport
 from fabric.transports.tcp import TcpTransport
@@ -22,6 +28,7 @@ from fabric.transports.tcp import TcpTransport
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ReadAbort",
     "ReadRefusedError",
     "ReadServer",
     "RegionInfo",

@@ -15,8 +15,10 @@ reader interface.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cache
@@ -77,6 +79,46 @@ class RegionInfo:
     None for host memory."""
 
 
+class ReadAbort:
+    """Cuts reads short from another thread.
+
+    A read given one registers the sockets it talks to the source on (`watch`);
+    `abort` shuts them down, so the read raises `SourceLostError` at once instead of
+    waiting out its timeout, and a read that registers afterwards fails at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._aborted = False
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted
+
+    def abort(self) -> None:
+        """Shut down the watched sockets; later `watch` calls refuse."""
+        with self._lock:
+            self._aborted = True
+            for sock in self._sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def watch(self, sock: socket.socket) -> bool:
+        """Shut `sock` down on `abort`; False (not watched) if already aborted."""
+        with self._lock:
+            if not self._aborted:
+                self._sockets.add(sock)
+            return not self._aborted
+
+    def unwatch(self, sock: socket.socket) -> bool:
+        """Stop watching `sock`; True if `abort` came while it was watched (it may be
+        shut down: do not reuse it)."""
+        with self._lock:
+            self._sockets.discard(sock)
+            return self._aborted
+
+
 class Transport(ABC):
     """Reader side of a transport. Implementations are thread-safe."""
 
@@ -84,19 +126,22 @@ class Transport(ABC):
 
     @abstractmethod
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float, prefix: bool = False) -> int:
+             timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
         """Copy ``out.numel()`` bytes at `offset` of the source's `region` into `out`.
 
         `out` is a contiguous ``uint8`` tensor. Waits at most `timeout` seconds for
         chunks a partial source does not have yet. With `prefix`, waits only for the
         chunk at `offset` and copies the run of chunks present from there (at least
-        that one, at most ``out.numel()`` bytes) to the front of `out`.
+        that one, at most ``out.numel()`` bytes) to the front of `out`. With `abort`,
+        another thread can cut the read short (`ReadAbort`); once the call returns
+        or raises, it writes nothing more into `out`.
 
         Returns:
             The bytes copied: ``out.numel()`` unless `prefix`.
 
         Raises:
-            SourceLostError: the source is unreachable or vanished mid-read.
+            SourceLostError: the source is unreachable or vanished mid-read, or the
+                read was aborted.
             ReadRefusedError: the source refused (see the message).
         """
 

@@ -12,13 +12,14 @@ from typing import Any
 import msgpack
 
 from fabric.errors import ReadRefusedError, SourceLostError, TransportError
-from fabric.transports.base import RegionInfo, SourceAddress, Transport
+from fabric.transports.base import ReadAbort, RegionInfo, SourceAddress, Transport
 from fabric.transports.wire import MAGIC, REPLY, REQUEST, Flag, Op, Status, recv_exact
 
 CONNECT_TIMEOUT = 5.0
 # Slack on top of the server-side wait so the server's NOT_READY answer arrives
-# before the client gives up on the socket.
-REPLY_SLACK = 10.0
+# before the client gives up on the socket. Small: a holder that does not answer
+# within it (frozen, or its host gone) costs a reader this much beyond its timeout.
+REPLY_SLACK = 2.0
 
 
 class ConnectionPool:
@@ -29,22 +30,32 @@ class ConnectionPool:
         self._lock = threading.Lock()
 
     @contextmanager
-    def connection(self, source: SourceAddress) -> Iterator[socket.socket]:
+    def connection(self, source: SourceAddress,
+                   abort: ReadAbort | None = None) -> Iterator[socket.socket]:
+        """A connection to `source`, lent to the caller; with `abort`, watched by it
+        while lent (`ReadAbort`).
+
+        Raises:
+            SourceLostError: the source is unreachable, or `abort` was aborted.
+        """
         key = (source.host, source.port)
         with self._lock:
             idle = self._idle.get(key)
             conn = idle.pop() if idle else None
         if conn is None:
-            try:
-                conn = socket.create_connection(key, timeout=CONNECT_TIMEOUT)
-            except OSError as exc:
-                raise SourceLostError(f"cannot reach source {key[0]}:{key[1]}: {exc}") from exc
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _connect(key, abort)
+        else:
+            _watch(conn, abort, key)
         try:
             yield conn
         except BaseException:
             conn.close()  # state unknown after a failure: never reuse it
             raise
+        finally:
+            aborted = abort is not None and abort.unwatch(conn)
+        if aborted:
+            conn.close()  # it may have been shut down
+            return
         with self._lock:
             self._idle.setdefault(key, []).append(conn)
 
@@ -54,6 +65,43 @@ class ConnectionPool:
             self._idle.clear()
         for conn in conns:
             conn.close()
+
+
+def _connect(key: tuple[str, int], abort: ReadAbort | None) -> socket.socket:
+    """`socket.create_connection`, with each socket watched by `abort` before it
+    connects (so an abort also ends a connect that hangs); the one returned stays
+    watched.
+
+    Raises:
+        SourceLostError: no address of `key` could be reached, or `abort` was aborted.
+    """
+    error: OSError = OSError("no address")
+    try:
+        addresses = socket.getaddrinfo(*key, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        addresses, error = [], exc
+    for family, kind, proto, _, address in addresses:
+        conn = socket.socket(family, kind, proto)
+        _watch(conn, abort, key)
+        try:
+            conn.settimeout(CONNECT_TIMEOUT)
+            conn.connect(address)
+        except OSError as exc:
+            if abort is not None:
+                abort.unwatch(conn)
+            conn.close()
+            error = exc
+            continue
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+    raise SourceLostError(f"cannot reach source {key[0]}:{key[1]}: {error}") from error
+
+
+def _watch(conn: socket.socket, abort: ReadAbort | None, key: tuple[str, int]) -> None:
+    """Have `abort` watch `conn`; closes it and raises `SourceLostError` if already aborted."""
+    if abort is not None and not abort.watch(conn):
+        conn.close()
+        raise SourceLostError(f"read from source {key[0]}:{key[1]} aborted")
 
 
 def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, offset: int = 0,

@@ -32,7 +32,7 @@ import torch
 from fabric.errors import ReadRefusedError, SourceLostError
 from fabric.gpu.probe import normalise_uuid
 from fabric.transports import client
-from fabric.transports.base import SourceAddress
+from fabric.transports.base import ReadAbort, SourceAddress
 from fabric.transports.wire import Op
 
 log = logging.getLogger(__name__)
@@ -299,21 +299,22 @@ class CudaIpcTransport(client.ServerTransport):
 
     @contextmanager
     def leased(self, source: SourceAddress, region: str, offset: int, nbytes: int, *,
-               timeout: float, device: int | None = None,
-               prefix: bool = False) -> Iterator[torch.Tensor]:
+               timeout: float, device: int | None = None, prefix: bool = False,
+               abort: ReadAbort | None = None) -> Iterator[torch.Tensor]:
         """Bytes ``[offset, offset + nbytes)`` of a holder's GPU region, mapped into this
         process as a uint8 CUDA tensor, under a lease: valid inside the block, and the
         holder's retract waits for it. Kernels may read it directly (e.g.
         `fabric.direct_read.run_direct`); synchronise them before the block ends.
         ``device`` labels the tensor for a kernel on another GPU of this process
         (default: the GPU the bytes are on; see `view` for what that takes). With
-        ``prefix`` the tensor covers the present prefix of the range (see `Transport.read`).
+        ``prefix`` the tensor covers the present prefix of the range, and ``abort`` cuts
+        the wait for the lease short (see `Transport.read`).
 
         Raises:
             ReadRefusedError: not present in time, out of range, or not IPC-exported.
             SourceLostError: the holder vanished or its GPU is not visible here.
         """
-        with self._pool.connection(source) as conn:
+        with self._pool.connection(source, abort) as conn:
             where = client.lease(conn, source, region, offset=offset, nbytes=nbytes,
                                  timeout=timeout, prefix=prefix)
             try:
@@ -331,11 +332,11 @@ class CudaIpcTransport(client.ServerTransport):
                 client.request(conn, source, Op.END, region, timeout=timeout)
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float, prefix: bool = False) -> int:
+             timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
         with self.leased(source, region, offset, out.numel(), timeout=timeout,
-                         prefix=prefix) as src:
+                         prefix=prefix, abort=abort) as src:
             stream = self._stream(out.device if out.device.type == "cuda" else src.device)
             if out.device.type == "cuda":
                 stream.wait_stream(torch.cuda.current_stream(out.device))  # out may be in use

@@ -34,7 +34,7 @@ import torch
 from fabric.errors import ReadRefusedError, SourceLostError
 from fabric.gpu.nvshmem_arena import RMA_LOCK, NvshmemRuntime, SymmetricRegion, _buffer
 from fabric.transports import client
-from fabric.transports.base import SourceAddress
+from fabric.transports.base import ReadAbort, SourceAddress
 from fabric.transports.wire import Op
 
 
@@ -71,12 +71,12 @@ class NvshmemTransport(client.ServerTransport):
         return int(gpu["pe"]), local
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float, prefix: bool = False) -> int:
+             timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
         import nvshmem.core as nvshmem
 
         if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cuda":
             raise ValueError("read into a contiguous uint8 CUDA tensor")
-        with self._pool.connection(source) as conn:
+        with self._pool.connection(source, abort) as conn:
             where = client.lease(conn, source, region, offset=offset, nbytes=out.numel(),
                                  timeout=timeout, prefix=prefix)
             n = where.nbytes

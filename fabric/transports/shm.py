@@ -10,7 +10,7 @@ import torch
 from fabric.arena import ArenaError, Region
 from fabric.errors import ReadRefusedError, SourceLostError
 from fabric.transports import client
-from fabric.transports.base import SourceAddress
+from fabric.transports.base import ReadAbort, SourceAddress
 from fabric.transports.wire import Op
 
 MAX_MAPPINGS = 16
@@ -52,10 +52,10 @@ class ShmTransport(client.ServerTransport):
         return mapped
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float, prefix: bool = False) -> int:
+             timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
-        with self._pool.connection(source) as conn:
+        with self._pool.connection(source, abort) as conn:
             granted = client.lease(conn, source, region, offset=offset, nbytes=out.numel(),
                                    timeout=timeout, prefix=prefix)
             try:

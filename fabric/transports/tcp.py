@@ -8,7 +8,7 @@ import torch
 
 from fabric.errors import SourceLostError
 from fabric.transports import client
-from fabric.transports.base import SourceAddress
+from fabric.transports.base import ReadAbort, SourceAddress
 from fabric.transports.wire import Op, recv_into_exact
 
 
@@ -26,12 +26,12 @@ class TcpTransport(client.ServerTransport):
         self._bounce = threading.local()
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float, prefix: bool = False) -> int:
+             timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
         host = out if out.device.type == "cpu" else self._pinned(out.numel())
         view = memoryview(host.numpy()).cast("B")
-        with self._pool.connection(source) as conn:
+        with self._pool.connection(source, abort) as conn:
             n = client.request(conn, source, Op.READ, region, offset=offset, nbytes=len(view),
                                timeout=timeout, prefix=prefix)
             client.check_grant(n, len(view), prefix)
