@@ -669,9 +669,10 @@ class ModelStore:
 
     def _withdraw_early(self, buffer: _Buffer, version: int, chunk_size: int,
                         timeout: float) -> None:
-        """Retract an exposure made before the version's chunk size was known, waiting
-        up to `timeout` for peers' reads of it (they end at their read timeout), so the
-        version can be exposed again under the same name in `chunk_size` chunks.
+        """Retract an exposure made before the version's chunk size was known, so the
+        version can be exposed again under the same name in `chunk_size` chunks. Peers
+        waiting there for chunks are answered at once by the retract; one still copying
+        under a lease is waited for up to `timeout`.
 
         Raises:
             FabricError: a read of it is still in flight after `timeout`.

@@ -184,9 +184,12 @@ def read_in_flight(worker, name: str, peer_timeout: float) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize("read_timeout, works", [(30.0, True), (0.5, False)])
-def test_a_store_in_other_chunks_than_the_publisher_waits_out_peers_of_its_early_exposure(
-        hub, read_timeout, works):
+@pytest.mark.parametrize("read_timeout", [30.0, 0.5])
+def test_a_store_in_other_chunks_than_the_publisher_reexposes_with_peers_waiting_on_it(
+        hub, read_timeout):
+    # Its early exposure (in its own chunks) must be withdrawn before it exposes in the
+    # publisher's: a peer waiting there for a chunk is answered at once (NOT_FOUND) by
+    # the retract, so neither the peer's 11 s wait nor a short read_timeout matter.
     trainer, rollout = hub("trainer"), hub("rollout")
     t_store = trainer.model("m", chunk_size=CHUNK)
     source = net(seed=1)
@@ -197,19 +200,16 @@ def test_a_store_in_other_chunks_than_the_publisher_waits_out_peers_of_its_early
     begin_fetch, peers = rollout.hub.begin_fetch, []
 
     def begin_fetch_with_a_waiting_peer(*args, **kw):  # the hub lists us: a peer waits on us
-        # (11 s: longer than the two 5 s drains a store used to allow before exposing again)
         plan = begin_fetch(*args, **kw)
         peers.append(read_in_flight(rollout, region_name("m", plan.version), peer_timeout=11))
         return plan
 
     rollout.hub.begin_fetch = begin_fetch_with_a_waiting_peer
     try:
-        if works:
-            assert r_store.fetch(v1, options=FetchOptions(read_timeout=read_timeout)).version == v1
-            assert same(model, source)
-        else:
-            with pytest.raises(FabricError, match=f"chunk_size={CHUNK}"):
-                r_store.fetch(v1, options=FetchOptions(read_timeout=read_timeout))
+        start = time.monotonic()
+        assert r_store.fetch(v1, options=FetchOptions(read_timeout=read_timeout)).version == v1
+        assert time.monotonic() - start < 5
+        assert same(model, source)
     finally:
         rollout.hub.begin_fetch = begin_fetch
         peers[0].join(15)
