@@ -46,7 +46,8 @@ def main() -> int:
         try:
             compiled = compile_kernel(kernel, signature, constexprs)
             record.update(ok=True, cubin_bytes=len(compiled.asm["cubin"]),
-                          sm90=".target sm_90" in compiled.asm["ptx"])
+                          sm90=".target sm_90" in compiled.asm["ptx"],
+                          float_negations=compiled.asm["ttir"].count("arith.negf"))
         except Exception as exc:  # report every kernel, then fail
             record.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
             failed += 1
