@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import msgpack
 import pytest
@@ -138,8 +139,9 @@ def _holder(conn) -> None:
     with ReadServer() as server:
         server.expose("w", data, chunk_size=CHUNK, gpu=export_tensor(data).to_dict())
         conn.send(server.address.to_dict())
-        conn.recv()  # reader done
-        assert server.retract("w", timeout=30)
+        if conn.recv() == "retract":  # the reader is done (else it failed)
+            conn.send(server.retract("w", timeout=30))
+            conn.recv()  # the reader unmapped it
 
 
 @pytest.mark.skipif(MISSING_CUDA is not None, reason=str(MISSING_CUDA))
@@ -158,6 +160,13 @@ def test_two_processes_fetch_4gb_over_cuda_ipc_bit_exact():
         for lo in range(0, NBYTES, CHUNK):
             transport.read(source, "w", lo, out[lo:lo + CHUNK], timeout=30)
         assert torch.equal(out, pattern(NBYTES, "cuda:0"))
+        assert len(transport._mappings) == 1  # one allocation, mapped once
+        parent.send("retract")
+        assert parent.poll(60) and parent.recv() is True
+        deadline = time.monotonic() + 5  # the holder's notice unmaps it
+        while len(transport._mappings) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(transport._mappings) == 0
     finally:
         transport.close()
         parent.send("done")

@@ -165,6 +165,24 @@ def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: in
     return Lease(shm_path=where.get("shm_path") or None, gpu=where.get("gpu"), nbytes=granted)
 
 
+def pin(source: SourceAddress, region: str, *, timeout: float) -> socket.socket:
+    """PIN `region` at `source` on a new connection, which keeps the region's memory
+    referenced by the holder until it is closed (see `Op.PIN`); returns it.
+
+    Raises:
+        SourceLostError: the source is unreachable or did not answer in time.
+        ReadRefusedError: the region is not exposed there.
+    """
+    conn = _connect((source.host, source.port), None)
+    try:
+        request(conn, source, Op.PIN, region, timeout=timeout)
+    except BaseException:
+        conn.close()
+        raise
+    conn.settimeout(None)
+    return conn
+
+
 def check_grant(granted: int, asked: int, prefix: bool) -> int:
     """``granted``, if a server may answer a request for ``asked`` bytes with it."""
     if granted > asked or granted <= 0 or (not prefix and granted != asked):

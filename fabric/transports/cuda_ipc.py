@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,9 +31,8 @@ from fabric.errors import ReadRefusedError, SourceLostError
 from fabric.gpu.probe import normalise_uuid
 from fabric.transports import client
 from fabric.transports.base import ReadAbort, SourceAddress
+from fabric.transports.pinned import PinnedMappings
 from fabric.transports.wire import Op
-
-log = logging.getLogger(__name__)
 
 HANDLE_NBYTES = 64  # CUDA_IPC_HANDLE_SIZE
 MAX_MAPPINGS = 16
@@ -207,7 +204,6 @@ def allocate(nbytes: int, device: torch.device | str) -> torch.Tensor:
 class _Mapping:
     base: int
     device: int
-    users: int = 0
 
 
 def open_handle(h: IpcHandle) -> _Mapping:
@@ -252,42 +248,21 @@ class CudaIpcTransport(client.ServerTransport):
 
     Every read takes a lease, whose answer carries the handle (so a holder that
     moved the region to another allocation is followed), maps the allocation once
-    per process (mappings are keyed by handle), copies on a side stream of the
-    destination's device, waits, and ends the lease. At most `MAX_MAPPINGS` idle
-    mappings stay open. `leased` hands the mapped bytes to the caller instead.
+    per process (mappings are keyed by handle, and pinned at the holder so it does
+    not free an allocation still mapped here: `PinnedMappings`), copies on a side
+    stream of the destination's device, waits, and ends the lease. At most
+    `MAX_MAPPINGS` idle mappings stay open, and those of retracted regions are
+    closed within a moment. `leased` hands the mapped bytes to the caller instead.
     """
 
     name = "cuda_ipc"
 
     def __init__(self) -> None:
         super().__init__()
-        self._maps: OrderedDict[bytes, _Mapping] = OrderedDict()
+        self._mappings: PinnedMappings[_Mapping] = PinnedMappings(close_mapping,
+                                                                  capacity=MAX_MAPPINGS)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
-
-    def _acquire(self, h: IpcHandle) -> _Mapping:
-        with self._lock:
-            mapped = self._maps.get(h.handle)
-            if mapped is None:
-                try:
-                    mapped = open_handle(h)
-                except (LookupError, RuntimeError) as exc:
-                    raise SourceLostError(f"cannot map GPU {h.device_uuid}'s allocation: {exc}") from exc
-                self._maps[h.handle] = mapped
-            self._maps.move_to_end(h.handle)
-            mapped.users += 1
-            idle = [k for k, m in self._maps.items() if m.users == 0]
-            evicted = [self._maps.pop(k) for k in idle[:max(0, len(self._maps) - MAX_MAPPINGS)]]
-        for old in evicted:  # idle mappings: a failure to unmap one is not this read's
-            try:
-                close_mapping(old)
-            except RuntimeError as exc:
-                log.warning("could not unmap an idle CUDA IPC mapping: %s", exc)
-        return mapped
-
-    def _release(self, mapped: _Mapping) -> None:
-        with self._lock:
-            mapped.users -= 1
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         """This transport's copy stream on CUDA ``device`` (one per GPU)."""
@@ -323,11 +298,9 @@ class CudaIpcTransport(client.ServerTransport):
                 except ValueError as exc:
                     raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} is "
                                            f"not exported over CUDA IPC: {exc}") from None
-                mapped = self._acquire(h)
-                try:
+                with self._mappings.use(h.handle, source, region, lambda: _map(h),
+                                        timeout=timeout) as mapped:
                     yield view(mapped, h.offset + offset, where.nbytes, device)
-                finally:
-                    self._release(mapped)
             finally:
                 client.request(conn, source, Op.END, region, timeout=timeout)
 
@@ -347,8 +320,11 @@ class CudaIpcTransport(client.ServerTransport):
 
     def close(self) -> None:
         super().close()
-        with self._lock:
-            maps = list(self._maps.values())
-            self._maps.clear()
-        for mapped in maps:
-            close_mapping(mapped)
+        self._mappings.close()
+
+
+def _map(h: IpcHandle) -> _Mapping:
+    try:
+        return open_handle(h)
+    except (LookupError, RuntimeError) as exc:
+        raise SourceLostError(f"cannot map GPU {h.device_uuid}'s allocation: {exc}") from exc

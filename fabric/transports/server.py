@@ -14,6 +14,7 @@ import contextlib
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,8 @@ from fabric.transports.base import SourceAddress, local_host_id
 from fabric.transports.wire import MAGIC, MAX_NAME, REPLY, REQUEST, Flag, Op, Status, recv_exact
 
 log = logging.getLogger(__name__)
+
+UNPIN_WAIT = 5.0  # how long `close` waits for readers to unmap pinned regions
 
 
 @dataclass
@@ -56,6 +59,9 @@ class ReadServer:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
+        self._pins: dict[socket.socket, _Exposed] = {}  # pin connection -> region it keeps
+        self._unpinned = threading.Condition(self._lock)
+        self._notice_lock = threading.Lock()  # one writer on pin connections at a time
         self.bytes_served = 0
         self._thread = threading.Thread(target=self._accept_loop, name="wf-read-server",
                                         daemon=True)
@@ -102,9 +108,10 @@ class ReadServer:
     def retract(self, name: str, *, timeout: float = 30.0) -> bool:
         """Stop serving `name`; wait up to `timeout` s for reads in flight to finish.
 
-        New reads are refused at once, and reads waiting for chunks of it are answered
-        `NOT_FOUND` at once. Returns True when no read was left in flight (the memory
-        may be reused), False if the wait timed out.
+        New reads are refused at once, reads waiting for chunks of it are answered
+        `NOT_FOUND` at once, and readers that pinned it are told to unmap it. Returns
+        True when no read was left in flight (the memory may be reused; readers'
+        pins may still keep it allocated for a moment), False if the wait timed out.
         """
         with self._lock:
             region = self._regions.get(name)
@@ -112,6 +119,7 @@ class ReadServer:
                 return True
             region.retracting = True
         region.progress.wake()
+        self._notify_pins(lambda pinned: pinned is region)
         with region.drained:
             done = region.drained.wait_for(lambda: region.inflight == 0, timeout)
         if done:
@@ -124,14 +132,19 @@ class ReadServer:
             return [n for n, r in self._regions.items() if not r.retracting]
 
     def close(self) -> None:
-        """Stop accepting, drop every connection."""
+        """Stop accepting, tell readers with pins to unmap and wait for them up to
+        `UNPIN_WAIT` s, then drop every connection."""
         if self._closed.is_set():
             return
         self._closed.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
+        self._notify_pins(lambda pinned: True)
         with self._lock:
+            if not self._unpinned.wait_for(lambda: not self._pins, UNPIN_WAIT):
+                log.warning("%d reader(s) did not unmap pinned regions within %g s; closing "
+                            "their connections", len(self._pins), UNPIN_WAIT)
             conns = list(self._connections)
         for conn in conns:
             with contextlib.suppress(OSError):
@@ -171,6 +184,9 @@ class ReadServer:
                 if lease is not None:  # END, or a reader that moved on without it
                     self._end(lease)
                     lease = None
+                if op == Op.PIN:
+                    self._pin(conn, name)
+                    return
                 if op != Op.END:
                     lease = self._handle(conn, op, name, offset, nbytes, timeout,
                                          prefix=bool(flags & Flag.PREFIX))
@@ -238,6 +254,41 @@ class ReadServer:
             if not keep:
                 self._end(region)
 
+    def _pin(self, conn: socket.socket, name: str) -> None:
+        """Keep region `name`'s memory referenced until the reader closes `conn`.
+
+        A retracting region can still be pinned: a reader holding a lease on it may
+        have mapped it. Such a pin is told at once to unmap.
+        """
+        with self._notice_lock:  # the OK goes out before any notice on this connection
+            with self._lock:
+                region = self._regions.get(name)
+                if region is not None:
+                    self._pins[conn] = region
+            if region is None:
+                self._reply(conn, Status.NOT_FOUND, f"no region {name!r} to pin here")
+                return
+            self._reply(conn, Status.OK)
+            if region.retracting or self._closed.is_set():
+                _send_notice(conn)
+        try:
+            while conn.recv(64):  # nothing more is expected: wait for the reader to close
+                pass
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                del self._pins[conn]
+                self._unpinned.notify_all()
+
+    def _notify_pins(self, which: Callable[[_Exposed], bool]) -> None:
+        """Tell the readers pinning regions `which` selects to unmap them."""
+        with self._notice_lock:
+            with self._lock:
+                conns = [conn for conn, region in self._pins.items() if which(region)]
+            for conn in conns:
+                _send_notice(conn)
+
     def _begin(self, name: str) -> _Exposed | None:
         with self._lock:
             region = self._regions.get(name)
@@ -260,6 +311,12 @@ class ReadServer:
         conn.sendall(REPLY.pack(status, len(msg), len(payload)) + msg)
         if len(payload):
             conn.sendall(payload)
+
+
+def _send_notice(conn: socket.socket) -> None:
+    """The one message a pin connection carries after its OK: unmap this region."""
+    with contextlib.suppress(OSError):  # a reader gone already has nothing mapped
+        ReadServer._reply(conn, Status.NOT_FOUND, "retracted: unmap it")
 
 
 def _host_bytes(region: _Exposed, offset: int, nbytes: int) -> memoryview:

@@ -20,6 +20,12 @@ A connection carries one request at a time. Ops:
 - ``DESCRIBE``: payload is msgpack ``{nbytes, chunk_size, num_chunks, present, shm_path, gpu}``
   (``gpu``: None for host memory, else a descriptor such as a CUDA IPC handle).
 - ``BITMAP``: payload is one byte per chunk, 1 where the chunk is present.
+- ``PIN``: the reader has mapped the region's memory (CUDA IPC) and keeps this
+  connection open for as long as it does: the server keeps the memory referenced
+  until the connection closes. Answered OK while the region is exposed, even if
+  it is being retracted (else ``NOT_FOUND``); after the OK the connection takes no
+  requests and carries one more reply at most: ``NOT_FOUND`` once the region is
+  retracted or the server closes, the reader's cue to unmap it and close.
 
 With the ``PREFIX`` flag, ``READ`` and ``LEASE`` wait only for the chunk at
 ``offset`` and grant the run of present chunks from there, up to ``nbytes``: a
@@ -45,6 +51,7 @@ class Op(enum.IntEnum):
     END = 3
     DESCRIBE = 4
     BITMAP = 5
+    PIN = 6
 
 
 class Flag(enum.IntFlag):
