@@ -423,6 +423,8 @@ class HubClient:
                     h.chunks = set(range(h.manifest.num_chunks))
                     if out["complete"]:
                         h.complete, h.fetch_id = True, None
+        if out["complete"]:
+            self.lost.pop(fetch_id, None)
         return out
 
     def group_status(self, model: str, group: str) -> dict[str, Any]:
@@ -432,6 +434,7 @@ class HubClient:
     def release(self, fetch_id: str) -> None:
         """Abandon a fetch (its partial replica is retracted; a group aborts)."""
         self.call("release", self._w(fetch_id=fetch_id))
+        self.lost.pop(fetch_id, None)
         with self._lock:
             for key, h in list(self._holdings.items()):
                 if h.fetch_id == fetch_id:

@@ -74,6 +74,7 @@ from fabric.tensorset import (
     named_tensors,
     views,
 )
+from fabric.transports.server import Exposure
 from kernels import PackLayout, chunk_checksums, pack
 
 if TYPE_CHECKING:
@@ -86,15 +87,16 @@ MAX_BUFFERS = 4
 PREPARED_BUFFERS = 2
 """`prepare_spare` tops the store up to this many buffers (active + spare), never more."""
 FAILED_DRAIN_S = 0.5
-"""Seconds a failed fetch waits for peers' reads of its partial replica before it raises;
-a buffer still being read stays exposed, and is not reused, until they end."""
+"""Seconds a failed fetch waits for peers' reads of its partial replica before it raises
+(and a fetch for its early exposure in other chunks than the publisher's); a buffer
+still being read stays exposed, and is not reused, until they end."""
 
 
 @dataclass
 class _Buffer:
     region: Region | DeviceRegion | SymmetricBuffer
     version: int | None = None
-    exposed: str | None = None  # name on the read server while peers may read it
+    exposed: Exposure | None = None  # on the read server while peers may read it
     pending: bool = False
     """Filled by a fetch whose `FetchFuture.result` has not switched to it yet:
     reserved, not reused or released, until then or until a newer version is active."""
@@ -283,11 +285,12 @@ class ModelStore:
             hub = self.worker.hub
             version = hub.begin_publish(self.model, manifest, shard=self.shard,
                                         num_shards=self.num_shards, group=group)
-            name = region_name(self.model, version, self.shard)
-            self.worker.server.expose(name, buffer.region.tensor, chunk_size=self.chunk_size,
-                                      progress=self._progress(buffer, self.chunk_size, complete=True),
-                                      **_reach(buffer.region))
-            buffer.version, buffer.exposed = version, name
+            buffer.exposed = self.worker.server.expose(
+                region_name(self.model, version, self.shard), buffer.region.tensor,
+                chunk_size=self.chunk_size,
+                progress=self._progress(buffer, self.chunk_size, complete=True),
+                **_reach(buffer.region))
+            buffer.version = version
             hub.commit(self.model, version)
             if snapshot and self._attached is None:
                 self._set_active(buffer)
@@ -386,9 +389,11 @@ class ModelStore:
                         f"chunks of {self.chunk_size} (open it with the publisher's chunk_size)")
                 self._early_chunk_size = manifest.chunk_size  # the publisher's, next time
             if early is not None and manifest.chunk_size != early_chunk:
+                # Exposed again below in the publisher's chunks. Peers waiting on the early
+                # exposure are answered by its retract; one still copying under a lease
+                # finishes there, and the buffer is not reused until it has.
                 withdrawn, early = early[0], None
-                self._withdraw_early(withdrawn, plan.version, manifest.chunk_size,
-                                     options.read_timeout)
+                self._unexpose(withdrawn, timeout=FAILED_DRAIN_S)
             buffer, progress = early or self._expose_spare(plan.version, manifest.chunk_size)
         except BaseException:
             _quietly(hub.release, plan.fetch_id)
@@ -501,11 +506,12 @@ class ModelStore:
         serves; `Worker.close`, which unregisters the whole worker, passes
         ``tell_hub=False``. A hub that does not answer is logged, not raised. Symmetric
         buffers are freed collectively: every PE closes its stores in the same order.
-        A fetch already running is cancelled: it stops within a fraction of a second
-        (`fabric.fetch.WAIT_SLICE`, plus `FAILED_DRAIN_S` for peers reading its
-        partial replica) and its `result` raises `FetchError`; queued ones are
-        cancelled too, and their futures' `result` (like that of any fetch not
-        switched to yet) raises `FabricError`."""
+        A fetch already running is cancelled: one reading stops within a fraction of a
+        second (`fabric.fetch.WAIT_SLICE`, plus `FAILED_DRAIN_S` for peers reading its
+        partial replica) and its `result` raises `FetchError`; one still setting up
+        (a hub call, or up to 5 s for a buffer a peer is still reading) ends that step
+        first. Queued ones are cancelled too, and their futures' `result` (like that
+        of any fetch not switched to yet) raises `FabricError`."""
         with self._lock:
             if self._closed:
                 return
@@ -660,32 +666,12 @@ class ModelStore:
         assert self.layout is not None
         with self._lock:
             buffer = self._spare_buffer()
-            name = region_name(self.model, version, self.shard)
             progress = self._progress(buffer, chunk_size)
-            self.worker.server.expose(name, buffer.region.tensor, chunk_size=chunk_size,
-                                      progress=progress, **_reach(buffer.region))
-            buffer.version, buffer.exposed = version, name
+            buffer.exposed = self.worker.server.expose(
+                region_name(self.model, version, self.shard), buffer.region.tensor,
+                chunk_size=chunk_size, progress=progress, **_reach(buffer.region))
+            buffer.version = version
             return buffer, progress
-
-    def _withdraw_early(self, buffer: _Buffer, version: int, chunk_size: int,
-                        timeout: float) -> None:
-        """Retract an exposure made before the version's chunk size was known, so the
-        version can be exposed again under the same name in `chunk_size` chunks. Peers
-        waiting there for chunks are answered at once by the retract; one still copying
-        under a lease is waited for up to `timeout`.
-
-        Raises:
-            FabricError: a read of it is still in flight after `timeout`.
-        """
-        if self._drained(buffer, timeout):
-            buffer.version = None
-            return
-        buffer.version = None  # stays `exposed`: not reused while the read is in flight
-        raise FabricError(
-            f"model {self.model!r} v{version} was published in chunks of {chunk_size} bytes, "
-            f"not this store's; a peer's read of the exposure made in this store's chunks is "
-            f"still in flight after {timeout:g} s, so v{version} cannot be exposed again yet: "
-            f"fetch again, or open the store with chunk_size={chunk_size} (the publisher's)")
 
     def _progress(self, buffer: _Buffer, chunk_size: int, *, complete: bool = False
                   ) -> ChunkProgress:

@@ -255,6 +255,24 @@ def test_group_member_retracting_after_completing_aborts_the_group(hub, clients)
     assert r1.complete_fetch(again.fetch_id)["complete"]
 
 
+def test_a_reader_forgets_the_news_of_fetches_it_completed_or_released(hub, clock,
+                                                                      clients) -> None:
+    t, r1, r2, r3 = (clients(w) for w in ("trainer", "r1", "r2", "r3"))
+    v = publish(t)
+    r1.complete_fetch(r1.begin_fetch("policy", v).fetch_id)
+    done, dropped = r2.begin_fetch("policy", v), r3.begin_fetch("policy", v)
+    clock.advance(6)
+    for c in (t, r2, r3):
+        c.heartbeat()
+    clock.advance(6)                        # r1's lease is over: both fetches hear it
+    r2.heartbeat()
+    r3.heartbeat()
+    assert r2.lost == {done.fetch_id: {"r1"}} and r3.lost == {dropped.fetch_id: {"r1"}}
+    assert r2.complete_fetch(done.fetch_id)["complete"] and r2.lost == {}
+    r3.release(dropped.fetch_id)
+    assert r3.lost == {}
+
+
 def test_expired_worker_leaves_plans_and_readers_learn(hub, clock, clients) -> None:
     t, r1, r2 = clients("trainer"), clients("r1"), clients("r2")
     v = publish(t)
@@ -266,7 +284,7 @@ def test_expired_worker_leaves_plans_and_readers_learn(hub, clock, clients) -> N
     r2.heartbeat()
     clock.advance(6)                        # r1 missed its heartbeat: lease over
     news = r2.heartbeat()
-    assert news["lost"] == {plan.fetch_id: ["r1"]}
+    assert news["lost"] == {plan.fetch_id: ["r1"]} and r2.lost == {plan.fetch_id: {"r1"}}
     assert set(r2.replan(plan.fetch_id).workers) == {"trainer"}
     clock.advance(11)                       # everyone gone except r2, which holds no chunk
     r2.heartbeat()

@@ -25,8 +25,10 @@ from fabric.transports import (
     SourceLostError,
     TcpTransport,
     choose_transport,
+    client,
     local_host_id,
 )
+from fabric.transports.wire import Op
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -212,9 +214,6 @@ def test_retract_refuses_new_reads_and_waits_for_shm_leases():
         server.expose("v1", data, chunk_size=CHUNK)
         tcp = TcpTransport()
         try:
-            from fabric.transports import client
-            from fabric.transports.wire import Op
-
             with tcp._pool.connection(server.address) as conn:
                 client.request(conn, server.address, Op.LEASE, "v1", offset=0, nbytes=CHUNK,
                                timeout=5)
@@ -225,6 +224,29 @@ def test_retract_refuses_new_reads_and_waits_for_shm_leases():
             assert server.retract("v1", timeout=5) is True
             assert server.regions() == []
         finally:
+            tcp.close()
+
+
+def test_a_name_being_retracted_can_be_exposed_again_and_each_exposure_drains_on_its_own():
+    old, new = pattern(4 * CHUNK), pattern(4 * CHUNK).flip(0)
+    with ReadServer() as server:
+        first = server.expose("v1", old, chunk_size=CHUNK)
+        tcp, pool = TcpTransport(), client.ConnectionPool()
+        try:
+            with pool.connection(server.address) as conn:
+                client.lease(conn, server.address, "v1", offset=0, nbytes=CHUNK, timeout=5)
+                assert server.retract("v1", timeout=0.1) is False  # the lease holds it
+                second = server.expose("v1", new, chunk_size=CHUNK)
+                out = torch.empty(CHUNK, dtype=torch.uint8)
+                tcp.read(server.address, "v1", 0, out, timeout=5)  # new reads: the new bytes
+                assert torch.equal(out, new[:CHUNK]) and server.regions() == ["v1"]
+                assert server.retract(first, timeout=0.1) is False  # still its lease
+                client.request(conn, server.address, Op.END, "v1", timeout=5)
+            assert server.retract(first, timeout=5) is True
+            assert server.regions() == ["v1"]  # retracting the old one left the new one
+            assert server.retract(second, timeout=5) is True and server.regions() == []
+        finally:
+            pool.close()
             tcp.close()
 
 
@@ -248,7 +270,10 @@ def test_retract_answers_reads_waiting_for_chunks_at_once(kind):
         reader = threading.Thread(target=read, daemon=True)
         try:
             reader.start()
-            time.sleep(0.3)                         # now waiting for chunk 0 on the server
+            end = time.monotonic() + 10  # until it waits for chunk 0 on the server
+            while server._regions["v1"].inflight == 0:
+                assert time.monotonic() < end, "the read never reached the server"
+                time.sleep(0.01)
             start = time.monotonic()
             assert server.retract("v1", timeout=20) is True
             reader.join(20)

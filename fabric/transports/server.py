@@ -30,8 +30,11 @@ log = logging.getLogger(__name__)
 UNPIN_WAIT = 5.0  # how long `close` waits for readers to unmap pinned regions
 
 
-@dataclass
-class _Exposed:
+@dataclass(eq=False)
+class Exposure:
+    """One exposure of a region, as `ReadServer.expose` returns it (`retract` takes it)."""
+
+    name: str
     tensor: torch.Tensor
     data: memoryview | None  # the CPU bytes (None for GPU memory)
     chunk_size: int
@@ -55,11 +58,12 @@ class ReadServer:
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = SourceAddress(host=host, port=self._listener.getsockname()[1],
                                      host_id=local_host_id())
-        self._regions: dict[str, _Exposed] = {}
+        self._regions: dict[str, Exposure] = {}
+        self._superseded: list[Exposure] = []  # retracting, replaced under their name, still read
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
-        self._pins: dict[socket.socket, _Exposed] = {}  # pin connection -> region it keeps
+        self._pins: dict[socket.socket, list[Exposure]] = {}  # pin connection -> what it keeps
         self._unpinned = threading.Condition(self._lock)
         self._notice_lock = threading.Lock()  # one writer on pin connections at a time
         self.bytes_served = 0
@@ -71,13 +75,19 @@ class ReadServer:
 
     def expose(self, name: str, tensor: torch.Tensor, *, chunk_size: int,
                progress: ChunkProgress | None = None, shm_path: str | None = None,
-               gpu: dict[str, Any] | None = None) -> None:
+               gpu: dict[str, Any] | None = None) -> Exposure:
         """Serve `tensor` (flat contiguous ``uint8``, CPU or CUDA) as region `name`.
 
         Without `progress` the region is complete. `shm_path` lets same-host readers
         map a CPU region instead of reading over TCP; `gpu` (msgpack-able, e.g.
         ``IpcHandle.to_dict()``) tells readers how to reach a GPU region without the
-        server. Any region can also be read over TCP.
+        server. Any region can also be read over TCP. A name whose last exposure is
+        being retracted (reads of it still in flight) can be exposed again: new reads
+        go to the new exposure, and retracting the old `Exposure` still waits for its
+        reads.
+
+        Returns:
+            the exposure, for `retract` (which also takes the name).
 
         Raises:
             ValueError: bad tensor, chunk size or progress, or `name` already exposed.
@@ -99,14 +109,21 @@ class ReadServer:
         if gpu is not None:
             msgpack.packb(gpu)  # fail here, not in a reader's DESCRIBE
         data = memoryview(tensor.numpy()) if tensor.device.type == "cpu" else None
+        exposure = Exposure(name, tensor, data, chunk_size, progress, shm_path,
+                            dict(gpu) if gpu is not None else None)
         with self._lock:
-            if name in self._regions:
+            old = self._regions.get(name)
+            if old is not None and not old.retracting:
                 raise ValueError(f"region {name!r} is already exposed; retract it first")
-            self._regions[name] = _Exposed(tensor, data, chunk_size, progress, shm_path,
-                                           dict(gpu) if gpu is not None else None)
+            if old is not None:
+                self._superseded.append(old)
+            self._superseded = [e for e in self._superseded if e.inflight]
+            self._regions[name] = exposure
+        return exposure
 
-    def retract(self, name: str, *, timeout: float = 30.0) -> bool:
-        """Stop serving `name`; wait up to `timeout` s for reads in flight to finish.
+    def retract(self, which: str | Exposure, *, timeout: float = 30.0) -> bool:
+        """Stop serving `which` (a name: its current exposure; or an `Exposure`, one
+        exposed again since included); wait up to `timeout` s for its reads in flight.
 
         New reads are refused at once, reads waiting for chunks of it are answered
         `NOT_FOUND` at once, and readers that pinned it are told to unmap it. Returns
@@ -114,17 +131,18 @@ class ReadServer:
         pins may still keep it allocated for a moment), False if the wait timed out.
         """
         with self._lock:
-            region = self._regions.get(name)
+            region = self._regions.get(which) if isinstance(which, str) else which
             if region is None:
                 return True
             region.retracting = True
         region.progress.wake()
-        self._notify_pins(lambda pinned: pinned is region)
+        self._notify_pins(lambda pinned: region in pinned)
         with region.drained:
             done = region.drained.wait_for(lambda: region.inflight == 0, timeout)
         if done:
             with self._lock:
-                self._regions.pop(name, None)
+                if self._regions.get(region.name) is region:
+                    del self._regions[region.name]
         return done
 
     def regions(self) -> list[str]:
@@ -172,7 +190,7 @@ class ReadServer:
                              daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        lease: _Exposed | None = None
+        lease: Exposure | None = None
         try:
             while True:
                 magic, op, flags, name_len, offset, nbytes, timeout = REQUEST.unpack(
@@ -200,7 +218,7 @@ class ReadServer:
             conn.close()
 
     def _handle(self, conn: socket.socket, op: int, name: str, offset: int, nbytes: int,
-                timeout: float, *, prefix: bool = False) -> _Exposed | None:
+                timeout: float, *, prefix: bool = False) -> Exposure | None:
         """Answer one request; return the region when a shared-memory lease was granted."""
         region = self._begin(name)
         if region is None:
@@ -258,18 +276,21 @@ class ReadServer:
         """Keep region `name`'s memory referenced until the reader closes `conn`.
 
         A retracting region can still be pinned: a reader holding a lease on it may
-        have mapped it. Such a pin is told at once to unmap.
+        have mapped it; such a pin is told at once to unmap. So can a superseded
+        exposure with reads in flight (the reader's lease may be one of them).
         """
         with self._notice_lock:  # the OK goes out before any notice on this connection
             with self._lock:
-                region = self._regions.get(name)
-                if region is not None:
-                    self._pins[conn] = region
-            if region is None:
+                current = self._regions.get(name)
+                pinned = [e for e in [current, *self._superseded]
+                          if e is not None and e.name == name and (e is current or e.inflight)]
+                if pinned:
+                    self._pins[conn] = pinned
+            if not pinned:
                 self._reply(conn, Status.NOT_FOUND, f"no region {name!r} to pin here")
                 return
             self._reply(conn, Status.OK)
-            if region.retracting or self._closed.is_set():
+            if any(e.retracting for e in pinned) or self._closed.is_set():
                 _send_notice(conn)
         try:
             while conn.recv(64):  # nothing more is expected: wait for the reader to close
@@ -281,7 +302,7 @@ class ReadServer:
                 del self._pins[conn]
                 self._unpinned.notify_all()
 
-    def _notify_pins(self, which: Callable[[_Exposed], bool]) -> None:
+    def _notify_pins(self, which: Callable[[list[Exposure]], bool]) -> None:
         """Tell the readers pinning regions `which` selects to unmap them."""
         with self._notice_lock:
             with self._lock:
@@ -289,7 +310,7 @@ class ReadServer:
             for conn in conns:
                 _send_notice(conn)
 
-    def _begin(self, name: str) -> _Exposed | None:
+    def _begin(self, name: str) -> Exposure | None:
         with self._lock:
             region = self._regions.get(name)
             if region is None or region.retracting:
@@ -299,7 +320,7 @@ class ReadServer:
             return region
 
     @staticmethod
-    def _end(region: _Exposed) -> None:
+    def _end(region: Exposure) -> None:
         with region.drained:
             region.inflight -= 1
             region.drained.notify_all()
@@ -319,7 +340,7 @@ def _send_notice(conn: socket.socket) -> None:
         ReadServer._reply(conn, Status.NOT_FOUND, "retracted: unmap it")
 
 
-def _host_bytes(region: _Exposed, offset: int, nbytes: int) -> memoryview:
+def _host_bytes(region: Exposure, offset: int, nbytes: int) -> memoryview:
     """Bytes ``[offset, offset + nbytes)`` of a region in host memory (GPU: copied)."""
     if region.data is not None:
         return region.data[offset:offset + nbytes]

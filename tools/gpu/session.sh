@@ -68,7 +68,7 @@ check() {
     step topo-m 30 nvidia-smi topo -m
     step probe 60 python3 -c "from fabric.gpu import probe; print(probe())"
     step versions 60 python3 -c "$VERSIONS"
-    step aot-sm90 300 env TRITON_INTERPRET=0 python3 -m kernels.aot
+    step aot-sm90 240 env TRITON_INTERPRET=0 python3 -m kernels.aot
     step discover 60 "${FABRIC[@]}" topo discover -o "$OUT/discovered.yaml"
 }
 
@@ -83,8 +83,8 @@ tests() {
     mps_off
 }
 
-bench() {  # the step limits add up to 535 s; only the 64MiB run repeats the extra sections
-    step fetch-cuda-64MiB 165 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
+bench() {  # the step limits add up to 520 s; only the 64MiB run repeats the extra sections
+    step fetch-cuda-64MiB 150 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
         --size 4GB --chunk-size 64MiB --max-inflight 8 --versions 2 --json
     # 16MiB chunks read one per lease, then in spans of 256MiB (one lease each)
     for span in 16MiB 256MiB; do
