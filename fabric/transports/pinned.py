@@ -75,7 +75,9 @@ class PinnedMappings(Generic[M]):
                 raise TransportError("the mappings were closed")
             entry = self._entries.get(key)
             if entry is None:
-                pin = client.pin(source, region, timeout=timeout)
+                # The holder just granted a lease, so it answers at once: keep the
+                # lock (which every read of this process takes) no longer than that.
+                pin = client.pin(source, region, timeout=min(timeout, client.CONNECT_TIMEOUT))
                 try:
                     entry = self._entries[key] = _Entry(open_mapping(), pin)
                 except BaseException:
