@@ -357,30 +357,45 @@ def stalled(worker: str):
 
 class LateSource:
     """A source that reads each request and answers it with `fill` bytes only once
-    `answer` is set (a holder that froze, then woke up)."""
+    `answer` is set (a holder that froze, then woke up). `reached` is set when a first
+    read has asked; `answered` once every read that asked before `answer` is answered
+    (`late_reads` of them: a read abandoned before it connected never asks)."""
 
     def __init__(self, worker: str, fill: int) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)  # to look at `answer` between connections
         self.source = Source(worker, SourceAddress("127.0.0.1", self.listener.getsockname()[1],
                                                    "elsewhere"), "v1")
-        self.fill, self.answer, self.answered = fill, threading.Event(), threading.Event()
+        self.fill, self.answer = fill, threading.Event()
+        self.reached, self.answered = threading.Event(), threading.Event()
+        self.late_reads = 0
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         conns = []
-        with contextlib.suppress(OSError):
-            while len(conns) < 4:  # the reads in flight
+        while not self.answer.is_set():
+            try:
                 conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                break
+            try:
+                conn.settimeout(5)
                 magic, op, flags, name_len, offset, nbytes, timeout = REQUEST.unpack(
                     recv_exact(conn, REQUEST.size))
                 recv_exact(conn, name_len)
-                conns.append((conn, nbytes))
-        self.answer.wait(30)
+            except OSError:  # the read was abandoned before it asked
+                conn.close()
+                continue
+            conns.append((conn, nbytes))
+            self.reached.set()
         for conn, nbytes in conns:
             with contextlib.suppress(OSError):
                 conn.sendall(REPLY.pack(Status.OK, 0, nbytes) + bytes([self.fill]) * nbytes)
             conn.close()
+        self.late_reads = len(conns)
         self.answered.set()
 
     def close(self) -> None:
@@ -405,7 +420,7 @@ def test_a_fetch_raises_at_its_deadline_without_waiting_out_its_reads(tcp, kind)
             assert time.monotonic() - start < 1.5
             if kind == "late":
                 holder.answer.set()
-                assert holder.answered.wait(10)
+                assert holder.answered.wait(10) and holder.late_reads >= 1
                 time.sleep(0.2)
             assert not dest.any()
         finally:
@@ -432,13 +447,17 @@ def test_a_source_reported_lost_is_left_at_once_and_never_writes_again(tcp):
     planner = LostPlanner([late.source, src_b], stripe=1)  # every read goes to "a"
     with hard_timeout(30):
         try:
-            threading.Timer(0.3, planner.gone.add, ["a"]).start()
+            def lose_a() -> None:  # once a read of "a" has asked, to be answered late
+                late.reached.wait(5)
+                planner.gone.add("a")
+
+            threading.Timer(0.3, lose_a).start()
             start = time.monotonic()
             dest, _, stats = run(planner, tcp, options=FetchOptions(read_timeout=5, deadline=4))
             assert time.monotonic() - start < 1.5
             assert stats.failed_sources == ["a"] and stats.sources == {"b": NBYTES}
             late.answer.set()
-            assert late.answered.wait(10)
+            assert late.answered.wait(10) and late.late_reads >= 1
             time.sleep(0.2)
             assert torch.equal(dest, data())
         finally:
