@@ -9,6 +9,13 @@ marks it present, so a chain of readers pipelines. When a source fails, or a
 chunk's bytes are wrong, only those chunks go back to the planner, which may
 name other sources; chunks already fetched are kept.
 
+The engine works in rounds: a plan of every chunk still missing, then its reads.
+The chunks of a read that fails, or is abandoned (below), or that fail their
+checksum are re-planned at once, and their new reads go first, while the other
+reads of the round go on. Chunks the planner cannot place then (it names no
+source, or raises) wait for the next round, which begins once no read is left in
+flight; its plan raises the error if there is still no source for them.
+
 A read asks for a span of consecutive chunks (up to `FetchOptions.read_bytes`):
 one lease or request and one copy instead of one per chunk, which is what keeps
 small chunks fast. The source waits only for the span's first chunk and grants
@@ -152,7 +159,7 @@ class FetchOptions:
         read_timeout: seconds to wait for one read (a partial source may still be
             fetching its chunks).
         deadline: seconds the whole fetch may take.
-        max_rounds: re-plans allowed before giving up.
+        max_rounds: planner calls allowed before giving up.
         report_interval: seconds between progress reports to the hub.
     """
 
@@ -173,7 +180,8 @@ class FetchOptions:
     """Longest the whole fetch may take: past it the fetch raises `FetchError` within
     about `WAIT_SLICE`, aborting the reads still in flight."""
     max_rounds: int = 50
-    """Re-plans allowed before giving up."""
+    """Planner calls allowed before giving up: each round's plan of the chunks still
+    missing, and each re-plan, within a round, of the chunks of failed reads."""
     report_interval: float = 0.02
     """Seconds between progress reports to the planner (a hub round trip each):
     verified chunks are batched in between, and flushed when the fetch ends. Peers
@@ -274,28 +282,41 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
     def new_pool() -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=options.max_inflight, thread_name_prefix="wf-fetch")
 
+    def replan_now(chunks: list[int]) -> list[tuple[tuple[int, ...], Source]]:
+        """Reads for chunks to read again within a round; none for those the planner
+        cannot place now (the end-of-round plan then raises the proper error)."""
+        try:
+            assignments = planner.plan(chunks, set(failed))
+        except FabricError as exc:
+            log.info("re-plan of chunks %s failed (%s); trying again after this round",
+                     _ranges(chunks), exc)
+            return []
+        return _schedule(assignments, chunks, corrupt_from, chunks_per_read=chunks_per_read,
+                         inflight=options.max_inflight)
+
     pool = new_pool()
-    inflight: dict[Future[_Read], tuple[Source, _Claim]] = {}
+    inflight: dict[Future[_Read], tuple[tuple[int, ...], Source, _Claim]] = {}
+    plans = 0  # planner calls, bounded by max_rounds
     try:
-        for _ in range(options.max_rounds):
-            missing = [c for c in range(total) if not progress.has(c, c)]
-            if not missing:
-                break
+        while missing := [c for c in range(total) if not progress.has(c, c)]:
+            if plans >= options.max_rounds:
+                raise FetchError(f"gave up after {options.max_rounds} re-plans; chunks "
+                                 f"{_ranges(missing)} still missing")
             if time.monotonic() - start > options.deadline:
                 raise FetchError(f"fetch ran past its deadline of {options.deadline:g} s with "
                                  f"{len(missing)} of {total} chunks missing")
-            work = _schedule(planner.plan(missing, set(failed)), missing, corrupt_from,
-                             chunks_per_read=chunks_per_read, inflight=options.max_inflight)
-            if not work:
+            plans += 1
+            queue = _schedule(planner.plan(missing, set(failed)), missing, corrupt_from,
+                              chunks_per_read=chunks_per_read, inflight=options.max_inflight)
+            if not queue:
                 raise _no_source_left(missing, failed, corrupt_from)
-            queue = list(work)
             while queue or inflight:
                 while queue and len(inflight) < options.max_inflight:
                     span, source = queue.pop(0)
                     if source.worker in failed:
                         continue
                     claim = _Claim()
-                    inflight[pool.submit(read_span, span, source, claim)] = (source, claim)
+                    inflight[pool.submit(read_span, span, source, claim)] = (span, source, claim)
                 if not inflight:  # the rest was assigned to sources that failed: re-plan
                     break
                 left = options.deadline - (time.monotonic() - start)
@@ -309,12 +330,14 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                                      f"{total} chunks missing")
                 for future in done:
                     del inflight[future]
+                retry: list[int] = []  # chunks to read elsewhere, none of them in flight
                 gone = lost_news()
                 for worker in gone - failed.keys():
                     give_up(worker, "lost: the hub dropped it (its lease ran out, or it "
                                     "dropped the model)")
-                stale = [f for f, (source, _) in inflight.items() if source.worker in gone]
+                stale = [f for f, (_, source, _) in inflight.items() if source.worker in gone]
                 if stale:
+                    retry.extend(c for f in stale for c in inflight[f][0])
                     _revoke(stale, inflight)
                     # Their threads may still be asking a hung source what it is (`choose`,
                     # never touching `dest`): the next reads get threads of their own.
@@ -331,6 +354,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                     attempted.update(read.span)
                     if read.error is not None:
                         give_up(worker, read.error)
+                        retry.extend(read.span)
                         continue
                     for chunk in read.span:
                         if chunk in read.corrupted:
@@ -338,6 +362,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                             corrupt_from.setdefault(chunk, set()).add(worker)
                             log.warning("chunk %d from %s failed its checksum; re-reading",
                                         chunk, worker)
+                            retry.append(chunk)
                             continue
                         nbytes = chunk_bytes(chunk).numel()
                         progress.mark(chunk)
@@ -347,6 +372,12 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                         stats.transports[read.via] = stats.transports.get(read.via, 0) + nbytes
                         finished.append(chunk)
                 queue[:0] = sorted(rests, key=lambda r: r[0][0])
+                # Reads still queued for a source given up on are re-planned with the rest.
+                retry.extend(c for span, source in queue if source.worker in failed for c in span)
+                queue = [(span, source) for span, source in queue if source.worker not in failed]
+                if retry and plans < options.max_rounds:
+                    plans += 1
+                    queue[:0] = replan_now(sorted(retry))
                 if finished:
                     unreported.extend(finished)
                     if time.monotonic() - last_report >= options.report_interval:
@@ -354,11 +385,6 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                     if on_chunk is not None:
                         on_chunk(progress.count, total)
             flush_reports()
-        else:
-            missing = [c for c in range(total) if not progress.has(c, c)]
-            if missing:
-                raise FetchError(f"gave up after {options.max_rounds} re-plans; chunks "
-                                 f"{_ranges(missing)} still missing")
     finally:
         _revoke(list(inflight), inflight)  # before returning: none of them writes `dest` again
         pool.shutdown(wait=False, cancel_futures=True)
@@ -388,10 +414,10 @@ class _Claim:
 
 
 def _revoke(futures: Iterable[Future[_Read]],
-            inflight: dict[Future[_Read], tuple[Source, _Claim]]) -> None:
+            inflight: dict[Future[_Read], tuple[tuple[int, ...], Source, _Claim]]) -> None:
     """Abandon these reads: abort them all, wait until none touches the destination
     any more, and forget them (their results are never looked at)."""
-    claims = [inflight.pop(f)[1] for f in list(futures)]
+    claims = [inflight.pop(f)[2] for f in list(futures)]
     for claim in claims:
         claim.abort.abort()
     for claim in claims:
