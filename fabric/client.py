@@ -131,7 +131,7 @@ class HubClient:
         self.session = secrets.token_hex(8)
         self.lease_s: float | None = None
         self.epoch: str | None = None
-        self.lost: dict[str, set[str]] = {}
+        self.lost: dict[str, set[str]] = {}  # fetch -> sources the hub dropped, until it ends
         self.retired: set[tuple[str, int]] = set()
         self._endpoint = endpoint(url, bind=False)
         self._ids = itertools.count(1)
@@ -392,7 +392,6 @@ class HubClient:
     def replan(self, fetch_id: str, *, chunks: list[int] | None = None,
                exclude: list[str] | None = None) -> FetchPlan:
         """New sources for the chunks still missing (or ``chunks``), avoiding ``exclude``."""
-        self.lost.pop(fetch_id, None)
         with self._lock:      # kept from begin_fetch: the hub need not send it again
             kept = next((h.manifest for h in self._holdings.values()
                          if h.fetch_id == fetch_id), None)

@@ -56,7 +56,6 @@ class HubPlanner:
             HubError: the hub refused the re-plan otherwise.
         """
         if not self._fresh or failed:
-            self._lost |= self.hub.lost.get(self.current.fetch_id, set())  # replan clears it
             try:
                 self.current = self.hub.replan(self.current.fetch_id, chunks=missing,
                                                exclude=sorted(failed) or None)
