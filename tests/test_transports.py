@@ -244,6 +244,7 @@ def test_a_name_being_retracted_can_be_exposed_again_and_each_exposure_drains_on
                 client.request(conn, server.address, Op.END, "v1", timeout=5)
             assert server.retract(first, timeout=5) is True
             assert server.regions() == ["v1"]  # retracting the old one left the new one
+            assert server._superseded == []  # nor does the server keep its memory
             assert server.retract(second, timeout=5) is True and server.regions() == []
         finally:
             pool.close()

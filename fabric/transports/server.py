@@ -143,6 +143,7 @@ class ReadServer:
             with self._lock:
                 if self._regions.get(region.name) is region:
                     del self._regions[region.name]
+                self._superseded = [e for e in self._superseded if e is not region]
         return done
 
     def regions(self) -> list[str]:
@@ -306,7 +307,7 @@ class ReadServer:
         """Tell the readers pinning regions `which` selects to unmap them."""
         with self._notice_lock:
             with self._lock:
-                conns = [conn for conn, region in self._pins.items() if which(region)]
+                conns = [conn for conn, pinned in self._pins.items() if which(pinned)]
             for conn in conns:
                 _send_notice(conn)
 
