@@ -7,10 +7,13 @@ the sources it names; `HubState.locate` calls `holders`.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from typing import Any
 
-from fabric.hub_records import LIVE, VersionRecord, WorkerRecord
+import numpy as np
+
+from fabric.hub_records import LIVE, Replica, VersionRecord, WorkerRecord
 from fabric.locality import Location, RankSources, SourceCandidate
 
 
@@ -18,6 +21,10 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[int], *, banned:
           workers: dict[str, WorkerRecord], load: Counter[str], rank_sources: RankSources,
           max_sources: int) -> tuple[list[dict[str, Any]], set[str], list[int]]:
     """Ranked sources for each chunk of ``need`` the reader can read now.
+
+    Costs O(runs) rather than O(chunks x replicas): the sources and waits of a chunk
+    (`_pick`) change only where ``need`` or the ``have`` of a partial replica that can
+    matter does, so they are picked once per stretch between such changes.
 
     Returns:
         ``(ranges, named, missing)``: ``ranges`` as in `HubState.plan`, every worker
@@ -30,36 +37,86 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[int], *, banned:
              and r.worker in workers and r.worker not in banned]
     allowed = {c.worker for c in cands}
     ranked = [c for c in rank_sources(reader_loc, cands) if c.worker in allowed]
-    reps = [v.replicas[(c.worker, shard)] for c in ranked]
+    reps = _reach([v.replicas[(c.worker, shard)] for c in ranked], max_sources)
     # A reader waits only on partial replicas that began fetching before it did:
     # waits then follow start order, so two readers never wait on each other.
     order = {key: i for i, key in enumerate(v.replicas)}
     mine = order[(reader, shard)]
+    earlier = {r.worker for r in reps if order[(r.worker, shard)] < mine}
     ranges: list[dict[str, Any]] = []
     missing: list[int] = []
     named: set[str] = set()
-    for c in sorted(set(need)):
-        srcs: list[str] = []
-        wait: list[str] = []
-        for r in reps:
-            if r.complete or r.have[c]:
-                srcs.append(r.worker)
-                if len(srcs) >= max_sources:
-                    break
-            elif not srcs and len(wait) < 2 and order[(r.worker, r.shard)] < mine:
-                wait.append(r.worker)
-        if not srcs:
-            missing.append(c)
-            continue
-        last = ranges[-1] if ranges else None
-        if (last is not None and last["stop"] == c and last["sources"] == srcs
-                and last["wait"] == wait):
-            last["stop"] = c + 1
-        else:
-            ranges.append({"start": c, "stop": c + 1, "sources": srcs, "wait": wait})
-        named.update(srcs)
-        named.update(wait)
+    runs = _runs(need)
+    if not runs:
+        return ranges, named, missing
+    lo, hi = runs[0][0], runs[-1][1]
+    cuts = sorted({i for r in reps if not r.complete for i in _edges(r.have, lo, hi)})
+    for start, stop in runs:
+        inner = cuts[bisect_right(cuts, start):bisect_left(cuts, stop)]
+        for a, b in zip([start, *inner], [*inner, stop], strict=True):
+            srcs, wait = _pick(reps, a, earlier, max_sources)
+            if not srcs:
+                missing.extend(range(a, b))
+                continue
+            last = ranges[-1] if ranges else None
+            if (last is not None and last["stop"] == a and last["sources"] == srcs
+                    and last["wait"] == wait):
+                last["stop"] = b
+            else:
+                ranges.append({"start": a, "stop": b, "sources": srcs, "wait": wait})
+            named.update(srcs)
+            named.update(wait)
     return ranges, named, missing
+
+
+def _pick(reps: list[Replica], c: int, earlier: set[str], max_sources: int
+          ) -> tuple[list[str], list[str]]:
+    """Chunk ``c``'s sources (the first ``max_sources`` of ``reps``, best first, that
+    have it) and waits (up to 2 ``earlier`` partial replicas ranked above every source)."""
+    srcs: list[str] = []
+    wait: list[str] = []
+    for r in reps:
+        if r.complete or r.have[c]:
+            srcs.append(r.worker)
+            if len(srcs) >= max_sources:
+                break
+        elif not srcs and len(wait) < 2 and r.worker in earlier:
+            wait.append(r.worker)
+    return srcs, wait
+
+
+def _reach(reps: list[Replica], max_sources: int) -> list[Replica]:
+    """The prefix of ranked ``reps`` that `_pick` can reach: it stops by the
+    ``max_sources``-th complete replica (by the first when ``max_sources`` <= 1)."""
+    complete = 0
+    for i, r in enumerate(reps):
+        complete += r.complete
+        if complete >= max(max_sources, 1):
+            return reps[:i + 1]
+    return reps
+
+
+def _runs(need: list[int]) -> list[tuple[int, int]]:
+    """``sorted(set(need))`` as ``(start, stop)`` runs of consecutive chunks."""
+    if not need:
+        return []
+    a = np.fromiter(need, np.int64, len(need))
+    if not (a[1:] > a[:-1]).all():
+        a.sort()
+        a = a[np.r_[True, a[1:] != a[:-1]]]
+    cut = np.flatnonzero(a[1:] != a[:-1] + 1) + 1
+    starts = a[np.r_[0, cut]].tolist()
+    stops = (a[np.r_[cut - 1, len(a) - 1]] + 1).tolist()
+    return list(zip(starts, stops, strict=True))
+
+
+def _edges(have: bytearray, start: int, stop: int) -> list[int]:
+    """The chunks in ``start+1..stop-1`` where ``have`` (bytes 0 or 1) changes value."""
+    edges: list[int] = []
+    i = start
+    while (i := have.find(1 - have[i], i, stop)) >= 0:
+        edges.append(i)
+    return edges
 
 
 __all__ = ["route"]
