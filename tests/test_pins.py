@@ -75,7 +75,8 @@ def test_a_region_being_retracted_can_be_pinned_under_a_lease_and_says_unmap_at_
         try:
             with pool.connection(server.address) as conn:
                 client.lease(conn, server.address, "w", offset=0, nbytes=10, timeout=5)
-                retract = threading.Thread(target=lambda: retracted.append(server.retract("w")))
+                retract = threading.Thread(
+                    target=lambda: retracted.append(server.retract("w", timeout=10)), daemon=True)
                 retract.start()
                 time.sleep(0.1)  # the retract now waits for the lease
                 pin = client.pin(server.address, "w", timeout=5)
@@ -102,7 +103,7 @@ def test_closing_the_server_asks_pinned_readers_to_unmap_and_waits_for_them(monk
         time.sleep(0.2)
         prompt.close()
 
-    reader = threading.Thread(target=unmap_when_told)
+    reader = threading.Thread(target=unmap_when_told, daemon=True)
     reader.start()
     try:
         start = time.monotonic()
