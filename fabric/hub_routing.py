@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,14 +31,10 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[int], *, banned:
         ``(ranges, named, missing)``: ``ranges`` as in `HubState.plan`, every worker
         they name, and the chunks no live source holds.
     """
-    reader_loc = workers[reader].location
-    cands = [SourceCandidate(r.worker, workers[r.worker].location, r.complete, load[r.worker])
-             for r in v.replicas.values()
-             if r.shard == shard and r.worker != reader and r.status == LIVE
-             and r.worker in workers and r.worker not in banned]
-    allowed = {c.worker for c in cands}
-    ranked = [c for c in rank_sources(reader_loc, cands) if c.worker in allowed]
-    reps = _reach([v.replicas[(c.worker, shard)] for c in ranked], max_sources)
+    ranked = ranked_replicas(v, shard, workers[reader].location, workers=workers, load=load,
+                             rank_sources=rank_sources,
+                             keep=lambda r: r.worker != reader and r.worker not in banned)
+    reps = _reach(ranked, max_sources)
     # A reader waits only on partial replicas that began fetching before it did:
     # waits then follow start order, so two readers never wait on each other.
     order = {key: i for i, key in enumerate(v.replicas)}
@@ -119,14 +116,25 @@ def _edges(have: bytearray, start: int, stop: int) -> list[int]:
     return edges
 
 
-__all__ = ["route"]
-
-
 def holders(v: VersionRecord, shard: int, reader: Location, *, workers: dict[str, WorkerRecord],
             load: Counter[str], rank_sources: RankSources) -> list[str]:
     """Workers with a complete live replica of ``shard``, best first for ``reader``."""
-    cands = [SourceCandidate(r.worker, workers[r.worker].location, True, load[r.worker])
+    return [r.worker for r in ranked_replicas(v, shard, reader, workers=workers, load=load,
+                                              rank_sources=rank_sources,
+                                              keep=lambda r: r.complete)]
+
+
+def ranked_replicas(v: VersionRecord, shard: int, reader: Location, *,
+                    workers: dict[str, WorkerRecord], load: Counter[str],
+                    rank_sources: RankSources, keep: Callable[[Replica], bool]) -> list[Replica]:
+    """The live replicas of ``shard`` on registered workers that ``keep`` accepts,
+    best first for ``reader`` (those ``rank_sources`` leaves out are dropped)."""
+    cands = [SourceCandidate(r.worker, workers[r.worker].location, r.complete, load[r.worker])
              for r in v.replicas.values()
-             if r.shard == shard and r.complete and r.status == LIVE and r.worker in workers]
+             if r.shard == shard and r.status == LIVE and r.worker in workers and keep(r)]
     allowed = {c.worker for c in cands}
-    return [c.worker for c in rank_sources(reader, cands) if c.worker in allowed]
+    return [v.replicas[(c.worker, shard)] for c in rank_sources(reader, cands)
+            if c.worker in allowed]
+
+
+__all__ = ["holders", "ranked_replicas", "route"]

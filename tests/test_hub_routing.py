@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric.hub_records import LIVE, RETRACTING, Replica, VersionRecord, WorkerRecord
-from fabric.hub_routing import route
+from fabric.hub_routing import ranked_replicas, route
 from fabric.locality import Location, RankSources, SourceCandidate, rank_by_locality
 
 READER = "reader"
@@ -20,15 +20,11 @@ def reference_route(v: VersionRecord, shard: int, reader: str, need: list[int], 
                     banned: set[str], workers: dict[str, WorkerRecord], load: Counter[str],
                     rank_sources: RankSources, max_sources: int
                     ) -> tuple[list[dict[str, Any]], set[str], list[int]]:
-    """The oracle: `route` as it was, one chunk and one ranked replica at a time."""
-    reader_loc = workers[reader].location
-    cands = [SourceCandidate(r.worker, workers[r.worker].location, r.complete, load[r.worker])
-             for r in v.replicas.values()
-             if r.shard == shard and r.worker != reader and r.status == LIVE
-             and r.worker in workers and r.worker not in banned]
-    allowed = {c.worker for c in cands}
-    ranked = [c for c in rank_sources(reader_loc, cands) if c.worker in allowed]
-    reps = [v.replicas[(c.worker, shard)] for c in ranked]
+    """The oracle: `route` as it was, one chunk and one ranked replica at a time (the
+    replicas ranked as `route` ranks them: that part did not change)."""
+    reps = ranked_replicas(v, shard, workers[reader].location, workers=workers, load=load,
+                           rank_sources=rank_sources,
+                           keep=lambda r: r.worker != reader and r.worker not in banned)
     order = {key: i for i, key in enumerate(v.replicas)}
     mine = order[(reader, shard)]
     ranges: list[dict[str, Any]] = []
