@@ -22,6 +22,7 @@ class ChunkProgress:
         self._present = bytearray([1 if complete else 0] * num_chunks)
         self._count = num_chunks if complete else 0
         self._cond = threading.Condition()
+        self._last_mark = time.monotonic()
 
     def mark(self, chunk: int) -> None:
         """Record that `chunk` is present and wake the readers waiting for it."""
@@ -29,6 +30,7 @@ class ChunkProgress:
             if not self._present[chunk]:
                 self._present[chunk] = 1
                 self._count += 1
+                self._last_mark = time.monotonic()
                 self._cond.notify_all()
 
     def has(self, first: int, last: int) -> bool:
@@ -43,19 +45,28 @@ class ChunkProgress:
         return last if gap < 0 else gap - 1
 
     def wait(self, first: int, last: int, timeout: float,
-             abort: Callable[[], bool] | None = None) -> bool:
-        """Wait until chunks ``first..last`` are present; False on timeout, or as soon
-        as ``abort()`` is true after a `wake`."""
+             abort: Callable[[], bool] | None = None, *, stall: float | None = None) -> bool:
+        """Wait until chunks ``first..last`` are present; False on timeout, as soon as
+        ``abort()`` is true after a `wake`, or once no chunk has been marked for
+        ``stall`` seconds (see `idle`)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self.has(first, last):
                 if abort is not None and abort():
                     return False
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
+                if stall is not None:
+                    remaining = min(remaining, self._last_mark + stall - now)
                 if remaining <= 0:
                     return False
                 self._cond.wait(remaining)
         return True
+
+    def idle(self) -> float:
+        """Seconds since a chunk was last marked (since creation before the first)."""
+        with self._cond:
+            return time.monotonic() - self._last_mark
 
     def wake(self) -> None:
         """Wake every waiter so it checks its ``abort`` (call after making it true)."""

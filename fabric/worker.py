@@ -31,6 +31,7 @@ from fabric.transports import (
     choose_transport,
     local_host_id,
 )
+from fabric.transports.server import STALL_TIMEOUT
 
 if TYPE_CHECKING:
     from fabric.gpu.nvshmem_arena import NvshmemRuntime
@@ -46,11 +47,12 @@ class Worker:
     def __init__(self, url: str, *, worker: str,
                  location: Location | dict[str, str] | None = None, host: str = "127.0.0.1",
                  timeout: float = 10.0, heartbeat: bool = True,
-                 nvshmem: NvshmemRuntime | None = None) -> None:
+                 nvshmem: NvshmemRuntime | None = None,
+                 stall_timeout: float = STALL_TIMEOUT) -> None:
         removed = remove_stale_regions()
         if removed:
             log.info("removed %d arena files of dead workers", len(removed))
-        self.server = ReadServer(host=host)
+        self.server = ReadServer(host=host, stall_timeout=stall_timeout)
         try:
             self.hub = HubClient(url, worker=worker, location=location,
                                  endpoints={"read": self.server.address.to_dict()},
@@ -217,7 +219,8 @@ class Worker:
 
 def join(url: str, *, worker: str, location: Location | dict[str, str] | None = None,
          host: str = "127.0.0.1", timeout: float = 10.0,
-         nvshmem: NvshmemRuntime | None = None) -> Worker:
+         nvshmem: NvshmemRuntime | None = None,
+         stall_timeout: float = STALL_TIMEOUT) -> Worker:
     """Join the fabric at hub `url` as `worker`, ready to publish and fetch.
 
     Args:
@@ -230,6 +233,10 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
         nvshmem: this process's started `fabric.gpu.NvshmemRuntime`, when it is a PE
             of an NVSHMEM job: its symmetric stores (``model(..., symmetric=True)``)
             are read one-sidedly by the job's other PEs.
+        stall_timeout: seconds a partial replica here may receive no chunk before
+            peers waiting on it are told it stalled (they read elsewhere instead of
+            waiting out their ``read_timeout``). Raise it when this worker's own
+            reads are slower than that per ``FetchOptions.read_bytes``.
 
     Raises:
         HubUnavailableError: no hub answers at `url`.
@@ -241,4 +248,4 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
         >>> store.attach(model); store.fetch("latest")       # doctest: +SKIP
     """
     return Worker(url, worker=worker, location=location, host=host, timeout=timeout,
-                  nvshmem=nvshmem)
+                  nvshmem=nvshmem, stall_timeout=stall_timeout)

@@ -47,8 +47,9 @@ def hub():
     server = fabric.serve("tcp://127.0.0.1:0", lease_s=5.0)
     workers = []
 
-    def join(name, location=None):
-        workers.append(fabric.join(server.url, worker=name, timeout=5, location=location))
+    def join(name, location=None, **kwargs):
+        workers.append(fabric.join(server.url, worker=name, timeout=5, location=location,
+                                   **kwargs))
         return workers[-1]
 
     yield join
@@ -380,6 +381,21 @@ def test_a_fetch_falls_back_to_the_origin_when_the_partial_replica_it_waits_on_s
     with hard_timeout(30):
         stats = store.fetch(version, options=FetchOptions(read_timeout=0.5, deadline=5))
     assert stats.failed_sources == ["partial"] and list(stats.sources) == ["origin"]
+    assert same(model, source)
+
+
+def test_a_partial_replica_that_stalls_is_left_after_its_stall_timeout_not_the_read_timeout(
+        hub, caplog):
+    source, version, store = origin_and_reader(hub)
+    begin_stalled_fetch(hub("partial", NEAR, stall_timeout=0.5), version)
+    model = net(seed=9)
+    store.attach(model)
+    with hard_timeout(30):
+        start = time.monotonic()
+        stats = store.fetch(version, options=FetchOptions(read_timeout=20, deadline=25))
+    assert time.monotonic() - start < 5
+    assert stats.failed_sources == ["partial"] and list(stats.sources) == ["origin"]
+    assert "stalled" in caplog.text
     assert same(model, source)
 
 

@@ -285,6 +285,39 @@ def test_retract_answers_reads_waiting_for_chunks_at_once(kind):
             transport.close()
 
 
+def test_a_read_waiting_on_a_stalled_partial_region_is_answered_before_its_timeout():
+    """A partial region that gets no chunk for the server's ``stall_timeout`` answers
+    reads of its missing chunks NOT_READY ("stalled") then, not at the read's own
+    timeout; one that keeps getting chunks, even slower than that in total, does not."""
+    with ReadServer(stall_timeout=0.4) as server:
+        tcp = TcpTransport()
+        try:
+            exposed = time.monotonic()  # the stall clock starts with the progress
+            server.expose("stalled", pattern(4 * CHUNK), chunk_size=CHUNK,
+                          progress=ChunkProgress(4))
+            with pytest.raises(ReadRefusedError, match="NOT_READY.*stalled"):
+                tcp.read(server.address, "stalled", 3 * CHUNK,
+                         torch.empty(CHUNK, dtype=torch.uint8), timeout=20)
+            assert 0.4 <= time.monotonic() - exposed < 5
+
+            filling = ChunkProgress(4)
+            server.expose("filling", pattern(4 * CHUNK), chunk_size=CHUNK, progress=filling)
+
+            def fill() -> None:  # a chunk every 0.2 s: 0.8 s in all, never 0.4 s idle
+                for chunk in range(4):
+                    time.sleep(0.2)
+                    filling.mark(chunk)
+
+            filler = threading.Thread(target=fill, daemon=True)
+            filler.start()
+            out = torch.empty(CHUNK, dtype=torch.uint8)
+            tcp.read(server.address, "filling", 3 * CHUNK, out, timeout=20)
+            assert torch.equal(out, pattern(4 * CHUNK)[3 * CHUNK:])
+            filler.join(5)
+        finally:
+            tcp.close()
+
+
 def test_bytes_served_counts_egress(holder):
     before = int(holder.ask("served")[1])
     tcp = TcpTransport()

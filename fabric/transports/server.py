@@ -28,6 +28,8 @@ from fabric.transports.wire import MAGIC, MAX_NAME, REPLY, REQUEST, Flag, Op, St
 log = logging.getLogger(__name__)
 
 UNPIN_WAIT = 5.0  # how long `close` waits for readers to unmap pinned regions
+STALL_TIMEOUT = 10.0
+"""Seconds without a new chunk after which a partial region calls itself stalled."""
 
 
 @dataclass(eq=False)
@@ -52,9 +54,17 @@ class ReadServer:
     Args:
         host: address to listen on (loopback by default).
         port: TCP port; 0 lets the OS choose (see `address`).
+        stall_timeout: a read waiting for chunks of a partial region is answered
+            ``NOT_READY`` early, as stalled, once no chunk of the region has arrived
+            for this many seconds: the fetch filling it is stuck, and the reader
+            does better elsewhere than waiting out its own timeout.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
+                 stall_timeout: float = STALL_TIMEOUT) -> None:
+        if not stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be positive, got {stall_timeout}")
+        self.stall_timeout = stall_timeout
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = SourceAddress(host=host, port=self._listener.getsockname()[1],
                                      host_id=local_host_id())
@@ -247,13 +257,17 @@ class ReadServer:
                 first, last = offset // chunk, (offset + nbytes - 1) // chunk
                 needed = first if prefix else last
                 if not region.progress.wait(first, needed, timeout,
-                                            abort=lambda: region.retracting):
+                                            abort=lambda: region.retracting,
+                                            stall=self.stall_timeout):
                     if region.retracting:
                         self._reply(conn, Status.NOT_FOUND, f"region {name!r} was retracted "
                                     "while this read waited for its chunks")
                         return None
-                    self._reply(conn, Status.NOT_READY,
-                                f"chunks {first}..{needed} of {name!r} not present after {timeout:g} s")
+                    idle = region.progress.idle()
+                    why = (f"stalled, no chunk arrived here for {idle:.1f} s"
+                           if idle >= self.stall_timeout else f"not present after {timeout:g} s")
+                    self._reply(conn, Status.NOT_READY, f"chunks {first}..{needed} of "
+                                f"{name!r}: {why}")
                     return None
                 if prefix:  # the present run from `first`, cut to the request
                     end = (region.progress.present_through(first, last) + 1) * chunk

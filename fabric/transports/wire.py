@@ -11,7 +11,8 @@ Every reply is a fixed header, then a UTF-8 message (errors) and a payload::
 A connection carries one request at a time. Ops:
 
 - ``READ``: wait (up to timeout) until the chunks covering ``[offset, offset+nbytes)``
-  are present, then send those bytes as the payload.
+  are present, then send those bytes as the payload. ``NOT_READY`` when they are not
+  by then, or sooner when the region stalls (the server's ``stall_timeout``).
 - ``LEASE``: the same wait; the payload is msgpack ``{shm_path, gpu, nbytes}``: where
   the reader copies the bytes from itself (the holder's `/dev/shm` file, or its GPU
   memory through the ``gpu`` descriptor), then it sends ``END``. The server counts
@@ -62,7 +63,7 @@ class Status(enum.IntEnum):
     OK = 0
     NOT_FOUND = 1      # unknown or retracted region
     OUT_OF_RANGE = 2
-    NOT_READY = 3      # the chunks did not arrive within the timeout
+    NOT_READY = 3      # the chunks did not arrive within the timeout, or the region stalled
     BAD_REQUEST = 4
 
 
