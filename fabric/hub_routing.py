@@ -18,14 +18,17 @@ from fabric.hub_records import LIVE, Replica, VersionRecord, WorkerRecord
 from fabric.locality import Location, RankSources, SourceCandidate
 
 
-def route(v: VersionRecord, shard: int, reader: str, need: list[int], *, banned: set[str],
-          workers: dict[str, WorkerRecord], load: Counter[str], rank_sources: RankSources,
-          max_sources: int) -> tuple[list[dict[str, Any]], set[str], list[int]]:
-    """Ranked sources for each chunk of ``need`` the reader can read now.
+def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]], *,
+          banned: set[str], workers: dict[str, WorkerRecord], load: Counter[str],
+          rank_sources: RankSources, max_sources: int
+          ) -> tuple[list[dict[str, Any]], set[str], list[int]]:
+    """Ranked sources for each chunk the reader needs and can read now.
 
-    Costs O(runs) rather than O(chunks x replicas): the sources and waits of a chunk
-    (`_pick`) change only where ``need`` or the ``have`` of a partial replica that can
-    matter does, so they are picked once per stretch between such changes.
+    ``need`` is sorted, disjoint ``(start, stop)`` runs of chunks (`runs`,
+    `missing_runs`). Costs O(runs) rather than O(chunks x replicas): the sources and
+    waits of a chunk (`_pick`) change only where ``need`` or the ``have`` of a partial
+    replica that can matter does, so they are picked once per stretch between such
+    changes.
 
     Returns:
         ``(ranges, named, missing)``: ``ranges`` as in `HubState.plan`, every worker
@@ -43,12 +46,11 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[int], *, banned:
     ranges: list[dict[str, Any]] = []
     missing: list[int] = []
     named: set[str] = set()
-    runs = _runs(need)
-    if not runs:
+    if not need:
         return ranges, named, missing
-    lo, hi = runs[0][0], runs[-1][1]
+    lo, hi = need[0][0], need[-1][1]
     cuts = sorted({i for r in reps if not r.complete for i in _edges(r.have, lo, hi)})
-    for start, stop in runs:
+    for start, stop in need:
         inner = cuts[bisect_right(cuts, start):bisect_left(cuts, stop)]
         for a, b in zip([start, *inner], [*inner, stop], strict=True):
             srcs, wait = _pick(reps, a, earlier, max_sources)
@@ -93,11 +95,11 @@ def _reach(reps: list[Replica], max_sources: int) -> list[Replica]:
     return reps
 
 
-def _runs(need: list[int]) -> list[tuple[int, int]]:
-    """``sorted(set(need))`` as ``(start, stop)`` runs of consecutive chunks."""
-    if not need:
+def runs(chunks: list[int]) -> list[tuple[int, int]]:
+    """``sorted(set(chunks))`` as ``(start, stop)`` runs of consecutive chunks."""
+    if not chunks:
         return []
-    a = np.fromiter(need, np.int64, len(need))
+    a = np.fromiter(chunks, np.int64, len(chunks))
     if not (a[1:] > a[:-1]).all():
         a.sort()
         a = a[np.r_[True, a[1:] != a[:-1]]]
@@ -105,6 +107,13 @@ def _runs(need: list[int]) -> list[tuple[int, int]]:
     starts = a[np.r_[0, cut]].tolist()
     stops = (a[np.r_[cut - 1, len(a) - 1]] + 1).tolist()
     return list(zip(starts, stops, strict=True))
+
+
+def missing_runs(have: bytearray) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` runs of chunks where ``have`` (bytes 0 or 1) is 0."""
+    step = np.diff(np.frombuffer(have, np.uint8).astype(np.int8), prepend=1, append=1)
+    return list(zip(np.flatnonzero(step == -1).tolist(), np.flatnonzero(step == 1).tolist(),
+                    strict=True))
 
 
 def _edges(have: bytearray, start: int, stop: int) -> list[int]:
@@ -137,4 +146,4 @@ def ranked_replicas(v: VersionRecord, shard: int, reader: Location, *,
             if c.worker in allowed]
 
 
-__all__ = ["holders", "ranked_replicas", "route"]
+__all__ = ["holders", "missing_runs", "ranked_replicas", "route", "runs"]

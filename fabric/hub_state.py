@@ -74,7 +74,7 @@ from fabric.hub_records import (
     WorkerRecord,
 )
 from fabric.hub_retention import blocks_retention, held_by, retained, retract_state, settle
-from fabric.hub_routing import holders, route
+from fabric.hub_routing import holders, missing_runs, route, runs
 from fabric.hub_status import status_snapshot
 from fabric.locality import Location, RankSources, rank_by_locality
 from fabric.manifest import Manifest
@@ -465,8 +465,8 @@ class HubState:
         v = self._version(f.model, f.version)
         manifest = v.manifests[f.shard]
         rep = v.replicas[(worker, f.shard)]
-        need = (_check_chunks(chunks, manifest.num_chunks) if chunks is not None
-                else [i for i, h in enumerate(rep.have) if not h])
+        need = (runs(_check_chunks(chunks, manifest.num_chunks)) if chunks is not None
+                else missing_runs(rep.have))
         banned = set(exclude or ())
         ranges, named, missing = route(v, f.shard, worker, need, banned=banned,
                                        workers=self.workers, load=self._index.load,

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabric.hub_records import LIVE, RETRACTING, Replica, VersionRecord, WorkerRecord
-from fabric.hub_routing import ranked_replicas, route
+from fabric.hub_routing import missing_runs, ranked_replicas, route, runs
 from fabric.locality import Location, RankSources, SourceCandidate, rank_by_locality
 
 READER = "reader"
@@ -117,7 +117,7 @@ def scenarios(draw):
 def test_route_matches_the_per_chunk_algorithm(case):
     v, need, kwargs = case
     expected = reference_route(v, 0, READER, list(need), **kwargs)
-    ranges, named, missing = route(v, 0, READER, need, **kwargs)
+    ranges, named, missing = route(v, 0, READER, runs(need), **kwargs)
     assert (ranges, named, missing) == expected
     assert all(type(c) is int for c in missing)                   # plain ints for the wire
     assert all(type(r["start"]) is int and type(r["stop"]) is int for r in ranges)
@@ -137,10 +137,22 @@ def test_route_large_shard_names_one_range_per_change():
     need = [c for c in range(n) if c != 5000]
     kwargs = dict(banned=set(), workers=workers, load=Counter(t=1),   # t ranks after p, q, r
                   rank_sources=rank_by_locality, max_sources=2)
-    ranges, named, missing = route(v, 0, READER, need, **kwargs)
+    ranges, named, missing = route(v, 0, READER, runs(need), **kwargs)
     assert ranges == [{"start": 0, "stop": 500, "sources": ["p", "r"], "wait": []},
                       {"start": 500, "stop": 1000, "sources": ["p", "q"], "wait": []},
                       {"start": 1000, "stop": 1500, "sources": ["q", "t"], "wait": ["p"]},
                       {"start": 1500, "stop": 5000, "sources": ["t"], "wait": ["p", "q"]},
                       {"start": 5001, "stop": n, "sources": ["t"], "wait": ["p", "q"]}]
     assert (ranges, named, missing) == reference_route(v, 0, READER, need, **kwargs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 200), max_size=300),
+       st.lists(st.booleans(), max_size=64))
+def test_runs_and_missing_runs_cover_exactly_their_chunks(chunks, bits):
+    assert [c for a, b in runs(chunks) for c in range(a, b)] == sorted(set(chunks))
+    have = bytearray(bits)
+    spans = missing_runs(have)
+    assert [c for a, b in spans for c in range(a, b)] == [i for i, h in enumerate(bits) if not h]
+    assert all(b < c for (_, b), (c, _) in zip(spans, spans[1:]))   # maximal: never adjacent
+    assert all(type(x) is int for span in spans for x in span)
