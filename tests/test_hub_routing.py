@@ -154,5 +154,5 @@ def test_runs_and_missing_runs_cover_exactly_their_chunks(chunks, bits):
     have = bytearray(bits)
     spans = missing_runs(have)
     assert [c for a, b in spans for c in range(a, b)] == [i for i, h in enumerate(bits) if not h]
-    assert all(b < c for (_, b), (c, _) in zip(spans, spans[1:]))   # maximal: never adjacent
+    assert all(b < c for (_, b), (c, _) in zip(spans, spans[1:], strict=False))  # never adjacent
     assert all(type(x) is int for span in spans for x in span)
