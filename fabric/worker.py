@@ -236,7 +236,8 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
         stall_timeout: seconds a partial replica here may receive no chunk before
             peers waiting on it are told it stalled (they read elsewhere instead of
             waiting out their ``read_timeout``). Raise it when this worker's own
-            reads are slower than that per ``FetchOptions.read_bytes``.
+            reads are slower than that per ``FetchOptions.read_bytes``;
+            ``float("inf")`` turns it off.
 
     Raises:
         HubUnavailableError: no hub answers at `url`.
