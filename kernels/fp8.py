@@ -47,7 +47,8 @@ def _quantize_kernel(
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rn[None, :] * stride_xn,
                 mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-    scale = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
+    scale = tl.math.div_rn(amax, 448.0)
+    scale = tl.where(scale > 0.0, scale, 1.0)  # all zero, or so tiny that amax / 448 is 0
     v = tl.math.div_rn(x, tl.zeros_like(x) + scale)
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     # float32 -> e4m3fn bits, round to nearest even, in integer arithmetic
@@ -118,7 +119,8 @@ def quantize_fp8_ref(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> tuple[torch
     xf[:M, :N] = x2.float()
     tiles = xf.view(mt, bm, nt, bn)
     amax = tiles.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = amax / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # as the kernel
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.view(mt * bm, nt * bn)[:M, :N].contiguous()
     return q.view(x.shape), scale.view(scale_shape(tuple(x.shape), block))

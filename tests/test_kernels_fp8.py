@@ -34,6 +34,18 @@ def test_quantize_matches_torch_bit_exact(shape, dtype, block):
     assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
 
 
+def test_a_tile_whose_scale_underflows_takes_scale_1_in_both_backends():
+    """amax / 448 is 0 in float32 for amax below ~3e-43: such a tile is scaled by 1 (its
+    values round to 0), never by 0, which would make NaN codes of finite input."""
+    x = torch.zeros(16, 32)
+    x[0, 0], x[0, 17] = 1e-43, 1.0  # the second tile is ordinary
+    q, s = quantize_fp8(x, block=16, backend="triton")
+    qr, sr = quantize_fp8_ref(x, 16)
+    assert torch.equal(s, torch.tensor([[1.0, 1.0 / 448]])) and torch.equal(s, sr)
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert not dequantize_fp8_ref(qr, sr, torch.float32, 16).isnan().any()
+
+
 def test_quantize_strided_input():
     x = _weights((131, 37), torch.bfloat16).t()
     q, s = quantize_fp8(x, block=32, backend="triton")
