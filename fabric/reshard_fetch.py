@@ -49,6 +49,7 @@ from fabric.staging import FP8, HeldTensor, StagingPlan, WantedTensor, plan_stag
 from fabric.tensorset import layout_from_manifest
 from fabric.transports import SourceAddress
 from kernels import Layout, chunk_checksums
+from kernels.fp8 import DEFAULT_BLOCK, check_block, scale_shape
 
 if TYPE_CHECKING:
     from fabric.worker import Worker
@@ -64,11 +65,17 @@ class Resharding:
         shape: the logical (unsharded) shape, 1-D or 2-D.
         held: the publishers' layout (its ``tp`` is the version's number of shards).
         wanted: the reader's layout.
+        block: for a tensor published in fp8, the edge of the square blocks its
+            publishers quantised with (``kernels.quantize_fp8(block=)``).
     """
 
     shape: tuple[int, ...]
     held: Layout
     wanted: Layout
+    block: int = DEFAULT_BLOCK
+
+    def __post_init__(self) -> None:
+        check_block(self.block, "Resharding")
 
 
 @dataclass
@@ -130,6 +137,12 @@ def held_tensors(manifests: list[Manifest], tensors: Mapping[str, Resharding], *
                 if scale not in lay.names:
                     raise ManifestMismatchError(f"fp8 tensor {name!r} has no scales {scale!r} "
                                                 f"in shard {k}")
+                grid = scale_shape(tuple(slot.shape), r.block)
+                if lay[scale].dtype != torch.float32 or tuple(lay[scale].shape) != grid:
+                    raise ManifestMismatchError(
+                        f"scales {scale!r} are {lay[scale].dtype} {tuple(lay[scale].shape)} in "
+                        f"shard {k}; fp8 blocks of {r.block} need float32 {grid} (pass the "
+                        "publishers' block as Resharding(block=...))")
                 scales.append(lay[scale].offset)
         if len(dtypes) != 1:
             raise ManifestMismatchError(f"tensor {name!r} is stored as {sorted(map(str, dtypes))} "
@@ -137,7 +150,8 @@ def held_tensors(manifests: list[Manifest], tensors: Mapping[str, Resharding], *
         dtype = dtypes.pop()
         out.append(HeldTensor(name=name, shape=tuple(r.shape), layout=r.held, dtype=dtype,
                               offsets=tuple(offsets),
-                              scale_offsets=tuple(scales) if dtype == FP8 else None))
+                              scale_offsets=tuple(scales) if dtype == FP8 else None,
+                              block=r.block))
     return out
 
 

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import copy_segments, dequantize_fp8
+from kernels.fp8 import check_block
 from kernels.reshard_plan import Layout, Segment, plan_reshard
 from kernels.segcopy import element_kind
 
@@ -100,6 +101,7 @@ class HeldTensor:
             if self.scale_offsets is None or len(self.scale_offsets) != self.layout.tp:
                 raise ValueError(f"staging: fp8 tensor {self.name!r} needs one scale offset "
                                  f"per source rank ({self.layout.tp})")
+            check_block(self.block, f"staging: fp8 tensor {self.name!r}")
 
     @property
     def is_fp8(self) -> bool:

@@ -48,22 +48,25 @@ def full_tensors(seed: int = 3) -> dict[str, torch.Tensor]:
     return out
 
 
-def publisher_tensors(full: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+def publisher_tensors(full: dict[str, torch.Tensor], rank: int, block: int = 128
+                      ) -> dict[str, torch.Tensor]:
     out = {}
     for name, (shape, layout) in layouts(2).items():
         shard = split_tensor(full[name], layout, backend="torch")[rank].contiguous()
         if name == "w8":
-            q, scale = quantize_fp8_ref(shard.float())
+            q, scale = quantize_fp8_ref(shard.float(), block)
             out[name], out[name + ".scale"] = q, scale
         else:
             out[name] = shard.reshape(layout.shard_shape(shape, rank)[:len(shape)])
     return out
 
 
-def expected(full: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+def expected(full: dict[str, torch.Tensor], tp: int, rank: int, block: int = 128
+             ) -> dict[str, torch.Tensor]:
     """What reader ``rank`` of ``tp`` must hold: its shard of the logical tensors, with
-    w8 dequantised from the publishers' fp8 shards."""
-    w8 = torch.cat([dequantize_fp8_ref(*quantize_fp8_ref(s.float()), dtype=torch.bfloat16)
+    w8 dequantised from the publishers' fp8 shards (quantised in blocks of ``block``)."""
+    w8 = torch.cat([dequantize_fp8_ref(*quantize_fp8_ref(s.float(), block),
+                                       dtype=torch.bfloat16, block=block)
                     for s in split_tensor(full["w8"], layouts(2)["w8"][1], backend="torch")])
     logical = {**full, "w8": w8}
     return {n: split_tensor(logical[n], layout, backend="torch")[rank].reshape(
@@ -71,9 +74,10 @@ def expected(full: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, tor
             for n, (shape, layout) in layouts(tp).items()}
 
 
-def spec(tp: int) -> dict[str, Resharding]:
+def spec(tp: int, block: int = 128) -> dict[str, Resharding]:
     held, wanted = layouts(2), layouts(tp)
-    return {n: Resharding(shape, held[n][1], wanted[n][1]) for n, (shape, _) in held.items()}
+    return {n: Resharding(shape, held[n][1], wanted[n][1], block=block)
+            for n, (shape, _) in held.items()}
 
 
 @pytest.fixture
@@ -124,6 +128,35 @@ def test_a_holder_that_stops_serving_is_skipped_for_another_of_its_shard(publish
         stats = fetch_resharded(reader, "policy", spec(1), dst, rank=0, budget=64 << 10)
     assert all(torch.equal(dst[n], want[n]) for n in want)
     assert stats.failed_sources == ["trainer-0"] and stats.sources.get("rollout-0", 0) > 0
+
+
+def test_fp8_scales_must_match_the_block_the_reader_names():
+    """Publishers quantised in blocks of 64: a reader assuming the default 128 (or
+    scales stored in another dtype) is refused, one naming block 64 gets exact bytes."""
+    full = full_tensors()
+    with fabric.serve("tcp://127.0.0.1:0", lease_s=10.0) as hub:
+        workers = [fabric.join(hub.url, worker=f"trainer-{r}") for r in range(2)]
+        try:
+            for r in range(2):
+                tensors = publisher_tensors(full, r, block=64)
+                bf16_scales = {**tensors, "w8.scale": tensors["w8.scale"].bfloat16()}
+                for model, published in (("policy", tensors), ("bf16-scales", bf16_scales)):
+                    workers[r].model(model, chunk_size=CHUNK, shard=r, num_shards=2
+                                     ).publish(published, group=model)
+            want = expected(full, 1, 0, block=64)
+            with fabric.join(hub.url, worker="reader") as reader:
+                dst = {n: torch.empty_like(t) for n, t in want.items()}
+                with pytest.raises(ManifestMismatchError, match="scales 'w8.scale'.*block"):
+                    fetch_resharded(reader, "policy", spec(1), dst, rank=0)
+                with pytest.raises(ManifestMismatchError, match="torch.bfloat16"):
+                    fetch_resharded(reader, "bf16-scales", spec(1, block=64), dst, rank=0)
+                fetch_resharded(reader, "policy", spec(1, block=64), dst, rank=0)
+            assert all(torch.equal(dst[n], want[n]) for n in want)
+        finally:
+            for w in workers:
+                w.close()
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        Resharding((4, 4), Sharded(tp=1, dim=0), Sharded(tp=1, dim=0), block=0)
 
 
 def test_layouts_that_do_not_match_the_shards_are_refused_naming_the_tensor(published):
