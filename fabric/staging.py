@@ -7,12 +7,14 @@ straight in the reader's weights. Instead, for one reader rank:
 1. `plan_staging` intersects every tensor's holder layout with the reader's
    (`kernels.plan_reshard`), keeps the segments this rank writes, and groups the
    source rows they read into *bands*: contiguous row ranges of one source shard,
-   each small enough that its bytes (plus the fp8 scales and the dequantised copy)
-   fit in ``budget`` bytes. A tensor larger than the budget becomes several bands.
+   each small enough that its bytes (plus the fp8 scales and the dequantising
+   scratch) fit in ``budget`` bytes. A tensor larger than the budget becomes
+   several bands.
 2. `run_staging` reads each band into one reused staging buffer (through any
-   reader callable: a `Transport`, a local copy in tests), dequantises it when the
-   holder stores fp8, and copies the band's pieces into the destination shards
-   with `kernels.copy_segments` (one launch per band; Triton on CUDA tensors).
+   reader callable: a `Transport`, a local copy in tests) and writes the band's
+   pieces into the destination shards with `kernels.copy_segments`, or, when the
+   holder stores fp8, dequantises them straight there with
+   `kernels.dequantize_fp8_segments` (one launch per band; Triton on CUDA tensors).
 
 `fabric.direct_read.run_direct` executes the same plans with no staging buffer,
 loading straight from source regions the reader's device can address.
@@ -27,7 +29,8 @@ Staging memory per band, in bytes::
 
     band rows x cols x stored itemsize            (the fetched rows)
   + fp8 only: padding to 256 bytes, then scale rows x scale cols x 4   (their scales)
-  + fp8 only: band rows x cols x output itemsize   (the dequantised band)
+  + fp8 only: the torch path's scratch, `kernels.dequant_segments.ref_scratch_bytes`
+    (a strip of at most 2,048 elements, 12 bytes each, and indices; Triton needs none)
 
 ``peak_bytes`` of a plan is the largest band, never above the budget. A band of
 an fp8 tensor starts on a multiple of the quantisation block so its scales line
@@ -41,7 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import copy_segments, dequantize_fp8
+from kernels import Fp8Segment, copy_segments, dequantize_fp8_segments
+from kernels.dequant_segments import ref_scratch_bytes
 from kernels.fp8 import check_block
 from kernels.reshard_plan import Layout, Segment, plan_reshard
 from kernels.segcopy import element_kind
@@ -169,7 +173,7 @@ class StagingPlan:
     @property
     def staging_nbytes(self) -> int:
         """The staging buffer `run_staging` needs: the largest band as read (fp8: with its
-        scales), without the dequantised copy the kernel allocates."""
+        scales), without the dequantising scratch (allocated by the torch path)."""
         return max((_round_up(b.nbytes, _ALIGN) + b.scale_nbytes if b.dtype == FP8 else b.nbytes
                     for b in self.bands), default=0)
 
@@ -206,13 +210,13 @@ def _clip(segments: Sequence[Segment], row0: int, row1: int) -> tuple[Segment, .
     return tuple(out)
 
 
-def _band_cost(rows: int, cols: int, held: HeldTensor, out_dtype: torch.dtype) -> int:
+def _band_cost(rows: int, cols: int, held: HeldTensor) -> int:
     """Staging bytes of a band of ``rows`` rows (fp8: starting on a block boundary)."""
     data = rows * cols * _itemsize(held.dtype)
     if not held.is_fp8:
         return data
     srows, scols = -(-rows // held.block), -(-cols // held.block)
-    return _round_up(data, _ALIGN) + srows * scols * 4 + rows * cols * _itemsize(out_dtype)
+    return _round_up(data, _ALIGN) + srows * scols * 4 + ref_scratch_bytes(rows, cols)
 
 
 def plan_staging(held: Sequence[HeldTensor], wanted: Sequence[WantedTensor], *, rank: int,
@@ -275,14 +279,14 @@ def plan_staging(held: Sequence[HeldTensor], wanted: Sequence[WantedTensor], *, 
                 continue
             shard_rows, cols = plan.src_shapes[src]
             unit = min(h.block, shard_rows) if h.is_fp8 else 1
-            if _band_cost(unit, cols, h, out_dtype) > budget:
+            if _band_cost(unit, cols, h) > budget:
                 raise ValueError(
                     f"staging: budget of {budget} bytes is smaller than one row band of tensor "
                     f"{h.name!r} ({unit} row(s) of {cols} {h.dtype} = "
-                    f"{_band_cost(unit, cols, h, out_dtype)} bytes of staging); raise the budget")
+                    f"{_band_cost(unit, cols, h)} bytes of staging); raise the budget")
             for row, hi in _intervals(segs, h.block if h.is_fp8 else 1):
                 while row < hi:
-                    end = _largest_band(row, hi, shard_rows, cols, h, out_dtype, budget)
+                    end = _largest_band(row, hi, shard_rows, cols, h, budget)
                     bands.append(_band(h, src, row, end, cols, out_dtype, _clip(segs, row, end)))
                     row = end
     peak = max((b.staging_bytes for b in bands), default=0)
@@ -291,7 +295,7 @@ def plan_staging(held: Sequence[HeldTensor], wanted: Sequence[WantedTensor], *, 
 
 
 def _largest_band(row: int, hi: int, shard_rows: int, cols: int, h: HeldTensor,
-                  out_dtype: torch.dtype, budget: int) -> int:
+                  budget: int) -> int:
     """End row of the largest band starting at ``row`` that fits the budget."""
     if not h.is_fp8:
         per_row = cols * _itemsize(h.dtype)
@@ -300,7 +304,7 @@ def _largest_band(row: int, hi: int, shard_rows: int, cols: int, h: HeldTensor,
     lo_k, hi_k = 1, blocks_left  # largest k block-rows that fit (cost is monotone in k)
     while lo_k < hi_k:
         mid = (lo_k + hi_k + 1) // 2
-        if _band_cost(min(mid * h.block, shard_rows - row), cols, h, out_dtype) <= budget:
+        if _band_cost(min(mid * h.block, shard_rows - row), cols, h) <= budget:
             lo_k = mid
         else:
             hi_k = mid - 1
@@ -319,7 +323,7 @@ def _band(h: HeldTensor, src: int, row0: int, row1: int, cols: int, out_dtype: t
         scale_nbytes = (srow1 - srow0) * scols * 4
     return Band(h.name, src, row0, row1, cols, h.dtype, out_dtype, h.offsets[src] + row0 * row_bytes,
                 (row1 - row0) * row_bytes, scale_offset, scale_nbytes, h.block,
-                _band_cost(row1 - row0, cols, h, out_dtype), segments)
+                _band_cost(row1 - row0, cols, h), segments)
 
 
 def destination_views(plan: StagingPlan, dst: Mapping[str, torch.Tensor], *,
@@ -393,18 +397,21 @@ def run_staging(plan: StagingPlan, read: ReadFn, dst: Mapping[str, torch.Tensor]
         raw = staging[:b.nbytes]
         read(b.src_rank, b.offset, raw)
         src = raw.view(b.dtype).view(b.rows, b.cols)
-        if b.dtype == FP8:
+        targets = [views[b.name][s.dst_row:s.dst_row + s.rows, s.dst_col:s.dst_col + s.cols]
+                   for s in b.segments]
+        if b.dtype == FP8:  # dequantised straight into the destinations
             assert b.scale_offset is not None
             at = _round_up(b.nbytes, _ALIGN)
             scales = staging[at:at + b.scale_nbytes]
             read(b.src_rank, b.scale_offset, scales)
-            scols = -(-b.cols // b.block)
-            src = dequantize_fp8(src, scales.view(torch.float32).view(-1, scols), dtype=b.out_dtype,
-                                 block=b.block, backend=backend)
-        pairs = [(src[s.src_row:s.src_row + s.rows, s.src_col:s.src_col + s.cols],
-                  views[b.name][s.dst_row:s.dst_row + s.rows, s.dst_col:s.dst_col + s.cols])
-                 for s in b.segments]
-        copy_segments(pairs, backend=backend)
+            scales = scales.view(torch.float32).view(-1, -(-b.cols // b.block))
+            dequantize_fp8_segments([Fp8Segment(src, scales, t, row=s.src_row, col=s.src_col,
+                                                 block=b.block)
+                                     for s, t in zip(b.segments, targets, strict=True)],
+                                    backend=backend)
+        else:
+            copy_segments([(src[s.src_row:s.src_row + s.rows, s.src_col:s.src_col + s.cols], t)
+                           for s, t in zip(b.segments, targets, strict=True)], backend=backend)
         if device.type == "cuda":  # the next band's read reuses the staging bytes
             torch.cuda.current_stream(device).synchronize()
         stats.bands += 1

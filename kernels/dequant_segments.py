@@ -142,18 +142,35 @@ def check_fp8_segments(segments: Sequence[Fp8Segment], what: str = "dequantize_f
                              f"{s.dst.device}")
 
 
+REF_STRIP = 2048
+"""Elements the torch reference dequantises at a time (at least one row of a window)."""
+
+
+def ref_scratch_bytes(rows: int, cols: int) -> int:
+    """Most bytes of temporaries the torch reference allocates for a ``rows x cols``
+    window: per element of a strip a float32 copy and its gathered scale (8 bytes;
+    12 bound them with the scale rows gathered first), plus the int64 row and column
+    scale indices."""
+    strip = min(rows, max(1, REF_STRIP // max(cols, 1)))
+    return 12 * strip * cols + 16 * (cols + strip)
+
+
 def dequantize_fp8_segments_ref(segments: Sequence[Fp8Segment]) -> None:
-    """Torch reference: ``dst = (float32(window) * its scales).to(dst.dtype)`` per segment."""
+    """Torch reference: ``dst = (float32(window) * its scales).to(dst.dtype)`` per
+    segment, a strip of rows at a time (`ref_scratch_bytes` bounds its temporaries)."""
     for s in segments:
         rows, cols = s.dst.shape
         if not rows * cols:
             continue
         b = s.block
-        sr, sc = s.row // b, s.col // b
-        scales = s.scale[sr:(s.row + rows - 1) // b + 1, sc:(s.col + cols - 1) // b + 1]
-        full = scales.repeat_interleave(b, 0).repeat_interleave(b, 1)
-        full = full[s.row - sr * b:s.row - sr * b + rows, s.col - sc * b:s.col - sc * b + cols]
-        s.dst.copy_((s.window.float() * full).to(s.dst.dtype))
+        col_scale = torch.arange(s.col, s.col + cols, device=s.q.device) // b
+        step = max(1, REF_STRIP // cols)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            row_scale = torch.arange(s.row + r0, s.row + r1, device=s.q.device) // b
+            out = s.q[s.row + r0:s.row + r1, s.col:s.col + cols].float()
+            out.mul_(s.scale[row_scale][:, col_scale])
+            s.dst[r0:r1].copy_(out)  # rounds to dst's dtype as .to() would
 
 
 def _table(segments: Sequence[Fp8Segment], base: torch.Tensor, tile_cols: int) -> torch.Tensor:

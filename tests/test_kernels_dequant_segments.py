@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import Fp8Segment, dequantize_fp8_segments, dequantize_fp8_segments_ref
+from kernels import (
+    Fp8Segment,
+    dequant_segments,
+    dequantize_fp8_segments,
+    dequantize_fp8_segments_ref,
+)
 from kernels.fp8 import dequantize_fp8_ref, quantize_fp8_ref, scale_shape
 
 FP8 = torch.float8_e4m3fn
@@ -72,7 +77,9 @@ def test_triton_matches_torch_reference_on_random_unaligned_windows(block, seed)
 
 
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
-def test_reference_equals_whole_shard_dequantise_then_window(dtype):
+@pytest.mark.parametrize("strip", [dequant_segments.REF_STRIP, 50, 1])  # the reference's rows a step
+def test_reference_equals_whole_shard_dequantise_then_window(dtype, strip, monkeypatch):
+    monkeypatch.setattr(dequant_segments, "REF_STRIP", strip)
     block = 16
     q, s = shard(45, 70, block, seed=7)
     full = dequantize_fp8_ref(q, s, dtype, block)
