@@ -371,7 +371,8 @@ def run_staging(plan: StagingPlan, read: ReadFn, dst: Mapping[str, torch.Tensor]
             shape, 2-D or 1-D for 1-D tensors; any strides; the wanted dtype).
         backend: kernel backend (``None``: Triton on CUDA tensors, torch elsewhere).
         staging: a contiguous uint8 buffer of at least ``plan.staging_nbytes`` bytes on
-            the destinations' device to stage in, instead of allocating one.
+            the destinations' device, starting on a 16-byte boundary, to stage in
+            instead of allocating one.
 
     Returns:
         `StagingStats`; ``staging_allocated`` is the staging buffer allocated here
@@ -379,7 +380,8 @@ def run_staging(plan: StagingPlan, read: ReadFn, dst: Mapping[str, torch.Tensor]
 
     Raises:
         ValueError: a destination is missing or has the wrong shape, destinations sit
-            on several devices, or ``staging`` is too small, elsewhere or not uint8.
+            on several devices, or ``staging`` is too small, elsewhere, misaligned or
+            not uint8.
         TypeError: a destination dtype does not match the plan.
     """
     views, device = destination_views(plan, dst)
@@ -388,9 +390,10 @@ def run_staging(plan: StagingPlan, read: ReadFn, dst: Mapping[str, torch.Tensor]
         staging = torch.empty(size, dtype=torch.uint8, device=device)
         stats = StagingStats(staging_allocated=size)
     elif (staging.dtype != torch.uint8 or staging.dim() != 1 or not staging.is_contiguous()
-          or staging.numel() < size or staging.device != device):
+          or staging.numel() < size or staging.device != device or staging.data_ptr() % 16):
         raise ValueError(f"staging: the buffer given is {staging.dtype} {tuple(staging.shape)} on "
-                         f"{staging.device}; this plan needs {size} contiguous uint8 bytes on {device}")
+                         f"{staging.device} at address {staging.data_ptr():#x}; this plan needs "
+                         f"{size} contiguous uint8 bytes on {device}, 16-byte aligned")
     else:
         stats = StagingStats()
     for b in plan.bands:

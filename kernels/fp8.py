@@ -130,6 +130,8 @@ def dequantize_fp8_ref(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype 
                        block: int = DEFAULT_BLOCK) -> torch.Tensor:
     """Torch reference of `dequantize_fp8`."""
     q2, bm, bn = _as_2d(q, block, "dequantize_fp8")
+    if not q.numel():
+        return torch.empty(q.shape, dtype=dtype, device=q.device)
     s2 = scale.view(-1, scale.shape[-1]).float()
     full = s2.repeat_interleave(bm, 0).repeat_interleave(bn, 1)[:q2.shape[0], :q2.shape[1]]
     return (q2.float() * full).to(dtype).view(q.shape)

@@ -123,7 +123,8 @@ class Sharded(Layout):
         super().__post_init__()
         if self.dim not in (0, 1):
             raise ValueError(f"Sharded: dim must be 0 or 1, got {self.dim}")
-        if self.sizes is not None and (len(self.sizes) != self.tp or min(self.sizes) < 0):
+        if self.sizes is not None and (len(self.sizes) != self.tp or any(
+                not isinstance(n, int) or n < 0 for n in self.sizes)):
             raise ValueError(f"Sharded: sizes {self.sizes} must be {self.tp} non-negative ints")
 
     def _sizes(self, shape) -> list[int]:
@@ -239,6 +240,11 @@ class VocabParallel(Layout):
     """
 
     pad_to: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.pad_to, int) or self.pad_to < 1:
+            raise ValueError(f"VocabParallel: pad_to must be a positive int, got {self.pad_to!r}")
 
     def _per_rank(self, rows: int) -> int:
         padded = -(-rows // self.pad_to) * self.pad_to

@@ -108,3 +108,8 @@ def test_fp8_bad_input():
         dequantize_fp8(q.float(), s, block=32)
     with pytest.raises(TypeError, match="output dtype"):
         dequantize_fp8(q, s, dtype=torch.int8, block=32)
+    for shape in ((5, 0), (0,)):  # empty: both backends return an empty result
+        empty = torch.zeros(shape).to(torch.float8_e4m3fn)
+        scales = torch.ones(scale_shape(shape, 32))
+        for backend in ("torch", "triton"):
+            assert dequantize_fp8(empty, scales, block=32, backend=backend).shape == shape

@@ -184,6 +184,11 @@ def test_layouts_reject_shapes_they_do_not_fit():
         plan_reshard(Sharded(2, 0, (2, 3)), Replicated(1), (6, 2))
     with pytest.raises(ValueError, match="1-D or 2-D"):
         plan_reshard(Replicated(1), Replicated(1), (2, 2, 2))
+    with pytest.raises(ValueError, match="non-negative ints"):
+        Sharded(2, 0, (2.5, 2.5))
+    for pad_to in (0, -8):  # -8 used to plan 8 of 10 rows; 0 divided by zero
+        with pytest.raises(ValueError, match="pad_to must be a positive int"):
+            VocabParallel(2, pad_to)
 
 
 def test_reshard_rejects_wrong_shards():

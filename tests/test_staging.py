@@ -271,8 +271,14 @@ def test_mismatched_tensor_sets_and_bad_destinations_are_errors():
     with pytest.raises(ValueError, match=f"needs {plan.staging_nbytes} contiguous uint8"):
         run_staging(plan, lambda *a: None, {"a": torch.zeros(4, 4)},
                     staging=torch.empty(plan.staging_nbytes - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        run_staging(plan, lambda *a: None, {"a": torch.zeros(4, 4)},
+                    staging=torch.empty(plan.staging_nbytes + 64, dtype=torch.uint8)[1:])
     with pytest.raises(ValueError, match="offsets"):
         HeldTensor(name="x", shape=(4, 4), layout=Sharded(tp=2), dtype=torch.float32, offsets=(0,))
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        HeldTensor(name="x", shape=(4, 4), layout=Sharded(tp=1), dtype=torch.float8_e4m3fn,
+                   offsets=(0,), scale_offsets=(64,), block=0)
 
 
 # --- direct reads: the same plans executed straight from the source regions ---------------
