@@ -268,8 +268,8 @@ class _ShardReader:
                          f"bytes [{offset}, {offset + out.numel()}): {'; '.join(errors) or 'none left'}")
 
     def _read(self, source: Source, offset: int, out: torch.Tensor) -> None:
-        self.worker.transport_for(source).read(source.address, source.region, offset, out,
-                                               timeout=self.timeout)
+        transport = self.worker.transport_for(source, timeout=self.timeout)
+        transport.read(source.address, source.region, offset, out, timeout=self.timeout)
         self.fetched_bytes += out.numel()
 
     def _read_verified(self, source: Source, shard: int, offset: int, out: torch.Tensor) -> None:
