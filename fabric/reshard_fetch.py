@@ -352,7 +352,11 @@ class ReshardReader:
 
     def fetch(self, dst: Mapping[str, torch.Tensor], version: int | str = "latest", *,
               wanted_dtypes: Mapping[str, torch.dtype] | None = None) -> ReshardStats:
-        """Read ``version`` into ``dst``.
+        """Read ``version`` into ``dst``, band by band, in place.
+
+        A fetch that raises once bands were written leaves ``dst`` part new version,
+        part what it held (unlike `ModelStore.fetch`, which fills a spare buffer):
+        fetch into tensors the engine is not using, or fetch again before using them.
 
         Args:
             dst: name -> this rank's destination (the wanted layout's shard shape, any
