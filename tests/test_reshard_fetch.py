@@ -195,9 +195,11 @@ class Tap:
     choose: object
     corrupt: str | None = None
     reads: list[tuple[str, str, int, int]] = field(default_factory=list)
+    timeouts: set[float] = field(default_factory=set)  # how long the reader lets it ask
 
-    def __call__(self, source: Source) -> Tap:
-        self.source, self.inner = source, self.choose(source)
+    def __call__(self, source: Source, *, timeout: float) -> Tap:
+        self.timeouts.add(timeout)
+        self.source, self.inner = source, self.choose(source, timeout=timeout)
         return self
 
     def read(self, address, region, offset, out, *, timeout):
@@ -231,8 +233,9 @@ def test_a_holder_sending_corrupted_bytes_is_skipped_for_another_of_its_shard(pu
         want = expected(full, 1, 0)
         dst = {n: torch.empty_like(t) for n, t in want.items()}
         stats = fetch_resharded(reader, "policy", spec(1), dst, rank=0, budget=64 << 10,
-                                verify=True)
+                                verify=True, timeout=7.5)
     assert all(torch.equal(dst[n], want[n]) for n in want)
+    assert tap.timeouts == {7.5}  # a holder on this host is asked within the read timeout
     assert stats.failed_sources == ["trainer-0"] and "trainer-0" not in stats.sources
     assert stats.sources["rollout-0"] > 0 and stats.verified_chunks > 0
     assert stats.fetched_bytes == sum(n for *_, n in tap.reads) > sum(stats.sources.values())
