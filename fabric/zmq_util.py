@@ -29,7 +29,7 @@ def endpoint(url: str, *, bind: bool) -> str:
         host, _, port = url[len("tcp://"):].rpartition(":")
         if host and port in ("0", "*") and bind:
             return f"tcp://{host}:*"
-        if host and port.isdigit():
+        if host and port.isdigit() and 0 < int(port) <= 65535:  # zmq would use port % 65536
             return url
     raise HubUnavailableError(f"bad hub URL {url!r}: use tcp://HOST:PORT or memory://NAME")
 

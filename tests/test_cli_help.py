@@ -33,6 +33,7 @@ def test_help_has_a_description_an_example_and_every_option_explained(path, pars
 
 
 @pytest.mark.parametrize("argv", [
+    ["bench", "fetch", "--max-inflight", "0"],
     ["bench", "hub", "--readers", "0"],
     ["bench", "hub", "--seconds", "0"],
     ["bench", "kernels", "--repeat", "0"],

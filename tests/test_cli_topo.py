@@ -72,3 +72,9 @@ def test_validate_counts_in_words_and_draw_to_a_bad_path_exits_2(tmp_path, capsy
     assert "valid: 1 datacenter, 1 node, 0 GPUs, 1 NIC" in capsys.readouterr().out
     assert main(["topo", "draw", str(local), "-o", str(tmp_path / "no-dir" / "x.png")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_discover_to_a_bad_path_exits_2(tmp_path, capsys):
+    for path in (tmp_path / "no-dir" / "x.yaml", tmp_path):  # missing folder; a folder
+        assert main(["topo", "discover", "-o", str(path)]) == 2
+        assert "cannot write" in capsys.readouterr().err

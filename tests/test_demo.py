@@ -34,6 +34,10 @@ def test_demo_rejects_bad_settings():
     result = subprocess.run([sys.executable, "-m", "tools.cli", "demo", "--workers", "0"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--workers" in result.stderr
+    for chunk in ("0B", "1b"):  # zero bytes used to mean "the default"
+        result = subprocess.run([sys.executable, "-m", "tools.cli", "demo", "--chunk-size", chunk],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and "chunk" in result.stderr
 
 
 def test_example_rl_loop_runs():

@@ -101,6 +101,11 @@ def test_status_of_an_unreachable_hub_fails_with_a_clear_message() -> None:
     assert "no hub answered at tcp://127.0.0.1:9" in out.stderr
     out = fabric_cli("hub", "status", "http://nope", "--timeout", "0.5")
     assert out.returncode == 2 and "bad hub URL" in out.stderr
+    out = fabric_cli("hub", "status", "tcp://127.0.0.1:99999")  # zmq would use 99999 % 65536
+    assert out.returncode == 2 and "bad hub URL" in out.stderr
+    for timeout in ("nan", "inf", "-1", "0"):
+        out = fabric_cli("hub", "status", "tcp://127.0.0.1:9", "--timeout", timeout)
+        assert out.returncode == 2 and "positive, finite number of seconds" in out.stderr
 
 
 @pytest.mark.parametrize("command, example", [
@@ -135,6 +140,8 @@ def test_serve_rejects_an_unusable_state_dir_before_binding(tmp_path) -> None:
     (["--port", "99999"], "not a TCP port"),        # zmq would bind 99999 % 65536
     (["--port", "-1"], "not a TCP port"),
     (["--log-level", "loud"], "invalid choice"),
+    (["--lease", "nan"], "positive, finite number of seconds"),
+    (["--lease", "0"], "positive, finite number of seconds"),
 ])
 def test_serve_rejects_bad_options_with_exit_2(args: list[str], what: str) -> None:
     result = fabric_cli("hub", "serve", *args)

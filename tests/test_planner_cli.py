@@ -39,3 +39,9 @@ def test_bad_input_exits_2_with_a_message(capsys):
     assert "not a device or node" in capsys.readouterr().err
     assert main(["topo", "simulate", FOUR, "--scenario", "cross-dc", "--size", "1GB"]) == 2
     assert "another datacenter" in capsys.readouterr().err
+
+
+def test_an_unwritable_timeline_exits_2(capsys, tmp_path):
+    assert main(["topo", "simulate", FOUR, "--scenario", "standalone", "--size", "1GB",
+                 "--timeline", str(tmp_path / "no-dir" / "t.png")]) == 2
+    assert "cannot write" in capsys.readouterr().err

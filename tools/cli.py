@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="weightfabric: move every new version of the weights from the trainer to\n"
                     "every rollout worker, peer to peer, along the cluster's topology.",
         epilog="Run 'fabric COMMAND --help' for the options and an example of each command.\n"
-               "Exit codes: 0 success, 1 a check or the run failed, 2 bad input.\n\n"
+               "Exit codes: 0 success, 1 a check or the run failed, 2 bad input,\n"
+               "130 interrupted (Ctrl-C).\n\n"
                "example:\n  fabric demo",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -48,9 +48,9 @@ def _demo(args: argparse.Namespace) -> int:
     from tools.demo.report import print_summary
 
     try:
-        chunk = int(parse_size(args.chunk_size)) if args.chunk_size else None
         config = DemoConfig(workers=args.workers, steps=args.steps, size=args.size,
-                            chunk_size=chunk or default_chunk_size(args.size),
+                            chunk_size=default_chunk_size(args.size) if args.chunk_size is None
+                            else int(parse_size(args.chunk_size)),
                             kill_step=None if args.no_kill or args.steps < 2 or args.workers < 2
                             else 2,
                             join_step=None if args.no_join or args.steps < 3 else 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import signal
 import sys
 
@@ -46,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", help="cluster YAML: rank sources by the widest path to each "
                                      "reader on this topology (workers name their datacenter, "
                                      "node and device as in the file); default: by locality")
-    p.add_argument("--lease", type=float, default=10.0,
+    p.add_argument("--lease", type=_seconds, default=10.0,
                    help="seconds a worker stays alive without heartbeat (default 10)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -63,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "  fabric hub status tcp://hub:7470 --json | jq .models")
     p.add_argument("url", help="hub URL, e.g. tcp://127.0.0.1:7470")
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
-    p.add_argument("--timeout", type=float, default=5.0,
+    p.add_argument("--timeout", type=_seconds, default=5.0,
                    help="seconds to wait for the hub's answer (default 5)")
     p.set_defaults(handler=_status)
 
@@ -73,6 +74,17 @@ def _port(text: str) -> int:
     if not text.isdigit() or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
     return int(text)
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")
+    return value
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -103,7 +103,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         cluster = load_cluster(args.file)
         size = int(parse_size(args.size))
-        chunk = int(parse_size(args.chunk)) if args.chunk else None
+        chunk = int(parse_size(args.chunk)) if args.chunk is not None else None
         layout = Layout(cluster.graph())
         plan = plan_broadcast(cluster if not (args.sources and args.readers) else layout, size,
                               sources=args.sources, readers=args.readers, chunk=chunk)
@@ -152,7 +152,10 @@ def _simulate(args: argparse.Namespace) -> int:
     except (ClusterConfigError, UnitError, PlanError) as exc:
         return _fail(str(exc))
     if args.timeline:
-        _timeline(result.timeline, args.timeline, f"{cluster.name}: {args.scenario}")
+        try:
+            _timeline(result.timeline, args.timeline, f"{cluster.name}: {args.scenario}")
+        except OSError as exc:
+            return _fail(f"cannot write {exc.filename or args.timeline}: {exc.strerror or exc}")
     out = result.to_dict()
     if args.json:
         print(json.dumps(out, indent=2))

@@ -135,11 +135,19 @@ def _draw(args: argparse.Namespace) -> int:
 def _discover(args: argparse.Namespace) -> int:
     from topology.discover import discover
 
-    found = discover(name=args.name)
+    try:
+        found = discover(name=args.name)
+    except (ClusterConfigError, ValueError) as exc:  # e.g. a --name that is no node name
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     text = found.to_yaml()
     if args.output is None:
         sys.stdout.write(text)
-    else:
+        return EXIT_OK
+    try:
         args.output.write_text(text)
-        print(f"wrote {args.output}: {found.summary()}", file=sys.stderr)
+    except OSError as exc:
+        print(f"error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"wrote {args.output}: {found.summary()}", file=sys.stderr)
     return EXIT_OK

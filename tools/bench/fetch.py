@@ -101,6 +101,8 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
         raise ValueError(f"--size must be at least 1MiB, got {size} bytes")
     if chunk_size <= 0 or chunk_size % 256:
         raise ValueError(f"--chunk-size must be a positive multiple of 256, got {chunk_size}")
+    if max_inflight < 1:
+        raise ValueError(f"--max-inflight must be >= 1, got {max_inflight}")
     if read_bytes is not None and read_bytes <= 0:
         raise ValueError(f"--read-bytes must be positive, got {read_bytes}")
     if device == "cuda":
