@@ -151,3 +151,11 @@ def test_error_is_a_value_error_and_exported_by_fabric():
 
     assert issubclass(fabric.errors.ClusterConfigError, ValueError)
     assert fabric.ClusterConfigError is ClusterConfigError
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_bytes(b"version: 1\nname: \xff\xfe\n")
+    with pytest.raises(ClusterConfigError, match="not UTF-8 text") as info:
+        load_cluster(path)
+    assert info.value.line == 2 and str(info.value).startswith(f"{path}:2: ")

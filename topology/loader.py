@@ -99,14 +99,19 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
     """Read and validate a cluster YAML file.
 
     Raises:
-        ClusterConfigError: the file is missing, is not YAML, or breaks the schema;
-            the message names the file, line and field.
+        ClusterConfigError: the file is missing, is not UTF-8 text, is not YAML, or
+            breaks the schema; the message names the file, line and field.
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ClusterConfigError(f"cannot read: {exc.strerror or exc}", source=str(path)) from exc
+    except UnicodeDecodeError as exc:
+        line = exc.object[:exc.start].count(b"\n") + 1
+        raise ClusterConfigError(f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                                 f"{exc.start}); a cluster file is YAML written in UTF-8",
+                                 source=str(path), line=line) from None
     return loads_cluster(text, source=str(path))
 
 
