@@ -21,7 +21,7 @@ from topology.plan import (
     UnreachableReaderError,
 )
 from topology.planner import default_endpoints, plan_broadcast, replan, side_planes
-from topology.simulator import Vanish, simulate
+from topology.simulator import MAX_CHUNKS, Vanish, simulate
 
 GB = 10**9
 
@@ -146,6 +146,29 @@ def test_bad_input_gives_clear_errors():
     with pytest.raises(EmptyTransferError, match="no reader"):
         plan_broadcast(cluster, GB, sources=["node-0"], readers=["node-0/gpu1"])
     assert issubclass(UnreachableReaderError, ValueError)
+
+
+def test_a_chunk_must_be_positive_and_cut_no_transfer_into_more_than_2_20_chunks():
+    lay = _two_nodes()
+    for chunk in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(PlanError, match="positive, finite number of bytes"):
+            plan_broadcast(lay, GB, sources=["a"], readers=["b"], chunk=chunk)
+    # 1 B chunks of 1 GB: a billion chunks, which the simulator would never get through
+    with pytest.raises(PlanError, match=r"1,000,000,000 chunks.*at least 954 B"):
+        plan_broadcast(lay, GB, sources=["a"], readers=["b"], chunk=1)
+    assert plan_broadcast(lay, GB, sources=["a"], readers=["b"], chunk=954).chunk == 954
+
+
+def test_the_chosen_chunk_keeps_within_2_20_chunks_per_transfer():
+    lay = _two_nodes()
+    plan = plan_broadcast(lay, 10**15, sources=["a"], readers=["b"])  # 1 PB: 256 MB is too small
+    assert max(t.nbytes for t in plan.transfers) <= plan.chunk * MAX_CHUNKS
+
+
+def _two_nodes() -> Layout:
+    return _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
+                    "    nics: {count: 1, bandwidth: 50GB/s}\n",
+                    "  - name: dc\n    nodes: [{name: a, type: box}, {name: b, type: box}]\n")
 
 
 def test_unreachable_reader_is_reported():
