@@ -215,6 +215,20 @@ def _address(value: Any) -> str:
     return name
 
 
+def check_node_name(name: Any) -> str:
+    """`name` if it can name one node (what ``fabric topo discover --name`` writes):
+    non-empty, without '/' and without the ``{i}`` placeholder of a group.
+
+    Raises:
+        ValueError: what is wrong with the name.
+    """
+    name = _address(name)
+    if "{i}" in name:
+        raise ValueError(f"{name!r} has an {{i}} placeholder, which only a group of nodes "
+                         "with a count may have; give one node's name")
+    return name
+
+
 def _count(minimum: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
