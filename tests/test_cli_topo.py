@@ -74,7 +74,49 @@ def test_validate_counts_in_words_and_draw_to_a_bad_path_exits_2(tmp_path, capsy
     assert "cannot write" in capsys.readouterr().err
 
 
-def test_discover_to_a_bad_path_exits_2(tmp_path, capsys):
+def test_discover_to_a_bad_path_or_with_a_bad_name_exits_2(tmp_path, capsys):
     for path in (tmp_path / "no-dir" / "x.yaml", tmp_path):  # missing folder; a folder
         assert main(["topo", "discover", "-o", str(path)]) == 2
         assert "cannot write" in capsys.readouterr().err
+    for name in ("a/b", "x{i}"):
+        assert main(["topo", "discover", "--name", name]) == 2
+        assert "--name: not a usable node name" in capsys.readouterr().err
+
+
+# --- bad input is exit 2 with a message, never a traceback, hang or Infinity ----------
+
+def test_a_quantity_that_overflows_is_exit_2(tmp_path, capsys):
+    bad = tmp_path / "inf.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("bandwidth: 25Gbps", "bandwidth: 1e400GB/s"))
+    assert main(["topo", "show", str(bad), "--json"]) == 2
+    err = capsys.readouterr()
+    assert "'1e400GB/s' is too large to be a bandwidth" in err.err and "Infinity" not in err.out
+
+
+def test_a_file_that_is_not_utf8_is_exit_2(tmp_path, capsys):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(EXAMPLE.read_text().replace("two-datacenters", "caf\xe9").encode("latin-1"))
+    assert main(["topo", "validate", str(bad)]) == 2
+    assert "not UTF-8 text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("chunk", "words"), [("0B", "positive, finite number of bytes"),
+                                              ("1B", "use a chunk of at least")])
+def test_plan_with_a_chunk_that_is_zero_or_far_too_small_is_exit_2(chunk, words, capsys):
+    cluster = str(reference_clusters()["4x-dgx-h100"])
+    assert main(["topo", "plan", cluster, "--size", "1GB", f"--chunk={chunk}"]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_simulate_with_zero_storage_bandwidth_is_exit_2(capsys):
+    cluster = str(reference_clusters()["dgx-h100"])
+    assert main(["topo", "simulate", cluster, "--scenario", "standalone", "--size", "1GB",
+                 "--baselines", "storage", "--storage-bandwidth", "0GB/s"]) == 2
+    assert "storage service's bandwidth must be a positive" in capsys.readouterr().err
+
+
+def test_simulate_on_roles_without_a_reader_says_to_add_roles(capsys):
+    assert main(["topo", "simulate", str(reference_clusters()["localhost"]),
+                 "--scenario", "standalone"]) == 2
+    err = capsys.readouterr().err
+    assert "roles name no rollout device besides the trainer" in err and "--readers other" not in err

@@ -94,6 +94,20 @@ BROKEN = [
      "required key is missing"),
     ("duplicate yaml key", ("    host_memory: 256GB\n", "    host_memory: 256GB\n    gpus: 1\n"),
      "    gpus: 1", "gpus", "duplicate key"),
+    ("slash in a node name", ("{name: trainer, type", "{name: trainer/0, type"), "trainer/0",
+     "datacenters[0].nodes[1].name", "contains '/'"),
+    ("slash in a node pattern", ('name: "a-{i}"', 'name: "a/{i}"'), "a/{i}",
+     "datacenters[0].nodes[0].name", "contains '/'"),
+    ("slash in a datacenter name", ("- name: dc-b", "- name: dc/b"), "dc/b",
+     "datacenters[1].name", "contains '/'"),
+    ("slash in an nvlink domain", ("nvlink_domain: rack-0", "nvlink_domain: rack/0"), "rack/0",
+     "datacenters[1].nodes[0].nvlink_domain", "contains '/'"),
+    ("nvlink domain in two datacenters",
+     ("{name: trainer, type: dgx-h100}", "{name: trainer, type: dgx-h100, nvlink_domain: rack-0}"),
+     "count: 18, nvlink_domain", "datacenters[1].nodes[0].nvlink_domain",
+     "already has nodes in datacenter 'dc-a'"),
+    ("too many nodes", ("count: 18", "count: 99984"), "count: 99984",
+     "datacenters[1].nodes[0].count", "at most 100,000"),
 ]
 
 
@@ -151,3 +165,16 @@ def test_error_is_a_value_error_and_exported_by_fabric():
 
     assert issubclass(fabric.errors.ClusterConfigError, ValueError)
     assert fabric.ClusterConfigError is ClusterConfigError
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_bytes(b"version: 1\nname: \xff\xfe\n")
+    with pytest.raises(ClusterConfigError, match="not UTF-8 text") as info:
+        load_cluster(path)
+    assert info.value.line == 2 and str(info.value).startswith(f"{path}:2: ")
+
+
+def test_a_file_may_describe_100000_nodes():
+    text = broken("count: 18", "count: 99983")  # 16 + 1 + 99,983
+    assert len(loads_cluster(text).nodes()) == 100_000

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from topology import loads_cluster
+from topology import ClusterConfigError, loads_cluster
 from topology.discover import (
     SmiParseError,
     discover,
@@ -318,6 +318,76 @@ def test_topo_matrix_that_disagrees_with_query_is_not_used(tmp_path):
     probe = probe_smi(run, [])
     assert probe is not None and probe.nvlink is None and len(probe.gpus) == 4
     assert "shows 8 GPUs but --query-gpu 4" in probe.notes[0]
+
+
+# --- nvidia-smi output that is odd: discovery degrades, with notes, and stays valid -----
+
+TWO_H100 = "index, name\n0, NVIDIA H100\n1, NVIDIA H100\n"
+
+
+def odd_smi(tmp_path, query: str, topo: str = "") -> tuple[object, list[str]]:
+    """The node discovered from nvidia-smi printing `query` and `topo`; it must load back."""
+    found = discover(name="n0", sys_root=tmp_path, run=smi_runner(query, topo), nvml=None,
+                     today=TODAY)
+    assert loads_cluster(found.to_yaml()) == found.cluster
+    return found.cluster.node("n0").type, found.notes
+
+
+def test_a_warning_line_before_the_csv_header_is_skipped(tmp_path):
+    query = ("WARNING: infoROM is corrupted at gpu 0000:1A:00.0\n"
+             "index, name, memory.total [MiB]\n0, NVIDIA H100, 81559 MiB\n")
+    node, notes = odd_smi(tmp_path, query)
+    assert node.gpus == 1 and node.gpu.memory == gb(85.5)
+    assert any("not rows of its CSV: 'WARNING: infoROM is corrupted" in n for n in notes)
+
+
+def test_query_output_without_a_header_gives_a_cpu_only_node_and_a_note(tmp_path):
+    node, notes = odd_smi(tmp_path, "No devices were found\n")
+    assert node.gpus == 0
+    assert any("--query-gpu output not understood" in n for n in notes)
+
+
+@pytest.mark.parametrize(("gen", "width"), [(0, 16), (5, 0), (99, 16)])
+def test_a_pcie_link_that_cannot_be_is_taken_as_unknown(tmp_path, gen, width):
+    query = ("index, name, pcie.link.gen.max, pcie.link.width.max\n"
+             f"0, NVIDIA H100, {gen}, {width}\n")
+    node, notes = odd_smi(tmp_path, query)
+    assert node.pcie.bandwidth == gb(32)  # the assumed Gen4 x16
+    assert "PCIe link of the GPUs unknown; assumed Gen4 x16" in notes
+
+
+def test_a_non_numeric_index_and_a_short_bus_id_are_left_unknown(tmp_path):
+    query = "index, name, pci.bus_id\nGPU-0, NVIDIA H100, 0000:1A:00\n1, NVIDIA H100, 0000:1B:00.0\n"
+    gpus = parse_query_gpu(query, notes := [])
+    assert [g.index for g in gpus] == [0, 1] and [g.bus_id for g in gpus] == [None, "0000:1B:00.0"]
+    assert "not PCI bus ids ('0000:1A:00')" in notes[0]
+    node, _ = odd_smi(tmp_path, query)
+    assert node.gpus == 2
+
+
+@pytest.mark.parametrize(("back", "expected"), [("SYS", None), ("NV2", gb(50))])
+def test_an_asymmetric_nvlink_matrix_keeps_only_the_links_seen_both_ways(tmp_path, back, expected):
+    topo = f"\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\t{back}\t X \n"
+    node, notes = odd_smi(tmp_path, TWO_H100, topo)
+    assert (node.nvlink.bandwidth if node.nvlink else None) == expected
+    assert any("NVLink counts differ by direction between GPUs 0-1 (4 vs" in n for n in notes)
+
+
+def test_gpus_that_do_not_make_a_valid_description_fall_back_to_cpu_only(tmp_path, monkeypatch):
+    from topology.discover import assemble
+    from topology.schema import LinkSpec
+
+    monkeypatch.setattr(assemble, "_pcie_spec", lambda gpus, notes: LinkSpec(bandwidth=0.0))
+    node, notes = odd_smi(tmp_path, TWO_H100)
+    assert node.gpus == 0 and node.pcie is None
+    assert any("do not make a valid description" in n and "CPU-only" in n for n in notes)
+
+
+@pytest.mark.parametrize(("name", "words"), [
+    ("x{i}", "placeholder"), ("a/b", "contains '/'"), ("", "non-empty name")])
+def test_a_node_name_that_cannot_be_one_is_refused_up_front(tmp_path, name, words):
+    with pytest.raises(ClusterConfigError, match=f"--name: not a usable node name: .*{words}"):
+        discover(name=name, sys_root=tmp_path, run=no_smi, nvml=None)
 
 
 # --- NVML through a stand-in module ----------------------------------------------------

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planner_checks import _cluster, check_exactly_once, check_plan, small_clusters
 
-from topology import reference_cluster
+from topology import loads_cluster, reference_cluster
 from topology.bounds import lower_bound
 from topology.layout import Layout
 from topology.plan import (
@@ -21,7 +21,8 @@ from topology.plan import (
     UnreachableReaderError,
 )
 from topology.planner import default_endpoints, plan_broadcast, replan, side_planes
-from topology.simulator import Vanish, simulate
+from topology.scenarios import run_scenario
+from topology.simulator import MAX_CHUNKS, Vanish, simulate
 
 GB = 10**9
 
@@ -146,6 +147,57 @@ def test_bad_input_gives_clear_errors():
     with pytest.raises(EmptyTransferError, match="no reader"):
         plan_broadcast(cluster, GB, sources=["node-0"], readers=["node-0/gpu1"])
     assert issubclass(UnreachableReaderError, ValueError)
+
+
+def test_an_unknown_name_is_answered_with_names_that_exist():
+    with pytest.raises(UnknownDeviceError) as info:
+        plan_broadcast(reference_cluster("4x-dgx-h100"), GB, readers=["node-9"])
+    assert "its nodes are node-0, node-1, node-2, node-3 (" in str(info.value)
+    assert "topo show" not in str(info.value)
+    with pytest.raises(UnknownDeviceError, match=r"node-0/gpu7, node-0/host \("):
+        plan_broadcast(reference_cluster("4x-dgx-h100"), GB, readers=["node-0/gpu9"])
+    with pytest.raises(UnknownDeviceError, match="a-6 and 24 more"):  # 32 nodes
+        plan_broadcast(reference_cluster("two-datacenters"), GB, sources=["x"])
+
+
+def test_roles_that_leave_no_reader_say_so_for_plan_and_simulate():
+    local = reference_cluster("localhost")  # trainer and rollout: the one CPU node
+    with pytest.raises(EmptyTransferError, match="roles name no rollout device besides the "
+                                                 r"trainer \(localhost/host\); add `roles:`"):
+        plan_broadcast(local, GB)
+    with pytest.raises(EmptyTransferError, match="roles name no rollout device") as info:
+        run_scenario(local, "standalone", GB)
+    assert "--readers other than" not in str(info.value)
+    no_roles = loads_cluster(f"version: 1\nname: t\nnode_types:\n{BOX}datacenters:\n{A_AND_B}")
+    with pytest.raises(EmptyTransferError, match="roles name no rollout device"):
+        plan_broadcast(no_roles, GB, sources=["a"])
+    assert plan_broadcast(no_roles, GB, sources=["a"], readers=["b"]).readers == ["b/gpu0"]
+
+
+def test_a_chunk_must_be_positive_and_cut_no_transfer_into_more_than_2_20_chunks():
+    lay = _two_nodes()
+    for chunk in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(PlanError, match="positive, finite number of bytes"):
+            plan_broadcast(lay, GB, sources=["a"], readers=["b"], chunk=chunk)
+    # 1 B chunks of 1 GB: a billion chunks, which the simulator would never get through
+    with pytest.raises(PlanError, match=r"1,000,000,000 chunks.*at least 954 B"):
+        plan_broadcast(lay, GB, sources=["a"], readers=["b"], chunk=1)
+    assert plan_broadcast(lay, GB, sources=["a"], readers=["b"], chunk=954).chunk == 954
+
+
+def test_the_chosen_chunk_keeps_within_2_20_chunks_per_transfer():
+    lay = _two_nodes()
+    plan = plan_broadcast(lay, 10**15, sources=["a"], readers=["b"])  # 1 PB: 256 MB is too small
+    assert max(t.nbytes for t in plan.transfers) <= plan.chunk * MAX_CHUNKS
+
+
+BOX = ("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
+       "    nics: {count: 1, bandwidth: 50GB/s}\n")
+A_AND_B = "  - name: dc\n    nodes: [{name: a, type: box}, {name: b, type: box}]\n"
+
+
+def _two_nodes() -> Layout:
+    return _cluster(BOX, A_AND_B)
 
 
 def test_unreachable_reader_is_reported():

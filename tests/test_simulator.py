@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from planner_checks import _cluster, check_exactly_once, small_clusters
 
 from topology import reference_cluster
+from topology.baselines import storage_graph
 from topology.bounds import lower_bound
 from topology.layout import Layout
 from topology.plan import PlanError, Transfer
@@ -158,3 +159,32 @@ def test_elastic_and_preemption_run_every_baseline(scenario):
     assert set(result.baselines) == {"star", "ring", "storage"}
     assert result.ours_s >= result.lower_bound_s
     assert min(result.speedup.values()) > 1
+
+
+def _one_flow():
+    lay = _cluster("  box:\n    gpus: 1\n    gpu: {model: X}\n    pcie: {bandwidth: 64GB/s}\n"
+                   "    nics: {count: 1, bandwidth: 10GB/s}\n",
+                   "  - name: dc\n    nodes: [{name: 'n{i}', type: box, count: 2}]\n")
+    return lay, [Transfer("n1/gpu0", "n0/gpu0", 0, GB, 0, lay.route("n0/gpu0", "n1/gpu0"))]
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 1, 100])
+def test_a_chunk_that_is_not_positive_or_far_too_small_is_a_plan_error(chunk):
+    lay, flows = _one_flow()
+    with pytest.raises(PlanError, match="chunk"):  # 0 and -1 used to loop forever
+        simulate(lay.graph, flows, chunk=chunk, size=GB)
+
+
+@pytest.mark.parametrize("bandwidth", [0.0, -25e9, float("inf"), float("nan")])
+def test_a_storage_bandwidth_that_is_not_positive_and_finite_is_a_plan_error(bandwidth):
+    lay, _ = _one_flow()
+    graph = storage_graph(lay, "dc", bandwidth)
+    flows = [Transfer("storage", "n0/gpu0", 0, GB, 0, lay.via_spine("n0/gpu0", None, "dc", "storage"))]
+    with pytest.raises(PlanError, match="storage service's bandwidth"):  # -25e9 hung in _fill
+        simulate(graph, flows, chunk=GB, size=GB)
+
+
+def test_scenario_with_zero_storage_bandwidth_is_a_plan_error():
+    with pytest.raises(PlanError, match="storage service's bandwidth"):
+        run_scenario(reference_cluster("dgx-h100"), "standalone", GB, storage_bandwidth=0.0,
+                     baselines_to_run=("storage",))

@@ -76,3 +76,12 @@ def test_format_picks_readable_units():
     assert format_size(2e12) == "2TB"
     assert format_latency(2e-6) == "2us"
     assert format_latency(0.02) == "20ms"
+
+
+@pytest.mark.parametrize(("parse", "text"), [
+    (parse_size, "1e400GB"), (parse_size, "1e308PB"), (parse_bandwidth, "1e400GB/s"),
+    (parse_bandwidth, "-1e309Gbps"), (parse_latency, "1e400s"), (parse_latency, "1e309ms"),
+])
+def test_values_that_overflow_to_infinity_are_rejected(parse, text):
+    with pytest.raises(UnitError, match="too large"):
+        parse(text)

@@ -16,7 +16,8 @@ from topology.plan import (
 from topology.schema import Cluster
 
 SourceSpec = Iterable[str] | Mapping[str, list[Interval] | None] | None
-
+#: How many valid names an unknown-name error lists.
+SHOWN_NAMES = 8
 
 
 def resolve(layout: Layout, names: Iterable[str], what: str) -> list[str]:
@@ -28,12 +29,24 @@ def resolve(layout: Layout, names: Iterable[str], what: str) -> list[str]:
         elif name in layout.machines:
             out.extend(layout.machines[name].devices)
         else:
-            example = next(iter(layout.machines), "node")
-            raise UnknownDeviceError(
-                f"{what} {name!r} is not a device or node of this cluster; name a node "
-                f"(e.g. {example!r}) or a device (e.g. {example + '/gpu0'!r} or "
-                f"{example + '/host'!r}); 'fabric topo show FILE' lists them")
+            raise UnknownDeviceError(_unknown(layout, name, what))
     return list(dict.fromkeys(out))
+
+
+def _unknown(layout: Layout, name: str, what: str) -> str:
+    """Why `name` is not an endpoint, listing some that are: the devices of its node
+    when the part before '/' is a node, else the nodes."""
+    node = layout.machines.get(name.split("/")[0]) if "/" in name else None
+    if node is not None:
+        kind, valid = f"the devices of {node.name!r}", node.gpus + [node.host]
+    else:
+        kind, valid = "its nodes", list(layout.machines)
+    cut = SHOWN_NAMES if len(valid) > SHOWN_NAMES + 1 else len(valid)  # never "and 1 more"
+    shown = ", ".join(valid[:cut]) + (f" and {len(valid) - cut} more" if len(valid) > cut else "")
+    example = valid[0].split("/")[0] if valid else "node"
+    return (f"{what} {name!r} is not a device or node of this cluster; {kind} are {shown} "
+            f"(a node means all its devices; a device is NODE/gpuJ or NODE/host, e.g. "
+            f"{example + '/gpu0'!r})")
 
 
 def default_endpoints(cluster: Cluster, layout: Layout) -> tuple[list[str], list[str]]:
@@ -41,7 +54,22 @@ def default_endpoints(cluster: Cluster, layout: Layout) -> tuple[list[str], list
 
     When the roles overlap (one machine both trains and rolls out), the first
     trainer device is the source and every other rollout device a reader.
+
+    Raises:
+        EmptyTransferError: the roles leave no reader (no ``rollout`` role, or it
+            names only the trainer's devices).
     """
+    trainer, readers = _role_endpoints(cluster, layout)
+    if not readers:
+        raise EmptyTransferError(
+            f"the cluster's roles name no rollout device besides the trainer "
+            f"({', '.join(trainer)}); add `roles:` to the cluster file with `trainer:` and "
+            f"`rollout:` nodes (or pass --sources and --readers to `fabric topo plan`)")
+    return trainer, readers
+
+
+def _role_endpoints(cluster: Cluster, layout: Layout) -> tuple[list[str], list[str]]:
+    """`default_endpoints` without the check: the readers may be empty."""
     trainer = resolve(layout, [n.name for n in cluster.role("trainer")], "trainer")
     rollout = resolve(layout, [n.name for n in cluster.role("rollout")], "rollout")
     if not trainer:
@@ -64,11 +92,10 @@ def endpoints(cluster, layout: Layout, size: int, sources: SourceSpec,
             and not isinstance(cluster, Cluster):
         raise PlanError("sources and readers have no default without a Cluster (roles); "
                         "pass them explicitly")
-    defaults = default_endpoints(cluster, layout) if isinstance(cluster, Cluster) else None
     whole = [(0, size)]
     held: dict[str, list[Interval]] = {}
     if sources is None:
-        sources = defaults[0]
+        sources = _role_endpoints(cluster, layout)[0]
     if isinstance(sources, Mapping):
         for name, ranges in sources.items():
             for dev in resolve(layout, [name], "source"):
@@ -84,7 +111,7 @@ def endpoints(cluster, layout: Layout, size: int, sources: SourceSpec,
             for dev in resolve(layout, [name], "reader"):
                 need[dev] = merge_intervals(intersect(list(ranges), 0, size))
     else:
-        names = defaults[1] if readers is None else readers
+        names = default_endpoints(cluster, layout)[1] if readers is None else readers
         need = {dev: whole for dev in resolve(layout, names, "reader")}
     for dev, ranges in list(need.items()):
         ranges = subtract(ranges, held.get(dev, []))

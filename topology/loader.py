@@ -35,6 +35,9 @@ from topology.units import UnitError, parse_bandwidth, parse_latency, parse_size
 
 T = TypeVar("T")
 SCHEMA_VERSION = 1
+#: Most nodes one file may describe (all groups' counts together): far above real
+#: clusters, low enough that validating, planning and drawing stay fast.
+MAX_NODES = 100_000
 
 
 # --- YAML with line numbers -------------------------------------------------------
@@ -99,14 +102,19 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
     """Read and validate a cluster YAML file.
 
     Raises:
-        ClusterConfigError: the file is missing, is not YAML, or breaks the schema;
-            the message names the file, line and field.
+        ClusterConfigError: the file is missing, is not UTF-8 text, is not YAML, or
+            breaks the schema; the message names the file, line and field.
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ClusterConfigError(f"cannot read: {exc.strerror or exc}", source=str(path)) from exc
+    except UnicodeDecodeError as exc:
+        line = exc.object[:exc.start].count(b"\n") + 1
+        raise ClusterConfigError(f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                                 f"{exc.start}); a cluster file is YAML written in UTF-8",
+                                 source=str(path), line=line) from None
     return loads_cluster(text, source=str(path))
 
 
@@ -198,6 +206,29 @@ def _name(value: Any) -> str:
     return value
 
 
+def _address(value: Any) -> str:
+    """A name that becomes part of device names (``node/gpu0``, ``dc/spine``): no '/'."""
+    name = _name(value)
+    if "/" in name:
+        raise ValueError(f"{name!r} contains '/', which separates a node or datacenter from "
+                         "its devices (as in n0/gpu0); choose a name without '/'")
+    return name
+
+
+def check_node_name(name: Any) -> str:
+    """`name` if it can name one node (what ``fabric topo discover --name`` writes):
+    non-empty, without '/' and without the ``{i}`` placeholder of a group.
+
+    Raises:
+        ValueError: what is wrong with the name.
+    """
+    name = _address(name)
+    if "{i}" in name:
+        raise ValueError(f"{name!r} has an {{i}} placeholder, which only a group of nodes "
+                         "with a count may have; give one node's name")
+    return name
+
+
 def _count(minimum: int) -> Callable[[Any], int]:
     def parse(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -256,7 +287,9 @@ def _cluster(data: Any) -> Cluster:
     if not raw_dcs:
         raise _Problem(_line(top, "datacenters"), "datacenters", "at least one datacenter is needed")
     datacenters = tuple(_datacenter(raw_dcs, i, node_types) for i in range(len(raw_dcs)))
+    _check_node_count(raw_dcs, datacenters)
     _check_unique_names(raw_dcs, datacenters)
+    _check_domains(raw_dcs, datacenters)
 
     wan = _wan(top, datacenters) if "wan" in top else ()
     cluster = Cluster(name=name, node_types=node_types, datacenters=datacenters, wan=wan,
@@ -370,7 +403,7 @@ def _datacenter(raw_dcs: _Seq, index: int, node_types: dict[str, NodeType]) -> D
     path = f"datacenters[{index}]"
     raw = _mapping(raw_dcs[index], path, _line(raw_dcs, index), required=("name", "nodes"),
                    optional=("network",))
-    name = _field(raw, "name", path, _name)
+    name = _field(raw, "name", path, _address)
     network = NetworkSpec()
     if "network" in raw:
         net_path = f"{path}.network"
@@ -402,7 +435,7 @@ def _node_group(raw_groups: _Seq, index: int, parent_path: str,
     path = f"{parent_path}[{index}]"
     raw = _mapping(raw_groups[index], path, _line(raw_groups, index), required=("name", "type"),
                    optional=("count", "nvlink_domain"))
-    name = _field(raw, "name", path, _name)
+    name = _field(raw, "name", path, _address)
     type_name = _field(raw, "type", path, _name)
     if type_name not in node_types:
         close = difflib.get_close_matches(type_name, list(node_types), n=1)
@@ -416,11 +449,43 @@ def _node_group(raw_groups: _Seq, index: int, parent_path: str,
     if count is None and "{i}" in name:
         raise _Problem(_line(raw, "name"), f"{path}.name",
                        "the name has an {i} placeholder but no count is given")
-    domain = _optional(raw, "nvlink_domain", path, _name, None)
+    domain = _optional(raw, "nvlink_domain", path, _address, None)
     if domain is not None and node_types[type_name].nvlink is None:
         raise _Problem(_line(raw, "nvlink_domain"), f"{path}.nvlink_domain",
                        f"node type {type_name!r} has no nvlink, so it cannot join an NVLink domain")
     return NodeGroup(name=name, type=type_name, count=count, nvlink_domain=domain)
+
+
+def _check_node_count(raw_dcs: _Seq, datacenters: tuple[Datacenter, ...]) -> None:
+    """At most `MAX_NODES` nodes in all; checked before any group's names are expanded."""
+    total = 0
+    for i, dc in enumerate(datacenters):
+        for j, group in enumerate(dc.nodes):
+            total += group.count or 1
+            if total > MAX_NODES:
+                raw = raw_dcs[i]["nodes"][j]
+                key = "count" if group.count else "name"
+                raise _Problem(_line(raw, key), f"datacenters[{i}].nodes[{j}].{key}",
+                               f"the file describes more than {MAX_NODES:,} nodes (this group "
+                               f"brings the total to {total:,}); a cluster file holds at most "
+                               f"{MAX_NODES:,}")
+
+
+def _check_domains(raw_dcs: _Seq, datacenters: tuple[Datacenter, ...]) -> None:
+    """Every node of an ``nvlink_domain`` is in one datacenter (NVLink does not cross a WAN)."""
+    home: dict[str, tuple[str, str]] = {}
+    for i, dc in enumerate(datacenters):
+        for j, group in enumerate(dc.nodes):
+            domain = group.nvlink_domain
+            if domain is None:
+                continue
+            first_dc, first_path = home.setdefault(domain, (dc.name, f"datacenters[{i}].nodes[{j}]"))
+            if first_dc != dc.name:
+                raise _Problem(_line(raw_dcs[i]["nodes"][j], "nvlink_domain"),
+                               f"datacenters[{i}].nodes[{j}].nvlink_domain",
+                               f"NVLink domain {domain!r} already has nodes in datacenter "
+                               f"{first_dc!r} ({first_path}); a domain's nodes must all be in "
+                               "one datacenter")
 
 
 def _check_unique_names(raw_dcs: _Seq, datacenters: tuple[Datacenter, ...]) -> None:

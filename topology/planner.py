@@ -83,6 +83,7 @@ from topology.layout import Layout
 from topology.plan import TREE, Interval, Plan, PlanError, merge_intervals
 from topology.planes import cut_stripes, side_planes
 from topology.schema import Cluster
+from topology.simulator import check_chunk, min_chunk
 
 __all__ = ["HOP_OVERHEAD", "MAX_CHUNK", "MIN_CHUNK", "SourceSpec", "choose_chunk",
            "default_endpoints", "path_latency", "plan_broadcast", "predict", "replan",
@@ -112,7 +113,9 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
     needs : mapping reader -> byte ranges
         Instead of `readers`: what each reader needs (sharded layouts, re-plans).
     chunk : int
-        Pipelining unit in bytes; default from the pipelining optimum.
+        Pipelining unit in bytes; default from the pipelining optimum. At least one
+        byte, and large enough that no transfer has more than
+        `topology.simulator.MAX_CHUNKS` (2**20) chunks.
     stripes : list of (start, end)
         Stripe boundaries to reuse (a re-plan keeps the original plan's).
     planes : list of str
@@ -136,7 +139,8 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
     UnreachableReaderError
         A reader has no route from any holder of some bytes it needs.
     PlanError
-        Some bytes are held by no source, or a reader is also a full source.
+        Some bytes are held by no source, a reader is also a full source, or `chunk`
+        is not positive or cuts a transfer into more than 2**20 chunks.
 
     Notes
     -----
@@ -174,7 +178,12 @@ def _build(layout: Layout, size: int, held: dict[str, list[Interval]],
     plan = Plan(size=size, chunk=0, stripes=list(stripes), transfers=transfers,
                 sources=held, needs=need, planes=planes)
     rates = share_rates(layout.graph, transfers)
-    plan.chunk = int(chunk) if chunk else choose_chunk(plan, rates)
+    if chunk is not None:
+        check_chunk(chunk, transfers)
+        plan.chunk = int(chunk)
+    else:
+        largest = max((t.nbytes for t in transfers), default=0)
+        plan.chunk = max(choose_chunk(plan, rates), min_chunk(largest))
     plan.predicted = predict(layout.graph, transfers, plan.chunk, rates)
     return plan
 

@@ -34,6 +34,7 @@ plans at 10,000 GPUs need a few hundred events.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -42,10 +43,33 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from topology.plan import Interval, Transfer
+from topology.plan import Interval, PlanError, Transfer
 
 WAITING, SCHEDULED, ACTIVE, DONE, ABORTED = range(5)
+#: Most chunks one transfer may be cut into. Events grow with the chunks per
+#: transfer (1 B chunks of a 1 GB version never finish simulating), and a fetch
+#: engine pays a request per chunk; a plan's chosen chunk stays far below this.
+MAX_CHUNKS = 1 << 20
 Replanner = Callable[[dict[str, list[Interval]], dict[str, list[Interval]]], list[Transfer]]
+
+
+def check_chunk(chunk: float, transfers: Iterable[Transfer]) -> None:
+    """Raise `PlanError` unless `chunk` is at least one byte and cuts no transfer into
+    more than `MAX_CHUNKS` chunks (the message names the smallest chunk that would do)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) \
+            or not math.isfinite(chunk) or chunk < 1:
+        raise PlanError(f"the chunk must be a positive, finite number of bytes, got {chunk!r}")
+    largest = max((t.nbytes for t in transfers), default=0)
+    if largest > chunk * MAX_CHUNKS:
+        raise PlanError(
+            f"a chunk of {chunk:,} B cuts a {largest:,} B transfer into {math.ceil(largest / chunk):,} "
+            f"chunks, more than the {MAX_CHUNKS:,} allowed; use a chunk of at least "
+            f"{min_chunk(largest):,} B, or leave the chunk out to have one chosen")
+
+
+def min_chunk(nbytes: int) -> int:
+    """The smallest chunk that cuts `nbytes` into at most `MAX_CHUNKS` chunks."""
+    return max(1, -(-int(nbytes) // MAX_CHUNKS))
 
 
 @dataclass(frozen=True)
@@ -129,7 +153,7 @@ class Simulator:
                 a = self.arc_id.get(arc)
                 if a is None:
                     a = self.arc_id[arc] = len(self.cap)
-                    self.cap.append(edges[arc]["bandwidth"])
+                    self.cap.append(_capacity(arc, edges[arc]))
                     self.arc_lat.append(edges[arc]["latency"])
                     self.arc_wan.append(edges[arc].get("tier") == "wan")
                 pf.append(offset + j)
@@ -333,6 +357,17 @@ class Simulator:
                          wall_seconds=wall, timeline=timeline)
 
 
+def _capacity(arc: tuple[str, str], data: dict) -> float:
+    """The arc's bandwidth; `PlanError` unless it is positive and finite (max-min filling
+    never ends on a negative capacity and has no fair share of a zero one)."""
+    bandwidth = data["bandwidth"]
+    if isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and bandwidth > 0:
+        return float(bandwidth)
+    what = ("the storage service's bandwidth" if data.get("tier") == "storage"
+            else f"the bandwidth of link {arc[0]} -> {arc[1]}")
+    raise PlanError(f"{what} must be a positive, finite number of bytes/s, got {bandwidth!r}")
+
+
 def simulate(graph: nx.DiGraph, transfers: list[Transfer], *, chunk: int, size: int,
              holders: dict[str, list[Interval]] | None = None,
              events: Iterable[Vanish | Join] = (), replanner: Replanner | None = None
@@ -363,9 +398,14 @@ def simulate(graph: nx.DiGraph, transfers: list[Transfer], *, chunk: int, size: 
 
     Raises
     ------
+    PlanError
+        `chunk` is not positive, or cuts a transfer into more than `MAX_CHUNKS`
+        chunks; or a link the transfers use has no positive, finite bandwidth.
     RuntimeError
         An event needs a re-plan and no replanner was given, or flows stall.
     """
+    transfers = list(transfers)
+    check_chunk(chunk, transfers)
     sim = Simulator(graph, chunk, size, holders or {}, replanner)
-    sim.add(list(transfers), 0.0)
+    sim.add(transfers, 0.0)
     return sim.run(list(events))

@@ -16,6 +16,7 @@ unit is what makes a hand-written file unambiguous.
 
 from __future__ import annotations
 
+import math
 import re
 
 _PREFIX = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
@@ -45,7 +46,7 @@ def parse_bandwidth(text: str | int | float) -> float:
     if not match:
         raise UnitError(f"{text!r} is not a bandwidth; write e.g. 50GB/s, 400Gbps or 12.5GiB/s")
     value = float(match.group("num")) * _scale(match)
-    return value if match.group("unit").startswith("B") else value / 8
+    return _finite(value if match.group("unit").startswith("B") else value / 8, text, "bandwidth")
 
 
 def parse_size(text: str | int | float) -> float:
@@ -54,7 +55,7 @@ def parse_size(text: str | int | float) -> float:
     if not match:
         raise UnitError(f"{text!r} is not a size; write e.g. 80GB, 2TB or 512MiB")
     value = float(match.group("num")) * _scale(match)
-    return value if match.group("unit") == "B" else value / 8
+    return _finite(value if match.group("unit") == "B" else value / 8, text, "size")
 
 
 def parse_latency(text: str | int | float) -> float:
@@ -62,7 +63,14 @@ def parse_latency(text: str | int | float) -> float:
     match = _LATENCY.match(_text(text, "latency", "2us or 20ms"))
     if not match:
         raise UnitError(f"{text!r} is not a latency; write e.g. 500ns, 2us or 20ms")
-    return float(match.group("num")) / _PER_SECOND[match.group("unit")]
+    return _finite(float(match.group("num")) / _PER_SECOND[match.group("unit")], text, "latency")
+
+
+def _finite(value: float, text: str | int | float, what: str) -> float:
+    """`value`, unless it overflowed to infinity (``1e400GB``)."""
+    if not math.isfinite(value):
+        raise UnitError(f"{text!r} is too large to be a {what}; write a finite number")
+    return value
 
 
 def _text(value: str | int | float, what: str, example: str) -> str:

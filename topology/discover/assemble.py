@@ -28,7 +28,8 @@ from topology.discover.base import (
 from topology.discover.nvml import load_nvml, probe_nvml
 from topology.discover.smi import probe_smi
 from topology.discover.sysfs import host_memory, pci_link, pci_numa_node, read_nics
-from topology.loader import cluster_from_dict
+from topology.errors import ClusterConfigError
+from topology.loader import check_node_name, cluster_from_dict
 from topology.schema import (
     Cluster,
     Datacenter,
@@ -46,6 +47,8 @@ from topology.units import format_bandwidth
 NVLINK_LATENCY, PCIE_LATENCY, RDMA_LATENCY, TCP_LATENCY = 2e-6, 2e-6, 5e-6, 20e-6
 #: Assumed when neither NVML, nvidia-smi nor /sys gives a GPU's PCIe link.
 DEFAULT_PCIE = (4, 16)
+#: A PCIe generation or link width beyond these is a misreading, taken as unknown.
+PCIE_MAX_GEN, PCIE_MAX_WIDTH = 16, 32
 _AUTO: Any = object()
 
 
@@ -111,12 +114,22 @@ def discover(*, name: str | None = None, sys_root: Path = Path("/"), run: Runner
         ``cluster`` (validated by the loader: one datacenter ``local`` holding the node),
         ``notes`` (what was assumed), ``sources`` (NVML, nvidia-smi or CPU-only, /sys).
 
+    Raises
+    ------
+    ClusterConfigError
+        `name` cannot name a node (empty, with '/', or with an ``{i}`` placeholder).
+
     Notes
     -----
     GPUs come from NVML when it imports and initialises, else from nvidia-smi, else
-    the node is CPU-only (``gpus: 0``). Bandwidth tables: `topology.discover.base`.
+    the node is CPU-only (``gpus: 0``); so is a node whose GPUs, as read, do not make
+    a valid description (a note says why). Bandwidth tables: `topology.discover.base`.
     """
-    node_name = name or socket.gethostname().split(".")[0] or "localhost"
+    node_name = name if name is not None else socket.gethostname().split(".")[0] or "localhost"
+    try:
+        node_name = check_node_name(node_name)
+    except ValueError as exc:
+        raise ClusterConfigError(f"not a usable node name: {exc}", source="--name") from None
     notes: list[str] = []
     module = load_nvml() if nvml is _AUTO else nvml
     if module is None and nvml is _AUTO:
@@ -140,18 +153,38 @@ def discover(*, name: str | None = None, sys_root: Path = Path("/"), run: Runner
     node_type = _node_type(gpus, probe.nvlink, nics, host_memory(sys_root), notes)
     if node_type.nics is not None and any(probe.gpu_nics):
         notes.append(_rail_note(node_type.nics, probe.gpu_nics))
-    cluster = Cluster(
-        name=node_name,
-        node_types={node_type.name: node_type},
-        datacenters=(Datacenter(name="local", nodes=(NodeGroup(name=node_name, type=node_type.name),)),),
-        roles={"trainer": (node_name,), "rollout": (node_name,)},
-    )
     notes.append("latencies are typical values (NVLink and PCIe 2us, RDMA 5us, TCP 20us), not "
                  "measured; memory sizes are rounded to 0.1 GB")
-    validated = cluster_from_dict(cluster.to_dict(), source="fabric topo discover")
+    try:
+        validated = _one_node(node_name, node_type)
+    except ClusterConfigError as exc:
+        if not node_type.gpus:
+            raise
+        notes.append(f"the GPUs as read do not make a valid description ({exc.field}: "
+                     f"{exc.problem}); described as CPU-only")
+        probe = GpuProbe(source="CPU-only", gpus=[])
+        validated = _one_node(node_name, _cpu_only(node_type))
     sources = [probe.source] + [f"/{path}" for path in ("sys/class/infiniband", "sys/class/net",
                                                         "proc/meminfo") if (sys_root / path).exists()]
     return Discovered(cluster=validated, notes=notes, sources=sources, date=today or _dt.date.today())
+
+
+def _one_node(name: str, node_type: NodeType) -> Cluster:
+    """One datacenter ``local`` holding one node of `node_type`, validated by the loader."""
+    cluster = Cluster(
+        name=name,
+        node_types={node_type.name: node_type},
+        datacenters=(Datacenter(name="local", nodes=(NodeGroup(name=name, type=node_type.name),)),),
+        roles={"trainer": (name,), "rollout": (name,)},
+    )
+    return cluster_from_dict(cluster.to_dict(), source="fabric topo discover")
+
+
+def _cpu_only(node_type: NodeType) -> NodeType:
+    """`node_type` without its GPUs (and their NVLink, PCIe and NUMA nodes)."""
+    nic_numa = node_type.numa.nics if node_type.numa else ()
+    return replace(node_type, name="cpu-host", gpus=0, gpu=None, nvlink=None, pcie=None,
+                   numa=NumaSpec(nics=nic_numa) if nic_numa else None)
 
 
 def _rail_note(nics: NicSpec, gpu_nics: list[list[str]]) -> str:
@@ -165,15 +198,26 @@ def _rail_note(nics: NicSpec, gpu_nics: list[list[str]]) -> str:
 
 
 def _complete_from_sys(gpu: GpuInfo, sys_root: Path) -> GpuInfo:
-    """Fill NUMA node and PCIe link from /sys where the probe left them out."""
-    if gpu.bus_id is None:
+    """Fill NUMA node and PCIe link from /sys where the probe left them out (a PCIe
+    generation or width that cannot be, such as 0, counts as left out)."""
+    gpu = replace(gpu, pcie_gen=_within(gpu.pcie_gen, PCIE_MAX_GEN),
+                  pcie_width=_within(gpu.pcie_width, PCIE_MAX_WIDTH))
+    try:
+        bdf = normalize_bus_id(gpu.bus_id) if gpu.bus_id is not None else None
+    except ValueError:
+        bdf = None
+    if bdf is None:
         return gpu
-    bdf = normalize_bus_id(gpu.bus_id)
     numa = pci_numa_node(sys_root, bdf)
     link = pci_link(sys_root, bdf) if gpu.pcie_gen is None or gpu.pcie_width is None else None
     return replace(gpu, numa=numa if numa is not None else gpu.numa,
                    pcie_gen=link[0] if link else gpu.pcie_gen,
                    pcie_width=link[1] if link else gpu.pcie_width)
+
+
+def _within(value: int | None, most: int) -> int | None:
+    """`value` when it is in 1..`most`, else None (unknown)."""
+    return value if value is not None and 1 <= value <= most else None
 
 
 def _slug(text: str) -> str:
@@ -263,7 +307,7 @@ def _nvlink_spec(nvlink: NvlinkLinks | None, gpus: list[GpuInfo],
                  notes: list[str]) -> NvlinkSpec | None:
     if nvlink is None or len(gpus) < 2:
         return None
-    pairs = nvlink.pairs
+    pairs = _symmetric(nvlink.pairs, notes)
     groups = nvlink_groups(pairs)
     if not groups:
         return None
@@ -297,6 +341,20 @@ def _nvlink_spec(nvlink: NvlinkLinks | None, gpus: list[GpuInfo],
                       groups=None if everyone else tuple(tuple(g) for g in groups))
 
 
+def _symmetric(pairs: Sequence[Sequence[int]], notes: list[str]) -> list[list[int]]:
+    """Links usable both ways: ``min(pairs[i][j], pairs[j][i])``, noting the pairs that
+    differ (``nvidia-smi topo -m`` showing NV4 one way and SYS back, say)."""
+    n = len(pairs)
+    both = [[min(pairs[i][j], pairs[j][i]) if j < len(pairs[i]) and i < len(pairs[j]) else 0
+             for j in range(n)] for i in range(n)]
+    odd = [f"{i}-{j} ({pairs[i][j]} vs {pairs[j][i]} links)" for i in range(n) for j in range(i + 1, n)
+           if both[i][j] != max(pairs[i][j], pairs[j][i])]
+    if odd:
+        notes.append("NVLink counts differ by direction between GPUs " + ", ".join(odd)
+                     + "; only the links seen both ways are described")
+    return both
+
+
 def _nic_spec(nics: list[NicInfo], notes: list[str]) -> tuple[NicSpec | None, tuple[int, ...]]:
     """The NicSpec (fastest group of alike NICs) and the NUMA node of each of its NICs."""
     if not nics:
@@ -304,7 +362,7 @@ def _nic_spec(nics: list[NicInfo], notes: list[str]) -> tuple[NicSpec | None, tu
         return None, ()
     resolved = []
     for nic in nics:
-        if nic.bandwidth is None:
+        if not nic.bandwidth or nic.bandwidth <= 0:  # unknown, or a port reading 0 Gb/sec
             default = DEFAULT_TCP_BANDWIDTH
             notes.append(f"{nic.name}: {nic.detail}, speed unknown; assumed "
                          f"{format_bandwidth(default)} ({default * 8 / 1e9:g} Gb/s)")

@@ -45,7 +45,7 @@ def probe_nvml(nvml: Any, notes: list[str]) -> GpuProbe | None:
         return None
     try:
         return _read(nvml, error)
-    except error as exc:
+    except (error, ValueError) as exc:  # ValueError: a bus id that is not one
         notes.append(f"NVML failed while reading the GPUs ({exc})")
         return None
     finally:

@@ -25,6 +25,7 @@ from topology.discover.base import (
     NvlinkLinks,
     Runner,
     compute_capability_of,
+    normalize_bus_id,
 )
 
 QUERY_FIELDS = ("index", "name", "memory.total", "pci.bus_id", "pcie.link.gen.max",
@@ -135,40 +136,69 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
     )
 
 
-def parse_query_gpu(text: str) -> list[GpuInfo]:
+def parse_query_gpu(text: str, notes: list[str] | None = None) -> list[GpuInfo]:
     """Parse ``nvidia-smi --query-gpu=<fields> --format=csv`` (with its header line).
 
     Any subset of `QUERY_FIELDS` may be present; ``name`` is required. Missing
-    values (``[N/A]``, ``[Not Supported]``) become None.
+    values (``[N/A]``, ``[Not Supported]``) become None, and so do a PCIe generation
+    or width below 1 and a bus id that is not one; a non-numeric index becomes the
+    row's position. Lines that are not rows of the CSV (a driver warning such as
+    ``WARNING: infoROM is corrupted`` before the header, a row of the wrong length)
+    are skipped, saying so in `notes`.
 
     Raises:
-        SmiParseError: no header with a ``name`` column, or a row of the wrong length.
+        SmiParseError: no header with a ``name`` column.
     """
     rows = [row for row in csv.reader(io.StringIO(text), skipinitialspace=True) if row]
     if not rows:
         return []
-    columns = [re.sub(r"\s*\[.*\]$", "", cell.strip()) for cell in rows[0]]
-    if "name" not in columns:
+    header_at = next((k for k, row in enumerate(rows) if "name" in _columns(row)), None)
+    if header_at is None:
         raise SmiParseError(f"the --query-gpu output has no 'name' column: {rows[0]}")
-    gpus = []
-    for position, row in enumerate(rows[1:]):
+    header, columns = rows[header_at], _columns(rows[header_at])
+    skipped = rows[:header_at] + [row for row in rows[header_at + 1:] if len(row) != len(columns)]
+    if skipped and notes is not None:
+        notes.append("skipped lines of the nvidia-smi --query-gpu output that are not rows of its "
+                     "CSV: " + "; ".join(repr(", ".join(row)) for row in skipped))
+    gpus: list[GpuInfo] = []
+    bad_bus_ids: list[str] = []
+    for row in rows[header_at + 1:]:
         if len(row) != len(columns):
-            raise SmiParseError(f"--query-gpu row {row} has {len(row)} values for {len(columns)} columns")
+            continue
         values = {col: (None if cell.strip().lower() in _MISSING else cell.strip())
                   for col, cell in zip(columns, row, strict=True)}
         model = values["name"] or "unknown-gpu"
         cc = values.get("compute_cap")
+        index = values.get("index")
         gpus.append(GpuInfo(
-            index=int(values["index"]) if values.get("index") else position,
+            index=int(index) if index is not None and index.isdigit() else len(gpus),
             model=model,
-            memory=_memory(values.get("memory.total"), rows[0][columns.index("memory.total")]
+            memory=_memory(values.get("memory.total"), header[columns.index("memory.total")]
                            if "memory.total" in columns else ""),
-            bus_id=values.get("pci.bus_id"),
-            pcie_gen=_int(values.get("pcie.link.gen.max")),
-            pcie_width=_int(values.get("pcie.link.width.max")),
+            bus_id=_bus_id(values.get("pci.bus_id"), bad_bus_ids),
+            pcie_gen=_positive(values.get("pcie.link.gen.max")),
+            pcie_width=_positive(values.get("pcie.link.width.max")),
             compute_capability=_cc(cc) if cc else compute_capability_of(model),
         ))
+    if bad_bus_ids and notes is not None:
+        notes.append(f"nvidia-smi gave bus ids that are not PCI bus ids ({', '.join(bad_bus_ids)}); "
+                     "NUMA node and PCIe link not read from /sys for those GPUs")
     return gpus
+
+
+def _columns(row: list[str]) -> list[str]:
+    """Column names of a header row, without units: ``memory.total [MiB]`` -> ``memory.total``."""
+    return [re.sub(r"\s*\[.*\]$", "", cell.strip()) for cell in row]
+
+
+def _bus_id(value: str | None, bad: list[str]) -> str | None:
+    """`value` when it is a PCI bus id, else None, adding it to `bad` (``0000:1A:00``
+    lacks the function)."""
+    try:
+        return value if value is None or normalize_bus_id(value) else None
+    except ValueError:
+        bad.append(repr(value))
+        return None
 
 
 def _first_line(text: object) -> str:
@@ -181,8 +211,9 @@ def _cc(text: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def _int(value: str | None) -> int | None:
-    return int(value) if value is not None and value.isdigit() else None
+def _positive(value: str | None) -> int | None:
+    """A whole number >= 1, else None (nvidia-smi prints 0 for a link it cannot read)."""
+    return int(value) if value is not None and value.isdigit() and int(value) >= 1 else None
 
 
 def _memory(value: str | None, header: str) -> float | None:
@@ -233,7 +264,11 @@ def probe_smi(run: Runner, notes: list[str]) -> GpuProbe | None:
     if text is None:
         notes.append(f"nvidia-smi failed: {failure}")
         return None
-    probe = GpuProbe(source="nvidia-smi", gpus=parse_query_gpu(text))
+    try:
+        probe = GpuProbe(source="nvidia-smi", gpus=parse_query_gpu(text, notes))
+    except SmiParseError as exc:
+        notes.append(f"nvidia-smi --query-gpu output not understood ({exc}); GPUs not described")
+        return None
     if not probe.gpus:
         return probe
     try:

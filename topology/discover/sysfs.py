@@ -48,14 +48,15 @@ def pci_numa_node(sys_root: Path, bdf: str) -> int | None:
 
 
 def pci_link(sys_root: Path, bdf: str) -> tuple[int, int] | None:
-    """(generation, width) of the fastest link PCI device `bdf` supports, or None."""
+    """(generation, width) of the fastest link PCI device `bdf` supports, or None
+    (also for a width of 0)."""
     device = sys_root / "sys" / "bus" / "pci" / "devices" / bdf
     speed, width = _read(device / "max_link_speed"), _read(device / "max_link_width")
-    match = re.match(r"([\d.]+)\s*GT/s", speed or "")
+    match = re.match(r"(\d+(?:\.\d+)?)\s*GT/s", speed or "")
     if not match or not (width or "").isdigit():
         return None
     gen = PCIE_GT_PER_S_TO_GEN.get(float(match.group(1)))
-    if gen is None or width is None:
+    if gen is None or width is None or int(width) < 1:
         return None
     return gen, int(width)
 
@@ -85,7 +86,7 @@ def rdma_nics(sys_root: Path) -> tuple[list[NicInfo], set[str], list[str]]:
             continue
         numa = _numa(dev / "device" / "numa_node")
         for port, rate, _state, layer in active:
-            match = re.match(r"([\d.]+)\s*Gb/sec", rate)
+            match = re.match(r"(\d+(?:\.\d+)?)\s*Gb/sec", rate)
             label = dev.name if len(active) == 1 else f"{dev.name}:{port}"
             kind = "RoCE" if layer.lower() == "ethernet" else "InfiniBand"
             nics.append(NicInfo(name=label, kind="rdma", numa=numa, detail=f"{kind} {rate}".strip(),
