@@ -601,22 +601,26 @@ class HubState:
         reps = held_by(v, worker)
         if not reps:
             raise UnknownVersionError(f"{worker!r} holds no replica of {model!r} v{version}")
-        if any(blocks_retention(self.models[model], v, r) for r in reps):
-            if not delay:
-                policy = self.models[model].policy
-                raise RetentionError(
-                    f"retracting {worker!r}'s replica of {model!r} v{version} would leave fewer "
-                    f"than min_replicas={policy.min_replicas} live copies of a retained version; "
-                    "retract with delay (waits for another replica), unpin it, or lower keep_last")
-            for r in reps:
-                r.retract_delayed = True
-                self._index.delayed.add((model, version, r.shard, worker))
-            self._touch()
-            return {"state": "delayed"}
+        blocked = any(blocks_retention(self.models[model], v, r) for r in reps)
+        if blocked and not delay:
+            policy = self.models[model].policy
+            raise RetentionError(
+                f"retracting {worker!r}'s replica of {model!r} v{version} would leave fewer "
+                f"than min_replicas={policy.min_replicas} live copies of a retained version; "
+                "retract with delay (waits for another replica), unpin it, or lower keep_last")
+        # Its fetches of the version end now, delayed or not: their replicas are not
+        # complete (they never hold retention up), and a fetch must keep its replica.
         for fid in list(self._index.own_fetches.get(worker, ())):
             f = self.fetches[fid]      # a done one is a group member waiting for the others
             if f.model == model and f.version == version:
                 self._end_fetch(f, keep_replica=False, reason=f"{worker} retracted")
+        reps = [r for r in held_by(v, worker) if r.status == LIVE]
+        if blocked:
+            for r in reps:
+                r.retract_delayed = True
+                self._index.delayed.add((model, version, r.shard, worker))
+            self._settle()  # the ended fetches' replicas go once no reader is left
+            return {"state": "delayed"}
         for r in reps:
             r.retract_delayed = False
             self._index.delayed.discard((model, version, r.shard, worker))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 
+import pytest
 from hub_helpers import FakeClock, small_manifest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -356,6 +357,12 @@ class HubMachine(RuleBasedStateMachine):
                 assert after[key] >= need, f"{key}: {n_before} -> {after[key]} replicas"
 
     @invariant()
+    def fetches_keep_their_replicas(self) -> None:
+        for f in self.hub.fetches.values():
+            v = self.hub.models[f.model].versions.get(f.version)
+            assert v is not None and (f.worker, f.shard) in v.replicas, f"{f} lost its replica"
+
+    @invariant()
     def open_groups_have_no_complete_member(self) -> None:
         for (m, key), g in self.hub.groups.items():
             if g.state != "open":
@@ -369,3 +376,26 @@ class HubMachine(RuleBasedStateMachine):
 HubMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None,
                                         suppress_health_check=[HealthCheck.too_slow])
 TestHubStateMachine = HubMachine.TestCase
+
+
+def test_a_delayed_retract_ends_the_workers_own_fetch_of_the_version():
+    """w1 holds the only copy of shard 0 (so its retract is delayed) and is fetching
+    shard 1: the retract ends that fetch, which used to outlive its replica (KeyError
+    in plan and complete_fetch once the partial replica was dropped)."""
+    hub = HubState(clock=FakeClock(), lease_s=LEASE)
+    for w in ("w0", "w1"):
+        hub.register(w, session=w)
+    for shard, w in enumerate(("w1", "w0")):
+        v = hub.begin_publish("m", w, small_manifest(2, tag=f"m{shard}"), session=w,
+                              shard=shard, num_shards=2, group="g")["version"]
+    for w in ("w1", "w0"):
+        hub.commit("m", v, w, session=w)
+    for shard, w in enumerate(("w0", "w1")):
+        hub.begin_fetch("m", v, w, session=w, shard=shard, group="fg", group_size=2,
+                        fetch_id=f"f{shard}")
+    assert hub.retract("m", v, "w1", session="w1", delay=True) == {"state": "delayed"}
+    replicas = hub.models["m"].versions[v].replicas
+    assert "f1" not in hub.fetches and ("w1", 1) not in replicas  # nobody read it: gone
+    assert replicas[("w1", 0)].retract_delayed and replicas[("w1", 0)].status == LIVE
+    with pytest.raises(HubError):       # its group was aborted with it, as a plain retract does
+        hub.complete_fetch("f0", "w0", session="w0")
