@@ -151,8 +151,13 @@ def ref_scratch_bytes(rows: int, cols: int) -> int:
     window: per element of a strip a float32 copy and its gathered scale (8 bytes;
     12 bound them with the scale rows gathered first), plus the int64 row and column
     scale indices."""
-    strip = min(rows, max(1, REF_STRIP // max(cols, 1)))
+    strip = min(rows, _strip_rows(cols))
     return 12 * strip * cols + 16 * (cols + strip)
+
+
+def _strip_rows(cols: int) -> int:
+    """Rows of a ``cols``-wide window the torch reference dequantises at a time."""
+    return max(1, REF_STRIP // max(cols, 1))
 
 
 def dequantize_fp8_segments_ref(segments: Sequence[Fp8Segment]) -> None:
@@ -164,7 +169,7 @@ def dequantize_fp8_segments_ref(segments: Sequence[Fp8Segment]) -> None:
             continue
         b = s.block
         col_scale = torch.arange(s.col, s.col + cols, device=s.q.device) // b
-        step = max(1, REF_STRIP // cols)
+        step = _strip_rows(cols)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             row_scale = torch.arange(s.row + r0, s.row + r1, device=s.q.device) // b
