@@ -87,7 +87,8 @@ class ReshardStats:
             where verified, and reads discarded for a bad checksum.
         useful_bytes: bytes of source elements that land in a destination.
         staging_peak_bytes: the staging buffer (at most ``budget``).
-        verify_peak_bytes: verification memory beyond it (scratch and chunk cache).
+        verify_peak_bytes: verification memory beyond it (scratch and chunk cache),
+            including what a kept `ReshardReader` still holds from earlier fetches.
         verified_chunks: chunks read and found to match their checksums.
         reused_chunks: verified chunks taken from the cache instead of read again.
         sources: worker -> bytes of accepted reads from it.
@@ -195,12 +196,15 @@ class _ChunkBuffers:
         slot, nbytes = self._cached[key]
         return self._slots[slot, :nbytes]
 
-    def put(self, key: tuple[int, int], chunk: torch.Tensor) -> None:
-        """Copy ``chunk`` into a slot, evicting the least recently used chunk if all are taken."""
-        if self._slots.shape[1] < chunk.numel() or self._slots.device != chunk.device:
+    def put(self, key: tuple[int, int], chunk: torch.Tensor, chunk_size: int) -> None:
+        """Copy ``chunk`` (at most ``chunk_size`` bytes, its manifest's chunk size) into a
+        slot, evicting the least recently used chunk if all are taken. Slots are sized
+        by ``chunk_size``, not by the chunk: a shard's short last chunk cached first
+        does not make the next full one reallocate them."""
+        if self._slots.shape[1] < chunk_size or self._slots.device != chunk.device:
             self._cached.clear()
             self._slots = torch.empty(0, 0, dtype=torch.uint8)
-            self._slots = torch.empty(_CACHED_CHUNKS, chunk.numel(), dtype=torch.uint8,
+            self._slots = torch.empty(_CACHED_CHUNKS, chunk_size, dtype=torch.uint8,
                                       device=chunk.device)
         taken = {slot for slot, _ in self._cached.values()}
         if len(taken) < _CACHED_CHUNKS:
@@ -239,9 +243,11 @@ class _ShardReader:
                           for w, info in where["workers"].items() if "read" in info["endpoints"]}
         self.failed: list[str] = []
         self.sources: dict[str, int] = {}
-        self.fetched_bytes = self.verified_chunks = self.reused_chunks = self.verify_peak_bytes = 0
+        self.fetched_bytes = self.verified_chunks = self.reused_chunks = 0
         self.buffers = buffers
         buffers.clear()
+        # a kept reader holds the memory of its earlier verified fetches, used or not
+        self.verify_peak_bytes = buffers.nbytes
 
     def __call__(self, shard: int, offset: int, out: torch.Tensor) -> None:
         errors = []
@@ -294,7 +300,7 @@ class _ShardReader:
             if c in run and (a > c * size or b < min((c + 1) * size, manifest.total_bytes)):
                 partly_used.append(c)
         for c in partly_used:  # after the copies: caching may evict a chunk used above
-            self.buffers.put((shard, c), chunks[c])
+            self.buffers.put((shard, c), chunks[c], size)
         self.verify_peak_bytes = max(self.verify_peak_bytes, self.buffers.nbytes)
 
     def _read_chunks(self, source: Source, shard: int, run: range,

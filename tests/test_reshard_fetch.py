@@ -326,18 +326,35 @@ def test_the_chunk_cache_keeps_the_most_recently_used_chunks_in_its_slots():
 
     buffers = _ChunkBuffers()
     chunk = {c: torch.full((8,), c, dtype=torch.uint8) for c in range(_CACHED_CHUNKS + 2)}
-    for c in range(_CACHED_CHUNKS):
-        buffers.put((0, c), chunk[c])
-    assert torch.equal(buffers.get((0, 0)), chunk[0])  # now the most recently used
-    buffers.put((0, _CACHED_CHUNKS), chunk[_CACHED_CHUNKS][:5])  # a shorter last chunk
-    assert buffers.get((0, 1)) is None  # the least recently used went
+    buffers.put((0, _CACHED_CHUNKS), chunk[_CACHED_CHUNKS][:5], 8)  # a shorter last chunk
+    slots = buffers._slots.data_ptr()
+    for c in range(_CACHED_CHUNKS - 1):
+        buffers.put((0, c), chunk[c], 8)
+    assert buffers._slots.data_ptr() == slots  # sized by the chunk size, not the first chunk
     assert torch.equal(buffers.get((0, _CACHED_CHUNKS)), chunk[_CACHED_CHUNKS][:5])
-    assert all(torch.equal(buffers.get((0, c)), chunk[c]) for c in (0, 2, 3))
-    slots = buffers.nbytes
+    assert torch.equal(buffers.get((0, 0)), chunk[0])  # now the most recently used
+    buffers.put((0, _CACHED_CHUNKS - 1), chunk[_CACHED_CHUNKS - 1], 8)
+    assert buffers.get((0, 1)) is None  # the least recently used went
+    assert all(torch.equal(buffers.get((0, c)), chunk[c]) for c in (0, 2, _CACHED_CHUNKS - 1))
+    assert torch.equal(buffers.get((0, _CACHED_CHUNKS)), chunk[_CACHED_CHUNKS][:5])
+    nbytes = buffers.nbytes
     buffers.clear()
-    assert buffers.get((0, 0)) is None and buffers.nbytes == slots
-    buffers.put((1, 0), torch.zeros(16, dtype=torch.uint8))  # larger than a slot: new slots
+    assert buffers.get((0, 0)) is None and buffers.nbytes == nbytes == _CACHED_CHUNKS * 8
+    buffers.put((1, 0), torch.zeros(16, dtype=torch.uint8), 16)  # a larger chunk size
     assert buffers.nbytes == _CACHED_CHUNKS * 16 and buffers.get((1, 0)).numel() == 16
+
+
+def test_a_kept_readers_unverified_fetch_reports_the_verification_memory_it_still_holds(
+        published):
+    hub, full, version, _ = published
+    with fabric.join(hub.url, worker="reader") as reader:
+        kept = ReshardReader(reader, "policy", spec(1), rank=0, budget=64 << 10, verify=True)
+        dst = {n: torch.empty_like(t) for n, t in expected(full, 1, 0).items()}
+        verified = kept.fetch(dst, version)
+        kept._verify = verify_rule(False)
+        unverified = kept.fetch(dst, version)
+    assert unverified.verified_chunks == 0 < verified.verified_chunks
+    assert unverified.verify_peak_bytes == verified.verify_peak_bytes == kept._chunks.nbytes > 0
 
 
 def test_one_resharding_reader_republishes_its_layout_for_the_others_to_fetch(published):
