@@ -1,7 +1,8 @@
 """The smallest weightfabric integration: a trainer publishes, a rollout fetches, each step.
 
 Run it:  python examples/rl_loop.py
-It starts its own hub; in a cluster, run `fabric hub serve` once and pass its URL.
+It starts its own hub; in a cluster, run `fabric hub serve` once and give `trainer`
+and `rollout` the URL it prints.
 Copy `trainer` into your training loop and `rollout` into your inference workers.
 """
 

@@ -2,7 +2,7 @@
 
 A `Region` is one shared-memory file mapped as a flat ``uint8`` tensor; tensors
 live in it as views (`Region.view`). The owner creates it; peers on the same
-host attach it read-only by path. Files are named
+host attach it by path (mapped shared; readers only copy from it). Files are named
 ``weightfabric-<pid>-<worker>-<token>`` and removed when the owner closes the
 region, when the owner's interpreter exits normally, or — after a crash — by
 `remove_stale_regions`, which any later worker runs.

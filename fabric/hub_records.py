@@ -7,7 +7,8 @@ Version lifecycle::
 
     begin_publish ──> PUBLISHING ──(every shard committed)──> COMMITTED
                           │                                      │
-          (a publisher lost / group aborted)           (out of retention)
+     (a publisher lost, its group aborted,             (out of retention)
+      or no publisher claimed it for a lease)                    │
                           └──────────────> RETIRED <─────────────┘
 
 Replica lifecycle: ``live`` (routable; a partial one only for the chunks it has)

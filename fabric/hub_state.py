@@ -369,7 +369,8 @@ class HubState:
             NoSourceError: some chunks have no live source.
             InvalidStateError: the fetch id is another worker's, or this worker already
                 fetches (or holds) this version and shard.
-            GroupAbortedError: the version was retired.
+            GroupAbortedError: the fetch group is aborted or committed already (a retired
+                version is an UnknownVersionError).
             ValueError: no such shard.
         """
         self._worker(worker, session)
@@ -524,10 +525,11 @@ class HubState:
         In a fetch group the replicas become complete only when every member completed.
 
         Returns:
-            ``{"complete": bool, "group": None | "open" | "committed"}``.
+            ``{"complete": bool, "group": None | "open" | "committed" | "aborted"}``
+            (``"aborted"``: this completion found a member gone and aborted the group).
 
         Raises:
-            GroupAbortedError: the reader's group was aborted.
+            UnknownFetchError: the fetch is over, e.g. its group was aborted earlier.
         """
         f = self._fetch(fetch_id, worker, session)
         v = self._version(f.model, f.version)

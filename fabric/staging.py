@@ -30,7 +30,8 @@ Staging memory per band, in bytes::
     band rows x cols x stored itemsize            (the fetched rows)
   + fp8 only: padding to 256 bytes, then scale rows x scale cols x 4   (their scales)
   + fp8 only: the torch path's scratch, `kernels.dequant_segments.ref_scratch_bytes`
-    (a strip of at most 2,048 elements, 12 bytes each, and indices; Triton needs none)
+    (a strip of about 2,048 elements, at least one row, 12 bytes each, and indices;
+    Triton needs none)
 
 ``peak_bytes`` of a plan is the largest band, never above the budget. A band of
 an fp8 tensor starts on a multiple of the quantisation block so its scales line

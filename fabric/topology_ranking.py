@@ -123,9 +123,10 @@ class TopologyRanker:
 
         def key(c: SourceCandidate) -> tuple:
             src = self.vertex(c.location)
-            width = self.bandwidth(src, target) if src is not None else -1.0
-            return (-width, c.load, locality_tier(reader, c.location), not c.complete,
-                    c.worker)
+            tier = locality_tier(reader, c.location)
+            if src is None:  # after every mapped one (-width <= 0), as rank_by_locality
+                return (1.0, tier, c.load, not c.complete, c.worker)
+            return (-self.bandwidth(src, target), c.load, tier, not c.complete, c.worker)
 
         return sorted(candidates, key=key)
 

@@ -42,6 +42,12 @@ def test_unknown_locations_fall_back_to_locality_and_never_raise():
     # a known reader: mapped candidates by bandwidth, the unknown one last
     ranked = [c.worker for c in rank(Location("dc-b", "b-0", "gpu0"), cands)]
     assert ranked == ["x", "y", "ghost"]
+    # unknown candidates among themselves: by locality before load, as rank_by_locality
+    near_busy = _cand("near", "dc-b", "no-such-node", load=3)
+    far_idle = _cand("far", "dc-a", "nor-this-one")
+    ranked = [c.worker
+              for c in rank(Location("dc-b", "b-0", "gpu0"), [far_idle, near_busy, *cands])]
+    assert ranked == ["x", "y", "ghost", "near", "far"]
     # wrong datacenter for the node, GPU out of range, garbage device: unknown
     assert rank.vertex(Location("dc-a", "b-0", "gpu0")) is None
     assert rank.vertex(Location("dc-b", "b-0", "gpu8")) is None

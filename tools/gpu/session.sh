@@ -83,7 +83,8 @@ tests() {
     mps_off
 }
 
-bench() {  # the step limits add up to 520 s; only the 64MiB run repeats the extra sections
+bench() {  # the step limits add up to 520 s; each run adds the reshard section, only the
+           # 64MiB run the one-PE NVSHMEM one
     step fetch-cuda-64MiB 150 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
         --size 4GB --chunk-size 64MiB --max-inflight 8 --versions 2 --json
     # 16MiB chunks read one per lease, then in spans of 256MiB (one lease each)
