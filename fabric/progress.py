@@ -58,9 +58,9 @@ class ChunkProgress:
                 remaining = deadline - now
                 if stall is not None:
                     remaining = min(remaining, self._last_mark + stall - now)
-                if remaining <= 0:
+                if not remaining > 0:  # NaN too: never a busy loop
                     return False
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, threading.TIMEOUT_MAX))
         return True
 
     def idle(self) -> float:

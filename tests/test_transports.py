@@ -215,8 +215,7 @@ def test_retract_refuses_new_reads_and_waits_for_shm_leases():
         tcp = TcpTransport()
         try:
             with tcp._pool.connection(server.address) as conn:
-                client.request(conn, server.address, Op.LEASE, "v1", offset=0, nbytes=CHUNK,
-                               timeout=5)
+                client.lease(conn, server.address, "v1", offset=0, nbytes=CHUNK, timeout=5)
                 assert server.retract("v1", timeout=0.2) is False  # lease still in flight
                 with pytest.raises(ReadRefusedError, match="NOT_FOUND"):
                     tcp.read(server.address, "v1", 0, torch.empty(8, dtype=torch.uint8), timeout=5)

@@ -118,8 +118,6 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
     try:
         flags = Flag.PREFIX if prefix else 0
         conn.sendall(REQUEST.pack(MAGIC, op, flags, len(name), offset, nbytes, timeout) + name)
-        if op == Op.END:
-            return 0
         status, msg_len, payload_len = REPLY.unpack(recv_exact(conn, REPLY.size))
         message = recv_exact(conn, msg_len).decode(errors="replace") if msg_len else ""
     except (OSError, ConnectionError) as exc:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,19 @@ log = logging.getLogger(__name__)
 UNPIN_WAIT = 5.0  # how long `close` waits for readers to unmap pinned regions
 STALL_TIMEOUT = 10.0
 """Seconds without a new chunk after which a partial region calls itself stalled."""
+IDLE_TIMEOUT = 120.0
+"""Seconds a connection may wait between requests before the server closes it
+(readers' pools drop connections idle for half as long, `client.POOL_IDLE_S`)."""
+LEASE_HOLD = 30.0
+"""Seconds a reader may hold a lease before sending END; then the connection is cut
+and the lease ends (the reader's END then fails, so it discards what it copied)."""
+MAX_CONNECTIONS = 4096
+"""Connections served at once; more are answered BAD_REQUEST and closed."""
+SEND_GRACE, MIN_SEND_RATE = 30.0, 10e6
+"""A reply must be taken by the reader within SEND_GRACE s + its bytes / MIN_SEND_RATE
+(bytes/s), else the connection is cut: a reader that stops reading cannot keep a
+region in flight."""
+ACCEPT_RETRY_S = 0.05  # after a failed accept (out of file descriptors, say)
 
 
 @dataclass(eq=False)
@@ -51,6 +66,11 @@ class Exposure:
 class ReadServer:
     """Serves one-sided reads of exposed regions.
 
+    Every wait on a peer is bounded, so a peer that misbehaves (connects and
+    never asks, stops reading a reply, holds a lease) costs a thread for a while,
+    never the server: see `IDLE_TIMEOUT`, `LEASE_HOLD`, `SEND_GRACE`,
+    `MAX_CONNECTIONS`.
+
     Args:
         host: address to listen on (loopback by default).
         port: TCP port; 0 lets the OS choose (see `address`).
@@ -58,13 +78,20 @@ class ReadServer:
             ``NOT_READY`` early, as stalled, once no chunk of the region has arrived
             for this many seconds: the fetch filling it is stuck, and the reader
             does better elsewhere than waiting out its own timeout.
+        idle_timeout: seconds a connection may wait between requests.
+        max_connections: connections served at once.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
-                 stall_timeout: float = STALL_TIMEOUT) -> None:
-        if not stall_timeout > 0:
-            raise ValueError(f"stall_timeout must be positive, got {stall_timeout}")
-        self.stall_timeout = stall_timeout
+                 stall_timeout: float = STALL_TIMEOUT, idle_timeout: float = IDLE_TIMEOUT,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        if not stall_timeout > 0 or not idle_timeout > 0:
+            raise ValueError(f"stall_timeout and idle_timeout must be positive, got "
+                             f"{stall_timeout} and {idle_timeout}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self.stall_timeout, self.idle_timeout = stall_timeout, idle_timeout
+        self.max_connections = max_connections
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = SourceAddress(host=host, port=self._listener.getsockname()[1],
                                      host_id=local_host_id())
@@ -189,36 +216,76 @@ class ReadServer:
     # --- serving ---------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        """Accept until `close`. A failed accept (no file descriptor left, say) is
+        retried: only `close` ends the loop."""
+        warned = False
         while not self._closed.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                if not warned:
+                    log.warning("read server %s: accept failed (%s); retrying", self.address, exc)
+                warned = True
+                time.sleep(ACCEPT_RETRY_S)
+                continue
+            warned = False
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Serve ``conn`` on a thread of its own, or refuse it when the server is full."""
+        with self._lock:
+            full = len(self._connections) >= self.max_connections
+            if not full:
                 self._connections.add(conn)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if full:
+                conn.settimeout(1.0)
+                self._reply(conn, Status.BAD_REQUEST, f"the holder serves {self.max_connections} "
+                            "connections already; try another source or later")
+                conn.close()
+                return
             threading.Thread(target=self._serve, args=(conn,), name="wf-read-conn",
                              daemon=True).start()
+        except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could be started
+            log.warning("read server %s: dropped a connection: %s", self.address, exc)
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         lease: Exposure | None = None
         try:
             while True:
+                conn.settimeout(LEASE_HOLD if lease is not None else self.idle_timeout)
                 magic, op, flags, name_len, offset, nbytes, timeout = REQUEST.unpack(
                     recv_exact(conn, REQUEST.size))
                 if magic != MAGIC or name_len > MAX_NAME:
-                    self._reply(conn, Status.BAD_REQUEST, "not a weightfabric read request")
+                    self._reply(conn, Status.BAD_REQUEST, _bad_header(magic, name_len))
                     return
                 name = recv_exact(conn, name_len).decode(errors="replace")
-                if lease is not None:  # END, or a reader that moved on without it
+                if op == Op.END:
+                    if lease is None:
+                        self._reply(conn, Status.BAD_REQUEST, "END without a lease")
+                        return
+                    self._end(lease)
+                    lease = None
+                    self._reply(conn, Status.OK)  # the lease held until now
+                    continue
+                if lease is not None:  # a reader that moved on without END
                     self._end(lease)
                     lease = None
                 if op == Op.PIN:
                     self._pin(conn, name)
                     return
-                if op != Op.END:
-                    lease = self._handle(conn, op, name, offset, nbytes, timeout,
-                                         prefix=bool(flags & Flag.PREFIX))
+                if not math.isfinite(timeout) or timeout < 0:
+                    self._reply(conn, Status.BAD_REQUEST, f"timeout {timeout} is not a "
+                                "finite number of seconds >= 0")
+                    return
+                lease = self._handle(conn, op, name, offset, nbytes, timeout,
+                                     prefix=bool(flags & Flag.PREFIX))
         except (ConnectionError, OSError):
             pass
         finally:
@@ -294,28 +361,29 @@ class ReadServer:
         have mapped it; such a pin is told at once to unmap. So can a superseded
         exposure with reads in flight (the reader's lease may be one of them).
         """
-        with self._notice_lock:  # the OK goes out before any notice on this connection
-            with self._lock:
-                current = self._regions.get(name)
-                pinned = [e for e in [current, *self._superseded]
-                          if e is not None and e.name == name and (e is current or e.inflight)]
-                if pinned:
-                    self._pins[conn] = pinned
-            if not pinned:
-                self._reply(conn, Status.NOT_FOUND, f"no region {name!r} to pin here")
-                return
-            self._reply(conn, Status.OK)
-            if any(e.retracting for e in pinned) or self._closed.is_set():
-                _send_notice(conn)
         try:
+            with self._notice_lock:  # the OK goes out before any notice on this connection
+                with self._lock:
+                    current = self._regions.get(name)
+                    pinned = [e for e in [current, *self._superseded]
+                              if e is not None and e.name == name and (e is current or e.inflight)]
+                    if pinned:
+                        self._pins[conn] = pinned
+                if not pinned:
+                    self._reply(conn, Status.NOT_FOUND, f"no region {name!r} to pin here")
+                    return
+                self._reply(conn, Status.OK)
+                if any(e.retracting for e in pinned) or self._closed.is_set():
+                    _send_notice(conn)
+            conn.settimeout(None)  # a pin lasts as long as the reader maps the region
             while conn.recv(64):  # nothing more is expected: wait for the reader to close
                 pass
         except OSError:
             pass
-        finally:
+        finally:  # also when the OK could not be sent: the pin must not outlive conn
             with self._lock:
-                del self._pins[conn]
-                self._unpinned.notify_all()
+                if self._pins.pop(conn, None) is not None:
+                    self._unpinned.notify_all()
 
     def _notify_pins(self, which: Callable[[list[Exposure]], bool]) -> None:
         """Tell the readers pinning regions `which` selects to unmap them."""
@@ -343,16 +411,40 @@ class ReadServer:
     @staticmethod
     def _reply(conn: socket.socket, status: Status, message: str = "",
                payload: bytes | memoryview = b"") -> None:
+        """Send a reply within `SEND_GRACE` + its bytes / `MIN_SEND_RATE` seconds
+        (``socket.timeout``, an OSError, past that: the caller drops the connection)."""
         msg = message.encode()
+        conn.settimeout(SEND_GRACE + len(payload) / MIN_SEND_RATE)
         conn.sendall(REPLY.pack(status, len(msg), len(payload)) + msg)
         if len(payload):
             conn.sendall(payload)
 
 
+def _bad_header(magic: bytes, name_len: int) -> str:
+    """Why a request header was refused."""
+    if magic == MAGIC:
+        return f"region name of {name_len} bytes (at most {MAX_NAME})"
+    if magic[:3] == MAGIC[:3]:
+        return (f"read protocol {magic.decode(errors='replace')}, this holder speaks "
+                f"{MAGIC.decode()}: run the same weightfabric version on both sides")
+    return "not a weightfabric read request"
+
+
 def _send_notice(conn: socket.socket) -> None:
-    """The one message a pin connection carries after its OK: unmap this region."""
-    with contextlib.suppress(OSError):  # a reader gone already has nothing mapped
-        ReadServer._reply(conn, Status.NOT_FOUND, "retracted: unmap it")
+    """The one message a pin connection carries after its OK: unmap this region.
+
+    Never blocks (it is sent under the server's notice lock): a reader whose
+    connection cannot take these few bytes at once is not reading it, and is cut off.
+    """
+    msg = b"retracted: unmap it"
+    notice = REPLY.pack(Status.NOT_FOUND, len(msg), 0) + msg
+    try:
+        if conn.send(notice, socket.MSG_DONTWAIT) == len(notice):
+            return
+    except OSError:
+        pass  # a reader gone already has nothing mapped
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 def _host_bytes(region: Exposure, offset: int, nbytes: int) -> memoryview:

@@ -2,13 +2,15 @@
 
 Every request is a fixed header followed by the region name::
 
-    magic "WFR2" | op u8 | flags u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
+    magic "WFR3" | op u8 | flags u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
 
 Every reply is a fixed header, then a UTF-8 message (errors) and a payload::
 
     status u8 | pad 3 | msg_len u32 | payload_len u64
 
-A connection carries one request at a time. Ops:
+A connection carries one request at a time, and the server bounds every wait on
+the reader (between requests, for ``END``, for a reply to be taken: see
+`fabric.transports.server`). Ops:
 
 - ``READ``: wait (up to timeout) until the chunks covering ``[offset, offset+nbytes)``
   are present, then send those bytes as the payload. ``NOT_READY`` when they are not
@@ -16,8 +18,12 @@ A connection carries one request at a time. Ops:
 - ``LEASE``: the same wait; the payload is msgpack ``{shm_path, gpu, nbytes}``: where
   the reader copies the bytes from itself (the holder's `/dev/shm` file, or its GPU
   memory through the ``gpu`` descriptor), then it sends ``END``. The server counts
-  the lease as a read in flight until ``END`` arrives or the connection drops.
-- ``END``: ends the connection's lease (no reply).
+  the lease as a read in flight until ``END`` arrives or the connection drops; a
+  lease held longer than the server's ``LEASE_HOLD`` is ended by dropping it.
+- ``END``: ends the connection's lease; ``OK`` means the lease held until then, so
+  the bytes the reader copied under it are whole. No ``OK`` (the connection was
+  dropped: the lease ran out, or the server closed) means they may not be: discard
+  them.
 - ``DESCRIBE``: payload is msgpack ``{nbytes, chunk_size, num_chunks, present, shm_path, gpu}``
   (``gpu``: None for host memory, else a descriptor such as a CUDA IPC handle).
 - ``BITMAP``: payload is one byte per chunk, 1 where the chunk is present.
@@ -40,7 +46,7 @@ import enum
 import socket
 import struct
 
-MAGIC = b"WFR2"
+MAGIC = b"WFR3"  # WFR2 sent END without a reply
 REQUEST = struct.Struct("!4sBBHQQf")
 REPLY = struct.Struct("!BxxxIQ")
 MAX_NAME = 1024
