@@ -184,3 +184,16 @@ def test_a_pin_whose_ok_cannot_be_sent_is_not_kept(monkeypatch):
         start = time.monotonic()
         server.close()
         assert time.monotonic() - start < server_module.UNPIN_WAIT  # nobody to wait for
+
+
+def test_readers_do_not_reuse_pooled_connections_the_holder_has_closed_as_idle(monkeypatch):
+    monkeypatch.setattr(client, "POOL_IDLE_S", 0.2)
+    with hard_timeout(30), ReadServer(idle_timeout=0.4) as server:
+        server.expose("r", pattern(2 * CHUNK), chunk_size=CHUNK)
+        tcp, out = TcpTransport(), torch.empty(CHUNK, dtype=torch.uint8)
+        try:
+            assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
+            assert wait_until(lambda: not server._connections, 5)  # closed by the holder
+            assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
+        finally:
+            tcp.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,13 +21,16 @@ CONNECT_TIMEOUT = 5.0
 # before the client gives up on the socket. Small: a holder that does not answer
 # within it (frozen, or its host gone) costs a reader this much beyond its timeout.
 REPLY_SLACK = 2.0
+POOL_IDLE_S = 60.0
+"""A pooled connection idle for longer is closed rather than reused: the holder
+closes connections idle for `fabric.transports.server.IDLE_TIMEOUT` (twice this)."""
 
 
 class ConnectionPool:
     """Idle connections per source; each borrowed by one thread at a time."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
 
     @contextmanager
@@ -40,8 +44,12 @@ class ConnectionPool:
         """
         key = (source.host, source.port)
         with self._lock:
-            idle = self._idle.get(key)
-            conn = idle.pop() if idle else None
+            idle = self._idle.get(key, [])
+            stale = [c for c, since in idle if time.monotonic() - since > POOL_IDLE_S]
+            idle[:] = [(c, since) for c, since in idle if c not in stale]
+            conn = idle.pop()[0] if idle else None
+        for old in stale:
+            old.close()
         if conn is None:
             conn = _connect(key, abort)
         else:
@@ -57,11 +65,11 @@ class ConnectionPool:
             conn.close()  # it may have been shut down
             return
         with self._lock:
-            self._idle.setdefault(key, []).append(conn)
+            self._idle.setdefault(key, []).append((conn, time.monotonic()))
 
     def close(self) -> None:
         with self._lock:
-            conns = [c for idle in self._idle.values() for c in idle]
+            conns = [c for idle in self._idle.values() for c, _ in idle]
             self._idle.clear()
         for conn in conns:
             conn.close()
