@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,13 +14,32 @@ import msgpack
 
 from fabric.errors import ReadRefusedError, SourceLostError, TransportError
 from fabric.transports.base import ReadAbort, RegionInfo, SourceAddress, Transport
-from fabric.transports.wire import MAGIC, REPLY, REQUEST, Flag, Op, Status, recv_exact
+from fabric.transports.wire import (
+    MAGIC,
+    REPLY,
+    REQUEST,
+    Flag,
+    Op,
+    Status,
+    recv_exact,
+    recv_into_exact,
+)
 
 CONNECT_TIMEOUT = 5.0
 # Slack on top of the server-side wait so the server's NOT_READY answer arrives
 # before the client gives up on the socket. Small: a holder that does not answer
 # within it (frozen, or its host gone) costs a reader this much beyond its timeout.
+# A payload gets it again, on top of its size at MIN_RATE.
 REPLY_SLACK = 2.0
+# The slowest average rate (bytes/s) a payload may arrive at: past REPLY_SLACK +
+# size / MIN_RATE from its reply header the read fails (`SourceLostError`), so a
+# source that trickles its bytes is failed over instead of holding the read until
+# the fetch's deadline (the socket timeout alone only bounds each receive). Low on
+# purpose, so that honest slow links are not cut: a holder fanning a version out
+# shares its link among all its readers' reads (100 reads over 1 Gbit/s get about
+# 1.2 MB/s each), and a cut read's bytes are read again elsewhere. A 64 MiB read
+# (`FetchOptions.read_bytes`) may take 66 s.
+MIN_RATE = 1 << 20
 
 
 class ConnectionPool:
@@ -107,35 +127,63 @@ def _watch(conn: socket.socket, abort: ReadAbort | None, key: tuple[str, int]) -
 def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, offset: int = 0,
             nbytes: int = 0, timeout: float, prefix: bool = False) -> int:
     """Send one request and read the reply header; return the payload length.
-    ``prefix`` asks for the present prefix of the range (`Flag.PREFIX`).
+    ``prefix`` asks for the present prefix of the range (`Flag.PREFIX`). The reply
+    header must arrive within ``timeout + REPLY_SLACK``.
 
     Raises:
         SourceLostError: the connection failed or the reply did not come in time.
         ReadRefusedError: the server answered with an error status.
     """
     name = region.encode()
+    about = _about(source, op, region)
     conn.settimeout(timeout + REPLY_SLACK)
-    try:
+    with _lost_on_error(about):
         flags = Flag.PREFIX if prefix else 0
+        deadline = time.monotonic() + timeout + REPLY_SLACK
         conn.sendall(REQUEST.pack(MAGIC, op, flags, len(name), offset, nbytes, timeout) + name)
         if op == Op.END:
             return 0
-        status, msg_len, payload_len = REPLY.unpack(recv_exact(conn, REPLY.size))
-        message = recv_exact(conn, msg_len).decode(errors="replace") if msg_len else ""
-    except (OSError, ConnectionError) as exc:
-        raise SourceLostError(f"source {source.host}:{source.port} failed during "
-                              f"{op.name} of {region!r}: {exc}") from exc
+        status, msg_len, payload_len = REPLY.unpack(recv_exact(conn, REPLY.size, deadline))
+        message = recv_exact(conn, msg_len, deadline).decode(errors="replace") if msg_len else ""
     if status != Status.OK:
-        raise ReadRefusedError(f"source {source.host}:{source.port} refused {op.name} of "
-                               f"{region!r}: {Status(status).name}: {message}")
+        raise ReadRefusedError(f"{about} refused: {Status(status).name}: {message}")
     return payload_len
 
 
-def receive_payload(conn: socket.socket, source: SourceAddress, nbytes: int) -> bytes:
+def _about(source: SourceAddress, op: Op, region: str) -> str:
+    """Names a request in error messages."""
+    return f"{op.name} of {region!r} at source {source.host}:{source.port}"
+
+
+@contextmanager
+def _lost_on_error(about: str) -> Iterator[None]:
+    """Turns a failed or timed-out socket call into `SourceLostError`."""
+    start = time.monotonic()
     try:
-        return recv_exact(conn, nbytes)
-    except (OSError, ConnectionError) as exc:
-        raise SourceLostError(f"source {source.host}:{source.port} vanished mid-reply: {exc}") from exc
+        yield
+    except OSError as exc:
+        raise SourceLostError(f"{about} failed after {time.monotonic() - start:.1f} s: "
+                              f"{exc}") from exc
+
+
+def receive_into(conn: socket.socket, source: SourceAddress, op: Op, region: str,
+                 view: memoryview) -> None:
+    """Fill `view` with the reply's payload, within ``REPLY_SLACK + len(view) / MIN_RATE``.
+
+    Raises:
+        SourceLostError: the source closed the connection, failed or was too slow.
+    """
+    about = _about(source, op, region)
+    with _lost_on_error(about):
+        recv_into_exact(conn, view, time.monotonic() + REPLY_SLACK + len(view) / MIN_RATE)
+
+
+def receive_payload(conn: socket.socket, source: SourceAddress, op: Op, region: str,
+                    nbytes: int) -> bytes:
+    """The reply's payload of `nbytes`, as `receive_into`."""
+    buf = bytearray(nbytes)
+    receive_into(conn, source, op, region, memoryview(buf))
+    return bytes(buf)
 
 
 @dataclass(frozen=True)
@@ -160,7 +208,7 @@ def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: in
     """
     n = request(conn, source, Op.LEASE, region, offset=offset, nbytes=nbytes, timeout=timeout,
                 prefix=prefix)
-    where = msgpack.unpackb(receive_payload(conn, source, n))
+    where = msgpack.unpackb(receive_payload(conn, source, Op.LEASE, region, n))
     granted = check_grant(int(where.get("nbytes", 0)), nbytes, prefix)
     return Lease(shm_path=where.get("shm_path") or None, gpu=where.get("gpu"), nbytes=granted)
 
@@ -193,7 +241,7 @@ def check_grant(granted: int, asked: int, prefix: bool) -> int:
 def describe(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> RegionInfo:
     with pool.connection(source) as conn:
         n = request(conn, source, Op.DESCRIBE, region, timeout=timeout)
-        info = msgpack.unpackb(receive_payload(conn, source, n))
+        info = msgpack.unpackb(receive_payload(conn, source, Op.DESCRIBE, region, n))
     return RegionInfo(nbytes=info["nbytes"], chunk_size=info["chunk_size"],
                       num_chunks=info["num_chunks"], present=info["present"],
                       shm_path=info["shm_path"], gpu=info.get("gpu"))
@@ -202,7 +250,7 @@ def describe(pool: ConnectionPool, source: SourceAddress, region: str, timeout: 
 def bitmap(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> bytes:
     with pool.connection(source) as conn:
         n = request(conn, source, Op.BITMAP, region, timeout=timeout)
-        return receive_payload(conn, source, n)
+        return receive_payload(conn, source, Op.BITMAP, region, n)
 
 
 class ServerTransport(Transport):

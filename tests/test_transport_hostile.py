@@ -1,0 +1,175 @@
+"""The reader side against a hostile or broken source: every bad reply ends the read
+with a `TransportError` naming the source and op, within a bounded time and without
+allocating what the reply claims; bad arguments raise `ValueError` before anything
+is sent; a source that trickles its bytes is failed over."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+
+import msgpack
+import pytest
+import torch
+from timeouts import hard_timeout
+
+from fabric.errors import SourceLostError
+from fabric.fetch import Assignment, FetchOptions, Source, fetch_chunks
+from fabric.progress import ChunkProgress
+from fabric.transports import ReadServer, ShmTransport, SourceAddress, TcpTransport, client
+from fabric.transports.wire import REPLY, REQUEST, Op, Status, recv_exact
+
+Answer = Callable[[socket.socket, Op, int], None]
+"""How the hostile source answers one request: ``answer(conn, op, nbytes)``."""
+
+
+def reply(payload: bytes = b"", *, status: int = Status.OK, message: bytes = b"",
+          msg_len: int | None = None, payload_len: int | None = None) -> bytes:
+    """A reply header (with lengths that may lie) followed by `message` and `payload`."""
+    return REPLY.pack(status, len(message) if msg_len is None else msg_len,
+                      len(payload) if payload_len is None else payload_len) + message + payload
+
+
+def packed(obj: object) -> bytes:
+    return reply(msgpack.packb(obj))
+
+
+def sends(data: bytes) -> Answer:
+    return lambda conn, op, nbytes: conn.sendall(data)
+
+
+def trickle(head: Callable[[int], bytes], every: float) -> Answer:
+    """Send the reply ``head(nbytes)`` one byte every `every` seconds."""
+    def answer(conn: socket.socket, op: Op, nbytes: int) -> None:
+        for byte in head(nbytes):
+            time.sleep(every)
+            conn.sendall(bytes([byte]))
+    return answer
+
+
+class Hostile:
+    """A fake read server on loopback answering every request but END with `answer`."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
+        self._conns: list[socket.socket] = []
+        self._serving: list[threading.Thread] = []
+        self._closed = threading.Event()
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
+        self.source = SourceAddress("127.0.0.1", self._listener.getsockname()[1], "hostile")
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            conn.settimeout(None)
+            self._conns.append(conn)
+            self._serving.append(threading.Thread(target=self._serve, args=(conn,), daemon=True))
+            self._serving[-1].start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                _, op, _, name_len, _, nbytes, _ = REQUEST.unpack(recv_exact(conn, REQUEST.size))
+                recv_exact(conn, name_len)
+                if op != Op.END:
+                    self.answer(conn, Op(op), nbytes)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self._accepting.join(timeout=5)
+        self._listener.close()
+        for conn in self._conns:
+            with suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # a blocked recv or sleep-and-send ends
+            conn.close()
+        for thread in self._serving:
+            thread.join(timeout=5)
+
+
+@contextmanager
+def hostile(answer: Answer, seconds: int = 20) -> Iterator[Hostile]:
+    """A `Hostile` server, closed on exit; the test fails after `seconds`."""
+    with hard_timeout(seconds):
+        server = Hostile(answer)
+        try:
+            yield server
+        finally:
+            server.close()
+
+
+def call(kind: str, source: SourceAddress, nbytes: int = 4096) -> object:
+    """One reader call of `kind` against `source` (timeout 1 s)."""
+    transport = ShmTransport() if kind == "shm" else TcpTransport()
+    try:
+        if kind in ("tcp", "shm"):
+            return transport.read(source, "v1", 0, torch.zeros(nbytes, dtype=torch.uint8),
+                                  timeout=1.0)
+        if kind == "describe":
+            return transport.describe(source, "v1", timeout=1.0)
+        return transport.progress(source, "v1", timeout=1.0)
+    finally:
+        transport.close()
+
+
+OPS = {"tcp": "READ", "shm": "LEASE", "describe": "DESCRIBE", "progress": "BITMAP"}
+
+
+@pytest.mark.parametrize("phase, every", [("payload", 1.25), ("header", 2.0)])
+def test_trickling_source_is_lost_by_the_read_deadline(phase: str, every: float) -> None:
+    """A byte every 1.25 s (2 s) never trips the socket's per-recv timeout (3 s):
+    before, the read took 10 s (48 s) and succeeded."""
+    def answer(conn: socket.socket, op: Op, nbytes: int) -> None:
+        if phase == "payload":
+            conn.sendall(reply(payload_len=nbytes))
+            trickle(lambda n: b"\x07" * n, every)(conn, op, nbytes)
+        else:
+            trickle(lambda n: reply(b"\x07" * n), every)(conn, op, nbytes)
+
+    with hostile(answer) as server:
+        start = time.monotonic()
+        with pytest.raises(SourceLostError, match=r"^READ of 'v1' .* 1 of (8|16) bytes"):
+            call("tcp", server.source, nbytes=8)
+        assert time.monotonic() - start < 1.0 + client.REPLY_SLACK + 0.5
+
+
+@pytest.mark.parametrize("answer", [
+    trickle(lambda nbytes: reply(b"\x07" * nbytes), 1.5),
+], ids=["trickle"])
+def test_fetch_fails_over_from_a_hostile_source(answer: Answer) -> None:
+    """Before: the trickle held the fetch to its deadline."""
+    chunk, num = 4096, 4
+    data = (torch.arange(num * chunk) % 251).to(torch.uint8)
+
+    class Planner:
+        def plan(self, missing: list[int], failed: set[str]) -> list[Assignment]:
+            order = [s for s in (bad, good) if s.worker not in failed]
+            return [Assignment(tuple(missing), tuple(order))]
+
+        def report(self, chunks: list[int]) -> None:
+            pass
+
+    with hostile(answer) as server, ReadServer() as honest:
+        honest.expose("v1", data, chunk_size=chunk)
+        bad, good = Source("bad", server.source, "v1"), Source("good", honest.address, "v1")
+        tcp = TcpTransport()
+        dest = torch.zeros_like(data)
+        start = time.monotonic()
+        try:
+            stats = fetch_chunks(dest, chunk_size=chunk, progress=ChunkProgress(num),
+                                 planner=Planner(), choose=lambda s: tcp,
+                                 options=FetchOptions(read_timeout=1.0, deadline=15.0))
+        finally:
+            tcp.close()
+        assert stats.failed_sources == ["bad"] and torch.equal(dest, data)
+        assert time.monotonic() - start < 1.0 + 2 * client.REPLY_SLACK + 1.0
