@@ -1,7 +1,6 @@
 """The reader side against a hostile or broken source: every bad reply ends the read
 with a `TransportError` naming the source and op, within a bounded time and without
-allocating what the reply claims; bad arguments raise `ValueError` before anything
-is sent; a source that trickles its bytes is failed over."""
+allocating what the reply claims; a source that trickles its bytes is failed over."""
 
 from __future__ import annotations
 
@@ -10,13 +9,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
+from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 from timeouts import hard_timeout
 
-from fabric.errors import SourceLostError
+from fabric.errors import SourceLostError, TransportError
 from fabric.fetch import Assignment, FetchOptions, Source, fetch_chunks
 from fabric.progress import ChunkProgress
 from fabric.transports import ReadServer, ShmTransport, SourceAddress, TcpTransport, client
@@ -125,6 +125,57 @@ def call(kind: str, source: SourceAddress, nbytes: int = 4096) -> object:
 OPS = {"tcp": "READ", "shm": "LEASE", "describe": "DESCRIBE", "progress": "BITMAP"}
 
 
+@pytest.mark.parametrize("kind, answer, words", [
+    ("tcp", reply(status=Status.BAD_REQUEST, msg_len=0xFFFFFFFF, message=b"x" * 10),
+     "message of 4294967295 bytes .* limit of 65536"),
+    ("describe", reply(payload_len=1 << 62), f"payload of {1 << 62} bytes .* limit of 1048576"),
+    ("shm", reply(payload_len=(1 << 20) + 1), "payload of 1048577 bytes .* limit of 1048576"),
+    ("progress", reply(payload_len=3 << 30), "payload of 3221225472 bytes .* limit of 67108864"),
+], ids=["message-4GiB", "describe-2^62", "lease-1MiB+1", "bitmap-3GiB"])
+def test_reply_over_its_size_limit_is_refused_unread(kind: str, answer: bytes, words: str) -> None:
+    """Before: 4 GiB and 3 GiB allocated for the claimed sizes, a MemoryError for 2^62."""
+    with hostile(sends(answer)) as server:
+        start = time.monotonic()
+        with pytest.raises(TransportError, match=f"{OPS[kind]} .*{words}"):
+            call(kind, server.source)
+        assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize("kind, answer, words", [
+    ("tcp", reply(status=9, message=b"???"), "unknown reply status 9"),
+    ("describe", reply(status=200), "unknown reply status 200"),
+    ("describe", reply(b"\xc1"), "malformed reply"),
+    ("describe", packed(5), "malformed reply: int, not a map"),
+    ("describe", packed({}), "missing or mistyped nbytes, chunk_size, num_chunks, present"),
+    ("describe", packed({"nbytes": "1", "chunk_size": 1, "num_chunks": 1, "present": 1,
+                         "shm_path": None, "gpu": 7}), "mistyped nbytes, gpu$"),
+    ("shm", reply(b"\xc1"), "malformed reply"),
+    ("shm", packed([1, 2]), "list, not a map"),
+    ("shm", packed({"nbytes": "lots", "shm_path": "/x"}), "mistyped nbytes$"),
+    ("shm", packed({"nbytes": 4096, "shm_path": 3}), "mistyped shm_path$"),
+], ids=["read-status", "describe-status", "describe-garbage", "describe-int", "describe-empty",
+        "describe-types", "lease-garbage", "lease-list", "lease-nbytes-str", "lease-path-int"])
+def test_malformed_reply_is_a_transport_error(kind: str, answer: bytes, words: str) -> None:
+    """Before: ValueError, FormatError, KeyError, TypeError, AttributeError."""
+    with hostile(sends(answer)) as server:
+        where = f"{OPS[kind]} of 'v1' at source 127.0.0.1:{server.source.port}"
+        with pytest.raises(TransportError, match=f"^{where}: .*{words}"):
+            call(kind, server.source)
+
+
+def test_lease_of_a_file_shorter_than_the_grant_loses_the_source(tmp_path: Path) -> None:
+    """Before: a RuntimeError from copying 100 bytes into 4096."""
+    short = tmp_path / "region"
+    short.write_bytes(b"\x05" * 100)
+
+    def answer(conn: socket.socket, op: Op, nbytes: int) -> None:
+        conn.sendall(packed({"nbytes": nbytes, "shm_path": str(short), "gpu": None}))
+        conn.close()  # whatever END gets: the lease is over
+
+    with hostile(answer) as server, pytest.raises(SourceLostError, match="100 bytes"):
+        call("shm", server.source)
+
+
 @pytest.mark.parametrize("phase, every", [("payload", 1.25), ("header", 2.0)])
 def test_trickling_source_is_lost_by_the_read_deadline(phase: str, every: float) -> None:
     """A byte every 1.25 s (2 s) never trips the socket's per-recv timeout (3 s):
@@ -145,9 +196,10 @@ def test_trickling_source_is_lost_by_the_read_deadline(phase: str, every: float)
 
 @pytest.mark.parametrize("answer", [
     trickle(lambda nbytes: reply(b"\x07" * nbytes), 1.5),
-], ids=["trickle"])
+    sends(reply(status=9)),
+], ids=["trickle", "bad-status"])
 def test_fetch_fails_over_from_a_hostile_source(answer: Answer) -> None:
-    """Before: the trickle held the fetch to its deadline."""
+    """Before: the trickle held the fetch to its deadline; a bad status ended it."""
     chunk, num = 4096, 4
     data = (torch.arange(num * chunk) % 251).to(torch.uint8)
 

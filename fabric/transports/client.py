@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +40,13 @@ REPLY_SLACK = 2.0
 # 1.2 MB/s each), and a cut read's bytes are read again elsewhere. A 64 MiB read
 # (`FetchOptions.read_bytes`) may take 66 s.
 MIN_RATE = 1 << 20
+# Size limits of what a reply may make the reader allocate (`TransportError` over them).
+MAX_MESSAGE = 64 << 10       # an error status's message
+MAX_PAYLOAD = {
+    Op.DESCRIBE: 1 << 20,    # msgpack map (the ``gpu`` descriptor is its largest part)
+    Op.LEASE: 1 << 20,       # msgpack map
+    Op.BITMAP: 64 << 20,     # one byte per chunk: 64 Mi chunks
+}
 
 
 class ConnectionPool:
@@ -133,6 +140,7 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
     Raises:
         SourceLostError: the connection failed or the reply did not come in time.
         ReadRefusedError: the server answered with an error status.
+        TransportError: the reply is malformed (unknown status, message too long).
     """
     name = region.encode()
     about = _about(source, op, region)
@@ -144,9 +152,14 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
         if op == Op.END:
             return 0
         status, msg_len, payload_len = REPLY.unpack(recv_exact(conn, REPLY.size, deadline))
+        _check_size(about, "message", msg_len, MAX_MESSAGE)
         message = recv_exact(conn, msg_len, deadline).decode(errors="replace") if msg_len else ""
-    if status != Status.OK:
-        raise ReadRefusedError(f"{about} refused: {Status(status).name}: {message}")
+    try:
+        code = Status(status)
+    except ValueError:
+        raise TransportError(f"{about}: unknown reply status {status}") from None
+    if code != Status.OK:
+        raise ReadRefusedError(f"{about} refused: {code.name}: {message}")
     return payload_len
 
 
@@ -166,6 +179,12 @@ def _lost_on_error(about: str) -> Iterator[None]:
                               f"{exc}") from exc
 
 
+def _check_size(about: str, what: str, nbytes: int, limit: int) -> None:
+    if nbytes > limit:
+        raise TransportError(f"{about}: the reply's {what} of {nbytes} bytes is over the "
+                             f"limit of {limit}")
+
+
 def receive_into(conn: socket.socket, source: SourceAddress, op: Op, region: str,
                  view: memoryview) -> None:
     """Fill `view` with the reply's payload, within ``REPLY_SLACK + len(view) / MIN_RATE``.
@@ -180,10 +199,45 @@ def receive_into(conn: socket.socket, source: SourceAddress, op: Op, region: str
 
 def receive_payload(conn: socket.socket, source: SourceAddress, op: Op, region: str,
                     nbytes: int) -> bytes:
-    """The reply's payload of `nbytes`, as `receive_into`."""
+    """The reply's payload of `nbytes` (at most the op's `MAX_PAYLOAD`), as `receive_into`.
+
+    Raises:
+        TransportError: `nbytes` is over the limit (nothing is received).
+    """
+    _check_size(_about(source, op, region), "payload", nbytes, MAX_PAYLOAD[op])
     buf = bytearray(nbytes)
     receive_into(conn, source, op, region, memoryview(buf))
     return bytes(buf)
+
+
+def _receive_map(conn: socket.socket, source: SourceAddress, op: Op, region: str, nbytes: int,
+                 fields: Mapping[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    """The `fields` of the reply's payload, a msgpack map of `nbytes`, each of its
+    type (a field that may be None may be missing); as `receive_payload`.
+
+    Raises:
+        TransportError: the payload is not such a map.
+    """
+    def malformed(why: str) -> TransportError:
+        return TransportError(f"{_about(source, op, region)}: malformed reply: {why}")
+
+    try:
+        data = msgpack.unpackb(receive_payload(conn, source, op, region, nbytes))
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise malformed(f"not msgpack: {exc!r}") from None
+    if not isinstance(data, dict):
+        raise malformed(f"{type(data).__name__}, not a map")
+    wrong = [key for key, kind in fields.items() if not isinstance(data.get(key), kind)]
+    if wrong:
+        raise malformed(f"missing or mistyped {', '.join(wrong)}")
+    return {key: data.get(key) for key in fields}
+
+
+_OPTIONAL_PATH = (str, type(None))
+_OPTIONAL_GPU = (dict, type(None))
+_LEASE_FIELDS = {"nbytes": int, "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
+_DESCRIBE_FIELDS = {"nbytes": int, "chunk_size": int, "num_chunks": int, "present": int,
+                    "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
 
 
 @dataclass(frozen=True)
@@ -204,13 +258,14 @@ def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: in
 
     Raises:
         SourceLostError, ReadRefusedError: as `request`.
-        TransportError: the grant is empty or longer than asked for.
+        TransportError: the reply is malformed, or the grant is empty or longer than
+            asked for.
     """
     n = request(conn, source, Op.LEASE, region, offset=offset, nbytes=nbytes, timeout=timeout,
                 prefix=prefix)
-    where = msgpack.unpackb(receive_payload(conn, source, Op.LEASE, region, n))
-    granted = check_grant(int(where.get("nbytes", 0)), nbytes, prefix)
-    return Lease(shm_path=where.get("shm_path") or None, gpu=where.get("gpu"), nbytes=granted)
+    where = _receive_map(conn, source, Op.LEASE, region, n, _LEASE_FIELDS)
+    granted = check_grant(where["nbytes"], nbytes, prefix)
+    return Lease(shm_path=where["shm_path"] or None, gpu=where["gpu"], nbytes=granted)
 
 
 def pin(source: SourceAddress, region: str, *, timeout: float) -> socket.socket:
@@ -241,10 +296,7 @@ def check_grant(granted: int, asked: int, prefix: bool) -> int:
 def describe(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> RegionInfo:
     with pool.connection(source) as conn:
         n = request(conn, source, Op.DESCRIBE, region, timeout=timeout)
-        info = msgpack.unpackb(receive_payload(conn, source, Op.DESCRIBE, region, n))
-    return RegionInfo(nbytes=info["nbytes"], chunk_size=info["chunk_size"],
-                      num_chunks=info["num_chunks"], present=info["present"],
-                      shm_path=info["shm_path"], gpu=info.get("gpu"))
+        return RegionInfo(**_receive_map(conn, source, Op.DESCRIBE, region, n, _DESCRIBE_FIELDS))
 
 
 def bitmap(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> bytes:

@@ -43,6 +43,9 @@ class ShmTransport(client.ServerTransport):
             mapped = Region.attach(path)
         except ArenaError as exc:
             raise SourceLostError(str(exc)) from exc
+        if mapped.nbytes < end:
+            mapped.close()
+            raise SourceLostError(f"{path} holds {mapped.nbytes} bytes, the lease reaches {end}")
         with self._lock:
             old = self._maps.pop(path, None)
             self._maps[path] = mapped
