@@ -1,6 +1,7 @@
 """The reader side against a hostile or broken source: every bad reply ends the read
 with a `TransportError` naming the source and op, within a bounded time and without
-allocating what the reply claims; a source that trickles its bytes is failed over."""
+allocating what the reply claims; bad arguments raise `ValueError` before anything
+is sent; a source that trickles its bytes is failed over."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from fabric.errors import SourceLostError, TransportError
 from fabric.fetch import Assignment, FetchOptions, Source, fetch_chunks
 from fabric.progress import ChunkProgress
 from fabric.transports import ReadServer, ShmTransport, SourceAddress, TcpTransport, client
-from fabric.transports.wire import REPLY, REQUEST, Op, Status, recv_exact
+from fabric.transports.wire import MAX_NAME, REPLY, REQUEST, Op, Status, recv_exact
 
 Answer = Callable[[socket.socket, Op, int], None]
 """How the hostile source answers one request: ``answer(conn, op, nbytes)``."""
@@ -225,3 +226,37 @@ def test_fetch_fails_over_from_a_hostile_source(answer: Answer) -> None:
             tcp.close()
         assert stats.failed_sources == ["bad"] and torch.equal(dest, data)
         assert time.monotonic() - start < 1.0 + 2 * client.REPLY_SLACK + 1.0
+
+
+@pytest.mark.parametrize("args, words", [
+    ({"offset": -1}, r"offset must be an integer in \[0, 2\*\*64\), got -1"),
+    ({"offset": 2**64}, "offset must be"),
+    ({"nbytes": -5}, "nbytes must be"),
+    ({"nbytes": 2**64}, "nbytes must be"),
+    ({"region": "é" * (MAX_NAME // 2 + 1)}, f"region name of {MAX_NAME + 2} bytes .* {MAX_NAME}"),
+    ({"region": "x" * 70000}, "region name of 70000 bytes"),
+    ({"timeout": float("nan")}, "timeout must be"),
+    ({"timeout": float("inf")}, "timeout must be"),
+    ({"timeout": 1e39}, "timeout must be"),
+    ({"timeout": -1.0}, "timeout must be"),
+], ids=["offset-neg", "offset-2^64", "nbytes-neg", "nbytes-2^64", "name-1026", "name-70000",
+        "timeout-nan", "timeout-inf", "timeout-1e39", "timeout-neg"])
+def test_bad_request_arguments_are_refused_before_sending(args: dict, words: str) -> None:
+    """Before: struct.error, OverflowError, a NOT_FOUND from the server, or a read."""
+    kwargs = {"region": "v1", "offset": 0, "nbytes": 8, "timeout": 1.0, **args}
+    reader, server = socket.socketpair()
+    with reader, server:
+        with pytest.raises(ValueError, match=words):
+            client.request(reader, SourceAddress("127.0.0.1", 1, "x"), Op.READ,
+                           kwargs.pop("region"), **kwargs)
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.recv(1)  # nothing was sent
+
+
+def test_request_arguments_at_their_limits_are_sent() -> None:
+    with hostile(sends(reply(b"\x07" * 8))) as server, \
+            socket.create_connection(("127.0.0.1", server.source.port)) as conn:
+        n = client.request(conn, server.source, Op.READ, "x" * MAX_NAME, offset=2**64 - 1,
+                           nbytes=8, timeout=client.MAX_TIMEOUT)
+        assert n == 8

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import msgpack
@@ -16,6 +17,7 @@ from fabric.errors import ReadRefusedError, SourceLostError, TransportError
 from fabric.transports.base import ReadAbort, RegionInfo, SourceAddress, Transport
 from fabric.transports.wire import (
     MAGIC,
+    MAX_NAME,
     REPLY,
     REQUEST,
     Flag,
@@ -40,6 +42,9 @@ REPLY_SLACK = 2.0
 # 1.2 MB/s each), and a cut read's bytes are read again elsewhere. A 64 MiB read
 # (`FetchOptions.read_bytes`) may take 66 s.
 MIN_RATE = 1 << 20
+# The longest wait a request may ask for: longer is a caller's mistake (and would
+# overflow socket timeouts).
+MAX_TIMEOUT = 7 * 24 * 3600.0
 # Size limits of what a reply may make the reader allocate (`TransportError` over them).
 MAX_MESSAGE = 64 << 10       # an error status's message
 MAX_PAYLOAD = {
@@ -138,11 +143,12 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
     header must arrive within ``timeout + REPLY_SLACK``.
 
     Raises:
+        ValueError: an argument is out of range (nothing was sent).
         SourceLostError: the connection failed or the reply did not come in time.
         ReadRefusedError: the server answered with an error status.
         TransportError: the reply is malformed (unknown status, message too long).
     """
-    name = region.encode()
+    name = _checked_name(region, offset, nbytes, timeout)
     about = _about(source, op, region)
     conn.settimeout(timeout + REPLY_SLACK)
     with _lost_on_error(about):
@@ -161,6 +167,23 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
     if code != Status.OK:
         raise ReadRefusedError(f"{about} refused: {code.name}: {message}")
     return payload_len
+
+
+def _checked_name(region: str, offset: int, nbytes: int, timeout: float) -> bytes:
+    """`region` encoded for a request, once the request's fields are in range.
+
+    Raises:
+        ValueError: one is not (the message says which).
+    """
+    name = region.encode()
+    if len(name) > MAX_NAME:
+        raise ValueError(f"region name of {len(name)} bytes is over the limit of {MAX_NAME}")
+    for field, value in (("offset", offset), ("nbytes", nbytes)):
+        if not (isinstance(value, Integral) and 0 <= value < 2**64):
+            raise ValueError(f"{field} must be an integer in [0, 2**64), got {value!r}")
+    if not 0 <= timeout <= MAX_TIMEOUT:  # NaN is not either
+        raise ValueError(f"timeout must be in [0, {MAX_TIMEOUT:g}] seconds, got {timeout!r}")
+    return name
 
 
 def _about(source: SourceAddress, op: Op, region: str) -> str:
@@ -257,7 +280,7 @@ def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: in
     ``END``; returns where the reader may copy them from.
 
     Raises:
-        SourceLostError, ReadRefusedError: as `request`.
+        ValueError, SourceLostError, ReadRefusedError: as `request`.
         TransportError: the reply is malformed, or the grant is empty or longer than
             asked for.
     """
