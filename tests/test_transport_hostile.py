@@ -6,6 +6,7 @@ is sent; a source that trickles its bytes is failed over."""
 from __future__ import annotations
 
 import socket
+import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -51,51 +52,40 @@ def trickle(head: Callable[[int], bytes], every: float) -> Answer:
     return answer
 
 
-class Hostile:
+class Hostile(socketserver.ThreadingTCPServer):
     """A fake read server on loopback answering every request but END with `answer`."""
 
+    block_on_close = True  # `close` joins the connections' threads
+
     def __init__(self, answer: Answer) -> None:
+        super().__init__(("127.0.0.1", 0), _Connection)
         self.answer = answer
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self._listener.settimeout(0.05)
-        self._conns: list[socket.socket] = []
-        self._serving: list[threading.Thread] = []
-        self._closed = threading.Event()
-        self._accepting = threading.Thread(target=self._accept, daemon=True)
-        self._accepting.start()
-        self.source = SourceAddress("127.0.0.1", self._listener.getsockname()[1], "hostile")
+        self.conns: list[socket.socket] = []
+        self.source = SourceAddress("127.0.0.1", self.server_address[1], "hostile")
+        threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True).start()
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            conn.settimeout(None)
-            self._conns.append(conn)
-            self._serving.append(threading.Thread(target=self._serve, args=(conn,), daemon=True))
-            self._serving[-1].start()
+    def close(self) -> None:
+        self.shutdown()
+        for conn in self.conns:
+            with suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # a blocked recv or a trickle ends
+        self.server_close()
 
-    def _serve(self, conn: socket.socket) -> None:
+
+class _Connection(socketserver.BaseRequestHandler):
+    server: Hostile
+
+    def handle(self) -> None:
+        conn = self.request
+        self.server.conns.append(conn)
         try:
             while True:
                 _, op, _, name_len, _, nbytes, _ = REQUEST.unpack(recv_exact(conn, REQUEST.size))
                 recv_exact(conn, name_len)
                 if op != Op.END:
-                    self.answer(conn, Op(op), nbytes)
+                    self.server.answer(conn, Op(op), nbytes)
         except OSError:
             pass
-
-    def close(self) -> None:
-        self._closed.set()
-        self._accepting.join(timeout=5)
-        self._listener.close()
-        for conn in self._conns:
-            with suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)  # a blocked recv or sleep-and-send ends
-            conn.close()
-        for thread in self._serving:
-            thread.join(timeout=5)
 
 
 @contextmanager
