@@ -2,28 +2,60 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import msgpack
 
 from fabric.errors import ReadRefusedError, SourceLostError, TransportError
 from fabric.transports.base import ReadAbort, RegionInfo, SourceAddress, Transport
-from fabric.transports.wire import MAGIC, REPLY, REQUEST, Flag, Op, Status, recv_exact
+from fabric.transports.wire import (
+    MAGIC,
+    MAX_NAME,
+    REPLY,
+    REQUEST,
+    Flag,
+    Op,
+    Status,
+    recv_exact,
+    recv_into_exact,
+)
 
 CONNECT_TIMEOUT = 5.0
 # Slack on top of the server-side wait so the server's NOT_READY answer arrives
 # before the client gives up on the socket. Small: a holder that does not answer
 # within it (frozen, or its host gone) costs a reader this much beyond its timeout.
+# A payload gets it again, on top of its size at MIN_RATE.
 REPLY_SLACK = 2.0
 POOL_IDLE_S = 60.0
 """A pooled connection idle for longer is closed rather than reused: the holder
 closes connections idle for `fabric.transports.server.IDLE_TIMEOUT` (twice this)."""
+# The slowest average rate (bytes/s) a payload may arrive at: past REPLY_SLACK +
+# size / MIN_RATE from its reply header the read fails (`SourceLostError`), so a
+# source that trickles its bytes is failed over instead of holding the read until
+# the fetch's deadline (the socket timeout alone only bounds each receive). Low on
+# purpose, so that honest slow links are not cut: a holder fanning a version out
+# shares its link among all its readers' reads (100 reads over 1 Gbit/s get about
+# 1.2 MB/s each), and a cut read's bytes are read again elsewhere. A 64 MiB read
+# (`FetchOptions.read_bytes`) may take 66 s.
+MIN_RATE = 1 << 20
+# The longest wait a request may ask for: longer is a caller's mistake (and would
+# overflow socket timeouts).
+MAX_TIMEOUT = 7 * 24 * 3600.0
+# Size limits of what a reply may make the reader allocate (`TransportError` over them).
+MAX_MESSAGE = 64 << 10       # an error status's message
+MAX_PAYLOAD = {
+    Op.DESCRIBE: 1 << 20,    # msgpack map (the ``gpu`` descriptor is its largest part)
+    Op.LEASE: 1 << 20,       # msgpack map
+    Op.BITMAP: 64 << 20,     # one byte per chunk: 64 Mi chunks
+}
 
 
 class ConnectionPool:
@@ -115,33 +147,126 @@ def _watch(conn: socket.socket, abort: ReadAbort | None, key: tuple[str, int]) -
 def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, offset: int = 0,
             nbytes: int = 0, timeout: float, prefix: bool = False) -> int:
     """Send one request and read the reply header; return the payload length.
-    ``prefix`` asks for the present prefix of the range (`Flag.PREFIX`).
+    ``prefix`` asks for the present prefix of the range (`Flag.PREFIX`). The reply
+    header must arrive within ``timeout + REPLY_SLACK``.
 
     Raises:
+        ValueError: an argument is out of range (nothing was sent).
         SourceLostError: the connection failed or the reply did not come in time.
         ReadRefusedError: the server answered with an error status.
+        TransportError: the reply is malformed (unknown status, message too long).
     """
-    name = region.encode()
+    name = _checked_name(region, offset, nbytes, timeout)
+    about = _about(source, op, region)
     conn.settimeout(timeout + REPLY_SLACK)
-    try:
+    with _lost_on_error(about):
         flags = Flag.PREFIX if prefix else 0
+        deadline = time.monotonic() + timeout + REPLY_SLACK
         conn.sendall(REQUEST.pack(MAGIC, op, flags, len(name), offset, nbytes, timeout) + name)
-        status, msg_len, payload_len = REPLY.unpack(recv_exact(conn, REPLY.size))
-        message = recv_exact(conn, msg_len).decode(errors="replace") if msg_len else ""
-    except (OSError, ConnectionError) as exc:
-        raise SourceLostError(f"source {source.host}:{source.port} failed during "
-                              f"{op.name} of {region!r}: {exc}") from exc
-    if status != Status.OK:
-        raise ReadRefusedError(f"source {source.host}:{source.port} refused {op.name} of "
-                               f"{region!r}: {Status(status).name}: {message}")
+        status, msg_len, payload_len = REPLY.unpack(recv_exact(conn, REPLY.size, deadline))
+        _check_size(about, "message", msg_len, MAX_MESSAGE)
+        message = recv_exact(conn, msg_len, deadline).decode(errors="replace") if msg_len else ""
+    try:
+        code = Status(status)
+    except ValueError:
+        raise TransportError(f"{about}: unknown reply status {status}") from None
+    if code != Status.OK:
+        raise ReadRefusedError(f"{about} refused: {code.name}: {message}")
     return payload_len
 
 
-def receive_payload(conn: socket.socket, source: SourceAddress, nbytes: int) -> bytes:
+def _checked_name(region: str, offset: int, nbytes: int, timeout: float) -> bytes:
+    """`region` encoded for a request, once the request's fields are in range.
+
+    Raises:
+        ValueError: one is not (the message says which).
+    """
+    name = region.encode()
+    if len(name) > MAX_NAME:
+        raise ValueError(f"region name of {len(name)} bytes is over the limit of {MAX_NAME}")
+    for field, value in (("offset", offset), ("nbytes", nbytes)):
+        if not (isinstance(value, Integral) and 0 <= value < 2**64):
+            raise ValueError(f"{field} must be an integer in [0, 2**64), got {value!r}")
+    if not 0 <= timeout <= MAX_TIMEOUT:  # NaN is not either
+        raise ValueError(f"timeout must be in [0, {MAX_TIMEOUT:g}] seconds, got {timeout!r}")
+    return name
+
+
+def _about(source: SourceAddress, op: Op, region: str) -> str:
+    """Names a request in error messages."""
+    return f"{op.name} of {region!r} at source {source.host}:{source.port}"
+
+
+@contextmanager
+def _lost_on_error(about: str) -> Iterator[None]:
+    """Turns a failed or timed-out socket call into `SourceLostError`."""
+    start = time.monotonic()
     try:
-        return recv_exact(conn, nbytes)
-    except (OSError, ConnectionError) as exc:
-        raise SourceLostError(f"source {source.host}:{source.port} vanished mid-reply: {exc}") from exc
+        yield
+    except OSError as exc:
+        raise SourceLostError(f"{about} failed after {time.monotonic() - start:.1f} s: "
+                              f"{exc}") from exc
+
+
+def _check_size(about: str, what: str, nbytes: int, limit: int) -> None:
+    if nbytes > limit:
+        raise TransportError(f"{about}: the reply's {what} of {nbytes} bytes is over the "
+                             f"limit of {limit}")
+
+
+def receive_into(conn: socket.socket, source: SourceAddress, op: Op, region: str,
+                 view: memoryview) -> None:
+    """Fill `view` with the reply's payload, within ``REPLY_SLACK + len(view) / MIN_RATE``.
+
+    Raises:
+        SourceLostError: the source closed the connection, failed or was too slow.
+    """
+    about = _about(source, op, region)
+    with _lost_on_error(about):
+        recv_into_exact(conn, view, time.monotonic() + REPLY_SLACK + len(view) / MIN_RATE)
+
+
+def receive_payload(conn: socket.socket, source: SourceAddress, op: Op, region: str,
+                    nbytes: int) -> bytes:
+    """The reply's payload of `nbytes` (at most the op's `MAX_PAYLOAD`), as `receive_into`.
+
+    Raises:
+        TransportError: `nbytes` is over the limit (nothing is received).
+    """
+    _check_size(_about(source, op, region), "payload", nbytes, MAX_PAYLOAD[op])
+    buf = bytearray(nbytes)
+    receive_into(conn, source, op, region, memoryview(buf))
+    return bytes(buf)
+
+
+def _receive_map(conn: socket.socket, source: SourceAddress, op: Op, region: str, nbytes: int,
+                 fields: Mapping[str, type | tuple[type, ...]]) -> dict[str, Any]:
+    """The `fields` of the reply's payload, a msgpack map of `nbytes`, each of its
+    type (a field that may be None may be missing); as `receive_payload`.
+
+    Raises:
+        TransportError: the payload is not such a map.
+    """
+    def malformed(why: str) -> TransportError:
+        return TransportError(f"{_about(source, op, region)}: malformed reply: {why}")
+
+    try:
+        data = msgpack.unpackb(receive_payload(conn, source, op, region, nbytes))
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise malformed(f"not msgpack: {exc!r}") from None
+    if not isinstance(data, dict):
+        raise malformed(f"{type(data).__name__}, not a map")
+    wrong = [key for key, kind in fields.items() if not isinstance(data.get(key), kind)]
+    if wrong:
+        raise malformed(f"missing or mistyped {', '.join(wrong)}")
+    return {key: data.get(key) for key in fields}
+
+
+_OPTIONAL_PATH = (str, type(None))
+_OPTIONAL_GPU = (dict, type(None))
+_LEASE_FIELDS = {"nbytes": int, "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
+_DESCRIBE_FIELDS = {"nbytes": int, "chunk_size": int, "num_chunks": int, "present": int,
+                    "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
 
 
 @dataclass(frozen=True)
@@ -161,14 +286,37 @@ def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: in
     ``END``; returns where the reader may copy them from.
 
     Raises:
-        SourceLostError, ReadRefusedError: as `request`.
-        TransportError: the grant is empty or longer than asked for.
+        ValueError, SourceLostError, ReadRefusedError: as `request`.
+        TransportError: the reply is malformed, or the grant is empty or longer than
+            asked for.
     """
     n = request(conn, source, Op.LEASE, region, offset=offset, nbytes=nbytes, timeout=timeout,
                 prefix=prefix)
-    where = msgpack.unpackb(receive_payload(conn, source, n))
-    granted = check_grant(int(where.get("nbytes", 0)), nbytes, prefix)
-    return Lease(shm_path=where.get("shm_path") or None, gpu=where.get("gpu"), nbytes=granted)
+    where = _receive_map(conn, source, Op.LEASE, region, n, _LEASE_FIELDS)
+    granted = check_grant(where["nbytes"], nbytes, prefix)
+    return Lease(shm_path=where["shm_path"] or None, gpu=where["gpu"], nbytes=granted)
+
+
+@contextmanager
+def under_lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: int,
+                nbytes: int, timeout: float, prefix: bool = False) -> Iterator[Lease]:
+    """`lease`, then ``END`` when the block ends. The block's bytes are whole only if
+    the block returns: an ``END`` that is not acknowledged (the holder dropped the
+    lease, e.g. after `server.LEASE_HOLD`, and may have reused the memory) raises
+    `SourceLostError`; when the block raises, its error is kept.
+
+    Raises:
+        as `lease`; SourceLostError: the lease was not held to the end.
+    """
+    granted = lease(conn, source, region, offset=offset, nbytes=nbytes, timeout=timeout,
+                    prefix=prefix)
+    try:
+        yield granted
+    except BaseException:
+        with contextlib.suppress(TransportError):
+            request(conn, source, Op.END, region, timeout=timeout)
+        raise
+    request(conn, source, Op.END, region, timeout=timeout)
 
 
 def pin(source: SourceAddress, region: str, *, timeout: float) -> socket.socket:
@@ -199,16 +347,13 @@ def check_grant(granted: int, asked: int, prefix: bool) -> int:
 def describe(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> RegionInfo:
     with pool.connection(source) as conn:
         n = request(conn, source, Op.DESCRIBE, region, timeout=timeout)
-        info = msgpack.unpackb(receive_payload(conn, source, n))
-    return RegionInfo(nbytes=info["nbytes"], chunk_size=info["chunk_size"],
-                      num_chunks=info["num_chunks"], present=info["present"],
-                      shm_path=info["shm_path"], gpu=info.get("gpu"))
+        return RegionInfo(**_receive_map(conn, source, Op.DESCRIBE, region, n, _DESCRIBE_FIELDS))
 
 
 def bitmap(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> bytes:
     with pool.connection(source) as conn:
         n = request(conn, source, Op.BITMAP, region, timeout=timeout)
-        return receive_payload(conn, source, n)
+        return receive_payload(conn, source, Op.BITMAP, region, n)
 
 
 class ServerTransport(Transport):

@@ -32,7 +32,6 @@ from fabric.gpu.probe import normalise_uuid
 from fabric.transports import client
 from fabric.transports.base import ReadAbort, SourceAddress
 from fabric.transports.pinned import PinnedMappings
-from fabric.transports.wire import Op
 
 HANDLE_NBYTES = 64  # CUDA_IPC_HANDLE_SIZE
 MAX_MAPPINGS = 16
@@ -289,20 +288,17 @@ class CudaIpcTransport(client.ServerTransport):
             ReadRefusedError: not present in time, out of range, or not IPC-exported.
             SourceLostError: the holder vanished or its GPU is not visible here.
         """
-        with self._pool.connection(source, abort) as conn:
-            where = client.lease(conn, source, region, offset=offset, nbytes=nbytes,
-                                 timeout=timeout, prefix=prefix)
+        with (self._pool.connection(source, abort) as conn,
+              client.under_lease(conn, source, region, offset=offset, nbytes=nbytes,
+                                 timeout=timeout, prefix=prefix) as where):
             try:
-                try:
-                    h = IpcHandle.from_dict(where.gpu or {})
-                except ValueError as exc:
-                    raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} is "
-                                           f"not exported over CUDA IPC: {exc}") from None
-                with self._mappings.use(h.handle, source, region, lambda: _map(h),
-                                        timeout=timeout) as mapped:
-                    yield view(mapped, h.offset + offset, where.nbytes, device)
-            finally:
-                client.request(conn, source, Op.END, region, timeout=timeout)
+                h = IpcHandle.from_dict(where.gpu or {})
+            except ValueError as exc:
+                raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} is "
+                                       f"not exported over CUDA IPC: {exc}") from None
+            with self._mappings.use(h.handle, source, region, lambda: _map(h),
+                                    timeout=timeout) as mapped:
+                yield view(mapped, h.offset + offset, where.nbytes, device)
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:

@@ -35,7 +35,6 @@ from fabric.errors import ReadRefusedError, SourceLostError
 from fabric.gpu.nvshmem_arena import RMA_LOCK, NvshmemRuntime, SymmetricRegion, _buffer
 from fabric.transports import client
 from fabric.transports.base import ReadAbort, SourceAddress
-from fabric.transports.wire import Op
 
 
 def nvshmem_descriptor(runtime: NvshmemRuntime, region: SymmetricRegion) -> dict[str, Any]:
@@ -76,29 +75,26 @@ class NvshmemTransport(client.ServerTransport):
 
         if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cuda":
             raise ValueError("read into a contiguous uint8 CUDA tensor")
-        with self._pool.connection(source, abort) as conn:
-            where = client.lease(conn, source, region, offset=offset, nbytes=out.numel(),
-                                 timeout=timeout, prefix=prefix)
+        with (self._pool.connection(source, abort) as conn,
+              client.under_lease(conn, source, region, offset=offset, nbytes=out.numel(),
+                                 timeout=timeout, prefix=prefix) as where):
             n = where.nbytes
-            try:
-                pe, local = self._local(where.gpu, source, region)
-                if offset < 0 or offset + n > local.data.numel():
-                    raise ReadRefusedError(f"read [{offset}, {offset + n}) outside symmetric "
-                                           f"region {local.name!r} of {local.data.numel()} bytes")
-                with RMA_LOCK, torch.cuda.device(self.runtime.device):
-                    stream = nvshmem.NvshmemStream(self._stream)
-                    self._stream.wait_stream(torch.cuda.current_stream(out.device))
-                    try:
-                        nvshmem.get_nbi(_buffer(out.data_ptr(), n),
-                                        _buffer(local.data.data_ptr() + offset, n),
-                                        remote_pe=pe, stream=stream)
-                        nvshmem.quiet(stream=stream)
-                        self._stream.synchronize()
-                    except Exception as exc:  # nvshmem4py and CUDA raise their own types
-                        raise SourceLostError(f"NVSHMEM get of {region!r} from PE {pe} failed: "
-                                              f"{type(exc).__name__}: {exc}") from exc
-            finally:
-                client.request(conn, source, Op.END, region, timeout=timeout)
+            pe, local = self._local(where.gpu, source, region)
+            if offset < 0 or offset + n > local.data.numel():
+                raise ReadRefusedError(f"read [{offset}, {offset + n}) outside symmetric "
+                                       f"region {local.name!r} of {local.data.numel()} bytes")
+            with RMA_LOCK, torch.cuda.device(self.runtime.device):
+                stream = nvshmem.NvshmemStream(self._stream)
+                self._stream.wait_stream(torch.cuda.current_stream(out.device))
+                try:
+                    nvshmem.get_nbi(_buffer(out.data_ptr(), n),
+                                    _buffer(local.data.data_ptr() + offset, n),
+                                    remote_pe=pe, stream=stream)
+                    nvshmem.quiet(stream=stream)
+                    self._stream.synchronize()
+                except Exception as exc:  # nvshmem4py and CUDA raise their own types
+                    raise SourceLostError(f"NVSHMEM get of {region!r} from PE {pe} failed: "
+                                          f"{type(exc).__name__}: {exc}") from exc
         return n
 
     def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:

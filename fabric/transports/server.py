@@ -40,7 +40,7 @@ LEASE_HOLD = 30.0
 and the lease ends (the reader's END then fails, so it discards what it copied)."""
 MAX_CONNECTIONS = 4096
 """Connections served at once; more are answered BAD_REQUEST and closed."""
-SEND_GRACE, MIN_SEND_RATE = 30.0, 10e6
+SEND_GRACE, MIN_SEND_RATE = 30.0, float(1 << 20)  # the reader cuts first: client.MIN_RATE
 """A reply must be taken by the reader within SEND_GRACE s + its bytes / MIN_SEND_RATE
 (bytes/s), else the connection is cut: a reader that stops reading cannot keep a
 region in flight."""

@@ -11,7 +11,6 @@ from fabric.arena import ArenaError, Region
 from fabric.errors import ReadRefusedError, SourceLostError
 from fabric.transports import client
 from fabric.transports.base import ReadAbort, SourceAddress
-from fabric.transports.wire import Op
 
 MAX_MAPPINGS = 16
 
@@ -43,6 +42,9 @@ class ShmTransport(client.ServerTransport):
             mapped = Region.attach(path)
         except ArenaError as exc:
             raise SourceLostError(str(exc)) from exc
+        if mapped.nbytes < end:
+            mapped.close()
+            raise SourceLostError(f"{path} holds {mapped.nbytes} bytes, the lease reaches {end}")
         with self._lock:
             old = self._maps.pop(path, None)
             self._maps[path] = mapped
@@ -55,17 +57,14 @@ class ShmTransport(client.ServerTransport):
              timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
-        with self._pool.connection(source, abort) as conn:
-            granted = client.lease(conn, source, region, offset=offset, nbytes=out.numel(),
-                                   timeout=timeout, prefix=prefix)
-            try:
-                if not granted.shm_path:
-                    raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} "
-                                           "is not in shared memory; read it over tcp")
-                end = offset + granted.nbytes
-                out[:granted.nbytes].copy_(self._mapping(granted.shm_path, end).tensor[offset:end])
-            finally:
-                client.request(conn, source, Op.END, region, timeout=timeout)
+        with (self._pool.connection(source, abort) as conn,
+              client.under_lease(conn, source, region, offset=offset, nbytes=out.numel(),
+                                 timeout=timeout, prefix=prefix) as granted):
+            if not granted.shm_path:
+                raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} "
+                                       "is not in shared memory; read it over tcp")
+            end = offset + granted.nbytes
+            out[:granted.nbytes].copy_(self._mapping(granted.shm_path, end).tensor[offset:end])
         return granted.nbytes
 
     def close(self) -> None:

@@ -6,10 +6,9 @@ import threading
 
 import torch
 
-from fabric.errors import SourceLostError
 from fabric.transports import client
 from fabric.transports.base import ReadAbort, SourceAddress
-from fabric.transports.wire import Op, recv_into_exact
+from fabric.transports.wire import Op
 
 
 class TcpTransport(client.ServerTransport):
@@ -35,11 +34,7 @@ class TcpTransport(client.ServerTransport):
             n = client.request(conn, source, Op.READ, region, offset=offset, nbytes=len(view),
                                timeout=timeout, prefix=prefix)
             client.check_grant(n, len(view), prefix)
-            try:
-                recv_into_exact(conn, view[:n])
-            except (OSError, ConnectionError) as exc:
-                raise SourceLostError(f"source {source.host}:{source.port} vanished while "
-                                      f"sending {region!r}: {exc}") from exc
+            client.receive_into(conn, source, Op.READ, region, view[:n])
         if host is not out:
             out[:n].copy_(host[:n])  # synchronous: the bounce buffer is free again on return
         return n

@@ -45,6 +45,7 @@ from __future__ import annotations
 import enum
 import socket
 import struct
+import time
 
 MAGIC = b"WFR3"  # WFR2 sent END without a reply
 REQUEST = struct.Struct("!4sBBHQQf")
@@ -73,18 +74,25 @@ class Status(enum.IntEnum):
     BAD_REQUEST = 4
 
 
-def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
-    """Receive exactly `nbytes`; ConnectionError if the peer closes first."""
+def recv_exact(sock: socket.socket, nbytes: int, deadline: float | None = None) -> bytes:
+    """Receive exactly `nbytes`, as `recv_into_exact`."""
     buf = bytearray(nbytes)
-    recv_into_exact(sock, memoryview(buf))
+    recv_into_exact(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
-def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from the socket; ConnectionError if the peer closes first."""
+def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill `view` from the socket; ConnectionError if the peer closes first. With
+    `deadline` (a `time.monotonic` time), TimeoutError once it passed: the socket's
+    timeout is set to the time left before each receive."""
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        try:
+            if deadline is not None:
+                sock.settimeout(max(deadline - time.monotonic(), 1e-6))
+            n = sock.recv_into(view[got:])
+        except TimeoutError:
+            raise TimeoutError(f"timed out with {got} of {len(view)} bytes received") from None
         if n == 0:
-            raise ConnectionError("peer closed the connection")
+            raise ConnectionError(f"peer closed the connection after {got} of {len(view)} bytes")
         got += n
