@@ -1,6 +1,7 @@
 """A fabric worker in its own process, driven by JSON lines on stdin (for tests).
 
 Usage: python tests/fabric_process.py HUB_URL WORKER_NAME [--read-delay S]
+       [--read-timeout S] [--deadline S]
 
 Prints ``{"ready": true}`` once joined, then answers one JSON line per command:
 
@@ -8,28 +9,48 @@ Prints ``{"ready": true}`` once joined, then answers one JSON line per command:
   tensor set `tensor_set(N, M)` (snapshot).
 - ``{"op": "fetch", "version": V, "verify": bool|null}`` -> fetch stats, plus
   ``"exact"``: whether the fetched tensors equal `tensor_set(seed, mb)` of the last
-  ``expect`` command.
+  ``expect`` command, or, when the command has ``"seeds": {"V": N, ...}`` and
+  ``"mb": M``, `tensor_set(N, M)` for the version V it fetched (``"latest"`` too).
 - ``{"op": "expect", "seed": N, "mb": M}`` -> ``{}``: what fetches must reproduce.
-- ``{"op": "retract", "version": V, "wait": S}`` -> ``{"state": ...}``.
-- ``{"op": "corrupt"}`` -> ``{}``: flips one byte in every chunk of the active version.
+- ``{"op": "retract", "version": V, "wait": S, "scribble": bool}`` ->
+  ``{"version": V, "state": ...}``; V ``"spare"`` is the oldest version exposed in a
+  buffer other than the active one (``{"version": null}`` and no retract if none).
+  With ``scribble``, once the state is ``"done"`` the store reuses the memory at
+  once, as contract 1 allows: the bytes of every buffer of V but the active one are
+  overwritten and the buffer forgets V (``"scribbled"``: how many).
+- ``{"op": "release", "version": V, "wait": S}`` -> ``{}``: `ModelStore.release`.
+- ``{"op": "corrupt", "version": V}`` -> ``{"corrupted": bool}``: flips one byte in
+  every chunk of the buffer holding V (default: the active version), if any.
+- ``{"op": "held"}`` -> ``{"active": V, "buffers": [...]}``: the store's versions.
 - ``{"op": "served"}`` -> ``{"bytes": N}``: bytes this worker served.
 - ``{"op": "exit"}``.
 
-Errors come back as ``{"error": "TypeName", "message": ...}``. `--read-delay` makes
-every read sleep first, and reads one chunk at a time (`FetchOptions.read_bytes`),
-so a test can act while a fetch is in flight.
+Errors come back as ``{"error": "TypeName", "message": ..., "fabric": bool}``
+(``fabric``: a `fabric.errors.FabricError`; otherwise ``"trace"`` holds the
+traceback). `--read-delay` makes every read sleep first, and reads one chunk at a
+time (`FetchOptions.read_bytes`), so a test can act while a fetch is in flight;
+`--read-timeout` and `--deadline` set the fetches' `FetchOptions` (10 s, 120 s).
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
+import os
 import sys
 import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
 import fabric
+from fabric.errors import FabricError
 from fabric.fetch import FetchOptions
+from fabric.store import ModelStore
 
 CHUNK = 1 << 20
 
@@ -49,35 +70,96 @@ def tensor_set(seed: int, mb: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def main() -> None:
-    url, name = sys.argv[1], sys.argv[2]
-    delay = float(sys.argv[sys.argv.index("--read-delay") + 1]) if "--read-delay" in sys.argv else 0
-    worker = fabric.join(url, worker=name)
+@functools.lru_cache(maxsize=8)
+def cached_tensor_set(seed: int, mb: int) -> dict[str, torch.Tensor]:
+    return tensor_set(seed, mb)
+
+
+def matches(store: ModelStore, expected: dict[str, torch.Tensor] | None) -> bool:
+    """Whether the store's tensors are exactly `expected`."""
+    got = store.tensors
+    return expected is not None and set(got) == set(expected) and all(
+        torch.equal(got[n], expected[n]) for n in expected)
+
+
+def corrupt(store: ModelStore, version: int | None) -> bool:
+    """Flip one byte of every chunk of the buffer holding `version` (None: the active one)."""
+    if version is None:
+        buffers = [store._active] if store._active is not None else []
+    else:
+        buffers = [b for b in store._buffers if b.version == version]
+    for buffer in buffers:
+        buffer.region.tensor[::CHUNK] ^= 0xFF
+    return bool(buffers)
+
+
+def scribble(store: ModelStore, version: int) -> int:
+    """Reuse the memory of every buffer of `version` but the active one, as its owner
+    may once the version is retracted: overwrite it and forget the version there."""
+    count = 0
+    with store._lock:
+        for buffer in store._buffers:
+            if buffer.version == version and buffer is not store._active:
+                assert buffer.exposed is None, "scribbling a buffer still exposed"
+                buffer.region.tensor.fill_(0xA5)
+                buffer.version = None
+                count += 1
+    return count
+
+
+def spare_version(store: ModelStore) -> int | None:
+    """The oldest version the store exposes in a buffer other than the active one."""
+    return min((b.version for b in store._buffers if b is not store._active
+                and b.exposed is not None and b.version is not None), default=None)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("name")
+    parser.add_argument("--read-delay", type=float, default=0.0)
+    parser.add_argument("--read-timeout", type=float, default=10.0)
+    parser.add_argument("--deadline", type=float, default=120.0)
+    return parser.parse_args(argv)
+
+
+def slow_reads(worker: fabric.Worker, delay: float) -> None:
+    """Make every read of `worker` sleep `delay` s first."""
+    original = worker.transport_for
+
+    def slow(source, **kwargs):
+        transport = original(source, **kwargs)
+        read = transport.read
+
+        class Slow:
+            name = transport.name
+
+            def read(self, *args, **kwargs):
+                time.sleep(delay)
+                return read(*args, **kwargs)
+
+        return Slow()
+
+    worker.transport_for = slow  # type: ignore[method-assign]
+
+
+def serve(argv: list[str], lines: Iterable[str], emit: Callable[[str], None]) -> None:
+    """Join as the worker `argv` names, then answer each JSON line of `lines` with one
+    through `emit`, until ``exit`` or the end of `lines`."""
+    args = parse_args(argv)
+    worker = fabric.join(args.url, worker=args.name)
+    delay = args.read_delay
     if delay:
-        original = worker.transport_for
-
-        def slow(source, **kwargs):
-            transport = original(source, **kwargs)
-            read = transport.read
-
-            class Slow:
-                name = transport.name
-
-                def read(self, *args, **kwargs):
-                    time.sleep(delay)
-                    return read(*args, **kwargs)
-
-            return Slow()
-
-        worker.transport_for = slow
+        slow_reads(worker, delay)
     store = worker.model("bench", chunk_size=CHUNK)
-    options = FetchOptions(read_timeout=10, deadline=120,
+    options = FetchOptions(read_timeout=args.read_timeout, deadline=args.deadline,
                            read_bytes=CHUNK if delay else FetchOptions.read_bytes)
     expected: dict[str, torch.Tensor] | None = None
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
+    emit(json.dumps({"ready": True}))
+    for line in lines:
         cmd = json.loads(line)
         op = cmd["op"]
+        out: dict[str, Any]
         try:
             if op == "exit":
                 break
@@ -90,23 +172,55 @@ def main() -> None:
                 stats = store.fetch(cmd.get("version", "latest"), verify=cmd.get("verify"),
                                     options=options)
                 out = stats.to_dict()
-                got = store.tensors
-                out["exact"] = expected is not None and set(got) == set(expected) and all(
-                    torch.equal(got[n], expected[n]) for n in expected)
+                seeds = cmd.get("seeds")
+                if seeds is not None:
+                    seed = seeds.get(str(stats.version))
+                    expected = None if seed is None else cached_tensor_set(seed, cmd["mb"])
+                out["exact"] = matches(store, expected)
             elif op == "retract":
-                out = {"state": store.retract(cmd["version"], wait=cmd.get("wait", 30))}
-            elif op == "corrupt":
-                data = store._active.region.tensor
-                data[::CHUNK] ^= 0xFF
+                version = cmd["version"] if cmd["version"] != "spare" else spare_version(store)
+                out = {"version": version}
+                if version is not None:
+                    out["state"] = store.retract(version, wait=cmd.get("wait", 30))
+                    if cmd.get("scribble") and out["state"] == "done":
+                        out["scribbled"] = scribble(store, version)
+            elif op == "release":
+                store.release(cmd["version"], wait=cmd.get("wait", 30))
                 out = {}
+            elif op == "corrupt":
+                out = {"corrupted": corrupt(store, cmd.get("version"))}
+            elif op == "held":
+                out = {"active": store.version, "buffers": [b.version for b in store._buffers]}
             elif op == "served":
                 out = {"bytes": worker.bytes_served}
             else:
                 out = {"error": "ValueError", "message": f"unknown op {op!r}"}
         except Exception as exc:  # reported to the test, which decides
-            out = {"error": type(exc).__name__, "message": str(exc)}
-        print(json.dumps(out), flush=True)
+            out = {"error": type(exc).__name__, "message": str(exc),
+                   "fabric": isinstance(exc, FabricError)}
+            if not out["fabric"]:
+                out["trace"] = traceback.format_exc()
+        emit(json.dumps(out))
     worker.close()
+
+
+def forked(argv: list[str], env: dict[str, str], conn: Connection) -> None:
+    """`serve` in a process forked by `multiprocessing` (a forkserver that imported
+    this module starts it in milliseconds): JSON lines over `conn` both ways."""
+    os.environ.update(env)
+
+    def lines() -> Iterator[str]:
+        while True:
+            try:
+                yield conn.recv()
+            except EOFError:
+                return
+
+    serve(argv, lines(), conn.send)
+
+
+def main() -> None:
+    serve(sys.argv[1:], sys.stdin, lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":
