@@ -84,6 +84,7 @@ class Member:
     paused: bool = False
     corrupted: set[int] = field(default_factory=set)  # versions whose bytes were flipped here
     pending: Pending | None = None  # the command it is busy with
+    future: Pending | None = None  # a fetch_async whose result was not asked for yet
 
 
 @dataclass
@@ -261,6 +262,9 @@ class Chaos:
         for m in [self.trainer, *self.rollouts]:
             if m.pending is not None:
                 self.collect(m)
+            if m.future is not None:
+                self.ask_result(m)
+                self.collect(m)
         self.wait_joined()
         self.settle(latest)
 
@@ -290,19 +294,33 @@ class Chaos:
         self.tainted.add(version)
 
     def start_fetch(self, m: Member, latest: int, previous: int | None) -> None:
-        """`m` fetches the latest version, or the previous one (still retained)."""
+        """`m` fetches the latest version, or the previous one (still retained); in the
+        background (`fetch_async`) half the time, so it takes commands meanwhile."""
         target: int | str = "latest"
         if previous is not None and previous not in m.corrupted and self.rng.random() < 0.4:
             target = previous
         version = latest if target == "latest" else target
         verify = True if version in self.tainted else self.rng.choice([None, None, True])
-        self.send(m, "fetch", must_succeed=True, expect=version, version=target,
-                  verify=verify, seeds={str(v): s for v, s in self.seeds.items()}, mb=MB)
+        args = {"version": target, "verify": verify, "mb": MB,
+                "seeds": {str(v): s for v, s in self.seeds.items()}}
+        if self.rng.random() < 0.5:
+            self.send(m, "fetch", must_succeed=True, expect=version, **args)
+            return
+        self.send(m, "fetch_async", **args)
+        self.collect(m)
+        m.future = Pending("fetch", args, time.monotonic(), True, version)
+
+    def ask_result(self, m: Member) -> None:
+        """Ask for the result of `m`'s fetch_async: collected as a fetch sent back then."""
+        assert m.future is not None and m.pending is None
+        m.pending, m.future = m.future, None
+        self.note(f"{m.proc.name}: result")
+        m.proc.send("result", timeout=max(0.1, REPLY_BOUND - (time.monotonic() - m.pending.sent)))
 
     def actions(self) -> list[tuple[float, Callable[[], None]]]:
         """What happens while the round's fetches run: (offset, action)."""
         kinds = [self.kill_one, self.kill_one, self.pause_one, self.join_one,
-                 self.retract_trainer, self.retract_rollout, lambda: None]
+                 self.retract_trainer, self.retract_rollout, self.reopen_one, lambda: None]
         chosen = self.rng.sample(kinds, self.rng.randint(1, 4))
         return sorted(((self.rng.uniform(0.02, 0.6), action) for action in chosen),
                       key=lambda a: a[0])
@@ -350,14 +368,38 @@ class Chaos:
             self.send(self.trainer, "retract", version=version, wait=RETRACT_WAIT,
                       scribble=True)
 
-    def retract_rollout(self) -> None:
-        """An idle rollout retracts a version it serves: an older one, then overwrites
-        that memory, or the one its tensors use."""
+    def idle_rollout(self) -> Member | None:
+        """A rollout that takes a command now (its fetch_async may be running)."""
         idle = [m for m in self.rollouts if m.pending is None and m.joined]
-        if idle:
-            version = self.rng.choice(["spare", "spare", self.versions[-1]])
-            self.send(self.rng.choice(idle), "retract", version=version, wait=RETRACT_WAIT,
-                      scribble=True)
+        return self.rng.choice(idle) if idle else None
+
+    def retract_rollout(self) -> None:
+        """An idle rollout retracts an older version it serves, then overwrites that
+        memory, or retracts the latest (its tensors' or the one it is fetching), or
+        releases the previous one."""
+        m = self.idle_rollout()
+        if m is None:
+            return
+        how = self.rng.choice(["spare", "spare", "latest", "release"])
+        version: int | str = {"spare": "spare", "latest": self.versions[-1],
+                              "release": self.versions[-2:][0]}[how]
+        if m.future is not None and m.future.expect == version:
+            m.future.must_succeed = False  # this ends its own fetch of that version
+        if how == "release":
+            self.send(m, "release", version=version, wait=RETRACT_WAIT)
+        else:
+            self.send(m, "retract", version=version, wait=RETRACT_WAIT, scribble=True)
+
+    def reopen_one(self) -> None:
+        """An idle rollout closes its store (cancelling its fetch_async) and opens a
+        new one, which knows nothing (its first fetch learns the layout from the hub)."""
+        m = self.idle_rollout()
+        if m is None:
+            return
+        if m.future is not None:
+            m.future.must_succeed = False
+        m.corrupted.clear()
+        self.send(m, "reopen")
 
     def settle(self, latest: int) -> None:
         """Every live rollout fetches the latest version, which must work bit-exactly
