@@ -5,7 +5,9 @@ answer reconnects with exponential backoff and resends the *same* request id, so
 the hub runs it at most once (it answers repeats from its reply cache). When a
 reply carries a new hub epoch (the hub restarted), the client re-registers the
 worker and everything it holds (`HubState.restore`) and retries the call once if
-it failed for lack of that state. A daemon thread heartbeats every
+it failed for lack of that state; so it does when the hub no longer knows the
+worker because its lease ran out (the process was paused longer than a lease),
+whichever of its calls hears it first. A daemon thread heartbeats every
 ``lease_s / 3`` on a socket of its own, so a caller's long poll never delays
 it; the caller's threads share the main DEALER socket under a lock.
 """
@@ -39,6 +41,7 @@ from fabric.zmq_util import endpoint, make_socket
 log = logging.getLogger("fabric.client")
 
 _RESTORE_RETRY = (UnknownWorkerError, UnknownFetchError)
+_NO_REREGISTER = ("register", "restore", "unregister")
 MAX_KV_VALUE = 64 * 1024      # the hub's limit (fabric.hub_state.MAX_KV_VALUE), checked early
 
 
@@ -141,6 +144,8 @@ class HubClient:
         self._socks: dict[str, zmq.Socket] = {}
         self._closed = False
         self._restoring = False
+        self._registrations = 0  # counts `_register` calls (see `_register_again`)
+        self._register_lock = threading.Lock()
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._want_heartbeat = heartbeat
@@ -211,6 +216,7 @@ class HubClient:
                 raise HubUnavailableError("this hub client is closed; connect again")
             with self._lock:
                 req_id = next(self._ids)
+                registrations = self._registrations
             data = encode(REQUEST, req_id, self.session, op, args,
                           max_size=self.max_message_size)
             msg = self._exchange(channel, op, req_id, data, limit, wait_s)
@@ -223,6 +229,12 @@ class HubClient:
             if msg.kind == ERROR and not retried and msg.name in (
                     e.code for e in _RESTORE_RETRY):
                 return self._call_once(op, args, timeout, wait_s, channel, retried=True)
+        elif (msg.kind == ERROR and msg.name == UnknownWorkerError.code and not retried
+              and self.worker is not None and op not in _NO_REREGISTER):
+            # The lease ran out and the hub dropped this worker before running the call:
+            # register again with what it holds, and retry.
+            self._register_again(channel, registrations)
+            return self._call_once(op, args, timeout, wait_s, channel, retried=True)
         if msg.kind == ERROR:
             raise hub_error_from_wire(msg.name, str(msg.body.get("message", "")))
         return msg.body
@@ -282,6 +294,7 @@ class HubClient:
                                      "endpoints": self.endpoints}, channel=channel)
         self.lease_s = float(out["lease_s"])
         with self._lock:
+            self._registrations += 1
             holdings = [h.to_wire() for h in self._holdings.values()]
         if holdings:
             res = self.call("restore", {"worker": self.worker, "holdings": holdings},
@@ -289,6 +302,14 @@ class HubClient:
             for model, version, shard, why in res["rejected"]:
                 log.warning("hub refused restored replica model=%s version=%s shard=%s: %s",
                             model, version, shard, why)
+
+    def _register_again(self, channel: str, registrations: int) -> None:
+        """Register the worker again after its lease ran out, unless another thread
+        did since the failed call was sent (`registrations` was the count then)."""
+        with self._register_lock:
+            if self._registrations == registrations:
+                log.warning("lease of worker=%s had expired; registering again", self.worker)
+                self._register(channel)
 
     def heartbeat(self, *, channel: str = "main") -> dict[str, Any]:
         """Renew the lease now, and claim the versions this client is publishing (a
@@ -302,12 +323,7 @@ class HubClient:
             publishing = sorted({(h.model, h.version) for h in self._holdings.values()
                                  if h.publisher and h.state == "publishing"})
         args = {"worker": self.worker, "publishing": [list(p) for p in publishing]}
-        try:
-            out = self.call("heartbeat", args, channel=channel)
-        except UnknownWorkerError:
-            log.warning("lease of worker=%s had expired; registering again", self.worker)
-            self._register(channel)
-            out = self.call("heartbeat", args, channel=channel)
+        out = self.call("heartbeat", args, channel=channel)  # registers again if need be
         for fid, workers in out["lost"].items():  # a new set: fetches read it unlocked
             self.lost[fid] = self.lost.get(fid, set()) | set(workers)
         self.retired.update((m, v) for m, v in out["retired"])

@@ -411,6 +411,12 @@ class HubState:
                 raise InvalidStateError(
                     f"{worker!r} is already fetching {model!r} v{number} shard {shard} as "
                     f"fetch {fid!r}; resume it with fetch_id={fid!r} or release it first")
+        if rep is not None and not rep.complete and rep.status != LIVE:
+            # The partial replica of a fetch that ended (failed, released, retracted), kept
+            # retracting while peers' fetches still name this worker: this fetch starts a
+            # new one (the worker exposes it anew; its read server drains the old one).
+            self._index.remove_replica(v, (worker, shard))
+            rep = None
         if rep is not None and (rep.complete or rep.status != LIVE):
             raise InvalidStateError(f"{worker!r} already holds {model!r} v{number} shard {shard}"
                                     + (" (retracting)" if rep.status != LIVE else ""))

@@ -1,6 +1,7 @@
 """A fabric worker in its own process, driven by JSON lines on stdin (for tests).
 
 Usage: python tests/fabric_process.py HUB_URL WORKER_NAME [--read-delay S]
+       [--read-timeout S] [--deadline S]
 
 Prints ``{"ready": true}`` once joined, then answers one JSON line per command:
 
@@ -8,28 +9,54 @@ Prints ``{"ready": true}`` once joined, then answers one JSON line per command:
   tensor set `tensor_set(N, M)` (snapshot).
 - ``{"op": "fetch", "version": V, "verify": bool|null}`` -> fetch stats, plus
   ``"exact"``: whether the fetched tensors equal `tensor_set(seed, mb)` of the last
-  ``expect`` command.
+  ``expect`` command, or, when the command has ``"seeds": {"V": N, ...}`` and
+  ``"mb": M``, `tensor_set(N, M)` for the version V it fetched (``"latest"`` too).
+- ``{"op": "fetch_async", ...}`` (as ``fetch``) -> ``{"started": true}`` at once; then
+  ``{"op": "result", "timeout": S}`` -> what ``fetch`` answers, once the fetch is done
+  (commands in between are answered meanwhile).
+- ``{"op": "reopen"}`` -> ``{}``: closes the store (cancelling a fetch in flight) and
+  opens a new one.
 - ``{"op": "expect", "seed": N, "mb": M}`` -> ``{}``: what fetches must reproduce.
-- ``{"op": "retract", "version": V, "wait": S}`` -> ``{"state": ...}``.
-- ``{"op": "corrupt"}`` -> ``{}``: flips one byte in every chunk of the active version.
+- ``{"op": "retract", "version": V, "wait": S, "scribble": bool}`` ->
+  ``{"version": V, "state": ...}``; V ``"spare"`` is the oldest version exposed in a
+  buffer other than the active one (``{"version": null}`` and no retract if none).
+  With ``scribble``, once the state is ``"done"`` the store reuses the memory at
+  once, as contract 1 allows: the bytes of every buffer of V but the active one (and
+  one a future will switch to) are overwritten and the buffer forgets V
+  (``"scribbled"``: how many).
+- ``{"op": "release", "version": V, "wait": S}`` -> ``{}``: `ModelStore.release`.
+- ``{"op": "corrupt", "version": V}`` -> ``{"corrupted": bool}``: flips one byte in
+  every chunk of the buffer holding V (default: the active version), if any.
+- ``{"op": "held"}`` -> ``{"active": V, "buffers": [...]}``: the store's versions.
 - ``{"op": "served"}`` -> ``{"bytes": N}``: bytes this worker served.
 - ``{"op": "exit"}``.
 
-Errors come back as ``{"error": "TypeName", "message": ...}``. `--read-delay` makes
-every read sleep first, and reads one chunk at a time (`FetchOptions.read_bytes`),
-so a test can act while a fetch is in flight.
+Errors come back as ``{"error": "TypeName", "message": ..., "fabric": bool}``
+(``fabric``: a `fabric.errors.FabricError`; otherwise ``"trace"`` holds the
+traceback). `--read-delay` makes every read sleep first, and reads one chunk at a
+time (`FetchOptions.read_bytes`), so a test can act while a fetch is in flight;
+`--read-timeout` and `--deadline` set the fetches' `FetchOptions` (10 s, 120 s).
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
+import os
 import sys
 import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
 import fabric
-from fabric.fetch import FetchOptions
+from fabric.errors import FabricError
+from fabric.fetch import FetchOptions, FetchStats
+from fabric.store import FetchFuture, ModelStore
 
 CHUNK = 1 << 20
 
@@ -49,64 +76,209 @@ def tensor_set(seed: int, mb: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def main() -> None:
-    url, name = sys.argv[1], sys.argv[2]
-    delay = float(sys.argv[sys.argv.index("--read-delay") + 1]) if "--read-delay" in sys.argv else 0
-    worker = fabric.join(url, worker=name)
-    if delay:
-        original = worker.transport_for
+@functools.lru_cache(maxsize=8)
+def cached_tensor_set(seed: int, mb: int) -> dict[str, torch.Tensor]:
+    return tensor_set(seed, mb)
 
-        def slow(source, **kwargs):
-            transport = original(source, **kwargs)
-            read = transport.read
 
-            class Slow:
-                name = transport.name
+def matches(store: ModelStore, expected: dict[str, torch.Tensor] | None) -> bool:
+    """Whether the store's tensors are exactly `expected`."""
+    got = store.tensors
+    return expected is not None and set(got) == set(expected) and all(
+        torch.equal(got[n], expected[n]) for n in expected)
 
-                def read(self, *args, **kwargs):
-                    time.sleep(delay)
-                    return read(*args, **kwargs)
 
-            return Slow()
+def corrupt(store: ModelStore, version: int | None) -> bool:
+    """Flip one byte of every chunk of the buffer holding `version` (None: the active one)."""
+    if version is None:
+        buffers = [store._active] if store._active is not None else []
+    else:
+        buffers = [b for b in store._buffers if b.version == version]
+    for buffer in buffers:
+        buffer.region.tensor[::CHUNK] ^= 0xFF
+    return bool(buffers)
 
-        worker.transport_for = slow
-    store = worker.model("bench", chunk_size=CHUNK)
-    options = FetchOptions(read_timeout=10, deadline=120,
-                           read_bytes=CHUNK if delay else FetchOptions.read_bytes)
-    expected: dict[str, torch.Tensor] | None = None
-    print(json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd["op"]
+
+def scribble(store: ModelStore, version: int) -> int:
+    """Reuse the memory of every buffer of `version` but the active one, as its owner
+    may once the version is retracted: overwrite it and forget the version there."""
+    count = 0
+    with store._lock:
+        for buffer in store._buffers:
+            if buffer.version == version and buffer is not store._active and not buffer.pending:
+                assert buffer.exposed is None, "scribbling a buffer still exposed"
+                buffer.region.tensor.fill_(0xA5)
+                buffer.version = None
+                count += 1
+    return count
+
+
+def spare_version(store: ModelStore) -> int | None:
+    """The oldest version the store exposes complete in a buffer other than the active
+    one (not one a fetch is filling, nor one a future will switch to)."""
+    return min((b.version for b in store._buffers
+                if b is not store._active and not b.pending and b.version is not None
+                and b.exposed is not None and b.exposed.progress.count
+                == b.exposed.progress.num_chunks), default=None)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("url")
+    parser.add_argument("name")
+    parser.add_argument("--read-delay", type=float, default=0.0)
+    parser.add_argument("--read-timeout", type=float, default=10.0)
+    parser.add_argument("--deadline", type=float, default=120.0)
+    return parser.parse_args(argv)
+
+
+def slow_reads(worker: fabric.Worker, delay: float) -> None:
+    """Make every read of `worker` sleep `delay` s first."""
+    original = worker.transport_for
+
+    def slow(source, **kwargs):
+        transport = original(source, **kwargs)
+        read = transport.read
+
+        class Slow:
+            name = transport.name
+
+            def read(self, *args, **kwargs):
+                time.sleep(delay)
+                return read(*args, **kwargs)
+
+        return Slow()
+
+    worker.transport_for = slow  # type: ignore[method-assign]
+
+
+class Session:
+    """A worker's store and what the commands left behind, with one ``op_*`` method
+    per command."""
+
+    def __init__(self, worker: fabric.Worker, options: FetchOptions) -> None:
+        self.worker, self.options = worker, options
+        self.store = worker.model("bench", chunk_size=CHUNK)
+        self.expected: dict[str, torch.Tensor] | None = None
+        self.future: FetchFuture | None = None
+        self.future_cmd: dict[str, Any] = {}
+
+    def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The reply to one command: its result, or the error it raised."""
+        handler = getattr(self, f"op_{cmd['op']}", None)
+        if handler is None:
+            return {"error": "ValueError", "message": f"unknown op {cmd['op']!r}", "fabric": False}
         try:
-            if op == "exit":
-                break
-            if op == "publish":
-                out = {"version": store.publish(tensor_set(cmd["seed"], cmd["mb"]))}
-            elif op == "expect":
-                expected = tensor_set(cmd["seed"], cmd["mb"])
-                out = {}
-            elif op == "fetch":
-                stats = store.fetch(cmd.get("version", "latest"), verify=cmd.get("verify"),
-                                    options=options)
-                out = stats.to_dict()
-                got = store.tensors
-                out["exact"] = expected is not None and set(got) == set(expected) and all(
-                    torch.equal(got[n], expected[n]) for n in expected)
-            elif op == "retract":
-                out = {"state": store.retract(cmd["version"], wait=cmd.get("wait", 30))}
-            elif op == "corrupt":
-                data = store._active.region.tensor
-                data[::CHUNK] ^= 0xFF
-                out = {}
-            elif op == "served":
-                out = {"bytes": worker.bytes_served}
-            else:
-                out = {"error": "ValueError", "message": f"unknown op {op!r}"}
+            return handler(cmd)
         except Exception as exc:  # reported to the test, which decides
-            out = {"error": type(exc).__name__, "message": str(exc)}
-        print(json.dumps(out), flush=True)
+            out = {"error": type(exc).__name__, "message": str(exc),
+                   "fabric": isinstance(exc, FabricError)}
+            if not out["fabric"]:
+                out["trace"] = traceback.format_exc()
+            return out
+
+    def op_publish(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"version": self.store.publish(tensor_set(cmd["seed"], cmd["mb"]))}
+
+    def op_expect(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.expected = tensor_set(cmd["seed"], cmd["mb"])
+        return {}
+
+    def op_fetch(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        stats = self.store.fetch(cmd.get("version", "latest"), verify=cmd.get("verify"),
+                                 options=self.options)
+        return self.checked(stats, cmd)
+
+    def op_fetch_async(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        if self.future is not None:
+            raise ValueError("a fetch_async is still waiting for its result command")
+        self.future = self.store.fetch_async(cmd.get("version", "latest"),
+                                             verify=cmd.get("verify"), options=self.options)
+        self.future_cmd = cmd
+        return {"started": True}
+
+    def op_result(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        future, self.future = self.future, None
+        if future is None:
+            raise ValueError("no fetch_async to wait for")
+        return self.checked(future.result(timeout=cmd.get("timeout")), self.future_cmd)
+
+    def checked(self, stats: FetchStats, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The stats of a fetch, and whether the store's tensors are what it should give."""
+        out = stats.to_dict()
+        seeds = cmd.get("seeds")
+        if seeds is not None:
+            seed = seeds.get(str(stats.version))
+            self.expected = None if seed is None else cached_tensor_set(seed, cmd["mb"])
+        out["exact"] = matches(self.store, self.expected)
+        return out
+
+    def op_retract(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        version = cmd["version"] if cmd["version"] != "spare" else spare_version(self.store)
+        out: dict[str, Any] = {"version": version}
+        if version is not None:
+            out["state"] = self.store.retract(version, wait=cmd.get("wait", 30))
+            if cmd.get("scribble") and out["state"] == "done":
+                out["scribbled"] = scribble(self.store, version)
+        return out
+
+    def op_release(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self.store.release(cmd["version"], wait=cmd.get("wait", 30))
+        return {}
+
+    def op_reopen(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Close the store (a fetch in flight is cancelled) and open a new one."""
+        self.store.close()
+        self.store = self.worker.model("bench", chunk_size=CHUNK)
+        return {}
+
+    def op_corrupt(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"corrupted": corrupt(self.store, cmd.get("version"))}
+
+    def op_held(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"active": self.store.version,
+                "buffers": [b.version for b in self.store._buffers]}
+
+    def op_served(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {"bytes": self.worker.bytes_served}
+
+
+def serve(argv: list[str], lines: Iterable[str], emit: Callable[[str], None]) -> None:
+    """Join as the worker `argv` names, then answer each JSON line of `lines` with one
+    through `emit`, until ``exit`` or the end of `lines`."""
+    args = parse_args(argv)
+    worker = fabric.join(args.url, worker=args.name)
+    if args.read_delay:
+        slow_reads(worker, args.read_delay)
+    options = FetchOptions(read_timeout=args.read_timeout, deadline=args.deadline,
+                           read_bytes=CHUNK if args.read_delay else FetchOptions.read_bytes)
+    session = Session(worker, options)
+    emit(json.dumps({"ready": True}))
+    for line in lines:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        emit(json.dumps(session.run(cmd)))
     worker.close()
+
+
+def forked(argv: list[str], env: dict[str, str], conn: Connection) -> None:
+    """`serve` in a process forked by `multiprocessing` (a forkserver that imported
+    this module starts it in milliseconds): JSON lines over `conn` both ways."""
+    os.environ.update(env)
+
+    def lines() -> Iterator[str]:
+        while True:
+            try:
+                yield conn.recv()
+            except EOFError:
+                return
+
+    serve(argv, lines(), conn.send)
+
+
+def main() -> None:
+    serve(sys.argv[1:], sys.stdin, lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":

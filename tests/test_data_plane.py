@@ -7,104 +7,21 @@ are removed on their exit, and by `remove_stale_regions` after a SIGKILL.
 
 from __future__ import annotations
 
-import json
-import os
-import queue
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
-from timeouts import hard_timeout
+from procs import running_cluster
 
 import fabric
-from fabric.arena import PREFIX, SHM_DIR, remove_stale_regions
 
-ROOT = Path(__file__).resolve().parents[1]
 MB = 256
-
-
-class Proc:
-    """A `tests/fabric_process.py` worker process."""
-
-    def __init__(self, url: str, name: str, *, read_delay: float = 0.0) -> None:
-        args = [sys.executable, str(ROOT / "tests" / "fabric_process.py"), url, name]
-        if read_delay:
-            args += ["--read-delay", str(read_delay)]
-        self.name = name
-        self.proc = subprocess.Popen(args, cwd=ROOT, text=True, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE,
-                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
-        self._replies: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        assert self._next(60) == {"ready": True}
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self._replies.put(json.loads(line))
-        self._replies.put(None)
-
-    def _next(self, timeout: float) -> dict:
-        try:
-            reply = self._replies.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"{self.name} did not answer within {timeout} s") from None
-        assert reply is not None, f"{self.name} exited (code {self.proc.poll()})"
-        return reply
-
-    def send(self, op: str, **args) -> None:
-        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
-        self.proc.stdin.flush()
-
-    def ask(self, op: str, timeout: float = 120, **args) -> dict:
-        self.send(op, **args)
-        reply = self._next(timeout)
-        assert "error" not in reply, f"{self.name}: {reply}"
-        return reply
-
-    def reply(self, timeout: float = 120) -> dict:
-        reply = self._next(timeout)
-        assert "error" not in reply, f"{self.name}: {reply}"
-        return reply
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.send("exit")
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        self.kill()
 
 
 @pytest.fixture
 def cluster():
     """A hub (short leases) and a factory of worker processes, all torn down after."""
-    hub = fabric.serve("tcp://127.0.0.1:0", lease_s=2.0)
-    procs: list[Proc] = []
-
-    def spawn(name: str, **kw) -> Proc:
-        procs.append(Proc(hub.url, name, **kw))
-        return procs[-1]
-
-    try:
-        with hard_timeout(300):  # the whole test, whatever happens
-            yield hub, spawn
-    finally:
-        for p in procs:
-            p.close()
-        hub.stop()
-        remove_stale_regions()
-    leftovers = [p for p in SHM_DIR.glob(f"{PREFIX}-*") if int(p.name.split("-")[1]) in
-                 {p_.proc.pid for p_ in procs}]
-    assert not leftovers, f"arena files left behind: {leftovers}"
+    with running_cluster(lease_s=2.0, limit=300) as (hub, spawn):
+        yield hub, spawn
 
 
 def fetch_progress(url: str, worker: str) -> int:
@@ -210,5 +127,5 @@ def test_corrupted_replica_is_caught_by_checksums(cluster):
     reader = spawn("reader")
     reader.ask("expect", seed=5, mb=16)
     reader.send("fetch", version=version, verify=True)
-    reply = reader._next(120)
+    reply = reader.next_reply(120)
     assert reply.get("error") == "FetchError", reply

@@ -293,6 +293,41 @@ def test_expired_worker_leaves_plans_and_readers_learn(hub, clock, clients) -> N
     assert r2.latest("policy") is None
 
 
+def test_a_released_fetch_a_peer_still_names_can_be_begun_again(hub, clients) -> None:
+    # The released partial replica stays retracting while r2's fetch names r1; a new
+    # fetch of the version by r1 starts a new partial replica instead of failing
+    # (found by tests/test_chaos.py).
+    t, r1, r2 = clients("trainer"), clients("r1"), clients("r2")
+    v = publish(t)
+    first = r1.begin_fetch("policy", v)
+    r1.report_progress(first.fetch_id, [0])
+    assert "r1" in r2.begin_fetch("policy", v).workers
+    r1.release(first.fetch_id)
+    again = r1.begin_fetch("policy", v)
+    assert again.fetch_id != first.fetch_id
+    r1.report_progress(again.fetch_id, again.chunks())
+    assert r1.complete_fetch(again.fetch_id)["complete"]
+
+
+def test_a_worker_whose_lease_ran_out_registers_again_at_its_next_call(hub, clock,
+                                                                     clients) -> None:
+    # A process paused longer than its lease (SIGSTOP, a long GC, a VM hiccup) loses
+    # it; its next call must not fail for that (found by tests/test_chaos.py: a fetch
+    # right after SIGCONT raised UnknownWorkerError before the heartbeat thread had
+    # registered the worker again).
+    t, r = clients("trainer"), clients("r")
+    v = publish(t)
+    clock.advance(11)                       # both leases ran out
+    t.heartbeat()                           # the trainer comes back with its replica
+    plan = r.begin_fetch("policy", v)       # r's first call after the pause
+    assert set(plan.workers) == {"trainer"}
+    clock.advance(11)                       # again, mid-fetch
+    t.heartbeat()
+    r.report_progress(plan.fetch_id, plan.chunks())   # the fetch was restored with r
+    assert r.complete_fetch(plan.fetch_id)["complete"]
+    assert {w["worker"] for w in r.status()["workers"]} >= {"trainer", "r"}
+
+
 def test_unreachable_hub_fails_fast_with_clear_error() -> None:
     t0 = time.monotonic()
     with pytest.raises(HubUnavailableError, match="no hub answered"):

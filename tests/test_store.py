@@ -464,6 +464,30 @@ def test_a_failed_fetch_leaves_a_peer_copying_from_it_and_the_version_is_fetched
                 conn.close()
 
 
+def test_a_failed_fetch_that_a_peer_planned_to_read_from_is_fetched_again(hub):
+    """A peer's fetch names the reader among its sources when the reader's fetch fails:
+    the hub keeps the abandoned partial replica (retracting) until that peer's fetch
+    ends, and fetching the version again must not wait for that (found by
+    tests/test_chaos.py: it raised InvalidStateError "already holds ... (retracting)")."""
+    source, version, store = origin_and_reader(hub)
+    model = net(seed=9)
+    store.attach(model)
+    peer = hub("peer", NEAR)
+
+    def a_peer_plans_then_the_fetch_fails(done: int, total: int) -> None:
+        if done == 1:
+            plan = peer.hub.begin_fetch("m", version)  # began later: it may read the reader
+            assert "reader" in plan.workers
+            raise RuntimeError("injected failure")
+
+    with hard_timeout(40):
+        with pytest.raises(RuntimeError, match="injected failure"):
+            store.fetch(version, on_chunk=a_peer_plans_then_the_fetch_fails,
+                        options=FetchOptions(max_inflight=1, read_bytes=CHUNK))
+        assert store.fetch(version).version == version  # the peer's fetch is still open
+        assert same(model, source)
+
+
 def test_devices_are_checked_before_any_memory_is_taken(hub):
     worker = hub("w")
     with pytest.raises(ValueError, match="cpu or cuda, not meta"):
