@@ -40,7 +40,7 @@ from fabric.zmq_util import endpoint, make_socket
 
 log = logging.getLogger("fabric.client")
 
-_RESTORE_RETRY = (UnknownWorkerError, UnknownFetchError)
+_RESTORE_CODES = (UnknownWorkerError.code, UnknownFetchError.code)
 _NO_REREGISTER = ("register", "restore", "unregister")
 MAX_KV_VALUE = 64 * 1024      # the hub's limit (fabric.hub_state.MAX_KV_VALUE), checked early
 
@@ -144,8 +144,8 @@ class HubClient:
         self._socks: dict[str, zmq.Socket] = {}
         self._closed = False
         self._restoring = False
-        self._registrations = 0  # counts `_register` calls (see `_register_again`)
-        self._register_lock = threading.Lock()
+        self._registrations = 0  # registrations done, restore included (`_registered_since`)
+        self._register_lock = threading.RLock()  # held by a registration and its restore
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._want_heartbeat = heartbeat
@@ -223,17 +223,16 @@ class HubClient:
         with self._lock:
             epoch_changed = self.epoch is not None and msg.tag != self.epoch
             self.epoch = msg.tag
+        restore_retry = msg.kind == ERROR and not retried and msg.name in _RESTORE_CODES
         if epoch_changed and self.worker is not None and op not in ("register", "restore"):
             log.warning("hub restarted (new epoch); re-registering worker=%s", self.worker)
-            self._register(channel)
-            if msg.kind == ERROR and not retried and msg.name in (
-                    e.code for e in _RESTORE_RETRY):
+            with self._register_lock:
+                self._register(channel)
+            if restore_retry:
                 return self._call_once(op, args, timeout, wait_s, channel, retried=True)
-        elif (msg.kind == ERROR and msg.name == UnknownWorkerError.code and not retried
-              and self.worker is not None and op not in _NO_REREGISTER):
-            # The lease ran out and the hub dropped this worker before running the call:
-            # register again with what it holds, and retry.
-            self._register_again(channel, registrations)
+        elif (restore_retry and self.worker is not None and op not in _NO_REREGISTER
+              and self._registered_since(channel, registrations,
+                                         register=msg.name == UnknownWorkerError.code)):
             return self._call_once(op, args, timeout, wait_s, channel, retried=True)
         if msg.kind == ERROR:
             raise hub_error_from_wire(msg.name, str(msg.body.get("message", "")))
@@ -294,7 +293,6 @@ class HubClient:
                                      "endpoints": self.endpoints}, channel=channel)
         self.lease_s = float(out["lease_s"])
         with self._lock:
-            self._registrations += 1
             holdings = [h.to_wire() for h in self._holdings.values()]
         if holdings:
             res = self.call("restore", {"worker": self.worker, "holdings": holdings},
@@ -302,14 +300,21 @@ class HubClient:
             for model, version, shard, why in res["rejected"]:
                 log.warning("hub refused restored replica model=%s version=%s shard=%s: %s",
                             model, version, shard, why)
+        with self._lock:
+            self._registrations += 1  # complete: what it holds is restored too
 
-    def _register_again(self, channel: str, registrations: int) -> None:
-        """Register the worker again after its lease ran out, unless another thread
-        did since the failed call was sent (`registrations` was the count then)."""
+    def _registered_since(self, channel: str, registrations: int, *, register: bool) -> bool:
+        """Whether the worker was registered again, with what it holds, since a call that
+        the hub refused for lack of that state was sent (`registrations` was the count
+        then): by another thread (its restore is waited for), or now, when `register`
+        (the hub no longer knows the worker: its lease ran out, e.g. a long pause)."""
         with self._register_lock:
-            if self._registrations == registrations:
+            if self._registrations != registrations:
+                return True
+            if register:
                 log.warning("lease of worker=%s had expired; registering again", self.worker)
                 self._register(channel)
+            return register
 
     def heartbeat(self, *, channel: str = "main") -> dict[str, Any]:
         """Renew the lease now, and claim the versions this client is publishing (a

@@ -328,6 +328,35 @@ def test_a_worker_whose_lease_ran_out_registers_again_at_its_next_call(hub, cloc
     assert {w["worker"] for w in r.status()["workers"]} >= {"trainer", "r"}
 
 
+def test_a_call_racing_the_heartbeats_registration_waits_for_its_restore(hub, clock,
+                                                                         clients) -> None:
+    # The heartbeat thread registers the worker again after its lease ran out; a fetch's
+    # call landing between that register and the restore of the fetch heard "no fetch"
+    # (UnknownFetchError); it must wait for the restore and retry (found by
+    # tests/test_chaos.py, a reader SIGSTOPped for longer than its lease).
+    t, r = clients("trainer"), clients("r")
+    plan = r.begin_fetch("policy", publish(t))
+    clock.advance(11)                       # both leases ran out
+    t.heartbeat()
+    call, restoring = r.call, threading.Event()
+
+    def slow_restore(op, args, **kw):
+        if op == "restore":
+            restoring.set()
+            time.sleep(0.5)                 # the fetch's call arrives meanwhile
+        return call(op, args, **kw)
+
+    r.call = slow_restore
+    heartbeat = threading.Thread(target=r.heartbeat, kwargs={"channel": "heartbeat"})
+    heartbeat.start()
+    try:
+        assert restoring.wait(5)            # registered again, its fetch not restored yet
+        out = r.report_progress(plan.fetch_id, plan.chunks())
+        assert out["have"] == out["num_chunks"]
+    finally:
+        heartbeat.join(10)
+
+
 def test_unreachable_hub_fails_fast_with_clear_error() -> None:
     t0 = time.monotonic()
     with pytest.raises(HubUnavailableError, match="no hub answered"):
