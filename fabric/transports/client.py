@@ -76,10 +76,12 @@ class ConnectionPool:
         """
         key = (source.host, source.port)
         with self._lock:
-            idle = self._idle.get(key, [])
-            stale = [c for c, since in idle if time.monotonic() - since > POOL_IDLE_S]
-            idle[:] = [(c, since) for c, since in idle if c not in stale]
-            conn = idle.pop()[0] if idle else None
+            now, idle = time.monotonic(), self._idle.pop(key, [])
+            stale = [c for c, since in idle if now - since > POOL_IDLE_S]
+            fresh = [(c, since) for c, since in idle if now - since <= POOL_IDLE_S]
+            conn = fresh.pop()[0] if fresh else None
+            if fresh:
+                self._idle[key] = fresh
         for old in stale:
             old.close()
         if conn is None:

@@ -413,11 +413,16 @@ class ReadServer:
                payload: bytes | memoryview = b"") -> None:
         """Send a reply within `SEND_GRACE` + its bytes / `MIN_SEND_RATE` seconds
         (``socket.timeout``, an OSError, past that: the caller drops the connection)."""
-        msg = message.encode()
         conn.settimeout(SEND_GRACE + len(payload) / MIN_SEND_RATE)
-        conn.sendall(REPLY.pack(status, len(msg), len(payload)) + msg)
+        conn.sendall(_header(status, message, len(payload)))
         if len(payload):
             conn.sendall(payload)
+
+
+def _header(status: Status, message: str, payload_len: int = 0) -> bytes:
+    """A reply's header and message (its payload follows)."""
+    msg = message.encode()
+    return REPLY.pack(status, len(msg), payload_len) + msg
 
 
 def _bad_header(magic: bytes, name_len: int) -> str:
@@ -436,8 +441,7 @@ def _send_notice(conn: socket.socket) -> None:
     Never blocks (it is sent under the server's notice lock): a reader whose
     connection cannot take these few bytes at once is not reading it, and is cut off.
     """
-    msg = b"retracted: unmap it"
-    notice = REPLY.pack(Status.NOT_FOUND, len(msg), 0) + msg
+    notice = _header(Status.NOT_FOUND, "retracted: unmap it")
     try:
         if conn.send(notice, socket.MSG_DONTWAIT) == len(notice):
             return
