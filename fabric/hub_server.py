@@ -13,6 +13,7 @@ Use `serve` for a hub on a background thread, `HubServer.serve_forever` for the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -138,11 +139,15 @@ class HubServer:
 
     # ------------------------------------------------------------------ loop
     def _run(self, on_ready: Callable[[str], None] | None = None) -> None:
+        sock = None
         try:
             sock = make_socket(zmq.ROUTER, max_message_size=self.max_message_size)
             sock.bind(endpoint(self.requested_url, bind=True))
-            self.url = url_of(sock.getsockopt_string(zmq.LAST_ENDPOINT), self.requested_url)
+            bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.url = url_of(bound, self.requested_url)
         except BaseException as exc:
+            if sock is not None:
+                sock.close(0)
             self._error = exc
             self._ready.set()
             return
@@ -162,6 +167,10 @@ class HubServer:
                         self._guarded(self._handle, frames)
                 self._guarded(self._tick)
         finally:
+            # zmq frees an address when its reaper thread gets to the closed socket;
+            # unbinding first frees it now, so a hub restarted at once can bind it.
+            with contextlib.suppress(zmq.ZMQError):
+                sock.unbind(bound)
             sock.close(0)
             log.info("hub stopped url=%s", self.url)
 

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import zmq
 from hub_helpers import FakeClock, OffsetClock, small_manifest
 
 import fabric
@@ -25,6 +26,7 @@ from fabric.errors import (
 )
 from fabric.hub_state import MAX_CHUNKS
 from fabric.manifest import Manifest, TensorSpec
+from fabric.zmq_util import endpoint, make_socket
 
 _names = itertools.count()
 
@@ -456,3 +458,15 @@ def test_replies_of_read_only_operations_are_not_cached(hub, clients) -> None:
     with pytest.raises(UnknownFetchError):
         r.group_status("policy", "nope")
     assert len(hub._replies) == cached
+
+
+def test_a_hub_restarted_at_once_binds_the_same_address() -> None:
+    url = f"memory://rebind-{next(_names)}"
+    peer = make_socket(zmq.DEALER, max_message_size=1 << 20)
+    try:
+        for _ in range(100):  # zmq frees a closed socket's address later unless unbound
+            hub = fabric.serve(url)
+            peer.connect(endpoint(url, bind=False))  # a connected peer delays it more
+            hub.stop()
+    finally:
+        peer.close(0)
