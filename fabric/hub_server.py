@@ -96,6 +96,7 @@ class HubServer:
         self._replies: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._replies_size = 0    # bytes in self._replies
         self._parked: dict[tuple[str, int], _Parked] = {}
+        self._last_step = time.monotonic()  # when the loop last read requests or ticked
         self._seen_generation = -1
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -152,6 +153,7 @@ class HubServer:
             self._ready.set()
             return
         self._sock = sock
+        self._last_step = time.monotonic()
         log.info("hub serving url=%s epoch=%s state_dir=%s", self.url, self.epoch, self.state_dir)
         self._ready.set()
         if on_ready is not None:
@@ -181,6 +183,10 @@ class HubServer:
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         """Run one step of the loop; a bug in it is logged, never ends the loop."""
+        now = time.monotonic()  # real time even under a test clock: a stall is real
+        if now - self._last_step > self.state.lease_s / 3:   # a heartbeat period
+            self.state.forgive_stall(now - self._last_step)
+        self._last_step = now
         try:
             fn(*args)
         except Exception:

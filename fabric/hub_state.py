@@ -248,6 +248,20 @@ class HubState:
             self._settle()
         return dead
 
+    def forgive_stall(self, stalled_s: float) -> None:
+        """The hub read no request for ``stalled_s`` s (its process was paused, or one
+        request took that long), so heartbeats may be waiting unread: push every
+        worker's lease and every publish claim back by that time, so that nobody is
+        dropped, nor a version retired, for time the hub did not listen."""
+        for rec in self.workers.values():   # the same shift for all keeps their order
+            rec.expires += stalled_s
+        for m in self.models.values():
+            for v in m.versions.values():
+                if v.state == PUBLISHING and v.claimed_until:
+                    v.claimed_until += stalled_s   # `Leases.lapsed` re-queues it
+        log.warning("hub read no request for %.1f s; leases and publish claims pushed back "
+                    "as much", stalled_s)
+
     # ----------------------------------------------------------------- publish
     def begin_publish(self, model: str, worker: str, manifest: Manifest, *, session: str,
                       shard: int = 0, num_shards: int = 1, group: str | None = None

@@ -11,7 +11,7 @@ import zmq
 from hub_helpers import FakeClock, OffsetClock, small_manifest
 
 import fabric
-from fabric import hub_server
+from fabric import hub_ops, hub_server
 from fabric.errors import (
     DuplicateWorkerError,
     GroupAbortedError,
@@ -328,6 +328,32 @@ def test_a_worker_whose_lease_ran_out_registers_again_at_its_next_call(hub, cloc
     r.report_progress(plan.fetch_id, plan.chunks())   # the fetch was restored with r
     assert r.complete_fetch(plan.fetch_id)["complete"]
     assert {w["worker"] for w in r.status()["workers"]} >= {"trainer", "r"}
+
+
+def test_a_hub_that_stalls_longer_than_a_lease_drops_nobody(monkeypatch, caplog) -> None:
+    # Heartbeats sent while the hub's loop is stuck wait unread in its queue; the time
+    # it did not read must not count against leases or publish claims.
+    hub = fabric.serve(f"memory://stall-{next(_names)}", lease_s=1.5)
+    stall = threading.Event()
+
+    def ping_that_stalls(state, session, args):
+        if stall.is_set():                  # once: the client retries a slow call
+            stall.clear()
+            time.sleep(2.5)                 # the whole loop waits: no heartbeat is read
+        return {"pong": True}
+
+    monkeypatch.setitem(hub_ops.OPS, "ping", ping_that_stalls)
+    try:
+        with fabric.connect(hub.url, worker="t", timeout=10) as t, \
+                fabric.connect(hub.url, timeout=10) as other:
+            v = t.begin_publish("policy", small_manifest())
+            stall.set()
+            other.call("ping", {})
+            time.sleep(0.6)                 # heartbeats after the stall are read
+            assert t.commit("policy", v) == "committed"
+    finally:
+        hub.stop()
+    assert "worker dropped" not in caplog.text and "orphaned" not in caplog.text
 
 
 def test_a_call_racing_the_heartbeats_registration_waits_for_its_restore(hub, clock,

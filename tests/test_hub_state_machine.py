@@ -142,6 +142,16 @@ class HubMachine(RuleBasedStateMachine):
             self.hub.register(victim, session=victim, location=loc)
             self.hub.restore(victim, session=victim, holdings=held)
 
+    @rule(dt=st.floats(0, 3 * LEASE))
+    def hub_stalls(self, dt: float) -> None:
+        """The hub reads no request for ``dt`` (its server forgives that much): nobody
+        is dropped, and orphans wait that much longer."""
+        self.clock.advance(dt)
+        self.hub.forgive_stall(dt)
+        self.hub._leases.check(self.hub.workers)
+        assert self.hub.expire() == []
+        self.orphans = {key: since + dt for key, since in self.orphans.items()}
+
     @rule(m=st.sampled_from(MODELS), w=st.sampled_from(WORKERS))
     def publish_reply_lost(self, m: str, w: str) -> None:
         """begin_publish runs but its reply never reaches the client (e.g. a request
