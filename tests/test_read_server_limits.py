@@ -92,20 +92,78 @@ def test_a_connection_whose_thread_cannot_start_is_dropped_and_serving_goes_on(m
         assert wait_until(lambda: not server._connections, 5)  # the dropped one is not kept
 
 
-def test_connections_beyond_the_limit_are_refused_and_idle_ones_are_closed():
-    with hard_timeout(30), ReadServer(max_connections=2, idle_timeout=0.5) as server:
+def connect(server: ReadServer) -> socket.socket:
+    return socket.create_connection((server.address.host, server.address.port), timeout=5)
+
+
+def test_connections_idle_past_idle_timeout_are_closed():
+    with hard_timeout(30), ReadServer(idle_timeout=0.3) as server, connect(server) as conn:
+        assert conn.recv(1) == b""
+
+
+def test_a_full_holder_closes_the_connection_idle_longest_to_serve_a_new_one(monkeypatch):
+    monkeypatch.setattr(server_module, "MIN_IDLE_TO_CLOSE", 0.2)
+    with hard_timeout(30), ReadServer(max_connections=2) as server:
         server.expose("r", pattern(2 * CHUNK), chunk_size=CHUNK)
-        idle = [socket.create_connection((server.address.host, server.address.port))
-                for _ in range(2)]
+        first = connect(server)
+        assert wait_until(lambda: len(server._idle) == 1, 5)
+        second = connect(server)
         try:
-            assert wait_until(lambda: len(server._connections) == 2, 5)
+            assert wait_until(lambda: len(server._idle) == 2, 5)
+            time.sleep(0.3)
+            assert read_ok(server)
+            assert first.recv(1) == b""                 # made room
+            second.settimeout(0.2)
+            with pytest.raises(TimeoutError):           # still served
+                second.recv(1)
+        finally:
+            first.close()
+            second.close()
+
+
+def test_a_full_holder_with_no_idle_connection_refuses_a_new_one():
+    with hard_timeout(30), ReadServer(max_connections=2) as server:
+        server.expose("r", pattern(2 * CHUNK), chunk_size=CHUNK)
+        progress = ChunkProgress(2)
+        server.expose("p", pattern(2 * CHUNK), chunk_size=CHUNK, progress=progress)
+        waiting = [raw(server, Op.READ, "p", nbytes=CHUNK, timeout=10) for _ in range(2)]
+        try:  # both wait for a chunk that has not come: busy, not idle
+            assert wait_until(lambda: len(server._connections) == 2 and not server._idle, 5)
             with pytest.raises(ReadRefusedError, match="serves 2 connections already"):
                 read_ok(server)
-            assert all(conn.recv(1) == b"" for conn in idle)  # closed after idle_timeout
-            assert read_ok(server)
+            progress.mark(0)
+            assert [answer(conn)[0] for conn in waiting] == [Status.OK, Status.OK]
         finally:
-            for conn in idle:
+            for conn in waiting:
                 conn.close()
+        assert wait_until(lambda: not server._connections, 5)
+        assert read_ok(server)
+
+
+def test_out_of_file_descriptors_the_holder_closes_the_connection_idle_longest(monkeypatch):
+    monkeypatch.setattr(server_module, "MIN_IDLE_TO_CLOSE", 0.2)
+    with hard_timeout(30), ReadServer() as server:
+        server.expose("r", pattern(2 * CHUNK), chunk_size=CHUNK)
+        idle = connect(server)
+        assert wait_until(lambda: len(server._idle) == 1, 5)
+        time.sleep(0.3)
+        listener = server._listener
+
+        class OutOfDescriptors:  # accept fails until a descriptor is freed
+            def accept(self):
+                if server._idle:
+                    raise OSError(errno.EMFILE, "Too many open files")
+                return listener.accept()
+
+            def __getattr__(self, name):
+                return getattr(listener, name)
+
+        server._listener = OutOfDescriptors()
+        try:
+            assert read_ok(server)  # ends the accept blocked on the real listener
+            assert read_ok(server) and idle.recv(1) == b""
+        finally:
+            idle.close()
 
 
 def test_a_reader_that_stops_taking_a_reply_is_cut_off_and_the_region_drains(monkeypatch):
@@ -194,6 +252,22 @@ def test_readers_do_not_reuse_pooled_connections_the_holder_has_closed_as_idle(m
         try:
             assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
             assert wait_until(lambda: not server._connections, 5)  # closed by the holder
+            assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
+        finally:
+            tcp.close()
+
+
+def test_readers_do_not_reuse_pooled_connections_the_holder_closed_to_make_room(monkeypatch):
+    monkeypatch.setattr(server_module, "MIN_IDLE_TO_CLOSE", 0.1)
+    with hard_timeout(30), ReadServer(max_connections=1) as server:
+        server.expose("r", pattern(2 * CHUNK), chunk_size=CHUNK)
+        tcp, out = TcpTransport(), torch.empty(CHUNK, dtype=torch.uint8)
+        try:
+            assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
+            time.sleep(0.2)
+            with connect(server):       # the pooled connection is closed for this one
+                assert wait_until(lambda: len(server._idle) == 1, 5)
+            assert wait_until(lambda: not server._connections, 5)
             assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
         finally:
             tcp.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import threading
 import time
@@ -75,15 +76,7 @@ class ConnectionPool:
             SourceLostError: the source is unreachable, or `abort` was aborted.
         """
         key = (source.host, source.port)
-        with self._lock:
-            now, idle = time.monotonic(), self._idle.pop(key, [])
-            stale = [c for c, since in idle if now - since > POOL_IDLE_S]
-            fresh = [(c, since) for c, since in idle if now - since <= POOL_IDLE_S]
-            conn = fresh.pop()[0] if fresh else None
-            if fresh:
-                self._idle[key] = fresh
-        for old in stale:
-            old.close()
+        conn = self._reuse(key)
         if conn is None:
             conn = _connect(key, abort)
         else:
@@ -101,12 +94,38 @@ class ConnectionPool:
         with self._lock:
             self._idle.setdefault(key, []).append((conn, time.monotonic()))
 
+    def _reuse(self, key: tuple[str, int]) -> socket.socket | None:
+        """The idle connection to ``key`` used last, if one is still open: one idle
+        longer than `POOL_IDLE_S` or closed by the holder (which closes those idle
+        longest when it runs out of connections) is closed and dropped."""
+        while True:
+            with self._lock:
+                now, idle = time.monotonic(), self._idle.pop(key, [])
+                stale = [c for c, since in idle if now - since > POOL_IDLE_S]
+                fresh = [(c, since) for c, since in idle if now - since <= POOL_IDLE_S]
+                conn = fresh.pop()[0] if fresh else None
+                if fresh:
+                    self._idle[key] = fresh
+            for old in stale:
+                old.close()
+            if conn is None or not _closed_by_peer(conn):
+                return conn
+            conn.close()
+
     def close(self) -> None:
         with self._lock:
             conns = [c for idle in self._idle.values() for c, _ in idle]
             self._idle.clear()
         for conn in conns:
             conn.close()
+
+
+def _closed_by_peer(conn: socket.socket) -> bool:
+    """Whether an idle connection can be read: the holder closed it (or broke the
+    protocol, which makes it unusable too)."""
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _connect(key: tuple[str, int], abort: ReadAbort | None) -> socket.socket:

@@ -11,6 +11,7 @@ counts the bytes it serves, which is the worker's egress.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import socket
@@ -39,7 +40,10 @@ LEASE_HOLD = 30.0
 """Seconds a reader may hold a lease before sending END; then the connection is cut
 and the lease ends (the reader's END then fails, so it discards what it copied)."""
 MAX_CONNECTIONS = 4096
-"""Connections served at once; more are answered BAD_REQUEST and closed."""
+"""Connections served at once. A new one past that closes the connection idle longest
+(waiting for a request for `MIN_IDLE_TO_CLOSE` s or more, no lease held); with none
+idle it is answered BAD_REQUEST."""
+MIN_IDLE_TO_CLOSE = 1.0  # a newer connection may be about to send its first request
 SEND_GRACE, MIN_SEND_RATE = 30.0, float(1 << 20)  # the reader cuts first: client.MIN_RATE
 """A reply must be taken by the reader within SEND_GRACE s + its bytes / MIN_SEND_RATE
 (bytes/s), else the connection is cut: a reader that stops reading cannot keep a
@@ -69,7 +73,8 @@ class ReadServer:
     Every wait on a peer is bounded, so a peer that misbehaves (connects and
     never asks, stops reading a reply, holds a lease) costs a thread for a while,
     never the server: see `IDLE_TIMEOUT`, `LEASE_HOLD`, `SEND_GRACE`,
-    `MAX_CONNECTIONS`.
+    `MAX_CONNECTIONS`. Out of connections or file descriptors, it closes the
+    connection idle longest to make room.
 
     Args:
         host: address to listen on (loopback by default).
@@ -79,7 +84,7 @@ class ReadServer:
             for this many seconds: the fetch filling it is stuck, and the reader
             does better elsewhere than waiting out its own timeout.
         idle_timeout: seconds a connection may wait between requests.
-        max_connections: connections served at once.
+        max_connections: connections served at once (see `MAX_CONNECTIONS`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -100,6 +105,7 @@ class ReadServer:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
+        self._idle: dict[socket.socket, float] = {}  # waiting for a request since, oldest first
         self._pins: dict[socket.socket, list[Exposure]] = {}  # pin connection -> what it keeps
         self._unpinned = threading.Condition(self._lock)
         self._notice_lock = threading.Lock()  # one writer on pin connections at a time
@@ -225,6 +231,8 @@ class ReadServer:
             except OSError as exc:
                 if self._closed.is_set():
                     return
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self._close_longest_idle()  # its descriptor is free once its thread ends
                 if not warned:
                     log.warning("read server %s: accept failed (%s); retrying", self.address, exc)
                 warned = True
@@ -234,10 +242,11 @@ class ReadServer:
             self._admit(conn)
 
     def _admit(self, conn: socket.socket) -> None:
-        """Serve ``conn`` on a thread of its own, or refuse it when the server is full."""
-        with self._lock:
-            full = len(self._connections) >= self.max_connections
-            if not full:
+        """Serve ``conn`` on a thread of its own, or refuse it when the server is full
+        and no connection is idle."""
+        full = len(self._connections) >= self.max_connections and not self._close_longest_idle()
+        if not full:
+            with self._lock:
                 self._connections.add(conn)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -255,13 +264,39 @@ class ReadServer:
                 self._connections.discard(conn)
             conn.close()
 
+    def _close_longest_idle(self) -> bool:
+        """Make room: end the connection that has waited longest for a request (its
+        reader's pool finds it closed and connects again). False if none has waited
+        `MIN_IDLE_TO_CLOSE` s."""
+        with self._lock:
+            conn = next(iter(self._idle), None)
+            if conn is None or time.monotonic() - self._idle[conn] < MIN_IDLE_TO_CLOSE:
+                return False
+            del self._idle[conn]
+            self._connections.discard(conn)
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)  # its thread sees the end and closes it
+        return True
+
+    def _next_request(self, conn: socket.socket, lease: Exposure | None) -> bytes:
+        """The next request header; while no lease is held, the wait is idle time."""
+        conn.settimeout(LEASE_HOLD if lease is not None else self.idle_timeout)
+        if lease is not None:
+            return recv_exact(conn, REQUEST.size)
+        with self._lock:
+            self._idle[conn] = time.monotonic()
+        try:
+            return recv_exact(conn, REQUEST.size)
+        finally:
+            with self._lock:
+                self._idle.pop(conn, None)
+
     def _serve(self, conn: socket.socket) -> None:
         lease: Exposure | None = None
         try:
             while True:
-                conn.settimeout(LEASE_HOLD if lease is not None else self.idle_timeout)
                 magic, op, flags, name_len, offset, nbytes, timeout = REQUEST.unpack(
-                    recv_exact(conn, REQUEST.size))
+                    self._next_request(conn, lease))
                 if magic != MAGIC or name_len > MAX_NAME:
                     self._reply(conn, Status.BAD_REQUEST, _bad_header(magic, name_len))
                     return
@@ -293,6 +328,7 @@ class ReadServer:
                 self._end(lease)
             with self._lock:
                 self._connections.discard(conn)
+                self._idle.pop(conn, None)
             conn.close()
 
     def _handle(self, conn: socket.socket, op: int, name: str, offset: int, nbytes: int,
