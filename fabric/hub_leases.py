@@ -19,7 +19,7 @@ class Leases:
     """Worker leases in expiry order and a heap of publish-claim deadlines.
 
     Args:
-        clock: returns the current time in seconds (the hub's clock).
+        clock: returns the current time in seconds (`HubState.lease_clock`).
         lease_s: how long a renewal or a claim lasts.
     """
 

@@ -34,6 +34,7 @@ fetches end; fetches that could read from it learn so in their next heartbeat.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -124,7 +125,8 @@ class HubState:
         self.durable_generation = 0
         self.kv = KvStore(clock)
         self._index = HubIndex(self.models, self.fetches)
-        self._leases = Leases(clock, self.lease_s)
+        self._stalled, self._lease_now = 0.0, -math.inf   # see `lease_clock`
+        self._leases = Leases(self.lease_clock, self.lease_s)
         for name, policy in {**durable.policies, **(policies or {})}.items():
             self.models[name] = ModelRecord(name, policy)
         for name, reasons in durable.retired.items():
@@ -159,9 +161,9 @@ class HubState:
         if rec is not None and rec.session != session:
             raise DuplicateWorkerError(
                 f"worker id {worker!r} is already registered by another live client "
-                f"(lease ends in {rec.expires - self.clock():.1f} s); pick a unique worker id")
+                f"(lease ends in {rec.expires - self.lease_clock():.1f} s); pick a unique worker id")
         self.workers[worker] = WorkerRecord(worker, session, location or Location(),
-                                            dict(endpoints or {}), self.clock() + self.lease_s)
+                                            dict(endpoints or {}), self.lease_clock() + self.lease_s)
         self._leases.renew(worker)
         if rec is None:
             log.info("worker registered worker=%s location=%s", worker, location)
@@ -187,7 +189,7 @@ class HubState:
             UnknownWorkerError: not registered, or the lease already expired.
         """
         rec = self._worker(worker, session)
-        rec.expires = self.clock() + self.lease_s
+        rec.expires = self.lease_clock() + self.lease_s
         self._leases.renew(worker)
         claimed = (self._index.publishing.get(worker, set()) if publishing is None
                    else {(str(m), int(n)) for m, n in publishing}
@@ -234,7 +236,7 @@ class HubState:
         """Drop every worker whose lease ended (and rendezvous keys whose ttl ran out);
         returns the dropped workers' ids."""
         self.kv.expire()
-        now = self.clock()
+        now = self.lease_clock()
         dead = self._leases.expired(self.workers, now)
         for w in dead:
             self._drop_worker(w, "lease expired")
@@ -248,17 +250,18 @@ class HubState:
             self._settle()
         return dead
 
+    def lease_clock(self) -> float:
+        """The time leases and publish claims run on: the clock, less the time the hub
+        did not read requests (`forgive_stall`); never earlier than it said before."""
+        self._lease_now = max(self._lease_now, self.clock() - self._stalled)
+        return self._lease_now
+
     def forgive_stall(self, stalled_s: float) -> None:
         """The hub read no request for ``stalled_s`` s (its process was paused, or one
-        request took that long), so heartbeats may be waiting unread: push every
-        worker's lease and every publish claim back by that time, so that nobody is
-        dropped, nor a version retired, for time the hub did not listen."""
-        for rec in self.workers.values():   # the same shift for all keeps their order
-            rec.expires += stalled_s
-        for m in self.models.values():
-            for v in m.versions.values():
-                if v.state == PUBLISHING and v.claimed_until:
-                    v.claimed_until += stalled_s   # `Leases.lapsed` re-queues it
+        request took that long), so heartbeats may be waiting unread: stop the lease
+        clock for that time, so that nobody is dropped, nor a version retired, for
+        time the hub did not listen."""
+        self._stalled += stalled_s
         log.warning("hub read no request for %.1f s; leases and publish claims pushed back "
                     "as much", stalled_s)
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 def status_snapshot(hub: HubState) -> dict[str, Any]:
     """Models (versions, replicas, retention), fetches in flight and workers, as plain data."""
     hub.expire()
-    now = hub.clock()
+    now = hub.lease_clock()
     models = {}
     for name, m in sorted(hub.models.items()):
         retained = hub.retained(name)
