@@ -96,7 +96,7 @@ class HubServer:
         self._replies: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._replies_size = 0    # bytes in self._replies
         self._parked: dict[tuple[str, int], _Parked] = {}
-        self._last_step = time.monotonic()  # when the loop last read requests or ticked
+        self._last_step = time.monotonic()  # when the state was last used (`_forgive_stall`)
         self._seen_generation = -1
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -177,20 +177,27 @@ class HubServer:
             log.info("hub stopped url=%s", self.url)
 
     def _tick(self) -> None:
+        self._forgive_stall()
         self.state.expire()
         self._wake_parked()
         self._persist()
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         """Run one step of the loop; a bug in it is logged, never ends the loop."""
-        now = time.monotonic()  # real time even under a test clock: a stall is real
-        if now - self._last_step > self.state.lease_s / 3:   # a heartbeat period
-            self.state.forgive_stall(now - self._last_step)
-        self._last_step = now
         try:
             fn(*args)
         except Exception:
             log.exception("hub loop step %s failed; serving on", fn.__name__)
+
+    def _forgive_stall(self) -> None:
+        """Called before each use of the state. The loop uses it at least every
+        `TICK_S`; a gap of more than a heartbeat period (``lease_s / 3``) means the hub
+        was not reading requests (paused, or one step that slow): that time must not
+        count against leases (`HubState.forgive_stall`)."""
+        now = time.monotonic()  # real time even under a test clock: a stall is real
+        if now - self._last_step > self.state.lease_s / 3:
+            self.state.forgive_stall(now - self._last_step)
+        self._last_step = now
 
     def _handle(self, frames: list[bytes]) -> None:
         self.num_requests += 1
@@ -223,6 +230,7 @@ class HubServer:
             if fn is None:
                 raise BadRequestError(f"unknown operation {msg.name!r}; is the client newer "
                                       "than the hub?")
+            self._forgive_stall()
             result = fn(self.state, msg.tag, msg.body)
         except HubError as exc:
             self._finish(ident, key, self._error_bytes(msg.req_id, exc), cache=cache)
