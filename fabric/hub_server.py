@@ -38,6 +38,7 @@ from fabric.zmq_util import endpoint, make_socket, url_of
 log = logging.getLogger("fabric.hub")
 
 TICK_S = 0.05
+STALL_MIN_S = 0.5  # the shortest gap between the loop's looks at its leases that is a stall
 REPLY_CACHE_SIZE = 65_536            # replies kept for retries: at most this many
 REPLY_CACHE_BYTES = 256 * 1024 ** 2  # and at most this many bytes, oldest out first
 
@@ -84,7 +85,7 @@ class HubServer:
                 raise ValueError(f"state dir {self.state_dir}: not writable")
         durable = load_state(self.state_dir) if self.state_dir else None
         self.state = HubState(clock=clock, lease_s=lease_s, rank_sources=rank_sources,
-                              durable=durable)
+                              durable=durable, stall_after=max(lease_s / 3, STALL_MIN_S))
         self.clock = clock
         self.max_message_size = max_message_size
         self.epoch = secrets.token_hex(8)
@@ -96,7 +97,6 @@ class HubServer:
         self._replies: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._replies_size = 0    # bytes in self._replies
         self._parked: dict[tuple[str, int], _Parked] = {}
-        self._last_step = time.monotonic()  # when the state was last used (`_forgive_stall`)
         self._seen_generation = -1
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -153,7 +153,6 @@ class HubServer:
             self._ready.set()
             return
         self._sock = sock
-        self._last_step = time.monotonic()
         log.info("hub serving url=%s epoch=%s state_dir=%s", self.url, self.epoch, self.state_dir)
         self._ready.set()
         if on_ready is not None:
@@ -177,7 +176,6 @@ class HubServer:
             log.info("hub stopped url=%s", self.url)
 
     def _tick(self) -> None:
-        self._forgive_stall()
         self.state.expire()
         self._wake_parked()
         self._persist()
@@ -188,16 +186,6 @@ class HubServer:
             fn(*args)
         except Exception:
             log.exception("hub loop step %s failed; serving on", fn.__name__)
-
-    def _forgive_stall(self) -> None:
-        """Called before each use of the state. The loop uses it at least every
-        `TICK_S`; a gap of more than a heartbeat period (``lease_s / 3``) means the hub
-        was not reading requests (paused, or one step that slow): that time must not
-        count against leases (`HubState.forgive_stall`)."""
-        now = time.monotonic()  # real time even under a test clock: a stall is real
-        if now - self._last_step > self.state.lease_s / 3:
-            self.state.forgive_stall(now - self._last_step)
-        self._last_step = now
 
     def _handle(self, frames: list[bytes]) -> None:
         self.num_requests += 1
@@ -230,7 +218,6 @@ class HubServer:
             if fn is None:
                 raise BadRequestError(f"unknown operation {msg.name!r}; is the client newer "
                                       "than the hub?")
-            self._forgive_stall()
             result = fn(self.state, msg.tag, msg.body)
         except HubError as exc:
             self._finish(ident, key, self._error_bytes(msg.req_id, exc), cache=cache)

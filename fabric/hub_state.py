@@ -26,8 +26,8 @@ Invariants (checked by ``tests/test_hub_state_machine.py`` after every step):
 * every index (by worker, by replica, lease order) equals a full scan (`_check_indexes`;
   the indexes live in `fabric.hub_index`, leases and publish claims in `fabric.hub_leases`).
 
-Liveness: every operation first expires leases against the clock; the server also
-calls `expire` on a timer. An expired worker's replicas leave every plan and its
+Liveness: every operation first expires leases against the lease clock (`lease_clock`,
+which stops while the hub stalls); the server also calls `expire` on a timer. An expired worker's replicas leave every plan and its
 fetches end; fetches that could read from it learn so in their next heartbeat.
 """
 
@@ -99,13 +99,17 @@ class HubState:
         policies: per model, retention policies restored from a state dir.
         durable: everything a state dir kept (`fabric.hub_persist`); its counters and
             policies are used where ``next_versions`` / ``policies`` do not say otherwise.
+        stall_after: for a caller that reads `lease_clock` often (the server's loop, every
+            `TICK_S`): real seconds between two readings beyond which the hub counts as
+            stalled (`forgive_stall`). None: never.
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  lease_s: float = DEFAULT_LEASE_S, rank_sources: RankSources = rank_by_locality,
                  max_sources: int = 4, next_versions: dict[str, int] | None = None,
                  policies: dict[str, RetentionPolicy] | None = None,
-                 durable: DurableState | None = None) -> None:
+                 durable: DurableState | None = None, stall_after: float | None = None
+                 ) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.clock = clock
@@ -125,7 +129,9 @@ class HubState:
         self.durable_generation = 0
         self.kv = KvStore(clock)
         self._index = HubIndex(self.models, self.fetches)
+        self.stall_after = stall_after
         self._stalled, self._lease_now = 0.0, -math.inf   # see `lease_clock`
+        self._last_read = time.monotonic()                # real time: a stall is real
         self._leases = Leases(self.lease_clock, self.lease_s)
         for name, policy in {**durable.policies, **(policies or {})}.items():
             self.models[name] = ModelRecord(name, policy)
@@ -161,9 +167,11 @@ class HubState:
         if rec is not None and rec.session != session:
             raise DuplicateWorkerError(
                 f"worker id {worker!r} is already registered by another live client "
-                f"(lease ends in {rec.expires - self.lease_clock():.1f} s); pick a unique worker id")
+                f"(lease ends in {rec.expires - self.lease_clock():.1f} s); pick a unique "
+                "worker id")
         self.workers[worker] = WorkerRecord(worker, session, location or Location(),
-                                            dict(endpoints or {}), self.lease_clock() + self.lease_s)
+                                            dict(endpoints or {}),
+                                            self.lease_clock() + self.lease_s)
         self._leases.renew(worker)
         if rec is None:
             log.info("worker registered worker=%s location=%s", worker, location)
@@ -252,18 +260,27 @@ class HubState:
 
     def lease_clock(self) -> float:
         """The time leases and publish claims run on: the clock, less the time the hub
-        did not read requests (`forgive_stall`); never earlier than it said before."""
+        was stalled (`forgive_stall`); never earlier than it said before. With
+        ``stall_after``, a reading that comes more than that after the previous one
+        ends a stall first."""
+        if self.stall_after is not None:
+            real = time.monotonic()
+            if real - self._last_read > self.stall_after:
+                self.forgive_stall(real - self._last_read)
+            self._last_read = real
         self._lease_now = max(self._lease_now, self.clock() - self._stalled)
         return self._lease_now
 
     def forgive_stall(self, stalled_s: float) -> None:
-        """The hub read no request for ``stalled_s`` s (its process was paused, or one
-        request took that long), so heartbeats may be waiting unread: stop the lease
-        clock for that time, so that nobody is dropped, nor a version retired, for
-        time the hub did not listen."""
+        """The hub looked at no lease for ``stalled_s`` s (its process was paused, or
+        one request took that long), so heartbeats may be waiting unread: stop the
+        lease clock for that time, so that nobody is dropped, nor a version retired,
+        for time the hub did not listen. (A hub that stalls over and over keeps dead
+        workers as long.)"""
         self._stalled += stalled_s
-        log.warning("hub read no request for %.1f s; leases and publish claims pushed back "
-                    "as much", stalled_s)
+        if self.workers:
+            log.warning("hub stalled for %.1f s; leases and publish claims stopped as long",
+                        stalled_s)
 
     # ----------------------------------------------------------------- publish
     def begin_publish(self, model: str, worker: str, manifest: Manifest, *, session: str,

@@ -330,9 +330,12 @@ def test_a_worker_whose_lease_ran_out_registers_again_at_its_next_call(hub, cloc
     assert {w["worker"] for w in r.status()["workers"]} >= {"trainer", "r"}
 
 
-def test_a_hub_that_stalls_longer_than_a_lease_drops_nobody(monkeypatch, caplog) -> None:
+@pytest.mark.parametrize("then_expire", [False, True], ids=["between-looks", "inside-an-op"])
+def test_a_hub_that_stalls_longer_than_a_lease_drops_nobody(monkeypatch, caplog,
+                                                            then_expire) -> None:
     # Heartbeats sent while the hub's loop is stuck wait unread in its queue; the time
-    # it did not read must not count against leases or publish claims.
+    # it did not read must not count against leases or publish claims, also where
+    # the stall ends inside an operation, just before it expires leases.
     hub = fabric.serve(f"memory://stall-{next(_names)}", lease_s=1.5)
     stall = threading.Event()
 
@@ -340,6 +343,8 @@ def test_a_hub_that_stalls_longer_than_a_lease_drops_nobody(monkeypatch, caplog)
         if stall.is_set():                  # once: the client retries a slow call
             stall.clear()
             time.sleep(2.5)                 # the whole loop waits: no heartbeat is read
+            if then_expire:
+                state.expire()              # as every operation does first
         return {"pong": True}
 
     monkeypatch.setitem(hub_ops.OPS, "ping", ping_that_stalls)
@@ -353,7 +358,19 @@ def test_a_hub_that_stalls_longer_than_a_lease_drops_nobody(monkeypatch, caplog)
             assert t.commit("policy", v) == "committed"
     finally:
         hub.stop()
+    assert "hub stalled for" in caplog.text
     assert "worker dropped" not in caplog.text and "orphaned" not in caplog.text
+
+
+def test_a_hub_with_a_lease_shorter_than_its_stall_threshold_still_expires_leases() -> None:
+    hub = fabric.serve(f"memory://short-{next(_names)}", lease_s=0.12)  # ticks are 50 ms
+    try:
+        with fabric.connect(hub.url, worker="w", heartbeat=False, timeout=5), \
+                fabric.connect(hub.url, timeout=5) as obs:
+            time.sleep(1.0)
+            assert obs.status()["workers"] == []
+    finally:
+        hub.stop()
 
 
 def test_a_call_racing_the_heartbeats_registration_waits_for_its_restore(hub, clock,

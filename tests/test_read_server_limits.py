@@ -129,7 +129,7 @@ def test_a_full_holder_with_no_idle_connection_refuses_a_new_one():
         waiting = [raw(server, Op.READ, "p", nbytes=CHUNK, timeout=10) for _ in range(2)]
         try:  # both wait for a chunk that has not come: busy, not idle
             assert wait_until(lambda: len(server._connections) == 2 and not server._idle, 5)
-            with pytest.raises(ReadRefusedError, match="serves 2 connections already"):
+            with pytest.raises(ReadRefusedError, match="serves 2 connections already, none"):
                 read_ok(server)
             progress.mark(0)
             assert [answer(conn)[0] for conn in waiting] == [Status.OK, Status.OK]
@@ -257,8 +257,10 @@ def test_readers_do_not_reuse_pooled_connections_the_holder_has_closed_as_idle(m
             tcp.close()
 
 
-def test_readers_do_not_reuse_pooled_connections_the_holder_closed_to_make_room(monkeypatch):
+def test_readers_never_reuse_a_connection_the_holder_may_close_to_make_room(monkeypatch):
+    assert client.POOL_IDLE_S * 2 <= server_module.MIN_IDLE_TO_CLOSE  # margin for pauses
     monkeypatch.setattr(server_module, "MIN_IDLE_TO_CLOSE", 0.1)
+    monkeypatch.setattr(client, "POOL_IDLE_S", 0.05)
     with hard_timeout(30), ReadServer(max_connections=1) as server:
         server.expose("r", pattern(2 * CHUNK), chunk_size=CHUNK)
         tcp, out = TcpTransport(), torch.empty(CHUNK, dtype=torch.uint8)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import select
 import socket
 import threading
 import time
@@ -35,9 +34,12 @@ CONNECT_TIMEOUT = 5.0
 # within it (frozen, or its host gone) costs a reader this much beyond its timeout.
 # A payload gets it again, on top of its size at MIN_RATE.
 REPLY_SLACK = 2.0
-POOL_IDLE_S = 60.0
-"""A pooled connection idle for longer is closed rather than reused: the holder
-closes connections idle for `fabric.transports.server.IDLE_TIMEOUT` (twice this)."""
+POOL_IDLE_S = 0.5
+"""A pooled connection idle for longer is closed rather than reused. Reads of one
+fetch follow each other closely; a new fetch (the next version) connects again,
+which costs one TCP handshake per connection. Well under the idle time after which
+a holder may close a connection to make room (`server.MIN_IDLE_TO_CLOSE`), so a
+request never races that close."""
 # The slowest average rate (bytes/s) a payload may arrive at: past REPLY_SLACK +
 # size / MIN_RATE from its reply header the read fails (`SourceLostError`), so a
 # source that trickles its bytes is failed over instead of holding the read until
@@ -76,7 +78,7 @@ class ConnectionPool:
             SourceLostError: the source is unreachable, or `abort` was aborted.
         """
         key = (source.host, source.port)
-        conn = self._reuse(key)
+        conn = self._take(key)
         if conn is None:
             conn = _connect(key, abort)
         else:
@@ -94,23 +96,23 @@ class ConnectionPool:
         with self._lock:
             self._idle.setdefault(key, []).append((conn, time.monotonic()))
 
-    def _reuse(self, key: tuple[str, int]) -> socket.socket | None:
-        """The idle connection to ``key`` used last, if one is still open: one idle
-        longer than `POOL_IDLE_S` or closed by the holder (which closes those idle
-        longest when it runs out of connections) is closed and dropped."""
-        while True:
-            with self._lock:
-                now, idle = time.monotonic(), self._idle.pop(key, [])
-                stale = [c for c, since in idle if now - since > POOL_IDLE_S]
+    def _take(self, key: tuple[str, int]) -> socket.socket | None:
+        """The idle connection to ``key`` used last, if any; connections to any source
+        idle longer than `POOL_IDLE_S` are closed on the way."""
+        with self._lock:
+            now, stale, conn = time.monotonic(), [], None
+            for k, idle in list(self._idle.items()):
+                stale += [c for c, since in idle if now - since > POOL_IDLE_S]
                 fresh = [(c, since) for c, since in idle if now - since <= POOL_IDLE_S]
-                conn = fresh.pop()[0] if fresh else None
+                if k == key and fresh:
+                    conn = fresh.pop()[0]
                 if fresh:
-                    self._idle[key] = fresh
-            for old in stale:
-                old.close()
-            if conn is None or not _closed_by_peer(conn):
-                return conn
-            conn.close()
+                    self._idle[k] = fresh
+                else:
+                    del self._idle[k]
+        for old in stale:
+            old.close()
+        return conn
 
     def close(self) -> None:
         with self._lock:
@@ -118,14 +120,6 @@ class ConnectionPool:
             self._idle.clear()
         for conn in conns:
             conn.close()
-
-
-def _closed_by_peer(conn: socket.socket) -> bool:
-    """Whether an idle connection can be read: the holder closed it (or broke the
-    protocol, which makes it unusable too)."""
-    poller = select.poll()
-    poller.register(conn, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 def _connect(key: tuple[str, int], abort: ReadAbort | None) -> socket.socket:

@@ -35,7 +35,7 @@ STALL_TIMEOUT = 10.0
 """Seconds without a new chunk after which a partial region calls itself stalled."""
 IDLE_TIMEOUT = 120.0
 """Seconds a connection may wait between requests before the server closes it
-(readers' pools drop connections idle for half as long, `client.POOL_IDLE_S`)."""
+(readers' pools drop connections idle far sooner, `client.POOL_IDLE_S`)."""
 LEASE_HOLD = 30.0
 """Seconds a reader may hold a lease before sending END; then the connection is cut
 and the lease ends (the reader's END then fails, so it discards what it copied)."""
@@ -43,7 +43,9 @@ MAX_CONNECTIONS = 4096
 """Connections served at once. A new one past that closes the connection idle longest
 (waiting for a request for `MIN_IDLE_TO_CLOSE` s or more, no lease held); with none
 idle it is answered BAD_REQUEST."""
-MIN_IDLE_TO_CLOSE = 1.0  # a newer connection may be about to send its first request
+MIN_IDLE_TO_CLOSE = 2.0
+"""Readers reuse a pooled connection only within `client.POOL_IDLE_S` (0.5 s) of its
+last reply, so one idle this long gets no more requests: closing it races none."""
 SEND_GRACE, MIN_SEND_RATE = 30.0, float(1 << 20)  # the reader cuts first: client.MIN_RATE
 """A reply must be taken by the reader within SEND_GRACE s + its bytes / MIN_SEND_RATE
 (bytes/s), else the connection is cut: a reader that stops reading cannot keep a
@@ -253,7 +255,8 @@ class ReadServer:
             if full:
                 conn.settimeout(1.0)
                 self._reply(conn, Status.BAD_REQUEST, f"the holder serves {self.max_connections} "
-                            "connections already; try another source or later")
+                            "connections already, none of them idle; try another source or "
+                            "later")
                 conn.close()
                 return
             threading.Thread(target=self._serve, args=(conn,), name="wf-read-conn",
@@ -328,7 +331,6 @@ class ReadServer:
                 self._end(lease)
             with self._lock:
                 self._connections.discard(conn)
-                self._idle.pop(conn, None)
             conn.close()
 
     def _handle(self, conn: socket.socket, op: int, name: str, offset: int, nbytes: int,
