@@ -27,8 +27,9 @@ Invariants (checked by ``tests/test_hub_state_machine.py`` after every step):
   the indexes live in `fabric.hub_index`, leases and publish claims in `fabric.hub_leases`).
 
 Liveness: every operation first expires leases against the lease clock (`lease_clock`,
-which stops while the hub stalls); the server also calls `expire` on a timer. An expired worker's replicas leave every plan and its
-fetches end; fetches that could read from it learn so in their next heartbeat.
+which stops while the hub stalls); the server also calls `expire` on a timer. An
+expired worker's replicas leave every plan and its fetches end; fetches that could
+read from it learn so in their next heartbeat.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ so that actions land while fetches are in flight. Each round:
    the previous (still retained) version, and meanwhile, at random moments: a
    rollout is SIGKILLed (fetching, or a holder others read from), or SIGSTOPped for
    shorter or longer than a lease, then SIGCONTed; the hub's loop stalls for
-   shorter or longer than a lease; a new one joins under a new name; the trainer or an idle rollout retracts a version and, when the retract
-   says ``done``, overwrites that memory at once (contract 1 allows it: a reader
-   still copying from it would return wrong bytes);
+   shorter or longer than a lease; a new one joins under a new name; the trainer
+   or an idle rollout retracts a version and, when the retract says ``done``,
+   overwrites that memory at once (contract 1 allows it: a reader still copying
+   from it would return wrong bytes);
 4. every live rollout fetches the latest version.
 
 Checked: a fetch that returns is bit-exact and of the version asked for; a fetch
