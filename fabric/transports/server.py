@@ -268,9 +268,9 @@ class ReadServer:
             conn.close()
 
     def _close_longest_idle(self) -> bool:
-        """Make room: end the connection that has waited longest for a request (its
-        reader's pool finds it closed and connects again). False if none has waited
-        `MIN_IDLE_TO_CLOSE` s."""
+        """Make room: end the connection that has waited longest for a request, if it
+        has waited `MIN_IDLE_TO_CLOSE` s (its reader no longer reuses it); False if
+        none has."""
         with self._lock:
             conn = next(iter(self._idle), None)
             if conn is None or time.monotonic() - self._idle[conn] < MIN_IDLE_TO_CLOSE:
