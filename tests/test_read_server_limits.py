@@ -244,32 +244,35 @@ def test_a_pin_whose_ok_cannot_be_sent_is_not_kept(monkeypatch):
         assert time.monotonic() - start < server_module.UNPIN_WAIT  # nobody to wait for
 
 
+def read_twice(server: ReadServer, between) -> None:
+    """One reader reads, ``between()`` runs, the reader reads again: both succeed."""
+    tcp, out = TcpTransport(), torch.empty(CHUNK, dtype=torch.uint8)
+    try:
+        assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
+        between()
+        assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
+    finally:
+        tcp.close()
+
+
 def test_readers_do_not_reuse_pooled_connections_the_holder_has_closed_as_idle(monkeypatch):
     monkeypatch.setattr(client, "POOL_IDLE_S", 0.2)
     with hard_timeout(30), ReadServer(idle_timeout=0.4) as server:
         server.expose("r", pattern(2 * CHUNK), chunk_size=CHUNK)
-        tcp, out = TcpTransport(), torch.empty(CHUNK, dtype=torch.uint8)
-        try:
-            assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
-            assert wait_until(lambda: not server._connections, 5)  # closed by the holder
-            assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
-        finally:
-            tcp.close()
+        read_twice(server, lambda: wait_until(lambda: not server._connections, 5))
 
 
 def test_readers_never_reuse_a_connection_the_holder_may_close_to_make_room(monkeypatch):
     assert client.POOL_IDLE_S * 2 <= server_module.MIN_IDLE_TO_CLOSE  # margin for pauses
     monkeypatch.setattr(server_module, "MIN_IDLE_TO_CLOSE", 0.1)
     monkeypatch.setattr(client, "POOL_IDLE_S", 0.05)
+
+    def make_room() -> None:
+        time.sleep(0.2)
+        with connect(server):       # the pooled connection is closed for this one
+            assert wait_until(lambda: len(server._idle) == 1, 5)
+        assert wait_until(lambda: not server._connections, 5)
+
     with hard_timeout(30), ReadServer(max_connections=1) as server:
         server.expose("r", pattern(2 * CHUNK), chunk_size=CHUNK)
-        tcp, out = TcpTransport(), torch.empty(CHUNK, dtype=torch.uint8)
-        try:
-            assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
-            time.sleep(0.2)
-            with connect(server):       # the pooled connection is closed for this one
-                assert wait_until(lambda: len(server._idle) == 1, 5)
-            assert wait_until(lambda: not server._connections, 5)
-            assert tcp.read(server.address, "r", 0, out, timeout=2) == CHUNK
-        finally:
-            tcp.close()
+        read_twice(server, make_room)
