@@ -25,6 +25,7 @@ def test_demo_passes_its_checks_with_small_settings():
         assert v["rollouts"] == v["expected"] and v["bytes"] > 0
     killed, joined = out["killed"], out["joined"]
     assert killed["worker"] not in out["versions"][-1]["rollouts"]
+    assert killed["chunks_held"] < killed["chunks"]  # a complete replica is no failover test
     assert sum(killed["reread_by"].values()) > 0
     assert joined["worker"] in out["versions"][-1]["rollouts"]
     assert len(out["rollouts"]) == 4  # 3 at the start, one killed, one joined

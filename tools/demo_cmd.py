@@ -70,6 +70,9 @@ def _demo(args: argparse.Namespace) -> int:
             return EXIT_FAILED
     if args.json:
         print(json.dumps(out, indent=2))
+        failed = [name for name, passed in out["checks"].items() if not passed]
+        if failed:  # stdout is for the JSON; say on stderr what failed
+            console.print(f"[bold red]demo failed its checks:[/] {', '.join(failed)}")
     else:
         print_summary(out, console)
     return EXIT_OK if out["ok"] else EXIT_FAILED

@@ -214,15 +214,17 @@ class Demo:
             return
         self.commands[victim].put({"kind": "fetch", "version": v,
                                    "pause_after": max(1, num_chunks // 4)})
-        self._wait(lambda e: e["kind"] == "paused" and e["worker"] == victim)
+        paused = self._wait(lambda e: e["kind"] == "paused" and e["worker"] == victim)
         for name in others:
             self.commands[name].put({"kind": "fetch", "version": v})
         time.sleep(0.5)  # let the others start reading from the victim
         self.procs[victim].kill()
         self.procs[victim].join(10)
         record.expected.remove(victim)
-        self.killed = {"worker": victim, "version": v}
-        self.log(f"  SIGKILL {victim} in the middle of fetching v{v}")
+        self.killed = {"worker": victim, "version": v, "chunks_held": paused["done"],
+                       "chunks": paused["total"]}
+        self.log(f"  SIGKILL {victim} in the middle of fetching v{v} (it held "
+                 f"{paused['done']} of {paused['total']} chunks)")
 
     def _stop_all(self) -> None:
         for name, commands in self.commands.items():

@@ -87,7 +87,8 @@ def print_summary(out: dict[str, Any], console: Console) -> None:
     if out["killed"]:
         k = out["killed"]
         rereads = ", ".join(f"{n} re-read {c} chunks" for n, c in k["reread_by"].items())
-        console.print(f"killed: {k['worker']} mid-fetch of v{k['version']}; "
+        console.print(f"killed: {k['worker']} mid-fetch of v{k['version']} holding "
+                      f"{k['chunks_held']} of {k['chunks']} chunks; "
                       f"{rereads or 'nobody was reading from it'}")
     if out["joined"]:
         j = out["joined"]

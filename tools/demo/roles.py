@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -112,13 +112,20 @@ def rollout_main(cfg: RoleConfig, name: str, commands: Any, events: Any) -> None
                 events.put({"kind": "progress", "worker": name, "version": version,
                             "done": done, "total": total})
                 if pause_after is not None and done >= pause_after:
-                    events.put({"kind": "paused", "worker": name, "version": version})
+                    events.put({"kind": "paused", "worker": name, "version": version,
+                                "done": done, "total": total})
                     time.sleep(cfg.lease_timeout * 10)  # until the orchestrator kills us
 
+            options = FetchOptions(read_timeout=15, deadline=120)
+            if pause_after is not None:
+                # One chunk per read, one read at a time: when it pauses it holds exactly
+                # `pause_after` chunks. With several reads in flight, a loaded machine
+                # could finish them all before the first `on_chunk`, leaving a complete
+                # replica for the others to read without a single failover.
+                options = replace(options, max_inflight=1, read_bytes=cfg.chunk_size)
             started = time.perf_counter()
             try:
-                stats = store.fetch(version, on_chunk=on_chunk,
-                                    options=FetchOptions(read_timeout=15, deadline=120))
+                stats = store.fetch(version, on_chunk=on_chunk, options=options)
             except Exception as exc:  # reported; the orchestrator fails the demo
                 events.put({"kind": "error", "worker": name, "version": version,
                             "error": f"{type(exc).__name__}: {exc}"})
