@@ -184,9 +184,10 @@ class FetchOptions:
     missing, and each re-plan, within a round, of the chunks of failed reads."""
     report_interval: float = 0.02
     """Seconds between progress reports to the planner (a hub round trip each):
-    verified chunks are batched in between, and flushed when the fetch ends. Peers
-    reading this partial replica are not delayed by it: they wait on the local
-    chunk bitmap, which is marked per chunk."""
+    verified chunks are batched in between. Once the interval has passed, the batch
+    goes when the next read finishes, or within a `WAIT_SLICE` if none does; the rest
+    when the fetch ends. Peers reading this partial replica are not delayed by it:
+    they wait on the local chunk bitmap, which is marked per chunk."""
 
 
 def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress,
@@ -378,12 +379,13 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                 if retry and plans < options.max_rounds:
                     plans += 1
                     queue[:0] = replan_now(sorted(retry))
-                if finished:
-                    unreported.extend(finished)
-                    if time.monotonic() - last_report >= options.report_interval:
-                        flush_reports()
-                    if on_chunk is not None:
-                        on_chunk(progress.count, total)
+                unreported.extend(finished)
+                # Also when no read finished: a fetch waiting on a slow or partial source
+                # reports what it has within a `WAIT_SLICE`, not only when it ends.
+                if unreported and time.monotonic() - last_report >= options.report_interval:
+                    flush_reports()
+                if finished and on_chunk is not None:
+                    on_chunk(progress.count, total)
             flush_reports()
     finally:
         _revoke(list(inflight), inflight)  # before returning: none of them writes `dest` again

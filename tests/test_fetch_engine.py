@@ -193,6 +193,34 @@ def test_progress_callback_and_reports(tcp):
         a.close()
 
 
+@hard_timeout(30)
+def test_chunks_read_are_reported_while_the_fetch_waits_on_a_partial_source(tcp):
+    """A reader stuck waiting on a partial source still reports the chunks it has, so
+    the planner's view of its replica (and other readers' plans) does not lag behind
+    for as long as the wait lasts."""
+    held = ChunkProgress(NUM_CHUNKS)
+    for chunk in range(5):
+        held.mark(chunk)
+    a, src_a = serve("a", data(), held)
+    planner = StaticPlanner([src_a])
+    out: list = []
+    fetch = threading.Thread(target=lambda: out.append(run(planner, tcp)))
+    try:
+        fetch.start()
+        deadline = time.monotonic() + 5
+        while sorted(planner.reported) != list(range(5)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(planner.reported) == list(range(5))
+        assert fetch.is_alive()  # still waiting on chunk 5
+    finally:
+        for chunk in range(5, NUM_CHUNKS):
+            held.mark(chunk)
+        fetch.join(20)
+        a.close()
+    assert out and torch.equal(out[0][0], data())
+    assert sorted(planner.reported) == list(range(NUM_CHUNKS))
+
+
 def test_chunks_queued_for_a_source_that_failed_are_replanned_not_an_error(tcp):
     """One in flight at a time: the dead source fails its first read, and every other
     chunk queued for it must go back to the planner (not end the fetch)."""

@@ -35,6 +35,10 @@ def default_chunk_size(size: str) -> int:
     return max(ALIGNMENT, min(1 << 20, nbytes // 16 // ALIGNMENT * ALIGNMENT))
 
 
+READER_WAIT_S = 10.0
+"""Longest wait, before the kill, for another rollout to be reading from the victim."""
+
+
 class DemoFailure(RuntimeError):
     """The demo could not run to the end (a process failed or timed out)."""
 
@@ -91,6 +95,7 @@ class Demo:
         self.killed: dict[str, Any] | None = None
         self.joined: dict[str, Any] | None = None
         self.errors: list[str] = []
+        self.hub_url = ""  # set by run(), once the embedded hub is up
 
     # --- processes ---------------------------------------------------------------------
 
@@ -143,6 +148,7 @@ class Demo:
         cfg = self.config
         logging.getLogger("fabric").setLevel(logging.ERROR)  # the demo reports events itself
         hub = fabric.serve("tcp://127.0.0.1:0", lease_s=2.0)
+        self.hub_url = hub.url
         role = RoleConfig(hub.url, cfg.size, cfg.chunk_size, seed=cfg.seed)
         started = time.perf_counter()
         try:
@@ -217,7 +223,9 @@ class Demo:
         paused = self._wait(lambda e: e["kind"] == "paused" and e["worker"] == victim)
         for name in others:
             self.commands[name].put({"kind": "fetch", "version": v})
-        time.sleep(0.5)  # let the others start reading from the victim
+        if not self._await_reader_of(victim, v, paused["done"]):
+            self.log(f"  no rollout was seen reading v{v} from {victim} within "
+                     f"{READER_WAIT_S:g} s; killing it anyway")
         self.procs[victim].kill()
         self.procs[victim].join(10)
         record.expected.remove(victim)
@@ -225,6 +233,19 @@ class Demo:
                        "chunks": paused["total"]}
         self.log(f"  SIGKILL {victim} in the middle of fetching v{v} (it held "
                  f"{paused['done']} of {paused['total']} chunks)")
+
+    def _await_reader_of(self, victim: str, v: int, held: int) -> bool:
+        """Wait until the hub shows another rollout's fetch of ``v`` planned from
+        ``victim`` and holding at least the ``held`` chunks the victim holds (a fixed
+        sleep lost that race on a loaded machine)."""
+        deadline = time.monotonic() + READER_WAIT_S
+        with fabric.connect(self.hub_url) as hub:
+            while time.monotonic() < deadline:
+                if any(f["version"] == v and f["worker"] != victim and victim in f["sources"]
+                       and f["have"] >= held for f in hub.status()["fetches"]):
+                    return True
+                time.sleep(0.02)
+        return False
 
     def _stop_all(self) -> None:
         for name, commands in self.commands.items():
