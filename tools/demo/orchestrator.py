@@ -95,7 +95,6 @@ class Demo:
         self.killed: dict[str, Any] | None = None
         self.joined: dict[str, Any] | None = None
         self.errors: list[str] = []
-        self.hub_url = ""  # set by run(), once the embedded hub is up
 
     # --- processes ---------------------------------------------------------------------
 
@@ -148,7 +147,6 @@ class Demo:
         cfg = self.config
         logging.getLogger("fabric").setLevel(logging.ERROR)  # the demo reports events itself
         hub = fabric.serve("tcp://127.0.0.1:0", lease_s=2.0)
-        self.hub_url = hub.url
         role = RoleConfig(hub.url, cfg.size, cfg.chunk_size, seed=cfg.seed)
         started = time.perf_counter()
         try:
@@ -177,7 +175,7 @@ class Demo:
         self.versions[v] = record
         self.log(f"v{v} published in place by the trainer ({published['bytes'] / 1e6:.1f} MB)")
         if step == cfg.kill_step and len(live) >= 2:
-            self._kill_mid_fetch(record, live)
+            self._kill_mid_fetch(record, live, role.hub_url)
         else:
             for name in live:
                 self.commands[name].put({"kind": "fetch", "version": v})
@@ -209,7 +207,7 @@ class Demo:
             record.reward = trained["reward"]
             self.log(f"  trainer: reward {trained['reward']:.3f} on v{v}'s samples")
 
-    def _kill_mid_fetch(self, record: VersionRecord, live: list[str]) -> None:
+    def _kill_mid_fetch(self, record: VersionRecord, live: list[str], hub_url: str) -> None:
         victim, others = live[-1], live[:-1]
         v = record.version
         num_chunks = -(-record.nbytes // self.config.chunk_size)
@@ -223,7 +221,7 @@ class Demo:
         paused = self._wait(lambda e: e["kind"] == "paused" and e["worker"] == victim)
         for name in others:
             self.commands[name].put({"kind": "fetch", "version": v})
-        if not self._await_reader_of(victim, v, paused["done"]):
+        if not self._await_reader_of(hub_url, victim, v, paused["done"]):
             self.log(f"  no rollout was seen reading v{v} from {victim} within "
                      f"{READER_WAIT_S:g} s; killing it anyway")
         self.procs[victim].kill()
@@ -234,12 +232,12 @@ class Demo:
         self.log(f"  SIGKILL {victim} in the middle of fetching v{v} (it held "
                  f"{paused['done']} of {paused['total']} chunks)")
 
-    def _await_reader_of(self, victim: str, v: int, held: int) -> bool:
+    def _await_reader_of(self, hub_url: str, victim: str, v: int, held: int) -> bool:
         """Wait until the hub shows another rollout's fetch of ``v`` planned from
         ``victim`` and holding at least the ``held`` chunks the victim holds (a fixed
         sleep lost that race on a loaded machine)."""
         deadline = time.monotonic() + READER_WAIT_S
-        with fabric.connect(self.hub_url) as hub:
+        with fabric.connect(hub_url) as hub:
             while time.monotonic() < deadline:
                 if any(f["version"] == v and f["worker"] != victim and victim in f["sources"]
                        and f["have"] >= held for f in hub.status()["fetches"]):
