@@ -7,6 +7,8 @@
 #   bash tools/gpu/session.sh bench   # fabric bench fetch --device cuda (read sizes, 2 readers)
 #   bash tools/gpu/session.sh bench2  # fabric bench kernels; NVSHMEM fetches between 2 PEs (MPS)
 #   bash tools/gpu/session.sh all     # the four, in that order
+#   bash tools/gpu/session.sh quick   # one call of under 9 minutes: the essentials of all four
+#                                     # (a task is lent 15 device minutes in all, starts included)
 #
 # Wheels from tools/gpu/fetch_wheels.sh are installed from .whl/ when present. Each
 # step's full output (the JSON of a --json bench included) goes to $OUT/<step>.log;
@@ -17,6 +19,7 @@
 set -u
 OUT=${OUT:-/tmp/weightfabric-gpu}
 mkdir -p "$OUT"
+LOGS=$OUT  # each step's log; quick packs them into one archive instead (8 files come back)
 # MPS logs come back with the phase's logs (the default /var/log needs root)
 export CUDA_MPS_LOG_DIRECTORY="$OUT/mps"
 phase=${1:-all}
@@ -34,10 +37,14 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run, log, print the tail, remember t
     shift 2
     echo "== $name: $*"
     start=$(date +%s)
-    timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
     rc=$?
-    tail -n 12 "$OUT/$name.log"
+    tail -n 12 "$LOGS/$name.log"
     summary+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - start ))")")
+    if [ -n "${PACK:-}" ]; then  # quick: every log in one archive, rewritten after each step
+        printf '%s\n' "${summary[@]}" >"$LOGS/summary.txt"
+        tar -czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
+    fi
 }
 
 mps_on() {  # start an MPS control daemon; its clients are the CUDA processes started after
@@ -105,6 +112,29 @@ bench2() {
     mps_off
 }
 
+quick() {  # the step limits add up to 500 s; logs come back as $OUT/logs.tgz
+    PACK=1
+    LOGS=/tmp/weightfabric-gpu-logs
+    export CUDA_MPS_LOG_DIRECTORY="$LOGS/mps"
+    mkdir -p "$LOGS"
+    step nvidia-smi 20 nvidia-smi
+    step topo-m 20 nvidia-smi topo -m
+    step versions 30 python3 -c "$VERSIONS"
+    step probe 30 python3 -c "from fabric.gpu import probe; print(probe())"
+    step discover 30 "${FABRIC[@]}" topo discover -o "$LOGS/discovered.yaml"
+    step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
+        --timeout=60 tests/test_gpu_probe.py tests/test_gpu_uid.py tests/test_gpu_api.py \
+        tests/test_gpu_ipc.py tests/test_gpu_staging.py tests/test_gpu_store.py \
+        tests/test_gpu_nvshmem.py
+    step kernels-cuda 80 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json --repeat 3
+    step fetch-cuda-64MiB 80 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
+        --size 2GB --chunk-size 64MiB --max-inflight 8 --versions 2 --json
+    mps_on
+    step mps-two-pes 60 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
+        tests/test_gpu_nvshmem.py -k two_pes
+    mps_off
+}
+
 mps_off  # none left over from an earlier call that was cut off
 case "$phase" in
     check) check ;;
@@ -112,7 +142,8 @@ case "$phase" in
     bench) bench ;;
     bench2) bench2 ;;
     all) check; tests; bench; bench2 ;;
-    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all"; exit 2 ;;
+    quick) quick ;;
+    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all|quick"; exit 2 ;;
 esac
 echo "== summary (logs in $OUT)"
 printf '%s\n' "${summary[@]}"
