@@ -8,6 +8,7 @@
 #   bash tools/gpu/session.sh bench2  # fabric bench kernels; NVSHMEM fetches between 2 PEs (MPS)
 #   bash tools/gpu/session.sh all     # the four, in that order
 #   bash tools/gpu/session.sh quick   # one call of under 9 minutes: the essentials of all four
+#   bash tools/gpu/session.sh quickbench  # one call of under 6 minutes: the fetch benchmarks
 #                                     # (a task is lent 15 device minutes in all, starts included)
 #
 # Wheels from tools/gpu/fetch_wheels.sh are installed from .whl/ when present. Each
@@ -55,7 +56,7 @@ mps_on() {  # start an MPS control daemon; its clients are the CUDA processes st
 
 mps_off() {  # stop the daemon (one a killed earlier phase left behind too) and wait for it
     echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || return 0
-    for _ in $(seq 20); do pgrep -x nvidia-cuda-mps-control >/dev/null || return 0; sleep 0.5; done
+    for _ in $(seq 20); do pgrep -f nvidia-cuda-mps-control >/dev/null || return 0; sleep 0.5; done
 }
 
 VERSIONS='
@@ -135,6 +136,24 @@ quick() {  # the step limits add up to 500 s; logs come back as $OUT/logs.tgz
     mps_off
 }
 
+quickbench() {  # the step limits add up to 330 s; logs come back as $OUT/logs.tgz
+    PACK=1
+    LOGS=/tmp/weightfabric-gpu-logs
+    export CUDA_MPS_LOG_DIRECTORY="$LOGS/mps"
+    mkdir -p "$LOGS"
+    step fetch-cuda-64MiB 80 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
+        --size 2GB --chunk-size 64MiB --max-inflight 8 --versions 2 --json
+    step fetch-cuda-16MiB-reads-256MiB 60 "${FABRIC[@]}" bench fetch --device cuda \
+        --readers 1 --size 2GB --chunk-size 16MiB --read-bytes 256MiB --max-inflight 8 \
+        --versions 2 --nvshmem-pes 0 --json
+    step fetch-cuda-2-readers 70 "${FABRIC[@]}" bench fetch --device cuda --readers 2 \
+        --size 2GB --chunk-size 64MiB --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
+    mps_on
+    step fetch-cuda-nvshmem-2pes 90 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
+        --size 2GB --chunk-size 64MiB --versions 2 --nvshmem-pes 2 --no-baselines --json
+    mps_off
+}
+
 mps_off  # none left over from an earlier call that was cut off
 case "$phase" in
     check) check ;;
@@ -143,6 +162,7 @@ case "$phase" in
     bench2) bench2 ;;
     all) check; tests; bench; bench2 ;;
     quick) quick ;;
+    quickbench) quickbench ;;
     *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all|quick"; exit 2 ;;
 esac
 echo "== summary (logs in $OUT)"
