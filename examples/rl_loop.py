@@ -12,7 +12,7 @@ import sys
 import torch
 from torch import nn
 
-import fabric
+import weightfabric as wf
 
 STEPS = 3
 
@@ -25,7 +25,7 @@ def make_policy() -> nn.Module:
 def trainer(url: str, samples: mp.Queue) -> None:
     policy = make_policy()
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
-    with fabric.join(url, worker="trainer") as worker:
+    with wf.join(url, worker="trainer") as worker:
         store = worker.model("policy")
         for _ in range(STEPS):
             version = store.publish(policy)  # a snapshot: training may go on at once
@@ -41,7 +41,7 @@ def trainer(url: str, samples: mp.Queue) -> None:
 
 def rollout(url: str, samples: mp.Queue) -> None:
     policy = make_policy()  # whatever weights: every fetch overwrites them
-    with fabric.join(url, worker="rollout-0") as worker:
+    with wf.join(url, worker="rollout-0") as worker:
         store = worker.model("policy")
         store.attach(policy)  # parameters move into shared memory, once
         version = 0
@@ -58,7 +58,7 @@ def rollout(url: str, samples: mp.Queue) -> None:
 
 
 if __name__ == "__main__":
-    hub = fabric.serve("tcp://127.0.0.1:0")
+    hub = wf.serve("tcp://127.0.0.1:0")
     ctx = mp.get_context("spawn")
     samples = ctx.Queue()
     procs = [ctx.Process(target=role, args=(hub.url, samples)) for role in (trainer, rollout)]

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from fabric.errors import ArenaError
+from weightfabric.fabric.errors import ArenaError
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from fabric.errors import (
+from weightfabric.fabric.errors import (
     HubTimeoutError,
     HubUnavailableError,
     UnknownFetchError,
@@ -33,16 +33,16 @@ from fabric.errors import (
     ValueTooLargeError,
     hub_error_from_wire,
 )
-from fabric.locality import Location
-from fabric.manifest import Manifest
-from fabric.protocol import ERROR, MAX_MESSAGE_SIZE, REQUEST, decode, encode
-from fabric.zmq_util import endpoint, make_socket
+from weightfabric.fabric.locality import Location
+from weightfabric.fabric.manifest import Manifest
+from weightfabric.fabric.protocol import ERROR, MAX_MESSAGE_SIZE, REQUEST, decode, encode
+from weightfabric.fabric.zmq_util import endpoint, make_socket
 
-log = logging.getLogger("fabric.client")
+log = logging.getLogger(__name__)
 
 _RESTORE_CODES = (UnknownWorkerError.code, UnknownFetchError.code)
 _NO_REREGISTER = ("register", "restore", "unregister")
-MAX_KV_VALUE = 64 * 1024      # the hub's limit (fabric.hub_state.MAX_KV_VALUE), checked early
+MAX_KV_VALUE = 64 * 1024      # the hub's limit (fabric.hub.state.MAX_KV_VALUE), checked early
 
 
 @dataclass(frozen=True)
@@ -371,6 +371,15 @@ class HubClient:
                 if h.model == model and h.version == version and h.publisher:
                     h.complete, h.state = True, state
         return state
+
+    def abort_publish(self, model: str, version: int, *, reason: str = "") -> None:
+        """Abandon this worker's publish of ``version`` (still publishing): it retires.
+
+        Raises:
+            InvalidStateError: see `HubState.abort_publish`.
+        """
+        self.call("abort_publish", self._w(model=model, version=version, reason=reason))
+        self._forget(model, version)
 
     def begin_fetch(self, model: str, version: int | str = "latest", *, shard: int = 0,
                     fingerprint: str | None = None, group: str | None = None,

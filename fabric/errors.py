@@ -10,7 +10,7 @@ and the client raises the same class again (`hub_error_from_wire`).
 
 from __future__ import annotations
 
-from topology.errors import ClusterConfigError
+from weightfabric.topology.errors import ClusterConfigError
 
 
 class FabricError(Exception):
@@ -32,6 +32,10 @@ class SourceLostError(TransportError):
 class ReadRefusedError(TransportError):
     """The source answered but refused the read: unknown or retracted region,
     out-of-range bytes, or chunks that did not arrive in time."""
+
+
+class FetchError(FabricError):
+    """A fetch could not complete: no source left for some chunks, out of time, or cancelled."""
 
 
 class HubError(FabricError):
@@ -151,6 +155,7 @@ __all__ = [
     "ClusterConfigError",
     "DuplicateWorkerError",
     "FabricError",
+    "FetchError",
     "GroupAbortedError",
     "HubError",
     "HubTimeoutError",

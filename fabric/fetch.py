@@ -49,18 +49,14 @@ from typing import Protocol
 
 import torch
 
-from fabric.errors import FabricError, TransportError
-from fabric.progress import ChunkProgress
-from fabric.transports import ReadAbort, SourceAddress, Transport, local_host_id
+from weightfabric.fabric.errors import FabricError, FetchError, TransportError
+from weightfabric.fabric.progress import ChunkProgress
+from weightfabric.fabric.transports import ReadAbort, SourceAddress, Transport, local_host_id
 
 log = logging.getLogger(__name__)
 
 WAIT_SLICE = 0.25
 """Seconds between the engine's looks at the deadline, the cancel event and lost sources."""
-
-
-class FetchError(FabricError):
-    """A fetch could not complete: no source left for some chunks, out of time, or cancelled."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from fabric.errors import ProtocolError
+from weightfabric.fabric.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 REQUEST, REPLY, ERROR = 1, 2, 3

@@ -53,19 +53,26 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from fabric.arena import Region
-from fabric.errors import (
+from weightfabric.fabric.arena import Region
+from weightfabric.fabric.errors import (
     ArenaError,
     FabricError,
     ManifestMismatchError,
     RetentionError,
     UnknownVersionError,
 )
-from fabric.fetch import FetchError, FetchOptions, FetchStats, fetch_chunks, verify_rule
-from fabric.gpu.region import DeviceRegion, SymmetricBuffer
-from fabric.hub_planner import HubPlanner, region_name
-from fabric.progress import ChunkProgress
-from fabric.tensorset import (
+from weightfabric.fabric.fetch import (
+    FetchError,
+    FetchOptions,
+    FetchStats,
+    fetch_chunks,
+    verify_rule,
+)
+from weightfabric.fabric.fetch_planner import HubPlanner
+from weightfabric.fabric.gpu.region import DeviceRegion, SymmetricBuffer
+from weightfabric.fabric.progress import ChunkProgress
+from weightfabric.fabric.regions import region_name
+from weightfabric.fabric.tensorset import (
     check_chunk_size,
     check_compatible,
     layout_from_manifest,
@@ -74,12 +81,12 @@ from fabric.tensorset import (
     named_tensors,
     views,
 )
-from fabric.transports.server import Exposure
-from kernels import PackLayout, chunk_checksums, pack
+from weightfabric.fabric.transports.server import Exposure
+from weightfabric.kernels import PackLayout, chunk_checksums, pack
 
 if TYPE_CHECKING:
-    from fabric.gpu.nvshmem_arena import NvshmemRuntime
-    from fabric.worker import Worker
+    from weightfabric.fabric.gpu.nvshmem_arena import NvshmemRuntime
+    from weightfabric.fabric.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -767,7 +774,7 @@ def resolve_device(device: torch.device | str) -> torch.device:
     """
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        from fabric.gpu.probe import probe
+        from weightfabric.fabric.gpu.probe import probe
 
         raise ValueError(f"a store on {device} needs a GPU: {probe().missing('cuda')}")
     if device.type == "cuda" and device.index is None:

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from fabric.errors import ManifestMismatchError
-from fabric.manifest import Manifest, TensorSpec
-from kernels import PackLayout, Slot, chunk_checksums, plan_layout
+from weightfabric.fabric.errors import ManifestMismatchError
+from weightfabric.fabric.manifest import Manifest, TensorSpec
+from weightfabric.kernels import PackLayout, Slot, chunk_checksums, plan_layout
 
 DEFAULT_CHUNK_SIZE = 16 << 20
 ALIGNMENT = 256

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fabric.arena import remove_stale_regions
-from fabric.client import HubClient
-from fabric.fetch import Source
-from fabric.gpu.probe import normalise_uuid
-from fabric.locality import Location
-from fabric.store import PREPARED_BUFFERS, ModelStore, resolve_device
-from fabric.tensorset import DEFAULT_CHUNK_SIZE
-from fabric.transports import (
+from weightfabric.fabric.arena import remove_stale_regions
+from weightfabric.fabric.client import HubClient
+from weightfabric.fabric.fetch import Source
+from weightfabric.fabric.gpu.probe import normalise_uuid
+from weightfabric.fabric.locality import Location
+from weightfabric.fabric.store import PREPARED_BUFFERS, ModelStore, resolve_device
+from weightfabric.fabric.tensorset import DEFAULT_CHUNK_SIZE
+from weightfabric.fabric.transports import (
     ReadServer,
     ShmTransport,
     TcpTransport,
@@ -31,10 +31,10 @@ from fabric.transports import (
     choose_transport,
     local_host_id,
 )
-from fabric.transports.server import STALL_TIMEOUT
+from weightfabric.fabric.transports.server import STALL_TIMEOUT
 
 if TYPE_CHECKING:
-    from fabric.gpu.nvshmem_arena import NvshmemRuntime
+    from weightfabric.fabric.gpu.nvshmem_arena import NvshmemRuntime
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class Worker:
                 over CUDA IPC, others read over TCP).
             shard, num_shards: this worker's shard of a model published by
                 ``num_shards`` model-parallel ranks (each publishes and fetches its own;
-                readers with another layout use `fabric.reshard_fetch`).
+                readers with another layout use `fabric.relayout.reader`).
             prepare_spare: keep a populated spare buffer ready for the next version
                 (`ModelStore.prepare_spare`; costs the model's size in /dev/shm).
             symmetric: keep the buffers in the NVSHMEM symmetric heap of this worker's
@@ -162,7 +162,7 @@ class Worker:
         if (gpu is None or gpu.get("kind") != "nvshmem" or self.nvshmem is None
                 or gpu.get("job") != self.nvshmem.session):
             return None
-        from fabric.transports.nvshmem import NvshmemTransport
+        from weightfabric.fabric.transports.nvshmem import NvshmemTransport
 
         with self._lock:
             if self._nvshmem is None:
@@ -174,7 +174,7 @@ class Worker:
         if (gpu is None or gpu.get("kind") != "cuda_ipc" or gpu.get("pid") == os.getpid()
                 or not torch.cuda.is_available()):
             return None  # (CUDA opens no handle in the process that exported it)
-        from fabric.transports.cuda_ipc import CudaIpcTransport, visible_devices
+        from weightfabric.fabric.transports.cuda_ipc import CudaIpcTransport, visible_devices
 
         try:
             if normalise_uuid(gpu.get("device_uuid", "")) not in visible_devices():

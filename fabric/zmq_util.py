@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import zmq
 
-from fabric.errors import HubUnavailableError
+from weightfabric.fabric.errors import HubUnavailableError
 
 
 def context() -> zmq.Context:

@@ -4,24 +4,24 @@ Every public kernel function takes ``backend="triton" | "torch" | None``; None r
 Triton on CUDA tensors and the torch reference elsewhere (see `kernels.dispatch`).
 """
 
-from kernels.checksum import chunk_checksums, chunk_checksums_ref
-from kernels.dequant_segments import (
+from weightfabric.kernels.checksum import chunk_checksums, chunk_checksums_ref
+from weightfabric.kernels.dequant_segments import (
     Fp8Segment,
     dequantize_fp8_segments,
     dequantize_fp8_segments_ref,
 )
-from kernels.dispatch import choose_backend, interpreting
-from kernels.fp8 import (
+from weightfabric.kernels.dispatch import choose_backend, interpreting
+from weightfabric.kernels.fp8 import (
     dequantize_fp8,
     dequantize_fp8_ref,
     quantize_fp8,
     quantize_fp8_ref,
     scale_shape,
 )
-from kernels.layout import PackLayout, Slot, plan_layout
-from kernels.pack import pack, pack_ref, unpack, unpack_ref
-from kernels.reshard import reshard, split_tensor
-from kernels.reshard_plan import (
+from weightfabric.kernels.layout import PackLayout, Slot, plan_layout
+from weightfabric.kernels.pack import pack, pack_ref, unpack, unpack_ref
+from weightfabric.kernels.reshard import reshard, split_tensor
+from weightfabric.kernels.reshard_plan import (
     FusedGateUp,
     FusedQKV,
     Layout,
@@ -32,7 +32,7 @@ from kernels.reshard_plan import (
     VocabParallel,
     plan_reshard,
 )
-from kernels.segcopy import SUPPORTED_CASTS, copy_segments, copy_segments_ref
+from weightfabric.kernels.segcopy import SUPPORTED_CASTS, copy_segments, copy_segments_ref
 
 __all__ = [
     "Fp8Segment",

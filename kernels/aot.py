@@ -3,7 +3,7 @@
 Used by the test-suite to check that every kernel still compiles for Hopper
 (sm_90) on a CPU-only machine. Run it in a process that has not launched an
 interpreted kernel (the interpreter patches `triton.language` while it runs):
-``TRITON_INTERPRET=0 python -m kernels.aot`` prints one JSON line per kernel and
+``TRITON_INTERPRET=0 python -m weightfabric.kernels.aot`` prints one JSON line per kernel and
 exits 1 if any fails to compile.
 """
 
@@ -23,7 +23,7 @@ HOPPER = ("cuda", 90, 32)
 
 def kernel_specs() -> list[tuple[Any, dict[str, str], dict[str, int]]]:
     """(kernel, signature, constexprs) of every Triton kernel in `kernels`."""
-    from kernels import checksum, dequant_segments, fp8, segcopy
+    from weightfabric.kernels import checksum, dequant_segments, fp8, segcopy
 
     return [*segcopy.aot_specs(), *checksum.aot_specs(), *fp8.aot_specs(),
             *dequant_segments.aot_specs()]

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import choose_backend
+from weightfabric.kernels.dispatch import choose_backend
 
 K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9

@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bits import bf16_rne_bits, e4m3_to_f32
-from kernels.dispatch import choose_backend
-from kernels.fp8 import DEFAULT_BLOCK, check_block, scale_shape
-from kernels.segcopy import program_map, program_segment
+from weightfabric.kernels.bits import bf16_rne_bits, e4m3_to_f32
+from weightfabric.kernels.dispatch import choose_backend
+from weightfabric.kernels.fp8 import DEFAULT_BLOCK, check_block, scale_shape
+from weightfabric.kernels.segcopy import program_map, program_segment
 
 NCOL = 16
 TILE_ROWS = 32

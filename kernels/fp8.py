@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bits import bf16_rne_bits, e4m3_to_f32
-from kernels.dispatch import choose_backend
+from weightfabric.kernels.bits import bf16_rne_bits, e4m3_to_f32
+from weightfabric.kernels.dispatch import choose_backend
 
 FP8_MAX = 448.0
 DEFAULT_BLOCK = 128

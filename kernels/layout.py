@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.segcopy import element_kind
+from weightfabric.kernels.segcopy import element_kind
 
 TensorLike = torch.Tensor | tuple[tuple[int, ...], torch.dtype]
 

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 
 import torch
 
-from kernels.dispatch import choose_backend
-from kernels.layout import PackLayout, Slot
-from kernels.segcopy import DEFAULT_BLOCK, Segment, copy_segments_triton, element_kind
+from weightfabric.kernels.dispatch import choose_backend
+from weightfabric.kernels.layout import PackLayout, Slot
+from weightfabric.kernels.segcopy import DEFAULT_BLOCK, Segment, copy_segments_triton, element_kind
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.dispatch import choose_backend
-from kernels.reshard_plan import Layout, ReshardPlan, plan_reshard
-from kernels.segcopy import (
+from weightfabric.kernels.dispatch import choose_backend
+from weightfabric.kernels.reshard_plan import Layout, ReshardPlan, plan_reshard
+from weightfabric.kernels.segcopy import (
     DEFAULT_BLOCK,
     Segment,
     copy_segments_ref,

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bits import bf16_rne_bits
-from kernels.dispatch import choose_backend
+from weightfabric.kernels.bits import bf16_rne_bits
+from weightfabric.kernels.dispatch import choose_backend
 
 NCOL = 16
 DEFAULT_BLOCK = 1024

@@ -53,10 +53,10 @@ from typing import Any
 
 import torch
 
-import fabric
-from fabric.errors import FabricError
-from fabric.fetch import FetchOptions, FetchStats
-from fabric.store import FetchFuture, ModelStore
+import weightfabric as wf
+from weightfabric.fabric.errors import FabricError
+from weightfabric.fabric.fetch import FetchOptions, FetchStats
+from weightfabric.fabric.store import FetchFuture, ModelStore
 
 CHUNK = 1 << 20
 
@@ -132,7 +132,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def slow_reads(worker: fabric.Worker, delay: float) -> None:
+def slow_reads(worker: wf.Worker, delay: float) -> None:
     """Make every read of `worker` sleep `delay` s first."""
     original = worker.transport_for
 
@@ -156,7 +156,7 @@ class Session:
     """A worker's store and what the commands left behind, with one ``op_*`` method
     per command."""
 
-    def __init__(self, worker: fabric.Worker, options: FetchOptions) -> None:
+    def __init__(self, worker: wf.Worker, options: FetchOptions) -> None:
         self.worker, self.options = worker, options
         self.store = worker.model("bench", chunk_size=CHUNK)
         self.expected: dict[str, torch.Tensor] | None = None
@@ -247,7 +247,7 @@ def serve(argv: list[str], lines: Iterable[str], emit: Callable[[str], None]) ->
     """Join as the worker `argv` names, then answer each JSON line of `lines` with one
     through `emit`, until ``exit`` or the end of `lines`."""
     args = parse_args(argv)
-    worker = fabric.join(args.url, worker=args.name)
+    worker = wf.join(args.url, worker=args.name)
     if args.read_delay:
         slow_reads(worker, args.read_delay)
     options = FetchOptions(read_timeout=args.read_timeout, deadline=args.deadline,

@@ -13,9 +13,9 @@ import sys
 
 import torch
 
-from fabric.arena import Region
-from fabric.progress import ChunkProgress
-from fabric.transports import ReadServer
+from weightfabric.fabric.arena import Region
+from weightfabric.fabric.progress import ChunkProgress
+from weightfabric.fabric.transports import ReadServer
 
 
 def pattern(nbytes: int) -> torch.Tensor:

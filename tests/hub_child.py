@@ -11,11 +11,11 @@ import time
 
 from hub_helpers import small_manifest
 
-import fabric
+import weightfabric as wf
 
 
 def publisher(url: str, worker: str, model: str, count: int) -> None:
-    c = fabric.connect(url, worker=worker, timeout=10)
+    c = wf.connect(url, worker=worker, timeout=10)
     c.set_retention(model, keep_last=count, min_replicas=0)
     versions = []
     for _ in range(count):
@@ -29,7 +29,7 @@ def publisher(url: str, worker: str, model: str, count: int) -> None:
 
 
 def reader(url: str, worker: str, model: str, count: int) -> None:
-    c = fabric.connect(url, worker=worker, timeout=10)
+    c = wf.connect(url, worker=worker, timeout=10)
     got, seen = [], 0
     while len(got) < count:
         v = c.wait_version(model, after=seen, timeout=20)
@@ -45,7 +45,7 @@ def reader(url: str, worker: str, model: str, count: int) -> None:
 
 
 def holder(url: str, worker: str, model: str) -> None:
-    c = fabric.connect(url, worker=worker, timeout=10)
+    c = wf.connect(url, worker=worker, timeout=10)
     v = c.begin_publish(model, small_manifest())
     c.commit(model, v)
     print(json.dumps({"ready": v}), flush=True)

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-from pathlib import Path
 
-from fabric.manifest import Manifest, TensorSpec
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from weightfabric.fabric.manifest import Manifest, TensorSpec
 
 
 class FakeClock:
@@ -32,11 +28,6 @@ def small_manifest(num_chunks: int = 4, chunk_size: int = 16, tag: str = "w") ->
     tensors = (TensorSpec(f"{tag}.a", (half // 4,), "float32", half, 0),
                TensorSpec(f"{tag}.b", ((total - half) // 2,), "bfloat16", total - half, half))
     return Manifest(tensors, chunk_size, tuple(range(100, 100 + num_chunks)), total)
-
-
-def child_env() -> dict[str, str]:
-    """Environment for child processes: the repository on PYTHONPATH."""
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 
 
 def kill_all(procs: list[subprocess.Popen]) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from topology import loads_cluster
-from topology.layout import Layout
-from topology.plan import Plan, merge_intervals
+from weightfabric.topology import loads_cluster
+from weightfabric.topology.layout import Layout
+from weightfabric.topology.plan import Plan, merge_intervals
 
 
 def check_plan(plan: Plan, graph) -> None:

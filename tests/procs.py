@@ -22,12 +22,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import fabric_process
+from paths import ROOT, TESTS, child_env
 from timeouts import hard_timeout
 
-import fabric
-from fabric.arena import PREFIX, SHM_DIR, remove_stale_regions
-
-ROOT = Path(__file__).resolve().parents[1]
+import weightfabric as wf
+from weightfabric.fabric.arena import PREFIX, SHM_DIR, remove_stale_regions
 
 
 class Proc:
@@ -144,9 +143,9 @@ class _Executed:
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "fabric_process.py"), *argv], cwd=ROOT,
+            [sys.executable, str(TESTS / "fabric_process.py"), *argv], cwd=ROOT,
             text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+            env=child_env(**env))
         self.pid = self.proc.pid
 
     def lines(self) -> Iterator[str]:
@@ -175,12 +174,12 @@ _FORKSERVER.set_forkserver_preload(["fabric_process"])
 
 @contextmanager
 def _forkserver_path() -> Iterator[None]:
-    """The repository and tests/ on PYTHONPATH while the forkserver may start: it
+    """tests/ on PYTHONPATH while the forkserver may start: it
     inherits this environment, and Python 3.11 ignores the sys.path multiprocessing
     hands it, so its preload of `fabric_process` would fail silently (and every
     child would import torch itself, taking seconds)."""
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS),
                                                 *([old] if old else [])])
     try:
         yield
@@ -233,10 +232,10 @@ def arena_files_of(pids: set[int]) -> list[Path]:
 
 @contextmanager
 def running_cluster(*, lease_s: float = 2.0, limit: int = 300
-                    ) -> Iterator[tuple[fabric.HubServer, Callable[..., Proc]]]:
+                    ) -> Iterator[tuple[wf.HubServer, Callable[..., Proc]]]:
     """A hub (short leases) and a factory of worker processes (`Proc` arguments), all
     torn down after; fails if an arena file of one of them is left in /dev/shm."""
-    hub = fabric.serve("tcp://127.0.0.1:0", lease_s=lease_s)
+    hub = wf.serve("tcp://127.0.0.1:0", lease_s=lease_s)
     procs: list[Proc] = []
 
     def spawn(name: str, *, wait: bool = True, **kw: Any) -> Proc:

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fabric.arena import SHM_DIR
+from weightfabric.fabric.arena import SHM_DIR
 
 
 def resident_bytes(path: Path) -> int:

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import pkgutil
 
-import tools.bench
+from weightfabric.tools import bench as bench_package
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                "  fabric bench planner --max-gpus 1024",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    for info in sorted(pkgutil.iter_modules(tools.bench.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"tools.bench.{info.name}")
+    for info in sorted(pkgutil.iter_modules(bench_package.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"weightfabric.tools.bench.{info.name}")
         if hasattr(module, "register"):
             module.register(sub)

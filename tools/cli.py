@@ -11,9 +11,9 @@ import argparse
 import importlib
 import sys
 
-import fabric
+import weightfabric as wf
 
-COMMAND_MODULES = ["tools.demo_cmd", "tools.topo_cmd", "tools.bench_cmd", "tools.hub_cmd"]
+COMMAND_MODULES = ["weightfabric.tools.demo_cmd", "weightfabric.tools.topo_cmd", "weightfabric.tools.bench_cmd", "weightfabric.tools.hub_cmd"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                "example:\n  fabric demo",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"weightfabric {fabric.__version__}")
+    parser.add_argument("--version", action="version", version=f"weightfabric {wf.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)

@@ -9,7 +9,7 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from topology.units import UnitError, parse_size
+from weightfabric.topology.units import UnitError, parse_size
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -44,8 +44,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from tools.demo.orchestrator import Demo, DemoConfig, DemoFailure, default_chunk_size
-    from tools.demo.report import print_summary
+    from weightfabric.tools.demo.orchestrator import (
+        Demo,
+        DemoConfig,
+        DemoFailure,
+        default_chunk_size,
+    )
+    from weightfabric.tools.demo.report import print_summary
 
     try:
         config = DemoConfig(workers=args.workers, steps=args.steps, size=args.size,

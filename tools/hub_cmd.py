@@ -12,7 +12,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from fabric.errors import HubError
+from weightfabric.fabric.errors import HubError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 SOON_S = 0.5
@@ -88,14 +88,14 @@ def _seconds(text: str) -> float:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from fabric.hub_server import HubServer
+    from weightfabric.fabric.hub.server import HubServer
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         ranking = {}
         if args.cluster:
-            from fabric.topology_ranking import topology_ranker
+            from weightfabric.fabric.hub.ranking import topology_ranker
 
             ranking["rank_sources"] = topology_ranker(args.cluster)
         server = HubServer(f"tcp://{args.host}:{args.port}", state_dir=args.state_dir,
@@ -118,8 +118,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from fabric.client import connect
-    from fabric.zmq_util import endpoint
+    from weightfabric.fabric.client import connect
+    from weightfabric.fabric.zmq_util import endpoint
 
     try:
         endpoint(args.url, bind=False)

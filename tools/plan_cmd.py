@@ -10,14 +10,19 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from topology import Cluster, ClusterConfigError, load_cluster
-from topology.bounds import lower_bound
-from topology.layout import Layout
-from topology.plan import Plan, PlanError, link_bytes
-from topology.planner import plan_broadcast
-from topology.scenarios import BASELINES, DEFAULT_STORAGE_BANDWIDTH, SCENARIOS, run_scenario
-from topology.simulator import simulate
-from topology.units import UnitError, parse_bandwidth, parse_size
+from weightfabric.topology import Cluster, ClusterConfigError, load_cluster
+from weightfabric.topology.bounds import lower_bound
+from weightfabric.topology.layout import Layout
+from weightfabric.topology.plan import Plan, PlanError, link_bytes
+from weightfabric.topology.planner import plan_broadcast
+from weightfabric.topology.scenarios import (
+    BASELINES,
+    DEFAULT_STORAGE_BANDWIDTH,
+    SCENARIOS,
+    run_scenario,
+)
+from weightfabric.topology.simulator import simulate
+from weightfabric.topology.units import UnitError, parse_bandwidth, parse_size
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
@@ -133,7 +138,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _draw(path: Path, cluster: Cluster, plan: Plan, layout: Layout, out: dict) -> None:
     """The plan over the cluster's picture, titled with the figures of `plan_summary`."""
-    from topology.draw import draw_plan
+    from weightfabric.topology.draw import draw_plan
 
     figures = (f"simulated {out['simulated_s']:.3g} s · "
                f"lower bound {out['lower_bound_s']:.3g} s · efficiency {out['efficiency']:.3f} "

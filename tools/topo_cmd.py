@@ -10,9 +10,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from topology import ClusterConfigError, load_cluster
-from topology.summary import summarize
-from topology.units import human_bandwidth
+from weightfabric.topology import ClusterConfigError, load_cluster
+from weightfabric.topology.summary import summarize
+from weightfabric.topology.units import human_bandwidth
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
 
@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, help="file to write (default: standard output)")
     p.add_argument("--name", help="node name (default: this host's name)")
     p.set_defaults(handler=_discover)
-    from tools import plan_cmd  # plan, simulate
+    from weightfabric.tools import plan_cmd  # plan, simulate
     plan_cmd.register(sub)
 
 
@@ -118,7 +118,7 @@ def _counts(s: dict) -> str:
 
 
 def _draw(args: argparse.Namespace) -> int:
-    from topology.draw import draw_cluster
+    from weightfabric.topology.draw import draw_cluster
 
     cluster = _load(args.file)
     if cluster is None:
@@ -133,7 +133,7 @@ def _draw(args: argparse.Namespace) -> int:
 
 
 def _discover(args: argparse.Namespace) -> int:
-    from topology.discover import discover
+    from weightfabric.topology.discover import discover
 
     try:
         found = discover(name=args.name)

@@ -7,10 +7,10 @@ Public API:
     reference_cluster(name), reference_clusters()
 """
 
-from topology.errors import ClusterConfigError
-from topology.loader import cluster_from_dict, load_cluster, loads_cluster
-from topology.references import reference_cluster, reference_clusters
-from topology.schema import Cluster, Node, NodeType
+from weightfabric.topology.errors import ClusterConfigError
+from weightfabric.topology.loader import cluster_from_dict, load_cluster, loads_cluster
+from weightfabric.topology.references import reference_cluster, reference_clusters
+from weightfabric.topology.schema import Cluster, Node, NodeType
 
 __all__ = [
     "Cluster",

@@ -19,8 +19,8 @@ import random
 
 import networkx as nx
 
-from topology.layout import Layout
-from topology.plan import Interval, Transfer, UnreachableReaderError
+from weightfabric.topology.layout import Layout
+from weightfabric.topology.plan import Interval, Transfer, UnreachableReaderError
 
 STORAGE = "storage"
 

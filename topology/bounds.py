@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import networkx as nx
 from networkx.algorithms.flow import edmonds_karp
 
-from topology.layout import Layout
-from topology.plan import Interval
+from weightfabric.topology.layout import Layout
+from weightfabric.topology.plan import Interval
 
 SUPER = "__super_source__"
 

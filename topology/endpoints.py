@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from topology.layout import Layout
-from topology.plan import (
+from weightfabric.topology.layout import Layout
+from weightfabric.topology.plan import (
     EmptyTransferError,
     Interval,
     PlanError,
@@ -13,7 +13,7 @@ from topology.plan import (
     intersect,
     merge_intervals,
 )
-from topology.schema import Cluster
+from weightfabric.topology.schema import Cluster
 
 SourceSpec = Iterable[str] | Mapping[str, list[Interval] | None] | None
 #: How many valid names an unknown-name error lists.

@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import networkx as nx
 
-from topology.plan import Plan, Transfer
+from weightfabric.topology.plan import Plan, Transfer
 
 HOP_OVERHEAD = 10e-6   # seconds of fixed cost per chunk and hop (request, completion)
 MIN_CHUNK = 1 << 20

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from topology.fanout import FanOut
-from topology.intranode import StripeTransfers
-from topology.layout import Layout
-from topology.plan import (
+from weightfabric.topology.fanout import FanOut
+from weightfabric.topology.intranode import StripeTransfers
+from weightfabric.topology.layout import Layout
+from weightfabric.topology.plan import (
     TREE,
     Interval,
     PlanError,

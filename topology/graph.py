@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from topology.schema import Cluster, Node
+from weightfabric.topology.schema import Cluster, Node
 
 
 def gpu_vertex(node: str, index: int) -> str:

@@ -9,8 +9,8 @@ readers (one hop over NVSwitch, else a chain over NVLink / PCIe pairs), and
 
 from __future__ import annotations
 
-from topology.layout import Layout, Machine, dedupe
-from topology.plan import (
+from weightfabric.topology.layout import Layout, Machine, dedupe
+from weightfabric.topology.plan import (
     HOST,
     Interval,
     Transfer,

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import yaml
 
-from topology.errors import ClusterConfigError
-from topology.schema import (
+from weightfabric.topology.errors import ClusterConfigError
+from weightfabric.topology.schema import (
     NIC_KINDS,
     Cluster,
     Datacenter,
@@ -31,7 +31,7 @@ from topology.schema import (
     NvlinkSpec,
     WanLink,
 )
-from topology.units import UnitError, parse_bandwidth, parse_latency, parse_size
+from weightfabric.topology.units import UnitError, parse_bandwidth, parse_latency, parse_size
 
 T = TypeVar("T")
 SCHEMA_VERSION = 1

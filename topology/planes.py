@@ -8,9 +8,9 @@ through the leaf (`NIC_LOOP`), in proportion to their rates (`side_planes`).
 
 from __future__ import annotations
 
-from topology.estimate import MIN_CHUNK
-from topology.layout import Layout
-from topology.plan import HOST, NIC_LOOP, TREE, Interval, covers
+from weightfabric.topology.estimate import MIN_CHUNK
+from weightfabric.topology.layout import Layout
+from weightfabric.topology.plan import HOST, NIC_LOOP, TREE, Interval, covers
 
 
 def cut_stripes(layout: Layout, size: int, need: dict[str, list[Interval]],

@@ -67,8 +67,14 @@ from collections.abc import Iterable, Mapping
 
 import networkx as nx
 
-from topology.endpoints import SourceSpec, default_endpoints, endpoints, resolve, subtract
-from topology.estimate import (
+from weightfabric.topology.endpoints import (
+    SourceSpec,
+    default_endpoints,
+    endpoints,
+    resolve,
+    subtract,
+)
+from weightfabric.topology.estimate import (
     HOP_OVERHEAD,
     MAX_CHUNK,
     MIN_CHUNK,
@@ -78,12 +84,12 @@ from topology.estimate import (
     predict,
     share_rates,
 )
-from topology.forest import ForestBuilder
-from topology.layout import Layout
-from topology.plan import TREE, Interval, Plan, PlanError, merge_intervals
-from topology.planes import cut_stripes, side_planes
-from topology.schema import Cluster
-from topology.simulator import check_chunk, min_chunk
+from weightfabric.topology.forest import ForestBuilder
+from weightfabric.topology.layout import Layout
+from weightfabric.topology.plan import TREE, Interval, Plan, PlanError, merge_intervals
+from weightfabric.topology.planes import cut_stripes, side_planes
+from weightfabric.topology.schema import Cluster
+from weightfabric.topology.simulator import check_chunk, min_chunk
 
 __all__ = ["HOP_OVERHEAD", "MAX_CHUNK", "MIN_CHUNK", "SourceSpec", "choose_chunk",
            "default_endpoints", "path_latency", "plan_broadcast", "predict", "replan",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from topology.loader import load_cluster
-from topology.schema import Cluster
+from weightfabric.topology.loader import load_cluster
+from weightfabric.topology.schema import Cluster
 
 CLUSTERS_DIR = Path(__file__).parent / "clusters"
 

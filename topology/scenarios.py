@@ -17,13 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from topology import baselines
-from topology.bounds import lower_bound
-from topology.layout import Layout
-from topology.plan import Interval, PlanError
-from topology.planner import default_endpoints, plan_broadcast
-from topology.schema import Cluster
-from topology.simulator import Join, SimResult, Vanish, simulate
+from weightfabric.topology import baselines
+from weightfabric.topology.bounds import lower_bound
+from weightfabric.topology.layout import Layout
+from weightfabric.topology.plan import Interval, PlanError
+from weightfabric.topology.planner import default_endpoints, plan_broadcast
+from weightfabric.topology.schema import Cluster
+from weightfabric.topology.simulator import Join, SimResult, Vanish, simulate
 
 SCENARIOS = ("standalone", "elastic", "cross-dc", "preemption")
 BASELINES = ("star", "ring", "storage")

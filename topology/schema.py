@@ -16,7 +16,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from topology.units import format_bandwidth, format_latency, format_size
+from weightfabric.topology.units import format_bandwidth, format_latency, format_size
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -260,7 +260,7 @@ class Cluster:
 
     def graph(self) -> nx.DiGraph:
         """The cluster as a `networkx.DiGraph`; see `topology.graph.build_graph`."""
-        from topology.graph import build_graph
+        from weightfabric.topology.graph import build_graph
 
         return build_graph(self)
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from topology.plan import Interval, PlanError, Transfer
+from weightfabric.topology.plan import Interval, PlanError, Transfer
 
 WAITING, SCHEDULED, ACTIVE, DONE, ABORTED = range(5)
 #: Most chunks one transfer may be cut into. Events grow with the chunks per

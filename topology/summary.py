@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from topology.schema import Cluster
+from weightfabric.topology.schema import Cluster
 
 
 def summarize(cluster: Cluster) -> dict[str, Any]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from topology.loader import cluster_from_dict
-from topology.schema import Cluster
+from weightfabric.topology.loader import cluster_from_dict
+from weightfabric.topology.schema import Cluster
 
 DGX_H100: dict[str, Any] = {
     "gpus": 8,

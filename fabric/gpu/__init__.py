@@ -4,15 +4,20 @@ Importing this package needs neither cuda-python nor nvshmem4py; the functions
 that use them import them when called (install the ``gpu`` extra).
 """
 
-from fabric.gpu.nvshmem_arena import (
+from weightfabric.fabric.gpu.nvshmem_arena import (
     AllocationRegistry,
     NvshmemRuntime,
     SymmetricProgress,
     SymmetricRegion,
     attach_views,
 )
-from fabric.gpu.probe import Check, GpuProbe, normalise_uuid, probe
-from fabric.gpu.uid import HubRendezvous, MemoryRendezvous, Rendezvous, exchange_unique_id
+from weightfabric.fabric.gpu.probe import Check, GpuProbe, normalise_uuid, probe
+from weightfabric.fabric.gpu.uid import (
+    HubRendezvous,
+    MemoryRendezvous,
+    Rendezvous,
+    exchange_unique_id,
+)
 
 __all__ = [
     "AllocationRegistry",

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from fabric.gpu.uid import Rendezvous, exchange_unique_id, uid_from_bytes, uid_to_bytes
-from fabric.progress import ChunkProgress
-from kernels import PackLayout
+from weightfabric.fabric.gpu.uid import Rendezvous, exchange_unique_id, uid_from_bytes, uid_to_bytes
+from weightfabric.fabric.progress import ChunkProgress
+from weightfabric.kernels import PackLayout
 
 
 class AllocationRegistry:
@@ -162,7 +162,7 @@ class SymmetricRegion:
     def peer_data(self, pe: int) -> torch.Tensor:
         """PE ``pe``'s copy of the data as a tensor this process can load from directly
         (same node, NVLink or PCIe peer access): ``nvshmem.core.get_peer_tensor``.
-        Kernels may read it (e.g. `fabric.direct_read.run_direct`) once the peer's flags
+        Kernels may read it (e.g. `fabric.relayout.direct.run_direct`) once the peer's flags
         say the chunks are present. This PE's own copy is `data` itself."""
         import nvshmem.core as nvshmem
 

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from fabric.gpu.nvshmem_arena import NvshmemRuntime
-    from fabric.progress import ChunkProgress
+    from weightfabric.fabric.gpu.nvshmem_arena import NvshmemRuntime
+    from weightfabric.fabric.progress import ChunkProgress
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -33,7 +33,7 @@ def ipc_descriptor(tensor: torch.Tensor) -> dict[str, Any] | None:
     a handle in the process that exported it, so readers there use TCP."""
     global _warned
     try:
-        from fabric.transports.cuda_ipc import export_tensor
+        from weightfabric.fabric.transports.cuda_ipc import export_tensor
 
         return export_tensor(tensor).to_dict() | {"pid": os.getpid()}
     except (ImportError, RuntimeError) as exc:
@@ -60,7 +60,7 @@ def expandable_segments() -> bool:
 
 def _allocate(nbytes: int, device: torch.device | str) -> torch.Tensor:
     if expandable_segments():
-        from fabric.transports.cuda_ipc import allocate
+        from weightfabric.fabric.transports.cuda_ipc import allocate
 
         with contextlib.suppress(ImportError):  # without cuda-python, no IPC: ipc_descriptor warns
             return allocate(nbytes, device)
@@ -110,7 +110,7 @@ class SymmetricBuffer:
     path = None
 
     def __init__(self, runtime: NvshmemRuntime, name: str, nbytes: int, chunk_size: int) -> None:
-        from fabric.transports.nvshmem import nvshmem_descriptor
+        from weightfabric.fabric.transports.nvshmem import nvshmem_descriptor
 
         self.runtime, self.name, self.nbytes = runtime, name, nbytes
         self.region = runtime.allocate_region(name, nbytes, chunk_size)

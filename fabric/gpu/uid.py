@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
-from fabric.errors import HubTimeoutError
+from weightfabric.fabric.errors import HubTimeoutError
 
 if TYPE_CHECKING:
-    from fabric.client import HubClient
+    from weightfabric.fabric.client import HubClient
 
 UID_NBYTES = 128  # sizeof(nvshmemx_uniqueid_v1): int32 version + 124 bytes
 MAGIC = "weightfabric-nvshmem-uid/1"

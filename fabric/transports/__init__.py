@@ -13,17 +13,17 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fabric.errors import ReadRefusedError, SourceLostError, TransportError
-from fabric.transports.base import (
+from weightfabric.fabric.errors import ReadRefusedError, SourceLostError, TransportError
+from weightfabric.fabric.transports.base import (
     ReadAbort,
     RegionInfo,
     SourceAddress,
     Transport,
     local_host_id,
 )
-from fabric.transports.server import ReadServer
-from fabric.transports.shm import ShmTransport
-from fabric.transports.tcp import TcpTransport
+from weightfabric.fabric.transports.server import ReadServer
+from weightfabric.fabric.transports.shm import ShmTransport
+from weightfabric.fabric.transports.tcp import TcpTransport
 
 log = logging.getLogger(__name__)
 

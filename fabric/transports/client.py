@@ -14,9 +14,9 @@ from typing import Any
 
 import msgpack
 
-from fabric.errors import ReadRefusedError, SourceLostError, TransportError
-from fabric.transports.base import ReadAbort, RegionInfo, SourceAddress, Transport
-from fabric.transports.wire import (
+from weightfabric.fabric.errors import ReadRefusedError, SourceLostError, TransportError
+from weightfabric.fabric.transports.base import ReadAbort, RegionInfo, SourceAddress, Transport
+from weightfabric.fabric.transports.wire import (
     MAGIC,
     MAX_NAME,
     REPLY,

@@ -27,11 +27,11 @@ from typing import Any
 import msgpack
 import torch
 
-from fabric.errors import ReadRefusedError, SourceLostError
-from fabric.gpu.probe import normalise_uuid
-from fabric.transports import client
-from fabric.transports.base import ReadAbort, SourceAddress
-from fabric.transports.pinned import PinnedMappings
+from weightfabric.fabric.errors import ReadRefusedError, SourceLostError
+from weightfabric.fabric.gpu.probe import normalise_uuid
+from weightfabric.fabric.transports import client
+from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
+from weightfabric.fabric.transports.pinned import PinnedMappings
 
 HANDLE_NBYTES = 64  # CUDA_IPC_HANDLE_SIZE
 MAX_MAPPINGS = 16
@@ -278,7 +278,7 @@ class CudaIpcTransport(client.ServerTransport):
         """Bytes ``[offset, offset + nbytes)`` of a holder's GPU region, mapped into this
         process as a uint8 CUDA tensor, under a lease: valid inside the block, and the
         holder's retract waits for it. Kernels may read it directly (e.g.
-        `fabric.direct_read.run_direct`); synchronise them before the block ends.
+        `fabric.relayout.direct.run_direct`); synchronise them before the block ends.
         ``device`` labels the tensor for a kernel on another GPU of this process
         (default: the GPU the bytes are on; see `view` for what that takes). With
         ``prefix`` the tensor covers the present prefix of the range, and ``abort`` cuts

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from fabric.errors import ReadRefusedError, SourceLostError
-from fabric.gpu.nvshmem_arena import RMA_LOCK, NvshmemRuntime, SymmetricRegion, _buffer
-from fabric.transports import client
-from fabric.transports.base import ReadAbort, SourceAddress
+from weightfabric.fabric.errors import ReadRefusedError, SourceLostError
+from weightfabric.fabric.gpu.nvshmem_arena import RMA_LOCK, NvshmemRuntime, SymmetricRegion, _buffer
+from weightfabric.fabric.transports import client
+from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
 
 
 def nvshmem_descriptor(runtime: NvshmemRuntime, region: SymmetricRegion) -> dict[str, Any]:

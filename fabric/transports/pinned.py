@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from fabric.errors import TransportError
-from fabric.transports import client
-from fabric.transports.base import SourceAddress
+from weightfabric.fabric.errors import TransportError
+from weightfabric.fabric.transports import client
+from weightfabric.fabric.transports.base import SourceAddress
 
 log = logging.getLogger(__name__)
 

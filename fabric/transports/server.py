@@ -24,9 +24,18 @@ from typing import Any
 import msgpack
 import torch
 
-from fabric.progress import ChunkProgress
-from fabric.transports.base import SourceAddress, local_host_id
-from fabric.transports.wire import MAGIC, MAX_NAME, REPLY, REQUEST, Flag, Op, Status, recv_exact
+from weightfabric.fabric.progress import ChunkProgress
+from weightfabric.fabric.transports.base import SourceAddress, local_host_id
+from weightfabric.fabric.transports.wire import (
+    MAGIC,
+    MAX_NAME,
+    REPLY,
+    REQUEST,
+    Flag,
+    Op,
+    Status,
+    recv_exact,
+)
 
 log = logging.getLogger(__name__)
 

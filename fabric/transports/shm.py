@@ -7,10 +7,10 @@ from collections import OrderedDict
 
 import torch
 
-from fabric.arena import ArenaError, Region
-from fabric.errors import ReadRefusedError, SourceLostError
-from fabric.transports import client
-from fabric.transports.base import ReadAbort, SourceAddress
+from weightfabric.fabric.arena import ArenaError, Region
+from weightfabric.fabric.errors import ReadRefusedError, SourceLostError
+from weightfabric.fabric.transports import client
+from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
 
 MAX_MAPPINGS = 16
 

@@ -6,9 +6,9 @@ import threading
 
 import torch
 
-from fabric.transports import client
-from fabric.transports.base import ReadAbort, SourceAddress
-from fabric.transports.wire import Op
+from weightfabric.fabric.transports import client
+from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
+from weightfabric.fabric.transports.wire import Op
 
 
 class TcpTransport(client.ServerTransport):

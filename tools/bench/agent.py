@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-import fabric
-from fabric.fetch import FetchOptions
-from fabric.locality import Location, SourceCandidate, rank_by_locality
+import weightfabric as wf
+from weightfabric.fabric.fetch import FetchOptions
+from weightfabric.fabric.locality import Location, SourceCandidate, rank_by_locality
 
 _print_lock = threading.Lock()
 
@@ -107,21 +107,21 @@ class Agent:
     """Holds this process's hub or worker between commands."""
 
     def __init__(self) -> None:
-        self.hub: fabric.HubServer | None = None
-        self.worker: fabric.Worker | None = None
-        self.store: fabric.ModelStore | None = None
+        self.hub: wf.HubServer | None = None
+        self.worker: wf.Worker | None = None
+        self.store: wf.ModelStore | None = None
         self.device = "cpu"
         self._tensors: dict[str, torch.Tensor] | None = None
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         op = cmd["op"]
         if op == "hub":
-            self.hub = fabric.serve(f"tcp://{cmd['host']}:{cmd.get('port', 0)}",
+            self.hub = wf.serve(f"tcp://{cmd['host']}:{cmd.get('port', 0)}",
                                     lease_s=cmd.get("lease_s", 30.0),
                                     rank_sources=RANKINGS[cmd.get("ranking", "locality")])
             return {"url": self.hub.url}
         if op == "join":
-            self.worker = fabric.join(cmd["url"], worker=cmd["name"],
+            self.worker = wf.join(cmd["url"], worker=cmd["name"],
                                       location=cmd.get("location"),
                                       host=cmd.get("host", "127.0.0.1"))
             self.device = cmd.get("device", "cpu")

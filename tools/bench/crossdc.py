@@ -36,8 +36,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tools.bench.launch import Agent, AgentError, close_all, print_result
-from topology.units import parse_bandwidth, parse_latency, parse_size
+from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
+from weightfabric.topology.units import parse_bandwidth, parse_latency, parse_size
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 NAMESPACES = {"dc-a": "wf-dca", "dc-b": "wf-dcb"}
@@ -215,7 +215,7 @@ def bench_crossdc(*, remote: int, size: int, chunk_size: int, rate_bps: float, r
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(reason)
-    from fabric.arena import remove_stale_regions
+    from weightfabric.fabric.arena import remove_stale_regions
 
     result: dict[str, Any] = {"remote": remote, "size": size, "chunk_size": chunk_size,
                               "rate_bytes_per_s": rate_bps, "rtt_s": rtt_s}

@@ -28,8 +28,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tools.bench.launch import Agent, AgentError, close_all, print_result
-from topology.units import parse_size
+from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
+from weightfabric.topology.units import parse_size
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 SEED = 1234
@@ -106,14 +106,14 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
     if read_bytes is not None and read_bytes <= 0:
         raise ValueError(f"--read-bytes must be positive, got {read_bytes}")
     if device == "cuda":
-        from fabric.gpu import probe
+        from weightfabric.fabric.gpu import probe
 
         missing = probe().missing("cuda")
         if missing is not None:
             raise ValueError(f"--device cuda needs a GPU: {missing}")
-    from fabric.arena import remove_stale_regions
-    from fabric.fetch import FetchOptions
-    from tools.bench import baselines as base
+    from weightfabric.fabric.arena import remove_stale_regions
+    from weightfabric.fabric.fetch import FetchOptions
+    from weightfabric.tools.bench import baselines as base
 
     result: dict[str, Any] = {"readers": readers, "size_requested": size, "device": device,
                               "attach": attach,
@@ -164,19 +164,19 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
     result["versions"] = rounds
     result["cold_aggregate_gbps"] = rounds[0]["aggregate_gbps"]
     if device == "cuda":
-        from tools.bench.gpu_paths import reshard_reads
+        from weightfabric.tools.bench.gpu_paths import reshard_reads
 
         on_phase("reshard reads", None)
         result["reshard"] = reshard_reads(device="cuda")
         result["verified"] = result["verified"] and result["reshard"]["verified"]
     if device == "cuda" and nvshmem_pes > 0:
-        from tools.bench.gpu_paths import nvshmem_reads
+        from weightfabric.tools.bench.gpu_paths import nvshmem_reads
 
         on_phase("nvshmem reads", None)
         result["nvshmem"] = nvshmem_reads(pes=nvshmem_pes, size=size, chunk_size=chunk_size)
         result["verified"] = result["verified"] and result["nvshmem"]["verified"]
     if device == "cuda" and nvshmem_pes > 1:
-        from tools.bench.gpu_paths import nvshmem_store_fetch
+        from weightfabric.tools.bench.gpu_paths import nvshmem_store_fetch
 
         on_phase("nvshmem store fetch", None)
         result["nvshmem_store"] = nvshmem_store_fetch(pes=nvshmem_pes, size=size,

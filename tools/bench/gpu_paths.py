@@ -3,8 +3,8 @@
 `reshard_reads`: the receive-path transforms on one device. One Llama-70B-shaped
 layer (fused QKV with GQA, o, gate-up, down) held at TP2 in two source regions is
 read by a TP1 reader, stored as bf16 and as blockwise fp8 (dequantised to bf16):
-through a bounded staging buffer (`fabric.staging.run_staging`) and straight from
-the regions (`fabric.direct_read.run_direct`), beside a ``copy_`` of the same
+through a bounded staging buffer (`fabric.relayout.staging.run_staging`) and straight from
+the regions (`fabric.relayout.direct.run_direct`), beside a ``copy_`` of the same
 destination bytes (what a layout-matched fetch would move). GB/s count
 destination bytes. It also runs on CPU, scaled down, which is how it is tested.
 
@@ -36,9 +36,15 @@ from typing import Any
 
 import torch
 
-from fabric.staging import FP8, HeldTensor, WantedTensor, plan_staging, run_staging
-from kernels import FusedGateUp, FusedQKV, Layout, Sharded, quantize_fp8, split_tensor
-from tools.bench.kernels import median_seconds
+from weightfabric.fabric.relayout.staging import (
+    FP8,
+    HeldTensor,
+    WantedTensor,
+    plan_staging,
+    run_staging,
+)
+from weightfabric.kernels import FusedGateUp, FusedQKV, Layout, Sharded, quantize_fp8, split_tensor
+from weightfabric.tools.bench.kernels import median_seconds
 
 HOLDER_KEY = "{session}/holder"
 DONE_KEY = "{session}/done/{rank}"
@@ -58,12 +64,12 @@ def _pe_main(url: str, session: str, rank: int, pes: int, size: int, chunk: int,
              out: mp.Queue) -> None:
     import msgpack
 
-    import fabric
-    from fabric.gpu import HubRendezvous, NvshmemRuntime, SymmetricProgress
-    from fabric.transports import ReadServer, SourceAddress
-    from fabric.transports.nvshmem import NvshmemTransport, nvshmem_descriptor
+    import weightfabric as wf
+    from weightfabric.fabric.gpu import HubRendezvous, NvshmemRuntime, SymmetricProgress
+    from weightfabric.fabric.transports import ReadServer, SourceAddress
+    from weightfabric.fabric.transports.nvshmem import NvshmemTransport, nvshmem_descriptor
 
-    client = fabric.connect(url)
+    client = wf.connect(url)
     server = transport = rt = None
     try:
         rt = NvshmemRuntime.start(HubRendezvous(client), session=session, rank=rank, nranks=pes,
@@ -143,12 +149,11 @@ def _run_pes(target: Callable[..., None], args: tuple[Any, ...], *, pes: int, re
     ``readers`` results (or the first error) within ``timeout``; returns (results by
     rank, errors). Processes still alive at the end are killed; when every result
     came, a PE that did not exit cleanly (a teardown that hung or crashed) is an error."""
-    import fabric
-
+    import weightfabric as wf
     session = f"bench-{time.time_ns()}"
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
-    with fabric.serve("tcp://127.0.0.1:0") as hub:
+    with wf.serve("tcp://127.0.0.1:0") as hub:
         procs = [ctx.Process(target=target, args=(hub.url, session, r, pes, *args, results))
                  for r in range(pes)]
         with _environ(pe_environment(pes, heap)):
@@ -208,15 +213,15 @@ def nvshmem_reads(*, pes: int, size: int, chunk_size: int, timeout: float = 600)
 
 def _store_pe_main(url: str, session: str, rank: int, pes: int, size: int, chunk: int,
                    out: mp.Queue) -> None:
-    import fabric
-    from fabric.gpu import HubRendezvous, NvshmemRuntime
+    import weightfabric as wf
+    from weightfabric.fabric.gpu import HubRendezvous, NvshmemRuntime
 
-    client = fabric.connect(url)
+    client = wf.connect(url)
     worker = rt = None
     try:
         rt = NvshmemRuntime.start(HubRendezvous(client), session=session, rank=rank, nranks=pes,
                                   local_rank=0)
-        worker = fabric.join(url, worker=f"pe-{rank}", nvshmem=rt)
+        worker = wf.join(url, worker=f"pe-{rank}", nvshmem=rt)
         store = worker.model("bench", device="cuda:0", symmetric=True, chunk_size=chunk)
         weights = (pattern(size, "cuda:0") if rank == 0
                    else torch.zeros(size, dtype=torch.uint8, device="cuda:0"))
@@ -321,7 +326,7 @@ def _holder(full: dict[str, torch.Tensor], layer: dict[str, tuple[tuple[int, int
 
 def _reshard_case(full: dict[str, torch.Tensor], src_layer: dict, dst_layer: dict, *, fp8: bool,
                   budget: int, repeats: int) -> dict[str, Any]:
-    from fabric.direct_read import plan_direct, run_direct
+    from weightfabric.fabric.relayout.direct import plan_direct, run_direct
 
     dev = next(iter(full.values())).device
     held, regions = _holder(full, src_layer, fp8=fp8)

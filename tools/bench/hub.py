@@ -44,10 +44,10 @@ def _pct(values: list[float], q: float) -> float:
 
 def bench_ops(num_workers: int, seconds: float) -> dict:
     """Closed-loop heartbeats and progress reports from ``num_workers`` DEALER sockets."""
-    from fabric.hub_server import serve
-    from fabric.manifest import Manifest, TensorSpec
-    from fabric.protocol import REQUEST, decode, encode
-    from fabric.zmq_util import make_socket
+    from weightfabric.fabric.hub.server import serve
+    from weightfabric.fabric.manifest import Manifest, TensorSpec
+    from weightfabric.fabric.protocol import REQUEST, decode, encode
+    from weightfabric.fabric.zmq_util import make_socket
 
     hub = serve("tcp://127.0.0.1:0", lease_s=120.0)
     socks: list[zmq.Socket] = []
@@ -140,9 +140,9 @@ def bench_ops(num_workers: int, seconds: float) -> dict:
 
 def bench_plans(num_readers: int, num_chunks: int) -> dict:
     """Time `begin_fetch` plans for ``num_readers`` readers; every 4th has progress."""
-    from fabric.hub_state import HubState
-    from fabric.locality import Location
-    from fabric.manifest import Manifest, TensorSpec
+    from weightfabric.fabric.hub.state import HubState
+    from weightfabric.fabric.locality import Location
+    from weightfabric.fabric.manifest import Manifest, TensorSpec
 
     state = HubState(lease_s=3600)
     manifest = Manifest((TensorSpec("w", (num_chunks,), "uint8", num_chunks, 0),), 1)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels import (
+from weightfabric.kernels import (
     Fp8Segment,
     FusedGateUp,
     FusedQKV,

@@ -58,7 +58,7 @@ class Agent:
         self.proc = subprocess.Popen(
             [*prefix, "env", f"PYTHONPATH={_pythonpath()}",
              *(f"{k}={v}" for k, v in (env or {}).items()),
-             sys.executable, "-m", "tools.bench.agent"],
+             sys.executable, "-m", "weightfabric.tools.bench.agent"],
             cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         threading.Thread(target=self._pump, name=f"pump-{name}", daemon=True).start()

@@ -10,11 +10,11 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from topology.layout import Layout
-from topology.planner import default_endpoints, plan_broadcast
-from topology.references import reference_cluster, reference_clusters
-from topology.scenarios import run_scenario
-from topology.synthetic import synthetic_cluster
+from weightfabric.topology.layout import Layout
+from weightfabric.topology.planner import default_endpoints, plan_broadcast
+from weightfabric.topology.references import reference_cluster, reference_clusters
+from weightfabric.topology.scenarios import run_scenario
+from weightfabric.topology.synthetic import synthetic_cluster
 
 SIZE = 140 * 10**9  # a 70B model in bf16
 SCALES = [[1], [4], [32], [128], [625, 625], [1250]]  # rollout nodes per datacenter
@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _scale_row(rollout_nodes: list[int]) -> dict[str, object]:
-    from tools.plan_cmd import plan_summary
+    from weightfabric.tools.plan_cmd import plan_summary
 
     cluster = synthetic_cluster(rollout_nodes)
     started = time.perf_counter()
@@ -52,7 +52,7 @@ def _scale_row(rollout_nodes: list[int]) -> dict[str, object]:
 
 def _oversubscribed_row(nodes: int, over: float, per_leaf: int) -> dict[str, object]:
     """Leaf-aware trees against the same planner with leaf placement switched off."""
-    from tools.plan_cmd import plan_summary
+    from weightfabric.tools.plan_cmd import plan_summary
 
     cluster = synthetic_cluster([nodes], oversubscription=over, nodes_per_leaf=per_leaf)
     layout = Layout(cluster.graph())
@@ -79,7 +79,7 @@ def _oversubscribed_row(nodes: int, over: float, per_leaf: int) -> dict[str, obj
 
 
 def run(args: argparse.Namespace) -> int:
-    from tools.plan_cmd import plan_summary
+    from weightfabric.tools.plan_cmd import plan_summary
 
     out: dict[str, object] = {"size": SIZE}
     refs = {}

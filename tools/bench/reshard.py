@@ -28,8 +28,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tools.bench.launch import print_result
-from topology.units import parse_size
+from weightfabric.tools.bench.launch import print_result
+from weightfabric.topology.units import parse_size
 
 EXIT_BAD_INPUT = 2
 
@@ -75,11 +75,11 @@ def bench_reshard(*, scale: int = 2, chunk_size: int = 16 << 20, budget: int = 6
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
     import torch
 
-    import fabric
-    from fabric.reshard_fetch import Resharding, ReshardReader, fetch_resharded
-    from kernels import split_tensor
-    from tools.bench.baselines import memcpy_gbps
-    from tools.bench.gpu_paths import llama_layer
+    import weightfabric as wf
+    from weightfabric.fabric.relayout.reader import Resharding, ReshardReader, fetch_resharded
+    from weightfabric.kernels import split_tensor
+    from weightfabric.tools.bench.baselines import memcpy_gbps
+    from weightfabric.tools.bench.gpu_paths import llama_layer
 
     held, wanted = llama_layer(2, scale), llama_layer(1, scale)
     g = torch.Generator().manual_seed(7)
@@ -88,8 +88,8 @@ def bench_reshard(*, scale: int = 2, chunk_size: int = 16 << 20, budget: int = 6
     nbytes = sum(t.numel() * t.element_size() for t in full.values())
     runs: dict[str, list[Any]] = {"unverified": [], "verified": [], "one_shot": []}
     exact = True
-    with fabric.serve("tcp://127.0.0.1:0") as hub:
-        workers = [fabric.join(hub.url, worker=f"trainer-{r}") for r in range(2)]
+    with wf.serve("tcp://127.0.0.1:0") as hub:
+        workers = [wf.join(hub.url, worker=f"trainer-{r}") for r in range(2)]
         try:
             for rank, worker in enumerate(workers):
                 shards = {n: split_tensor(full[n], layout, backend="torch")[rank]
@@ -97,7 +97,7 @@ def bench_reshard(*, scale: int = 2, chunk_size: int = 16 << 20, budget: int = 6
                           for n, (shape, layout) in held.items()}
                 worker.model("layer", chunk_size=chunk_size, shard=rank,
                              num_shards=2).publish(shards, group="step-1")
-            with fabric.join(hub.url, worker="reader") as reader:
+            with wf.join(hub.url, worker="reader") as reader:
                 dst = {n: torch.empty_like(t) for n, t in full.items()}
                 kept = {kind: ReshardReader(reader, "layer", spec, rank=0, budget=budget,
                                             verify=kind == "verified")

@@ -27,8 +27,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from tools.bench.launch import Agent, close_all
-from topology.units import UnitError, parse_size
+from weightfabric.tools.bench.launch import Agent, close_all
+from weightfabric.topology.units import UnitError, parse_size
 
 SEED = 7
 
@@ -79,7 +79,7 @@ def run_local(scenario: str, plan: str, *, rollouts: int, joiners: int, size: in
 def bench_stall(*, rollouts: int, joiners: int, size: int, chunk_size: int,
                 versions: int) -> dict[str, Any]:
     """Both plans in every setting; cross-dc only where network namespaces work."""
-    from tools.bench import crossdc
+    from weightfabric.tools.bench import crossdc
 
     out: dict[str, Any] = {"rollouts": rollouts, "joiners": joiners, "size": size,
                            "versions": versions, "settings": {}}

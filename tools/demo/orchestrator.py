@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-import fabric
-from fabric.arena import remove_stale_regions
-from fabric.tensorset import ALIGNMENT, check_chunk_size, layout_of, named_tensors
-from tools.demo.model import TinyLlama, TinyLlamaConfig
-from tools.demo.roles import RoleConfig, rollout_main, trainer_main
+import weightfabric as wf
+from weightfabric.fabric.arena import remove_stale_regions
+from weightfabric.fabric.tensorset import ALIGNMENT, check_chunk_size, layout_of, named_tensors
+from weightfabric.tools.demo.model import TinyLlama, TinyLlamaConfig
+from weightfabric.tools.demo.roles import RoleConfig, rollout_main, trainer_main
 
 
 def default_chunk_size(size: str) -> int:
@@ -146,7 +146,7 @@ class Demo:
     def run(self) -> dict[str, Any]:
         cfg = self.config
         logging.getLogger("fabric").setLevel(logging.ERROR)  # the demo reports events itself
-        hub = fabric.serve("tcp://127.0.0.1:0", lease_s=2.0)
+        hub = wf.serve("tcp://127.0.0.1:0", lease_s=2.0)
         role = RoleConfig(hub.url, cfg.size, cfg.chunk_size, seed=cfg.seed)
         started = time.perf_counter()
         try:
@@ -161,7 +161,7 @@ class Demo:
             self._stop_all()
             hub.stop()
             remove_stale_regions()
-        from tools.demo.report import result
+        from weightfabric.tools.demo.report import result
 
         return result(self, time.perf_counter() - started)
 
@@ -237,7 +237,7 @@ class Demo:
         ``victim`` and holding at least the ``held`` chunks the victim holds (a fixed
         sleep lost that race on a loaded machine)."""
         deadline = time.monotonic() + READER_WAIT_S
-        with fabric.connect(hub_url) as hub:
+        with wf.connect(hub_url) as hub:
             while time.monotonic() < deadline:
                 if any(f["version"] == v and f["worker"] != victim and victim in f["sources"]
                        and f["have"] >= held for f in hub.status()["fetches"]):

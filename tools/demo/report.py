@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from tools.demo.orchestrator import Demo
+    from weightfabric.tools.demo.orchestrator import Demo
 
 
 def result(demo: Demo, seconds: float) -> dict[str, Any]:

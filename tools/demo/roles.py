@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-import fabric
-from fabric.fetch import FetchOptions
-from tools.demo.model import (
+import weightfabric as wf
+from weightfabric.fabric.fetch import FetchOptions
+from weightfabric.tools.demo.model import (
     TinyLlama,
     TinyLlamaConfig,
     init_weights,
@@ -62,7 +62,7 @@ def trainer_main(cfg: RoleConfig, commands: Any, events: Any) -> None:
     init_weights(model, cfg.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     probe = probe_inputs(model_cfg)
-    with fabric.join(cfg.hub_url, worker="trainer") as worker:
+    with wf.join(cfg.hub_url, worker="trainer") as worker:
         store = worker.model(MODEL, chunk_size=cfg.chunk_size)
         store.attach(model)
         served = 0
@@ -98,7 +98,7 @@ def rollout_main(cfg: RoleConfig, name: str, commands: Any, events: Any) -> None
     init_weights(model, 1000 + zlib.crc32(name.encode()) % 1000)
     probe = probe_inputs(model_cfg)
     generator = torch.Generator().manual_seed(cfg.seed + zlib.crc32(name.encode()))
-    with fabric.join(cfg.hub_url, worker=name) as worker:
+    with wf.join(cfg.hub_url, worker=name) as worker:
         store = worker.model(MODEL, chunk_size=cfg.chunk_size)
         store.attach(model)
         events.put({"kind": "joined", "worker": name})

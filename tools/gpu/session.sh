@@ -29,8 +29,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
 fi
-export PYTHONPATH="$PWD:/tmp/site"
-FABRIC=(python3 -m tools.cli)
+# the checkout is the package `weightfabric` (its root holds __init__.py): a link named
+# so makes it importable without an install (the GPU image has no index to build from)
+mkdir -p /tmp/wf-src && ln -sfn "$PWD" /tmp/wf-src/weightfabric
+export PYTHONPATH="/tmp/wf-src:/tmp/site"
+FABRIC=(python3 -m weightfabric.tools.cli)
 summary=()
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run, log, print the tail, remember the exit code
@@ -74,20 +77,18 @@ print(nvshmem.core.get_version())
 check() {
     step nvidia-smi 30 nvidia-smi
     step topo-m 30 nvidia-smi topo -m
-    step probe 60 python3 -c "from fabric.gpu import probe; print(probe())"
+    step probe 60 python3 -c "from weightfabric.fabric.gpu import probe; print(probe())"
     step versions 60 python3 -c "$VERSIONS"
-    step aot-sm90 240 env TRITON_INTERPRET=0 python3 -m kernels.aot
+    step aot-sm90 240 env TRITON_INTERPRET=0 python3 -m weightfabric.kernels.aot
     step discover 60 "${FABRIC[@]}" topo discover -o "$OUT/discovered.yaml"
 }
 
 tests() {
     step gpu-tests 280 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
-        tests/test_gpu_probe.py tests/test_gpu_uid.py tests/test_gpu_nvshmem.py \
-        tests/test_gpu_ipc.py tests/test_gpu_staging.py tests/test_gpu_store.py \
-        tests/test_gpu_api.py
+        tests/fabric/gpu
     mps_on
     step mps-two-pes 250 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
-        tests/test_gpu_nvshmem.py -k two_pes
+        tests/fabric/gpu/test_gpu_nvshmem.py -k two_pes
     mps_off
 }
 
@@ -121,18 +122,16 @@ quick() {  # the step limits add up to 500 s; logs come back as $OUT/logs.tgz
     step nvidia-smi 20 nvidia-smi
     step topo-m 20 nvidia-smi topo -m
     step versions 30 python3 -c "$VERSIONS"
-    step probe 30 python3 -c "from fabric.gpu import probe; print(probe())"
+    step probe 30 python3 -c "from weightfabric.fabric.gpu import probe; print(probe())"
     step discover 30 "${FABRIC[@]}" topo discover -o "$LOGS/discovered.yaml"
     step gpu-tests 150 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
-        --timeout=60 tests/test_gpu_probe.py tests/test_gpu_uid.py tests/test_gpu_api.py \
-        tests/test_gpu_ipc.py tests/test_gpu_staging.py tests/test_gpu_store.py \
-        tests/test_gpu_nvshmem.py
+        --timeout=60 tests/fabric/gpu
     step kernels-cuda 80 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json --repeat 3
     step fetch-cuda-64MiB 80 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
         --size 2GB --chunk-size 64MiB --max-inflight 8 --versions 2 --json
     mps_on
     step mps-two-pes 60 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
-        tests/test_gpu_nvshmem.py -k two_pes
+        tests/fabric/gpu/test_gpu_nvshmem.py -k two_pes
     mps_off
 }
 

@@ -8,9 +8,14 @@ host memory from /proc/meminfo. Modules: `base` (records and bandwidth tables),
 `nvml`, `smi`, `sysfs` (one per source) and `assemble` (building the cluster).
 """
 
-from topology.discover.assemble import Discovered, discover, nvlink_groups, run_command
-from topology.discover.base import GpuInfo, NicInfo, NvlinkLinks, pcie_bandwidth
-from topology.discover.smi import SmiParseError, TopoMatrix, parse_query_gpu, parse_topo_matrix
+from weightfabric.topology.discover.assemble import Discovered, discover, nvlink_groups, run_command
+from weightfabric.topology.discover.base import GpuInfo, NicInfo, NvlinkLinks, pcie_bandwidth
+from weightfabric.topology.discover.smi import (
+    SmiParseError,
+    TopoMatrix,
+    parse_query_gpu,
+    parse_topo_matrix,
+)
 
 __all__ = [
     "Discovered",

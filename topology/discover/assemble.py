@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from topology.discover.base import (
+from weightfabric.topology.discover.base import (
     DEFAULT_NVLINK_LINK_BANDWIDTH,
     DEFAULT_TCP_BANDWIDTH,
     GpuInfo,
@@ -25,12 +25,12 @@ from topology.discover.base import (
     nvlink_link_bandwidth,
     pcie_bandwidth,
 )
-from topology.discover.nvml import load_nvml, probe_nvml
-from topology.discover.smi import probe_smi
-from topology.discover.sysfs import host_memory, pci_link, pci_numa_node, read_nics
-from topology.errors import ClusterConfigError
-from topology.loader import check_node_name, cluster_from_dict
-from topology.schema import (
+from weightfabric.topology.discover.nvml import load_nvml, probe_nvml
+from weightfabric.topology.discover.smi import probe_smi
+from weightfabric.topology.discover.sysfs import host_memory, pci_link, pci_numa_node, read_nics
+from weightfabric.topology.errors import ClusterConfigError
+from weightfabric.topology.loader import check_node_name, cluster_from_dict
+from weightfabric.topology.schema import (
     Cluster,
     Datacenter,
     GpuSpec,
@@ -41,7 +41,7 @@ from topology.schema import (
     NumaSpec,
     NvlinkSpec,
 )
-from topology.units import format_bandwidth
+from weightfabric.topology.units import format_bandwidth
 
 #: Latencies are not measured; these typical values match the reference clusters.
 NVLINK_LATENCY, PCIE_LATENCY, RDMA_LATENCY, TCP_LATENCY = 2e-6, 2e-6, 5e-6, 20e-6

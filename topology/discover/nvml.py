@@ -12,7 +12,7 @@ import contextlib
 from types import ModuleType
 from typing import Any
 
-from topology.discover.base import GpuInfo, GpuProbe, NvlinkLinks, normalize_bus_id
+from weightfabric.topology.discover.base import GpuInfo, GpuProbe, NvlinkLinks, normalize_bus_id
 
 _NVML_FEATURE_ENABLED = 1
 

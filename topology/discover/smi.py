@@ -17,7 +17,7 @@ import re
 import subprocess
 from dataclasses import dataclass, replace
 
-from topology.discover.base import (
+from weightfabric.topology.discover.base import (
     DEFAULT_NVLINK_MAX_LINKS,
     NVLINK_MAX_LINKS,
     GpuInfo,

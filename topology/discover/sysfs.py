@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from topology.discover.base import PCIE_GT_PER_S_TO_GEN, NicInfo
+from weightfabric.topology.discover.base import PCIE_GT_PER_S_TO_GEN, NicInfo
 
 
 def _read(path: Path) -> str | None:

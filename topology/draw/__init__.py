@@ -30,11 +30,11 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from topology.draw.layout import Layout
-from topology.draw.overlay import draw_plan
-from topology.draw.painter import Painter
-from topology.draw.style import DPI, MAX_FULL_NODES, SHOWN_PER_GROUP
-from topology.schema import Cluster
+from weightfabric.topology.draw.layout import Layout
+from weightfabric.topology.draw.overlay import draw_plan
+from weightfabric.topology.draw.painter import Painter
+from weightfabric.topology.draw.style import DPI, MAX_FULL_NODES, SHOWN_PER_GROUP
+from weightfabric.topology.schema import Cluster
 
 __all__ = ["MAX_FULL_NODES", "SHOWN_PER_GROUP", "draw_cluster", "draw_plan"]
 

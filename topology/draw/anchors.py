@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from topology.plan import Link, link
+from weightfabric.topology.plan import Link, link
 
 Point = tuple[float, float]
 Segment = tuple[Point, Point]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from topology.draw.labels import plural
-from topology.draw.style import MAX_CELLS, MAX_FULL_NODES, SHOWN_PER_GROUP
-from topology.schema import Cluster, Datacenter, NodeGroup, NodeType
+from weightfabric.topology.draw.labels import plural
+from weightfabric.topology.draw.style import MAX_CELLS, MAX_FULL_NODES, SHOWN_PER_GROUP
+from weightfabric.topology.schema import Cluster, Datacenter, NodeGroup, NodeType
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from topology.schema import Datacenter, NodeType
-from topology.units import human_bandwidth
+from weightfabric.topology.schema import Datacenter, NodeType
+from weightfabric.topology.units import human_bandwidth
 
 
 def cpu_label(t: NodeType) -> str:

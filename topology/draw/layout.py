@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 
-from topology.draw.anchors import Anchors, Segment
-from topology.draw.cells import dc_totals, grid_cells, group_size, roles_tag
-from topology.draw.labels import cpu_label, network_label, plural, wan_label
-from topology.draw.legend import draw_legend
-from topology.draw.nodes import NodeDrawer
-from topology.draw.painter import Painter
-from topology.draw.style import (
+from weightfabric.topology.draw.anchors import Anchors, Segment
+from weightfabric.topology.draw.cells import dc_totals, grid_cells, group_size, roles_tag
+from weightfabric.topology.draw.labels import cpu_label, network_label, plural, wan_label
+from weightfabric.topology.draw.legend import draw_legend
+from weightfabric.topology.draw.nodes import NodeDrawer
+from weightfabric.topology.draw.painter import Painter
+from weightfabric.topology.draw.style import (
     CELL_GAP,
     COLUMNS,
     DC_EDGE,
@@ -44,7 +44,7 @@ from topology.draw.style import (
     WAN,
     WAN_W,
 )
-from topology.schema import Cluster, Datacenter
+from weightfabric.topology.schema import Cluster, Datacenter
 
 _Line = tuple[str, float, bool, str]  # a line of a datacenter's header: text, size, bold, colour
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from topology.draw.cells import group_size
-from topology.draw.labels import latency_text, nic_bandwidth, size_text
-from topology.draw.painter import Painter
-from topology.draw.style import (
+from weightfabric.topology.draw.cells import group_size
+from weightfabric.topology.draw.labels import latency_text, nic_bandwidth, size_text
+from weightfabric.topology.draw.painter import Painter
+from weightfabric.topology.draw.style import (
     INK,
     MARGIN,
     MUTED,
@@ -21,8 +21,8 @@ from topology.draw.style import (
     WAN,
     WAN_W,
 )
-from topology.schema import Cluster, NodeType
-from topology.units import human_bandwidth
+from weightfabric.topology.schema import Cluster, NodeType
+from weightfabric.topology.units import human_bandwidth
 
 
 def draw_legend(p: Painter, cluster: Cluster, types: list[NodeType], colours: dict[str, str],

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from topology.draw.anchors import Anchors, Segment
-from topology.draw.cells import Cell, roles_tag
-from topology.draw.labels import cpu_label, plural
-from topology.draw.painter import Painter
-from topology.draw.style import (
+from weightfabric.topology.draw.anchors import Anchors, Segment
+from weightfabric.topology.draw.cells import Cell, roles_tag
+from weightfabric.topology.draw.labels import cpu_label, plural
+from weightfabric.topology.draw.painter import Painter
+from weightfabric.topology.draw.style import (
     BAND,
     BAND_PAD,
     CELL_GAP,
@@ -33,9 +33,9 @@ from topology.draw.style import (
     PCIE_H,
     TRAINER,
 )
-from topology.graph import gpu_vertex, host_vertex, nic_vertex, pcie_vertex
-from topology.plan import link
-from topology.schema import Cluster, NodeType
+from weightfabric.topology.graph import gpu_vertex, host_vertex, nic_vertex, pcie_vertex
+from weightfabric.topology.plan import link
+from weightfabric.topology.schema import Cluster, NodeType
 
 
 @dataclass

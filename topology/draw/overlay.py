@@ -30,14 +30,14 @@ from pathlib import Path
 import networkx as nx
 from matplotlib.figure import Figure
 
-from topology.draw.anchors import Anchors, Point, Rect, centre
-from topology.draw.labels import plural, size_text
-from topology.draw.layout import Layout
-from topology.draw.legend import Table
-from topology.draw.painter import Painter, save_palette_png
-from topology.draw.style import DPI, MARGIN, NETWORK, NIC, NVLINK, WAN, WAN_W
-from topology.plan import Plan, Transfer, link_bytes
-from topology.schema import Cluster
+from weightfabric.topology.draw.anchors import Anchors, Point, Rect, centre
+from weightfabric.topology.draw.labels import plural, size_text
+from weightfabric.topology.draw.layout import Layout
+from weightfabric.topology.draw.legend import Table
+from weightfabric.topology.draw.painter import Painter, save_palette_png
+from weightfabric.topology.draw.style import DPI, MARGIN, NETWORK, NIC, NVLINK, WAN, WAN_W
+from weightfabric.topology.plan import Plan, Transfer, link_bytes
+from weightfabric.topology.schema import Cluster
 
 FULL_W = 8.0  # points: a line between machines carrying the whole version once
 NODE_W = 3.0  # points: the same inside machines

@@ -11,7 +11,7 @@ from matplotlib.font_manager import FontProperties
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 from PIL import Image
 
-from topology.draw.style import INK
+from weightfabric.topology.draw.style import INK
 
 
 class Painter:

@@ -1,0 +1,110 @@
+"""weightfabric: a peer-to-peer weight fabric for LLM reinforcement learning.
+
+``import weightfabric as wf`` is the public API: `wf.join` (take part with data),
+`wf.connect` (metadata only), `wf.serve` (run a hub), the model stores, the fetch
+options and stats, and every error type. The fabric keeps no copy of the weights:
+a hub tracks which workers hold which version, and readers pull from them::
+
+    worker = wf.join(url, worker="rollout-3", location={"datacenter": "dc1"})
+    store = worker.model("policy")
+    store.attach(model)                 # rollout: parameters move into the arena once
+    stats = store.sync(timeout=600)     # wait for a newer version and fetch it
+    v = store.publish(model)            # trainer: expose a new version and commit it
+
+Subpackages: `weightfabric.fabric` (the library), `weightfabric.kernels` (Triton
+kernels), `weightfabric.topology` (cluster YAML, planner, simulator) and
+`weightfabric.tools` (the `fabric` command line, demo, benchmarks).
+"""
+
+from typing import TYPE_CHECKING
+
+from weightfabric.fabric.client import FetchPlan, HubClient, PlanRange, SourceInfo, connect
+from weightfabric.fabric.errors import (
+    ArenaError,
+    BadRequestError,
+    ClusterConfigError,
+    DuplicateWorkerError,
+    FabricError,
+    FetchError,
+    GroupAbortedError,
+    HubError,
+    HubTimeoutError,
+    HubUnavailableError,
+    InvalidStateError,
+    ManifestMismatchError,
+    NoSourceError,
+    ProtocolError,
+    ReadRefusedError,
+    RetentionError,
+    SourceLostError,
+    TransportError,
+    UnknownFetchError,
+    UnknownModelError,
+    UnknownVersionError,
+    UnknownWorkerError,
+)
+from weightfabric.fabric.fetch import FetchOptions, FetchStats
+from weightfabric.fabric.locality import Location, SourceCandidate, rank_by_locality
+from weightfabric.fabric.manifest import Manifest, TensorSpec
+from weightfabric.fabric.store import FetchFuture, ModelStore
+from weightfabric.fabric.worker import Worker, join
+
+if TYPE_CHECKING:
+    from weightfabric.fabric.hub import HubServer, HubState, serve
+
+__version__ = "0.2.0"
+
+__all__ = [
+    "ArenaError",
+    "BadRequestError",
+    "ClusterConfigError",
+    "DuplicateWorkerError",
+    "FabricError",
+    "FetchError",
+    "FetchFuture",
+    "FetchOptions",
+    "FetchPlan",
+    "FetchStats",
+    "GroupAbortedError",
+    "HubClient",
+    "HubError",
+    "HubServer",
+    "HubState",
+    "HubTimeoutError",
+    "HubUnavailableError",
+    "InvalidStateError",
+    "Location",
+    "Manifest",
+    "ManifestMismatchError",
+    "ModelStore",
+    "NoSourceError",
+    "PlanRange",
+    "ProtocolError",
+    "ReadRefusedError",
+    "RetentionError",
+    "SourceCandidate",
+    "SourceInfo",
+    "SourceLostError",
+    "TensorSpec",
+    "TransportError",
+    "UnknownFetchError",
+    "UnknownModelError",
+    "UnknownVersionError",
+    "UnknownWorkerError",
+    "Worker",
+    "connect",
+    "join",
+    "rank_by_locality",
+    "serve",
+    "__version__",
+]
+
+_HUB = {"HubServer", "HubState", "serve"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _HUB:  # the control plane, imported only by those who start a hub
+        from weightfabric.fabric import hub
+
+        return getattr(hub, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

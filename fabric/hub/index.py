@@ -1,0 +1,169 @@
+"""The indexes `fabric.hub.state.HubState` keeps so an operation costs what it touches.
+
+Every change to replicas, fetches, fetch sources and publishers goes through
+`HubIndex`, so each index stays equal to what a full scan of the records finds
+(`HubIndex.check` asserts that; the property test calls it after every step).
+`HubIndex` also holds the work queues `fabric.hub.retention.settle` drains: the
+models whose retention must be re-applied, delayed retracts, retracts whose last
+reader may have left, and retired versions whose last replica went.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from weightfabric.fabric.hub.records import (
+    LIVE,
+    PUBLISHING,
+    RETIRED,
+    RETRACTING,
+    FetchRecord,
+    ModelRecord,
+    Replica,
+    VersionRecord,
+)
+
+ReplicaKey = tuple[str, int, int, str]
+"""``(model, version, shard, worker)``."""
+
+
+class HubIndex:
+    """Indexes and work queues over the hub's records.
+
+    Args:
+        models: the hub's models (shared, read here).
+        fetches: the hub's fetches in flight by id (shared, kept here).
+    """
+
+    def __init__(self, models: dict[str, ModelRecord], fetches: dict[str, FetchRecord]) -> None:
+        self.models = models
+        self.fetches = fetches
+        self.load: Counter[str] = Counter()                          # source -> its readers
+        self.held: dict[str, set[tuple[str, int, int]]] = {}         # worker -> (model, v, shard)
+        self.publishing: dict[str, set[tuple[str, int]]] = {}        # worker -> publishing (m, v)
+        self.own_fetches: dict[str, set[str]] = {}                    # worker -> its fetch ids
+        self.reading: dict[str, set[str]] = {}                        # source -> fetch ids
+        self.readers: dict[ReplicaKey, set[str]] = {}                 # replica -> fetch ids
+        # Work queues for `fabric.hub.retention.settle`.
+        self.pending_retracts: set[ReplicaKey] = set()
+        self.delayed: set[ReplicaKey] = set()
+        self.dirty_models: set[str] = set()
+        self.gc: set[tuple[str, int]] = set()
+
+    def add_replica(self, v: VersionRecord, rep: Replica) -> None:
+        key = (rep.worker, rep.shard)
+        if key in v.replicas:
+            self.remove_replica(v, key)
+        v.replicas[key] = rep
+        v.reindex(rep)
+        self.held.setdefault(rep.worker, set()).add((v.model, v.number, rep.shard))
+
+    def remove_replica(self, v: VersionRecord, key: tuple[str, int]) -> None:
+        rep = v.replicas.pop(key)
+        v.reindex(rep)
+        held = self.held.get(rep.worker)
+        if held is not None:
+            held.discard((v.model, v.number, rep.shard))
+            if not held:
+                del self.held[rep.worker]
+        self.delayed.discard((v.model, v.number, rep.shard, rep.worker))
+        if v.state == RETIRED and not v.replicas:
+            self.gc.add((v.model, v.number))
+
+    def set_status(self, v: VersionRecord, rep: Replica, status: str) -> None:
+        rep.status = status
+        v.reindex(rep)
+        if status == RETRACTING:
+            self.pending_retracts.add((v.model, v.number, rep.shard, rep.worker))
+
+    def add_fetch(self, f: FetchRecord) -> None:
+        self.fetches[f.fetch_id] = f
+        self.own_fetches.setdefault(f.worker, set()).add(f.fetch_id)
+
+    def pop_fetch(self, fetch_id: str) -> FetchRecord | None:
+        f = self.fetches.pop(fetch_id, None)
+        if f is not None:
+            self.set_sources(f, set())
+            own = self.own_fetches.get(f.worker)
+            if own is not None:
+                own.discard(fetch_id)
+                if not own:
+                    del self.own_fetches[f.worker]
+        return f
+
+    def add_publisher(self, worker: str, v: VersionRecord) -> None:
+        self.publishing.setdefault(worker, set()).add((v.model, v.number))
+
+    def unpublish(self, v: VersionRecord) -> None:
+        """``v`` left ``publishing``: forget it in the publishers' index."""
+        for w, _ in v.publishers:
+            pubs = self.publishing.get(w)
+            if pubs is not None:
+                pubs.discard((v.model, v.number))
+                if not pubs:
+                    del self.publishing[w]
+
+    def set_sources(self, f: FetchRecord, sources: set[str]) -> None:
+        """The workers fetch ``f`` may read from are now ``sources``."""
+        for w in f.sources - sources:
+            self.load[w] -= 1
+            if self.load[w] <= 0:
+                del self.load[w]
+            _discard(self.reading, w, f.fetch_id)
+            key = (f.model, f.version, f.shard, w)
+            if _discard(self.readers, key, f.fetch_id):   # its last reader left
+                m = self.models.get(f.model)
+                v = m.versions.get(f.version) if m else None
+                r = v.replicas.get((w, f.shard)) if v else None
+                if r is not None and r.status == RETRACTING:
+                    self.pending_retracts.add(key)
+        for w in sources - f.sources:
+            self.load[w] += 1
+            self.reading.setdefault(w, set()).add(f.fetch_id)
+            self.readers.setdefault((f.model, f.version, f.shard, w), set()).add(f.fetch_id)
+        f.sources = set(sources)
+
+    def check(self, workers: dict[str, Any]) -> None:
+        """Assert every index equals what a full scan finds and no work is left queued."""
+        held: dict[str, set] = {}
+        publishing: dict[str, set] = {}
+        readers: dict[tuple, set] = {}
+        for m in self.models.values():
+            for n, v in m.versions.items():
+                for (w, s), r in v.replicas.items():
+                    held.setdefault(w, set()).add((m.name, n, s))
+                    assert (r.complete and r.status == LIVE) == (
+                        w in v.complete_live.get(s, ())), (m.name, n, w, s)
+                    if r.retract_delayed and r.status == LIVE:
+                        assert (m.name, n, s, w) in self.delayed
+                if v.state == PUBLISHING:
+                    for w, _ in v.publishers:
+                        publishing.setdefault(w, set()).add((m.name, n))
+                assert all(w in workers for ws in v.complete_live.values() for w in ws)
+        assert held == self.held, (held, self.held)
+        assert publishing == self.publishing, (publishing, self.publishing)
+        own: dict[str, set] = {}
+        for fid, f in self.fetches.items():
+            own.setdefault(f.worker, set()).add(fid)
+            for w in f.sources:
+                readers.setdefault((f.model, f.version, f.shard, w), set()).add(fid)
+        assert own == self.own_fetches
+        assert readers == self.readers
+        assert {k: len(v) for k, v in self.reading.items()} == dict(self.load)
+        assert not self.pending_retracts and not self.gc and not self.dirty_models
+
+
+def _discard(index: dict, key: Any, item: str) -> bool:
+    """Remove ``item`` from ``index[key]``; True when that emptied (and removed) the set."""
+    items = index.get(key)
+    if items is None:
+        return False
+    items.discard(item)
+    if not items:
+        del index[key]
+        return True
+    return False
+
+
+__all__ = ["HubIndex", "ReplicaKey"]

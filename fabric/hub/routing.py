@@ -1,0 +1,184 @@
+"""Which workers a reader reads each chunk from: the body of a hub plan.
+
+Pure functions of one version's replicas, the live workers and their load:
+`fabric.hub.state.HubState.plan` checks the fetch, calls `route` and records
+the sources it names; `HubState.locate` calls `holders`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from weightfabric.fabric.hub.records import LIVE, Replica, VersionRecord, WorkerRecord
+from weightfabric.fabric.locality import Location, RankSources, SourceCandidate
+
+
+def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]], *,
+          banned: set[str], workers: dict[str, WorkerRecord], load: Counter[str],
+          rank_sources: RankSources, max_sources: int
+          ) -> tuple[list[dict[str, Any]], set[str], list[int]]:
+    """Ranked sources for each chunk the reader needs and can read now.
+
+    ``need`` is sorted, disjoint ``(start, stop)`` runs of chunks (`runs`,
+    `missing_runs`). The sources and waits of a chunk depend only on which
+    replicas hold it, which changes only at their bitmaps' edges: the chunks are
+    cut into stretches there and the picks are made for all stretches at once
+    (`_picks`, numpy); what is left in Python is one step per range of the reply.
+
+    Returns:
+        ``(ranges, named, missing)``: ``ranges`` as in `HubState.plan`, every worker
+        they name, and the chunks no live source holds.
+    """
+    ranked = ranked_replicas(v, shard, workers[reader].location, workers=workers, load=load,
+                             rank_sources=rank_sources,
+                             keep=lambda r: r.worker != reader and r.worker not in banned)
+    reps = _reach(ranked, max_sources)
+    # A reader waits only on partial replicas that began fetching before it did:
+    # waits then follow start order, so two readers never wait on each other.
+    order = {key: i for i, key in enumerate(v.replicas)}
+    mine = order[(reader, shard)]
+    earlier = [order[(r.worker, shard)] < mine for r in reps]
+    if not need:
+        return [], set(), []
+    sources = max(max_sources, 1)
+    starts, stops = _stretches(reps, need)
+    picks = _picks(reps, starts, earlier, sources)
+    # Neighbouring stretches with the same pick form one range.
+    cut = np.flatnonzero((picks[1:] != picks[:-1]).any(axis=1)
+                         | (starts[1:] != stops[:-1])) + 1
+    firsts, lasts = np.r_[0, cut], np.r_[cut - 1, len(starts) - 1]
+    kinds, kind_of = _distinct_rows(picks[firsts])
+    names = [r.worker for r in reps]
+    kinds = [([names[i] for i in row[:sources] if i >= 0],
+              [names[i] for i in row[sources:] if i >= 0]) for row in kinds.tolist()]
+    read = np.asarray([bool(srcs) for srcs, _ in kinds])[kind_of]
+    # The ranges share their kind's lists (the reply is serialised, not changed).
+    ranges = [{"start": a, "stop": b, "sources": kinds[k][0], "wait": kinds[k][1]}
+              for a, b, k in zip(starts[firsts[read]].tolist(), stops[lasts[read]].tolist(),
+                                 kind_of[read].tolist(), strict=True)]
+    missing = [c for a, b in zip(starts[firsts[~read]].tolist(), stops[lasts[~read]].tolist(),
+                                 strict=True) for c in range(a, b)]
+    named = {w for srcs, wait in kinds if srcs for w in (*srcs, *wait)}
+    return ranges, named, missing
+
+
+def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(rows, axis=0, return_inverse=True)``, by a lexicographic sort
+    (numpy's compares rows as opaque bytes, several times slower here)."""
+    order = np.lexsort(rows.T[::-1])
+    ordered = rows[order]
+    first = np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)]
+    inverse = np.empty(len(rows), np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return ordered[first], inverse
+
+
+def _picks(reps: list[Replica], starts: np.ndarray, earlier: list[bool], sources: int
+           ) -> np.ndarray:
+    """Per stretch (its first chunk in ``starts``), the indices in ``reps`` of its
+    sources, the first ``sources`` replicas that hold it, best first, then of its
+    waits: up to 2 ``earlier`` replicas ranked above every source that lack it.
+    -1 where there are fewer. Replicas are visited in rank order, each only for the
+    stretches still short of sources."""
+    picks = np.full((len(starts), sources + 2), -1, np.int32)
+    found = np.zeros(len(starts), np.int32)     # sources so far
+    waits = np.zeros(len(starts), np.int32)
+    open_ = np.arange(len(starts))              # stretches short of sources
+    for i, r in enumerate(reps):
+        if not open_.size:
+            break
+        has = (np.ones(open_.size, bool) if r.complete
+               else np.frombuffer(r.have, np.uint8)[starts[open_]] != 0)
+        got = open_[has]
+        picks[got, found[got]] = i
+        found[got] += 1
+        if earlier[i]:
+            lack = open_[~has]
+            lack = lack[(found[lack] == 0) & (waits[lack] < 2)]
+            picks[lack, sources + waits[lack]] = i
+            waits[lack] += 1
+        open_ = open_[found[open_] < sources]
+    return picks
+
+
+def _stretches(reps: list[Replica], need: list[tuple[int, int]]
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """``need`` cut at every edge of the partial replicas' bitmaps: the stretches'
+    starts and stops (within a stretch every replica holds all chunks or none)."""
+    run_starts = np.fromiter((a for a, _ in need), np.int64, len(need))
+    run_stops = np.fromiter((b for _, b in need), np.int64, len(need))
+    lo, hi = int(run_starts[0]), int(run_stops[-1])
+    edges = [np.flatnonzero(np.diff(np.frombuffer(r.have, np.uint8)[lo:hi])) + lo + 1
+             for r in reps if not r.complete]
+    cuts = np.concatenate([np.zeros(0, np.int64), *edges])
+    run = np.searchsorted(run_starts, cuts, side="right") - 1     # the run a cut falls in
+    inside = (run >= 0) & (cuts < run_stops[np.maximum(run, 0)])
+    starts = _sorted_unique(np.concatenate([run_starts, cuts[inside]]))
+    run = np.searchsorted(run_starts, starts, side="right") - 1
+    stops = np.minimum(np.r_[starts[1:], hi], run_stops[run])
+    return starts, stops
+
+
+def _sorted_unique(a: np.ndarray) -> np.ndarray:
+    """``np.unique(a)``, by sorting (faster here than numpy's hashing)."""
+    a = np.sort(a)
+    return a[np.r_[True, a[1:] != a[:-1]]] if a.size else a
+
+
+def _reach(reps: list[Replica], max_sources: int) -> list[Replica]:
+    """The prefix of ranked ``reps`` that `_picks` can reach: it stops by the
+    ``max_sources``-th complete replica (by the first when ``max_sources`` <= 1)."""
+    complete = 0
+    for i, r in enumerate(reps):
+        complete += r.complete
+        if complete >= max(max_sources, 1):
+            return reps[:i + 1]
+    return reps
+
+
+def runs(chunks: list[int]) -> list[tuple[int, int]]:
+    """``sorted(set(chunks))`` as ``(start, stop)`` runs of consecutive chunks."""
+    if not chunks:
+        return []
+    a = np.fromiter(chunks, np.int64, len(chunks))
+    if not (a[1:] > a[:-1]).all():
+        a = _sorted_unique(a)
+    cut = np.flatnonzero(a[1:] != a[:-1] + 1) + 1
+    starts = a[np.r_[0, cut]].tolist()
+    stops = (a[np.r_[cut - 1, len(a) - 1]] + 1).tolist()
+    return list(zip(starts, stops, strict=True))
+
+
+def missing_runs(have: bytearray) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` runs of chunks where ``have`` (bytes 0 or 1) is 0."""
+    step = np.diff(np.frombuffer(have, np.uint8).astype(np.int8), prepend=1, append=1)
+    return list(zip(np.flatnonzero(step == -1).tolist(), np.flatnonzero(step == 1).tolist(),
+                    strict=True))
+
+
+def holders(v: VersionRecord, shard: int, reader: Location, *, workers: dict[str, WorkerRecord],
+            load: Counter[str], rank_sources: RankSources) -> list[str]:
+    """Workers with a complete live replica of ``shard``, best first for ``reader``."""
+    return [r.worker for r in ranked_replicas(v, shard, reader, workers=workers, load=load,
+                                              rank_sources=rank_sources,
+                                              keep=lambda r: r.complete)]
+
+
+def ranked_replicas(v: VersionRecord, shard: int, reader: Location, *,
+                    workers: dict[str, WorkerRecord], load: Counter[str],
+                    rank_sources: RankSources, keep: Callable[[Replica], bool]) -> list[Replica]:
+    """The live replicas of ``shard`` on registered workers that ``keep`` accepts,
+    best first for ``reader`` (those ``rank_sources`` leaves out are dropped)."""
+    cands = [SourceCandidate(r.worker, workers[r.worker].location, r.complete, load[r.worker])
+             for r in v.replicas.values()
+             if r.shard == shard and r.status == LIVE and r.worker in workers and keep(r)]
+    allowed = {c.worker for c in cands}
+    return [v.replicas[(c.worker, shard)] for c in rank_sources(reader, cands)
+            if c.worker in allowed]
+
+
+__all__ = ["holders", "missing_runs", "ranked_replicas", "route", "runs"]

@@ -1,0 +1,356 @@
+"""The hub process: a zmq ROUTER serving `HubState` operations.
+
+One thread owns the socket and the state (no locks): it receives a request,
+decodes it (`fabric.protocol`), runs the operation (`fabric.hub.ops`), persists
+new version counters when a state dir is set, and replies. Long-polls are parked
+and answered when the state changes or their deadline passes; a timer tick
+expires leases even when no request arrives. Bad frames get a typed error reply
+(or are dropped when not even the sender can be told) and never stop the loop.
+
+Use `serve` for a hub on a background thread, `HubServer.serve_forever` for the
+`fabric hub serve` command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from weightfabric.fabric.errors import BadRequestError, HubError, ProtocolError
+from weightfabric.fabric.hub.ops import OPS, READ_ONLY, Park
+from weightfabric.fabric.hub.persist import load_state, save_state
+from weightfabric.fabric.hub.state import DEFAULT_LEASE_S, HubState
+from weightfabric.fabric.locality import RankSources, rank_by_locality
+from weightfabric.fabric.protocol import (
+    ERROR,
+    MAX_MESSAGE_SIZE,
+    REPLY,
+    REQUEST,
+    decode,
+    encode,
+    peek_req_id,
+)
+from weightfabric.fabric.zmq_util import endpoint, make_socket, url_of
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.05
+STALL_MIN_S = 0.5  # the shortest gap between the loop's looks at its leases that is a stall
+REPLY_CACHE_SIZE = 65_536            # replies kept for retries: at most this many
+REPLY_CACHE_BYTES = 256 * 1024 ** 2  # and at most this many bytes, oldest out first
+
+
+@dataclass
+class _Parked:
+    ident: bytes
+    req_id: int
+    session: str
+    park: Park
+    deadline: float
+    cache: bool
+
+
+class HubServer:
+    """A hub bound to ``url``; `start` runs it on a daemon thread.
+
+    Args:
+        url: ``tcp://HOST:PORT`` (port 0 lets the OS pick) or ``memory://NAME``.
+        state_dir: where version counters and retention policies survive restarts.
+        lease_s: worker lease; heartbeats every ``lease_s / 3`` keep it.
+        clock: monotonic time source (tests inject one).
+        rank_sources: source ranking for plans (default: locality).
+        max_message_size: bytes; larger frames are dropped by zmq and refused by the codec.
+
+    Raises:
+        ValueError: the state file is corrupt, the state dir cannot be created or
+            written (checked here, not at the first version), or ``lease_s <= 0``.
+    """
+
+    def __init__(self, url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,
+                 lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic,
+                 rank_sources: RankSources = rank_by_locality,
+                 max_message_size: int = MAX_MESSAGE_SIZE) -> None:
+        self.requested_url = url
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        if self.state_dir is not None:
+            try:
+                self.state_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"state dir {self.state_dir}: cannot create it: "
+                                 f"{exc.strerror}") from exc
+            if not os.access(self.state_dir, os.W_OK | os.X_OK):
+                raise ValueError(f"state dir {self.state_dir}: not writable")
+        durable = load_state(self.state_dir) if self.state_dir else None
+        self.state = HubState(clock=clock, lease_s=lease_s, rank_sources=rank_sources,
+                              durable=durable, stall_after=max(lease_s / 3, STALL_MIN_S))
+        self.clock = clock
+        self.max_message_size = max_message_size
+        self.epoch = secrets.token_hex(8)
+        self.url = ""
+        self.num_requests = 0
+        self.num_bad_frames = 0
+        self._saved_generation = self.state.durable_generation
+        self._failed_generation = -1
+        self._replies: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._replies_size = 0    # bytes in self._replies
+        self._parked: dict[tuple[str, int], _Parked] = {}
+        self._seen_generation = -1
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: zmq.Socket | None = None
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self, timeout: float = 10.0) -> HubServer:
+        """Bind and serve on a daemon thread; returns once bound (``self.url`` is set).
+
+        Raises:
+            HubUnavailableError: bad URL. zmq.ZMQError: the address is in use.
+            TimeoutError: not bound within ``timeout`` seconds.
+        """
+        self._thread = threading.Thread(target=self._run, name="fabric-hub", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("hub did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def serve_forever(self, on_ready: Callable[[str], None] | None = None) -> None:
+        """Serve in the calling thread until `stop` (or KeyboardInterrupt)."""
+        self._run(on_ready)
+        if self._error is not None:
+            raise self._error
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving and close the socket."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> HubServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ loop
+    def _run(self, on_ready: Callable[[str], None] | None = None) -> None:
+        sock = None
+        try:
+            sock = make_socket(zmq.ROUTER, max_message_size=self.max_message_size)
+            sock.bind(endpoint(self.requested_url, bind=True))
+            bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.url = url_of(bound, self.requested_url)
+        except BaseException as exc:
+            if sock is not None:
+                sock.close(0)
+            self._error = exc
+            self._ready.set()
+            return
+        self._sock = sock
+        log.info("hub serving url=%s epoch=%s state_dir=%s", self.url, self.epoch, self.state_dir)
+        self._ready.set()
+        if on_ready is not None:
+            on_ready(self.url)
+        try:
+            while not self._stop.is_set():
+                if sock.poll(int(TICK_S * 1000), zmq.POLLIN):
+                    for _ in range(1000):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                        except zmq.Again:
+                            break
+                        self._guarded(self._handle, frames)
+                self._guarded(self._tick)
+        finally:
+            # zmq frees an address when its reaper thread gets to the closed socket;
+            # unbinding first frees it now, so a hub restarted at once can bind it.
+            with contextlib.suppress(zmq.ZMQError):
+                sock.unbind(bound)
+            sock.close(0)
+            log.info("hub stopped url=%s", self.url)
+
+    def _tick(self) -> None:
+        self.state.expire()
+        self._wake_parked()
+        self._persist()
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run one step of the loop; a bug in it is logged, never ends the loop."""
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("hub loop step %s failed; serving on", fn.__name__)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        self.num_requests += 1
+        if len(frames) != 2:
+            self.num_bad_frames += 1
+            if len(frames) >= 2:
+                self._send_error(frames[0], 0, ProtocolError(
+                    f"expected one frame per message, got {len(frames) - 1}"))
+            return
+        ident, payload = frames
+        try:
+            msg = decode(payload, max_size=self.max_message_size)
+            if msg.kind != REQUEST:
+                raise ProtocolError("the hub only accepts requests")
+        except ProtocolError as exc:
+            self.num_bad_frames += 1
+            log.warning("bad frame from %s: %s", ident.hex(), exc)
+            self._send_error(ident, peek_req_id(payload), exc)
+            return
+        key = (msg.tag, msg.req_id)
+        if key in self._replies:
+            self._send(ident, self._replies[key])
+            return
+        if key in self._parked:
+            self._parked[key].ident = ident
+            return
+        fn = OPS.get(msg.name)
+        cache = msg.name not in READ_ONLY
+        try:
+            if fn is None:
+                raise BadRequestError(f"unknown operation {msg.name!r}; is the client newer "
+                                      "than the hub?")
+            result = fn(self.state, msg.tag, msg.body)
+        except HubError as exc:
+            self._finish(ident, key, self._error_bytes(msg.req_id, exc), cache=cache)
+            return
+        except (ValueError, TypeError, KeyError) as exc:
+            self._finish(ident, key, self._error_bytes(msg.req_id, BadRequestError(
+                f"{msg.name}: {exc}")), cache=cache)
+            return
+        except Exception as exc:  # a bug must not take the hub down for everyone
+            log.exception("operation %s failed", msg.name)
+            self._finish(ident, key, self._error_bytes(msg.req_id, HubError(
+                f"internal hub error in {msg.name}: {exc!r}")), cache=cache)
+            return
+        if isinstance(result, Park):
+            self._parked[key] = _Parked(ident, msg.req_id, msg.tag, result,
+                                        self.clock() + result.timeout, cache)
+            return
+        self._finish(ident, key, self._reply_bytes(msg.req_id, result), cache=cache)
+
+    def _finish(self, ident: bytes, key: tuple[str, int], data: bytes, *, cache: bool) -> None:
+        """Persist, send the reply, and keep it for retries unless ``cache`` is false."""
+        try:
+            self._persist()
+        except Exception as exc:  # answer anyway: the caller must not wait for nothing
+            log.exception("saving the hub state failed")
+            data = self._error_bytes(key[1], HubError(
+                f"internal hub error: could not save the hub state ({exc!r}); the operation "
+                "may have taken effect in memory only; check the hub's log and state dir"))
+        if cache:
+            self._remember(key, data)
+        self._send(ident, data)
+
+    def _remember(self, key: tuple[str, int], data: bytes) -> None:
+        """Keep a reply for retries of its request; the oldest go first beyond
+        `REPLY_CACHE_SIZE` replies or `REPLY_CACHE_BYTES` bytes."""
+        self._replies[key] = data
+        self._replies_size += len(data)
+        while (len(self._replies) > REPLY_CACHE_SIZE
+               or self._replies_size > REPLY_CACHE_BYTES):
+            self._replies_size -= len(self._replies.popitem(last=False)[1])
+
+    def _wake_parked(self) -> None:
+        if not self._parked:
+            return
+        now = self.clock()
+        changed = self.state.generation != self._seen_generation
+        self._seen_generation = self.state.generation
+        for key, p in list(self._parked.items()):
+            body = None
+            if changed:
+                try:
+                    body = p.park.check()
+                except HubError as exc:
+                    del self._parked[key]
+                    self._finish(p.ident, key, self._error_bytes(p.req_id, exc), cache=p.cache)
+                    continue
+            if body is None and now >= p.deadline:
+                body = p.park.on_timeout()
+            if body is not None:
+                del self._parked[key]
+                self._finish(p.ident, key, self._reply_bytes(p.req_id, body), cache=p.cache)
+
+    def _persist(self) -> None:
+        """Save the durable state if it changed.
+
+        Raises:
+            Exception: whatever saving raised (once per state generation: the timer tick
+                does not retry a failed generation, the next change does).
+        """
+        generation = self.state.durable_generation
+        if self.state_dir is None or generation in (self._saved_generation,
+                                                    self._failed_generation):
+            return
+        try:
+            save_state(self.state_dir, self.state.durable())
+        except Exception:
+            self._failed_generation = generation
+            raise
+        self._saved_generation = generation
+
+    # --------------------------------------------------------------- replies
+    def _reply_bytes(self, req_id: int, body: dict[str, Any]) -> bytes:
+        try:
+            return encode(REPLY, req_id, self.epoch, "", body, max_size=self.max_message_size)
+        except ProtocolError as exc:
+            return self._error_bytes(req_id, exc)
+
+    def _error_bytes(self, req_id: int, exc: HubError) -> bytes:
+        return encode(ERROR, req_id, self.epoch, exc.code, {"message": str(exc)[:4096]})
+
+    def _send_error(self, ident: bytes, req_id: int, exc: HubError) -> None:
+        self._send(ident, self._error_bytes(req_id, exc))
+
+    def _send(self, ident: bytes, data: bytes) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([ident, data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will retry
+            log.warning("reply to %s dropped: %s", ident.hex(), exc)
+
+
+def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,
+          lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic,
+          rank_sources: RankSources = rank_by_locality,
+          max_message_size: int = MAX_MESSAGE_SIZE) -> HubServer:
+    """Start a hub on a background thread.
+
+    Args:
+        url: ``tcp://HOST:PORT`` (port 0: the OS picks; read ``server.url``) or
+            ``memory://NAME`` (same process only).
+        state_dir: directory keeping version counters monotonic across restarts.
+        lease_s: seconds a worker stays alive without a heartbeat.
+        clock, rank_sources, max_message_size: see `HubServer`.
+
+    Returns:
+        The running `HubServer`; call ``stop()`` (or use it as a context manager).
+
+    Example:
+        >>> hub = serve("memory://doc")
+        >>> hub.url
+        'memory://doc'
+        >>> hub.stop()
+    """
+    return HubServer(url, state_dir=state_dir, lease_s=lease_s, clock=clock,
+                     rank_sources=rank_sources, max_message_size=max_message_size).start()
+
+
+__all__ = ["HubServer", "serve"]

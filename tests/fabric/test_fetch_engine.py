@@ -1,0 +1,642 @@
+"""The fetch engine against real read servers (in this process, over loopback TCP)."""
+
+import contextlib
+import socket
+import threading
+import time
+import zlib
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from timeouts import hard_timeout
+
+from weightfabric.fabric.errors import NoSourceError
+from weightfabric.fabric.fetch import (
+    Assignment,
+    FetchError,
+    FetchOptions,
+    Source,
+    _schedule,
+    fetch_chunks,
+)
+from weightfabric.fabric.progress import ChunkProgress
+from weightfabric.fabric.transports import ReadServer, SourceAddress, TcpTransport
+from weightfabric.fabric.transports.wire import REPLY, REQUEST, Status, recv_exact
+
+CHUNK = 64 * 1024
+NBYTES = 10 * CHUNK + 123
+NUM_CHUNKS = 11
+
+
+def data() -> torch.Tensor:
+    return (torch.arange(NBYTES, dtype=torch.int64) * 7 % 253).to(torch.uint8)
+
+
+def crc(chunk: int, piece: torch.Tensor) -> int:
+    return zlib.crc32(piece.numpy().tobytes(), chunk)
+
+
+EXPECTED = [crc(c, data()[c * CHUNK:(c + 1) * CHUNK]) for c in range(NUM_CHUNKS)]
+
+
+class StaticPlanner:
+    """Offers every source that is not reported failed, all chunks, stripe over all."""
+
+    def __init__(self, sources: list[Source], stripe: int | None = None) -> None:
+        self.sources = sources
+        self.stripe = stripe or len(sources)
+        self.reported: list[int] = []
+        self.rounds = 0
+
+    def plan(self, missing, failed):
+        self.rounds += 1
+        live = tuple(s for s in self.sources if s.worker not in failed)
+        return [Assignment(tuple(missing), live, self.stripe)] if live else []
+
+    def report(self, chunks):
+        self.reported.extend(chunks)
+
+
+@pytest.fixture
+def tcp():
+    t = TcpTransport()
+    yield t
+    t.close()
+
+
+def serve(worker: str, tensor: torch.Tensor, progress: ChunkProgress | None = None):
+    server = ReadServer()
+    server.expose("v1", tensor, chunk_size=CHUNK, progress=progress)
+    return server, Source(worker, server.address, "v1")
+
+
+LIMITS = FetchOptions(read_timeout=5, deadline=60)
+
+
+def run(planner, transport, dest=None, progress=None, options=LIMITS, **kw):
+    """Fetch the 11 chunks (verified) through `transport`; returns (dest, progress, stats)."""
+    dest = torch.zeros(NBYTES, dtype=torch.uint8) if dest is None else dest
+    progress = progress or ChunkProgress(NUM_CHUNKS)
+    stats = fetch_chunks(dest, chunk_size=CHUNK, progress=progress, planner=planner,
+                         choose=lambda _: transport, checksums=EXPECTED, checksum_fn=crc,
+                         options=options, **kw)
+    return dest, progress, stats
+
+
+def test_stripes_over_two_sources_bit_exact(tcp):
+    a, src_a = serve("a", data())
+    b, src_b = serve("b", data())
+    try:
+        dest, progress, stats = run(StaticPlanner([src_a, src_b]), tcp)
+        assert torch.equal(dest, data()) and progress.complete
+        assert stats.bytes == NBYTES and stats.chunks == NUM_CHUNKS
+        assert set(stats.sources) == {"a", "b"} and min(stats.sources.values()) >= 4 * CHUNK
+        assert a.bytes_served + b.bytes_served == NBYTES
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_dead_source_is_replaced_and_only_its_chunks_reread(tcp):
+    a, src_a = serve("a", data())
+    b, src_b = serve("b", data())
+    b.close()  # b died before the fetch: every chunk assigned to it must move to a
+    try:
+        planner = StaticPlanner([src_a, src_b])
+        dest, _, stats = run(planner, tcp)
+        assert torch.equal(dest, data())
+        assert stats.failed_sources == ["b"] and stats.sources == {"a": NBYTES}
+        assert 2 <= planner.rounds <= 3  # b's two reads re-planned together or one by one
+        assert stats.chunks_reread <= NUM_CHUNKS // 2 + 1  # only b's share, once
+    finally:
+        a.close()
+
+
+def bad_and_good(flipped_byte: int):
+    """Two holders: "bad" with one byte flipped, "good" intact (holder, source each)."""
+    bad = data().clone()
+    bad[flipped_byte] ^= 0xFF
+    return serve("bad", bad), serve("good", data())
+
+
+def test_corrupted_chunk_is_caught_and_reread_elsewhere(tcp):
+    (a, src_a), (b, src_b) = bad_and_good(2 * CHUNK + 10)
+    try:
+        dest, _, stats = run(StaticPlanner([src_a, src_b]), tcp)
+        assert torch.equal(dest, data())
+        assert stats.corrupted_chunks == 1 and stats.chunks_reread == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_chunk_corrupt_from_every_source_is_an_error_naming_the_checksum(tcp):
+    (a, src_a), (b, src_b) = bad_and_good(3 * CHUNK + 5)
+    try:
+        with pytest.raises(FetchError, match=r"chunks 3 failed their checksum .*\(bad\)") as info:
+            run(StaticPlanner([src_a]), tcp)
+        assert "no source left" not in str(info.value)  # every other chunk arrived
+    finally:
+        a.close()
+        b.close()
+
+
+def test_chunks_already_present_are_kept(tcp):
+    a, src_a = serve("a", data())
+    try:
+        dest = data().clone()
+        progress = ChunkProgress(NUM_CHUNKS)
+        for c in range(0, NUM_CHUNKS, 2):
+            progress.mark(c)
+        dest[1 * CHUNK:2 * CHUNK] = 0
+        dest, _, stats = run(StaticPlanner([src_a]), tcp, dest=dest, progress=progress)
+        assert torch.equal(dest, data())
+        assert stats.chunks == NUM_CHUNKS // 2
+    finally:
+        a.close()
+
+
+def test_reader_pipelines_from_a_partial_replica(tcp):
+    """origin -> A -> B: B reads from A while A is still fetching."""
+    origin, src_origin = serve("origin", data())
+    a_bytes = torch.zeros(NBYTES, dtype=torch.uint8)
+    a_progress = ChunkProgress(NUM_CHUNKS)
+    a_server, src_a = serve("a", a_bytes, a_progress)
+    try:
+        result = {}
+        thread = threading.Thread(
+            target=lambda: result.setdefault("a", run(StaticPlanner([src_origin]), tcp,
+                                                      dest=a_bytes, progress=a_progress)))
+        thread.start()
+        dest, _, stats = run(StaticPlanner([src_a]), tcp)
+        thread.join(timeout=60)
+        assert torch.equal(dest, data()) and torch.equal(a_bytes, data())
+        assert stats.sources == {"a": NBYTES}
+        assert origin.bytes_served == NBYTES  # the origin served the version once
+    finally:
+        for s in (origin, a_server):
+            s.close()
+
+
+def test_no_source_left_is_an_error_naming_the_chunks(tcp):
+    a, src_a = serve("a", data())
+    a.close()
+    with pytest.raises(FetchError, match=r"no source left for chunks 0-10.*\ba: SourceLostError"):
+        run(StaticPlanner([src_a]), tcp)
+
+
+def test_progress_callback_and_reports(tcp):
+    a, src_a = serve("a", data())
+    seen = []
+    try:
+        planner = StaticPlanner([src_a])
+        run(planner, tcp, on_chunk=lambda done, total: seen.append((done, total)))
+        assert sorted(planner.reported) == list(range(NUM_CHUNKS))
+        assert seen[-1] == (NUM_CHUNKS, NUM_CHUNKS)
+    finally:
+        a.close()
+
+
+@hard_timeout(30)
+def test_chunks_read_are_reported_while_the_fetch_waits_on_a_partial_source(tcp):
+    """A reader stuck waiting on a partial source still reports the chunks it has, so
+    the planner's view of its replica (and other readers' plans) does not lag behind
+    for as long as the wait lasts."""
+    held = ChunkProgress(NUM_CHUNKS)
+    for chunk in range(5):
+        held.mark(chunk)
+    a, src_a = serve("a", data(), held)
+    planner = StaticPlanner([src_a])
+    out: list = []
+    fetch = threading.Thread(target=lambda: out.append(run(planner, tcp)))
+    try:
+        fetch.start()
+        deadline = time.monotonic() + 5
+        while sorted(planner.reported) != list(range(5)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(planner.reported) == list(range(5))
+        assert fetch.is_alive()  # still waiting on chunk 5
+    finally:
+        for chunk in range(5, NUM_CHUNKS):
+            held.mark(chunk)
+        fetch.join(20)
+        a.close()
+    assert out and torch.equal(out[0][0], data())
+    assert sorted(planner.reported) == list(range(NUM_CHUNKS))
+
+
+def test_chunks_queued_for_a_source_that_failed_are_replanned_not_an_error(tcp):
+    """One in flight at a time: the dead source fails its first read, and every other
+    chunk queued for it must go back to the planner (not end the fetch)."""
+    good, src_good = serve("good", data())
+    dead, src_dead = serve("dead", data())
+    dead.close()
+    try:
+        dest, _, stats = run(StaticPlanner([src_dead, src_good]), tcp,
+                             options=replace(LIMITS, max_inflight=1))
+        assert torch.equal(dest, data()) and stats.failed_sources == ["dead"]
+    finally:
+        good.close()
+
+
+class CountingTransport:
+    """Wraps a transport and records each read's (offset, bytes asked, bytes granted)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.reads: list[tuple[int, int, int]] = []
+
+    def read(self, source, region, offset, out, *, timeout, prefix=False, abort=None):
+        got = self.inner.read(source, region, offset, out, timeout=timeout, prefix=prefix,
+                              abort=abort)
+        self.reads.append((offset, out.numel(), got))
+        return got
+
+
+def test_chunks_a_source_holds_are_read_in_spans(tcp):
+    a, src_a = serve("a", data())
+    counting = CountingTransport(tcp)
+    try:
+        dest, _, stats = run(StaticPlanner([src_a]), counting,
+                             options=replace(LIMITS, max_inflight=1, read_bytes=4 * CHUNK + 5))
+        assert torch.equal(dest, data()) and stats.chunks == NUM_CHUNKS
+        last = NBYTES - 8 * CHUNK
+        assert counting.reads == [(0, 4 * CHUNK, 4 * CHUNK), (4 * CHUNK, 4 * CHUNK, 4 * CHUNK),
+                                  (8 * CHUNK, last, last)]
+    finally:
+        a.close()
+
+
+def test_a_partial_source_grants_the_chunks_it_has_and_the_rest_is_asked_again(tcp):
+    """A reads from a partial replica holding chunks 0-5 (one span asked for all 11):
+    it gets those 6 at once, then the rest as the holder marks them."""
+    partial = data().clone()
+    partial[6 * CHUNK:] = 0
+    progress = ChunkProgress(NUM_CHUNKS)
+    for c in range(6):
+        progress.mark(c)
+    a, src_a = serve("a", partial, progress)
+    counting = CountingTransport(tcp)
+
+    def fill() -> None:
+        for c in range(6, NUM_CHUNKS):
+            time.sleep(0.05)
+            partial[c * CHUNK:(c + 1) * CHUNK] = data()[c * CHUNK:(c + 1) * CHUNK]
+            progress.mark(c)
+
+    filler = threading.Thread(target=fill)
+    try:
+        filler.start()
+        dest, _, stats = run(StaticPlanner([src_a]), counting,
+                             options=replace(LIMITS, max_inflight=1, read_timeout=10,
+                                             read_bytes=NUM_CHUNKS * CHUNK))
+        assert torch.equal(dest, data()) and stats.chunks == NUM_CHUNKS
+        assert stats.chunks_reread == 0
+        assert counting.reads[0] == (0, NBYTES, 6 * CHUNK)
+        for offset, asked, got in counting.reads:   # each ask continues where the last ended
+            assert offset % CHUNK == 0 and offset + asked == NBYTES
+            assert got == asked or (got > 0 and got % CHUNK == 0)
+        assert len(counting.reads) >= 2
+    finally:
+        filler.join(timeout=10)
+        a.close()
+
+
+def test_spans_are_shared_between_reads_in_flight_and_stripe_sources(tcp):
+    """With room for 64 chunks per read, 11 chunks over 4 reads in flight are cut in
+    spans of 3 (so the reads run in parallel), alternating between the two sources."""
+    a, src_a = serve("a", data())
+    b, src_b = serve("b", data())
+    counting = CountingTransport(tcp)
+    try:
+        dest, _, _ = run(StaticPlanner([src_a, src_b]), counting,
+                         options=replace(LIMITS, max_inflight=4, read_bytes=64 * CHUNK))
+        assert torch.equal(dest, data())
+        assert sorted(r[:2] for r in counting.reads) == [
+            (0, 3 * CHUNK), (3 * CHUNK, 3 * CHUNK), (6 * CHUNK, 3 * CHUNK),
+            (9 * CHUNK, NBYTES - 9 * CHUNK)]
+        assert a.bytes_served == 6 * CHUNK and b.bytes_served == NBYTES - 6 * CHUNK
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_corrupted_chunk_inside_a_span_is_reread_alone(tcp):
+    (a, src_a), (b, src_b) = bad_and_good(5 * CHUNK + 1)
+    counting = CountingTransport(tcp)
+    try:
+        dest, _, stats = run(StaticPlanner([src_a, src_b], stripe=1), counting,
+                             options=replace(LIMITS, max_inflight=1,
+                                             read_bytes=NUM_CHUNKS * CHUNK))
+        assert torch.equal(dest, data())
+        assert stats.corrupted_chunks == 1 and stats.chunks_reread == 1
+        assert counting.reads == [(0, NBYTES, NBYTES), (5 * CHUNK, CHUNK, CHUNK)]
+        assert stats.sources == {"bad": NBYTES - CHUNK, "good": CHUNK}
+    finally:
+        a.close()
+        b.close()
+
+
+WORKERS = ("a", "b", "c")
+
+
+@st.composite
+def schedules(draw):
+    """Missing chunks, assignments over them (overlapping, possibly without sources),
+    chunks some workers sent corrupted, and the read limits."""
+    total = draw(st.integers(1, 40))
+    missing = sorted(draw(st.sets(st.integers(0, total - 1), min_size=1)))
+    sources = {w: Source(w, SourceAddress("127.0.0.1", 1, "h"), "v") for w in WORKERS}
+    assignments = []
+    for _ in range(draw(st.integers(0, 3))):
+        chunks = tuple(sorted(draw(st.sets(st.integers(0, total - 1)))))
+        names = draw(st.lists(st.sampled_from(WORKERS), unique=True, max_size=3))
+        assignments.append(Assignment(chunks, tuple(sources[w] for w in names),
+                                      draw(st.integers(1, 3))))
+    avoid = draw(st.dictionaries(st.sampled_from(missing),
+                                 st.sets(st.sampled_from(WORKERS), min_size=1), max_size=4))
+    return missing, assignments, avoid, draw(st.integers(1, 8)), draw(st.integers(1, 6))
+
+
+@settings(max_examples=300, deadline=None)
+@given(schedules())
+def test_schedule_reads_each_servable_chunk_once_in_spans(case):
+    missing, assignments, avoid, per_read, inflight = case
+    reads = _schedule(assignments, missing, avoid, chunks_per_read=per_read, inflight=inflight)
+    scheduled = [c for span, _ in reads for c in span]
+    assert len(scheduled) == len(set(scheduled)) and set(scheduled) <= set(missing)
+    servable = {c for a in assignments for c in a.chunks if c in missing
+                and any(s.worker not in avoid.get(c, ()) for s in a.sources)}
+    assert set(scheduled) == servable
+    for span, source in reads:
+        assert list(span) == list(range(span[0], span[0] + len(span))) and len(span) <= per_read
+        assert all(source.worker not in avoid.get(c, ()) for c in span)
+        assert len(span) == 1 or not any(avoid.get(c) for c in span)
+        owner = next(a for a in assignments if span[0] in a.chunks
+                     and any(s.worker not in avoid.get(span[0], ()) for s in a.sources))
+        assert source in owner.sources[:max(1, owner.stripe)] or avoid.get(span[0])
+    assert [span[0] for span, _ in reads] == sorted(span[0] for span, _ in reads)
+
+
+# --- time limits and lost sources ---------------------------------------------------------
+
+
+def stalled(worker: str):
+    """A partial replica that never gets a chunk (holder, source)."""
+    return serve(worker, torch.zeros(NBYTES, dtype=torch.uint8), ChunkProgress(NUM_CHUNKS))
+
+
+class LateSource:
+    """A source that reads each request and answers it with `fill` bytes only once
+    `answer` is set (a holder that froze, then woke up). `reached` is set when a first
+    read has asked; `answered` once every read that asked before `answer` is answered
+    (`late_reads` of them: a read abandoned before it connected never asks)."""
+
+    def __init__(self, worker: str, fill: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)  # to look at `answer` between connections
+        self.source = Source(worker, SourceAddress("127.0.0.1", self.listener.getsockname()[1],
+                                                   "elsewhere"), "v1")
+        self.fill, self.answer = fill, threading.Event()
+        self.reached, self.answered = threading.Event(), threading.Event()
+        self.late_reads = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conns = []
+        while not self.answer.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                break
+            try:
+                conn.settimeout(5)
+                magic, op, flags, name_len, offset, nbytes, timeout = REQUEST.unpack(
+                    recv_exact(conn, REQUEST.size))
+                recv_exact(conn, name_len)
+            except OSError:  # the read was abandoned before it asked
+                conn.close()
+                continue
+            conns.append((conn, nbytes))
+            self.reached.set()
+        for conn, nbytes in conns:
+            with contextlib.suppress(OSError):
+                conn.sendall(REPLY.pack(Status.OK, 0, nbytes) + bytes([self.fill]) * nbytes)
+            conn.close()
+        self.late_reads = len(conns)
+        self.answered.set()
+
+    def close(self) -> None:
+        self.answer.set()
+        self.listener.close()
+        self.thread.join(10)
+
+
+@pytest.mark.parametrize("kind", ["stalled partial", "late"])
+def test_a_fetch_raises_at_its_deadline_without_waiting_out_its_reads(tcp, kind):
+    """Reads in flight at the deadline are abandoned: the fetch does not wait for them
+    (read_timeout 5 s), and a late answer never lands in the destination."""
+    holder, source = stalled("a") if kind == "stalled partial" else (LateSource("a", 0xAB), None)
+    source = source or holder.source
+    dest = torch.zeros(NBYTES, dtype=torch.uint8)
+    with hard_timeout(30):
+        try:
+            start = time.monotonic()
+            with pytest.raises(FetchError, match="deadline of 0.5 s"):
+                run(StaticPlanner([source]), tcp, dest=dest,
+                    options=FetchOptions(read_timeout=5, deadline=0.5))
+            assert time.monotonic() - start < 1.5
+            if kind == "late":
+                holder.answer.set()
+                assert holder.answered.wait(10) and holder.late_reads >= 1
+                time.sleep(0.2)
+            assert not dest.any()
+        finally:
+            holder.close()
+
+
+class LostPlanner(StaticPlanner):
+    """A `StaticPlanner` that can be told a source is lost (as the hub tells it)."""
+
+    def __init__(self, sources: list[Source], stripe: int | None = None) -> None:
+        super().__init__(sources, stripe)
+        self.gone: set[str] = set()
+
+    def lost(self) -> set[str]:
+        return set(self.gone)
+
+
+def test_a_source_reported_lost_is_left_at_once_and_never_writes_again(tcp):
+    """The planner hears that "a" (a partial replica the reads wait on) is lost: its
+    reads are abandoned and re-planned on "b" without waiting out read_timeout, and
+    "a" waking up later with wrong bytes does not touch the destination."""
+    late = LateSource("a", 0xEE)
+    b, src_b = serve("b", data())
+    planner = LostPlanner([late.source, src_b], stripe=1)  # every read goes to "a"
+    with hard_timeout(30):
+        try:
+            def lose_a() -> None:  # once a read of "a" has asked, to be answered late
+                late.reached.wait(5)
+                planner.gone.add("a")
+
+            threading.Timer(0.3, lose_a).start()
+            start = time.monotonic()
+            dest, _, stats = run(planner, tcp, options=FetchOptions(read_timeout=5, deadline=4))
+            assert time.monotonic() - start < 1.5
+            assert stats.failed_sources == ["a"] and stats.sources == {"b": NBYTES}
+            late.answer.set()
+            assert late.answered.wait(10) and late.late_reads >= 1
+            time.sleep(0.2)
+            assert torch.equal(dest, data())
+        finally:
+            late.close()
+            b.close()
+
+
+def test_reads_left_while_asking_a_lost_source_what_it_is_do_not_hold_up_the_rest(tcp):
+    """Choosing a transport may ask the source first (a same-host lookup): with "a" hung
+    there, its reads are left when it is reported lost, and the re-planned reads of "b"
+    do not wait for the threads still stuck asking."""
+    b, src_b = serve("b", data())
+    hung = Source("a", SourceAddress("127.0.0.1", 1, "elsewhere"), "v1")
+    answer = threading.Event()
+
+    def choose(source: Source) -> TcpTransport:
+        if source.worker == "a":
+            answer.wait(10)
+        return tcp
+
+    planner = LostPlanner([hung, src_b], stripe=1)  # every read goes to "a"
+    dest = torch.zeros(NBYTES, dtype=torch.uint8)
+    with hard_timeout(30):
+        try:
+            threading.Timer(0.3, planner.gone.add, ["a"]).start()
+            start = time.monotonic()
+            stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
+                                 planner=planner, choose=choose,
+                                 options=FetchOptions(read_timeout=5, deadline=4))
+            assert time.monotonic() - start < 1.5
+            assert torch.equal(dest, data()) and stats.sources == {"b": NBYTES}
+        finally:
+            answer.set()
+            b.close()
+
+
+class SwitchingPlanner(LostPlanner):
+    """Names the `first` sources (striped) in its first plan, the `later` ones after it."""
+
+    def __init__(self, first: list[Source], later: list[Source]) -> None:
+        super().__init__(first)
+        self.later = later
+
+    def plan(self, missing, failed):
+        if self.rounds:
+            self.sources, self.stripe = self.later, len(self.later)
+        return super().plan(missing, failed)
+
+
+@pytest.mark.parametrize("kind", ["lost", "dead"])
+def test_chunks_of_a_failed_read_are_replanned_while_another_read_is_stalled(tcp, kind):
+    """Reads stripe over "a" and "c", a partial replica still waiting for its chunks.
+    When "a" is reported lost (its reads hang) or is dead (its reads fail), its chunks
+    are read from "b" at once, while the reads of "c" still wait (read_timeout 10 s)."""
+    a, src_a = stalled("a")
+    if kind == "dead":
+        a.close()
+    partial = torch.zeros(NBYTES, dtype=torch.uint8)
+    progress_c = ChunkProgress(NUM_CHUNKS)
+    c, src_c = serve("c", partial, progress_c)
+    b, src_b = serve("b", data())
+    planner = SwitchingPlanner([src_a, src_c], [src_b])  # a: chunks 0-2 and 6-8
+    progress = ChunkProgress(NUM_CHUNKS)
+    result = {}
+
+    def fetch() -> None:
+        result["out"] = run(planner, tcp, progress=progress,
+                            options=FetchOptions(read_timeout=10, deadline=20))
+
+    def fill_c() -> None:
+        partial.copy_(data())
+        for chunk in range(NUM_CHUNKS):
+            progress_c.mark(chunk)
+
+    thread = threading.Thread(target=fetch)
+    with hard_timeout(30):
+        try:
+            if kind == "lost":
+                threading.Timer(0.3, planner.gone.add, ["a"]).start()
+            thread.start()
+            assert progress.wait(0, 2, 5) and progress.wait(6, 8, 5)
+            assert progress.count == 6  # c's reads are still waiting
+            fill_c()
+            thread.join(10)
+            dest, _, stats = result["out"]
+            assert torch.equal(dest, data()) and stats.failed_sources == ["a"]
+            assert stats.sources == {"b": 6 * CHUNK, "c": NBYTES - 6 * CHUNK}
+        finally:
+            fill_c()
+            thread.join(10)
+            for server in (a, b, c):
+                server.close()
+
+
+def test_a_replan_that_fails_within_a_round_is_tried_again_after_it(tcp):
+    """The planner refuses every re-plan: the dead source's chunks wait for the end of
+    the round (the good source's reads finish), whose plan raises the planner's error."""
+    dead, src_dead = serve("dead", data())
+    dead.close()
+    good, src_good = serve("good", data())
+
+    class Refusing(StaticPlanner):
+        def plan(self, missing, failed):
+            if self.rounds:
+                self.rounds += 1
+                raise NoSourceError("no live replica holds them")
+            return super().plan(missing, failed)
+
+    planner = Refusing([src_dead, src_good])
+    progress = ChunkProgress(NUM_CHUNKS)
+    try:
+        with pytest.raises(NoSourceError, match="no live replica"):
+            run(planner, tcp, progress=progress)
+        assert progress.count == 5 and planner.rounds >= 3  # good's reads, then the re-plans
+    finally:
+        good.close()
+
+
+def test_a_partial_source_that_does_not_get_the_chunk_in_time_is_replaced(tcp):
+    """NOT_READY from a partial replica the reads wait on fails it for this fetch:
+    the chunks are re-planned on a source that has them."""
+    a, src_a = stalled("a")
+    b, src_b = serve("b", data())
+    with hard_timeout(30):
+        try:
+            dest, _, stats = run(StaticPlanner([src_a, src_b], stripe=1), tcp,
+                                 options=FetchOptions(read_timeout=0.3, deadline=4))
+            assert torch.equal(dest, data())
+            assert stats.failed_sources == ["a"] and stats.sources == {"b": NBYTES}
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_cancelled_fetch_stops_within_a_wait_slice(tcp):
+    a, src_a = stalled("a")
+    cancel = threading.Event()
+    with hard_timeout(30):
+        try:
+            threading.Timer(0.2, cancel.set).start()
+            start = time.monotonic()
+            with pytest.raises(FetchError, match="cancelled"):
+                run(StaticPlanner([src_a]), tcp, options=FetchOptions(read_timeout=5, deadline=4),
+                    cancel=cancel)
+            assert time.monotonic() - start < 1.0
+        finally:
+            a.close()

@@ -1,0 +1,50 @@
+"""`fabric demo` and the example run end to end and pass their own checks."""
+
+import json
+import subprocess
+import sys
+
+from paths import ROOT
+
+
+def test_demo_passes_its_checks_with_small_settings():
+    result = subprocess.run(
+        [sys.executable, "-m", "weightfabric.tools.cli", "demo", "--json", "--steps", "4", "--size", "tiny"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    assert out["ok"] and all(out["checks"].values()), out["checks"]
+    assert out["logits_match"] is True
+    assert set(out["checks"]) >= {"logits_match", "every_version_reached_every_live_rollout",
+                                  "killed_rollouts_chunks_reread_elsewhere",
+                                  "joined_rollout_pulled_from_peers"}
+    assert [v["version"] for v in out["versions"]] == [1, 2, 3, 4]
+    for v in out["versions"]:
+        assert {"bytes", "seconds", "trainer_egress_bytes", "stall_seconds"} <= set(v)
+        assert v["rollouts"] == v["expected"] and v["bytes"] > 0
+    killed, joined = out["killed"], out["joined"]
+    assert killed["worker"] not in out["versions"][-1]["rollouts"]
+    assert killed["chunks_held"] < killed["chunks"]  # a complete replica is no failover test
+    assert sum(killed["reread_by"].values()) > 0
+    assert joined["worker"] in out["versions"][-1]["rollouts"]
+    assert len(out["rollouts"]) == 4  # 3 at the start, one killed, one joined
+
+
+def test_demo_rejects_bad_settings():
+    result = subprocess.run([sys.executable, "-m", "weightfabric.tools.cli", "demo", "--workers", "0"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--workers" in result.stderr
+    for chunk in ("0B", "1b"):  # zero bytes used to mean "the default"
+        result = subprocess.run([sys.executable, "-m", "weightfabric.tools.cli", "demo", "--chunk-size", chunk],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and "chunk" in result.stderr
+
+
+def test_example_rl_loop_runs():
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "rl_loop.py")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Counted in the whole output, not per line: the two processes share the pipe, and
+    # unbuffered (PYTHONUNBUFFERED) prints write a line and its newline separately.
+    assert result.stdout.count("rollout: v") == 3
+    assert result.stdout.count("trainer: published v") == 3

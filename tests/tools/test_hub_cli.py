@@ -1,0 +1,150 @@
+"""`fabric hub serve` and `fabric hub status` as a person runs them (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import select
+import signal
+import subprocess
+import sys
+
+import pytest
+from hub_helpers import kill_all, small_manifest
+from paths import ROOT as REPO_ROOT
+from paths import child_env
+from timeouts import hard_timeout
+
+import weightfabric as wf
+
+HARD_TIMEOUT_S = 60
+
+
+@pytest.fixture(autouse=True)
+def _time_limit():
+    with hard_timeout(HARD_TIMEOUT_S):
+        yield
+
+
+def fabric_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weightfabric.tools", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO_ROOT,
+                          env={**child_env(), "COLUMNS": "200"})
+
+
+def start_serve(procs: list[subprocess.Popen]) -> str:
+    """`fabric hub serve --port 0`; returns the URL it prints once bound (no sleeps)."""
+    p = subprocess.Popen([sys.executable, "-m", "weightfabric.tools", "hub", "serve", "--port", "0",
+                          "--lease", "30", "--log-level", "WARNING"],
+                         stdout=subprocess.PIPE, text=True, env=child_env(), cwd=REPO_ROOT)
+    procs.append(p)
+    ready, _, _ = select.select([p.stdout], [], [], 30)
+    assert ready, "fabric hub serve printed nothing within 30 s"
+    line = p.stdout.readline()
+    assert line.startswith("fabric hub serving at tcp://127.0.0.1:"), line
+    return line.split()[-1]
+
+
+def test_status_shows_versions_fetches_and_leases_as_table_and_json() -> None:
+    procs: list[subprocess.Popen] = []
+    clients: list[wf.HubClient] = []
+    try:
+        url = start_serve(procs)
+        t = wf.connect(url, worker="trainer", location={"datacenter": "dc1", "node": "n1"},
+                           timeout=5)
+        r = wf.connect(url, worker="rollout-7", location={"datacenter": "dc2"}, timeout=5)
+        clients += [t, r]
+        v1 = t.begin_publish("policy", small_manifest())
+        t.commit("policy", v1)
+        v2 = t.begin_publish("policy", small_manifest())
+        plan = r.begin_fetch("policy", v1)
+        r.report_progress(plan.fetch_id, [0, 1])
+
+        out = fabric_cli("hub", "status", url, "--json")
+        assert out.returncode == 0, out.stderr
+        snap = json.loads(out.stdout)
+        policy = snap["models"]["policy"]
+        assert policy["latest"] == v1
+        assert {v["version"]: (v["state"], v["full"], v["partial"])
+                for v in policy["versions"]} == {v1: ("committed", 1, 1),
+                                                  v2: ("publishing", 0, 1)}
+        assert [(f["fetch_id"], f["worker"], f["have"], f["num_chunks"], f["sources"])
+                for f in snap["fetches"]] == [(plan.fetch_id, "rollout-7", 2, 4, ["trainer"])]
+        assert {w["worker"] for w in snap["workers"]} == {"trainer", "rollout-7"}
+        assert all(0 < w["expires_in"] <= 30 for w in snap["workers"])
+
+        out = fabric_cli("hub", "status", url)
+        assert out.returncode == 0, out.stderr
+        text = out.stdout
+        assert "2 workers, 1 fetches in flight" in text
+        assert f"{v1}*" in text and "committed" in text and "publishing" in text
+        assert plan.fetch_id in text and "2/4 (50%)" in text
+        assert "rollout-7" in text and "dc2" in text and "n1" in text
+    finally:
+        for c in clients:
+            c.close()
+        kill_all(procs)
+
+
+def test_serve_stops_cleanly_on_sigterm() -> None:
+    procs: list[subprocess.Popen] = []
+    try:
+        url = start_serve(procs)
+        with wf.connect(url, timeout=5) as c:
+            assert c.status()["models"] == {}
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(10) == 0
+    finally:
+        kill_all(procs)
+
+
+def test_status_of_an_unreachable_hub_fails_with_a_clear_message() -> None:
+    out = fabric_cli("hub", "status", "tcp://127.0.0.1:9", "--timeout", "0.5")
+    assert out.returncode == 1
+    assert "no hub answered at tcp://127.0.0.1:9" in out.stderr
+    out = fabric_cli("hub", "status", "http://nope", "--timeout", "0.5")
+    assert out.returncode == 2 and "bad hub URL" in out.stderr
+    out = fabric_cli("hub", "status", "tcp://127.0.0.1:99999")  # zmq would use 99999 % 65536
+    assert out.returncode == 2 and "bad hub URL" in out.stderr
+    for timeout in ("nan", "inf", "-1", "0"):
+        out = fabric_cli("hub", "status", "tcp://127.0.0.1:9", "--timeout", timeout)
+        assert out.returncode == 2 and "positive, finite number of seconds" in out.stderr
+
+
+@pytest.mark.parametrize("command, example", [
+    ("serve", "fabric hub serve --host 0.0.0.0 --port 7470 --state-dir"),
+    ("status", "fabric hub status tcp://127.0.0.1:7470"),
+])
+def test_help_shows_an_example(command: str, example: str) -> None:
+    out = fabric_cli("hub", command, "--help")
+    assert out.returncode == 0
+    assert "example" in out.stdout and example in out.stdout
+
+
+def test_serve_with_a_broken_cluster_file_exits_2_naming_the_line(tmp_path) -> None:
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("version: 1\nname: x\nnode_types:\n  a: {gpus: 0, nics: {count: 1, "
+                   "bandwidth: 10GBs}}\ndatacenters: [{name: d, nodes: [{name: n, type: a}]}]\n")
+    result = fabric_cli("hub", "serve", "--port", "0", "--cluster", str(bad))
+    assert result.returncode == 2
+    assert f"{bad}:4: node_types.a.nics.bandwidth" in result.stderr
+
+
+def test_serve_rejects_an_unusable_state_dir_before_binding(tmp_path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    result = fabric_cli("hub", "serve", "--port", "0", "--state-dir", str(not_a_dir / "state"))
+    assert result.returncode == 2
+    assert "state dir" in result.stderr and "cannot create it" in result.stderr
+    assert "serving" not in result.stdout
+
+
+@pytest.mark.parametrize("args, what", [
+    (["--port", "99999"], "not a TCP port"),        # zmq would bind 99999 % 65536
+    (["--port", "-1"], "not a TCP port"),
+    (["--log-level", "loud"], "invalid choice"),
+    (["--lease", "nan"], "positive, finite number of seconds"),
+    (["--lease", "0"], "positive, finite number of seconds"),
+])
+def test_serve_rejects_bad_options_with_exit_2(args: list[str], what: str) -> None:
+    result = fabric_cli("hub", "serve", *args)
+    assert result.returncode == 2 and what in result.stderr
