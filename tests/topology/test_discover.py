@@ -17,6 +17,11 @@ Fixtures in tests/fixtures/discover/, each the verbatim output of a real machine
   github.com/microsoft/msccl-tools, tests/test_topologies.py (test_nvlink_only).
 - topo_rtx4090_pcie_only.txt: 8x RTX 4090, PCIe only (SYS everywhere), NIC0/NIC1 without
   a legend. From https://github.com/NVIDIA/go-gpuallocator/issues/17 (first post).
+- topo_h200_1gpu_vm.txt and discovered_h200_1gpu_vm.yaml: one H200 (143771 MiB) in a
+  16-core Firecracker VM, no NVLink and no NIC column, the header underlined with the
+  ANSI escapes nvidia-smi prints (ESC[4m ... ESC[0m), kept byte for byte; and what
+  `fabric topo discover` wrote there (through NVML). Captured by `tools/gpu/session.sh
+  quick` on a lent machine, 2026-11-26 (driver 580.159.04).
 
 The --query-gpu CSVs for the A100, V100 and 4090 machines below are written for the
 test (their sources publish only the matrix); the model names are as nvidia-smi prints them.
@@ -24,6 +29,7 @@ test (their sources publish only the matrix); the model names are as nvidia-smi 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import shutil
@@ -37,7 +43,7 @@ import yaml
 from paths import FIXTURES as ALL_FIXTURES
 from paths import ROOT
 
-from weightfabric.topology import ClusterConfigError, loads_cluster
+from weightfabric.topology import ClusterConfigError, load_cluster, loads_cluster
 from weightfabric.topology.discover import (
     SmiParseError,
     discover,
@@ -183,6 +189,18 @@ def test_topo_matrix_of_pcie_only_box_has_no_nvlink_and_keeps_nic_labels():
     assert nvlink_from_counts(m.nvlink_counts(), []) is None
 
 
+def test_topo_matrix_of_one_h200_vm_reads_through_the_ansi_underlined_header():
+    text = fixture("topo_h200_1gpu_vm.txt")
+    assert text.startswith("\t\x1b[4mGPU0\t") and "GPU NUMA ID\x1b[0m\n" in text  # as captured
+    m = parse_topo_matrix(text)
+    assert m.gpus == ("GPU0",) and m.nics == ()
+    assert m.cells == (("X",),)
+    assert m.nvlink_counts() == [[0]]
+    assert m.cpu_affinity == ("0-15",) and m.numa_affinity == (0,)
+    assert m.path("GPU0", "GPU0") == "X" and m.nearest_nics(0) == []
+    assert nvlink_from_counts(m.nvlink_counts(), []) is None
+
+
 def test_switch_is_told_from_direct_links_by_the_link_count_of_the_generation():
     h200 = parse_query_gpu(fixture("query_gpu_h200.csv"))
     switched = nvlink_from_counts(parse_topo_matrix(fixture("topo_h200_nv18_12nic.txt")).nvlink_counts(), h200)
@@ -311,6 +329,35 @@ def test_pcie_only_box_has_no_nvlink(tmp_path):
     assert node.gpus == 8 and node.nvlink is None
     assert node.numa is not None and node.numa.gpus == (0, 0, 0, 0, 1, 1, 1, 1)
     assert "nvlink" not in found.to_yaml()
+
+
+def test_h200_vm_discovered_yaml_loads_and_nvidia_smi_gives_the_same_node(tmp_path):
+    captured = load_cluster(FIXTURES / "discovered_h200_1gpu_vm.yaml")  # written through NVML
+    node = captured.node("vm").type
+    assert node.gpus == 1 and node.gpu is not None and node.gpu.model == "H200"
+    assert node.gpu.memory == gb(150.8) and node.host_memory == gb(135.1)
+    assert node.nvlink is None and node.pcie is not None and node.pcie.bandwidth == gb(64)
+    assert node.nics is not None and (node.nics.count, node.nics.kind) == (1, "tcp")
+    assert node.nics.bandwidth == gb(1.25) and node.nics.names == ("eth0",)
+    assert loads_cluster(fixture("discovered_h200_1gpu_vm.yaml")) == captured
+
+    # The same machine through nvidia-smi: its captured matrix, a --query-gpu CSV
+    # written for the test (Gen5 x16), and /sys as the VM showed it.
+    net_iface(tmp_path, "eth0", speed="-1")
+    net_iface(tmp_path, "ifb0", device=False)
+    net_iface(tmp_path, "ifb1", device=False)
+    meminfo(tmp_path, 131_934_000)  # 135.1 GB
+    run = smi_runner(query_csv("NVIDIA H200", 1, 143771, 5, 16), fixture("topo_h200_1gpu_vm.txt"))
+    found = discover(name="vm", sys_root=tmp_path, run=run, nvml=None, today=TODAY)
+    assert found.sources[0] == "nvidia-smi"
+    # Only the NUMA section differs: the matrix says NUMA node 0, while NVML's path read
+    # the GPU's node from /sys, where the VM gave none.
+    smi_node = found.cluster.node("vm").type
+    assert smi_node.numa is not None and smi_node.numa.gpus == (0,) and node.numa is None
+    assert dataclasses.replace(smi_node, numa=None) == node
+    assert found.cluster.roles == captured.roles and found.cluster.name == captured.name
+    assert "skipped virtual interfaces (no device): ifb0, ifb1" in found.notes
+    assert found.summary() == "1 node, 1 GPU (H200), 1 NIC, 135 GB host memory"
 
 
 def test_topo_matrix_that_disagrees_with_query_is_not_used(tmp_path):
