@@ -42,6 +42,7 @@ from weightfabric.fabric.errors import (
     UnknownModelError,
     UnknownVersionError,
     UnknownWorkerError,
+    WaitTimeoutError,
 )
 from weightfabric.fabric.fetch import FetchOptions, FetchStats
 from weightfabric.fabric.locality import Location, SourceCandidate, rank_by_locality
@@ -91,6 +92,7 @@ __all__ = [
     "UnknownModelError",
     "UnknownVersionError",
     "UnknownWorkerError",
+    "WaitTimeoutError",
     "Worker",
     "connect",
     "join",

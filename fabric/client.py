@@ -31,6 +31,7 @@ from weightfabric.fabric.errors import (
     UnknownFetchError,
     UnknownWorkerError,
     ValueTooLargeError,
+    WaitTimeoutError,
     hub_error_from_wire,
 )
 from weightfabric.fabric.locality import Location
@@ -542,11 +543,15 @@ class HubClient:
         """The newest committed version with a live complete replica, or None."""
         return self.call("latest", {"model": model})["version"]
 
-    def wait_version(self, model: str, *, after: int = 0, timeout: float = 30.0) -> int | None:
-        """Block until `latest` is newer than ``after``; returns it, or None on timeout.
+    def wait_version(self, model: str, *, after: int = 0, timeout: float = 30.0) -> int:
+        """Block until `latest` is newer than ``after``; returns it.
 
         The hub holds the request (long-poll, no busy loop), in slices of at most 10 s
         so other threads of this client get the main socket between them.
+
+        Raises:
+            WaitTimeoutError: none newer within ``timeout`` seconds (never a None that a
+                fetch could take for a version).
         """
         end = time.monotonic() + timeout
         while True:
@@ -554,8 +559,11 @@ class HubClient:
             piece = max(0.0, min(left, 10.0))
             v = self.call("wait_version", {"model": model, "after": after, "timeout": piece},
                           wait_s=piece)["version"]
-            if v is not None or left <= piece:
-                return v
+            if v is not None:
+                return int(v)
+            if left <= piece:
+                raise WaitTimeoutError(f"no version of {model!r} newer than v{after} was "
+                                       f"committed within {timeout:g} s")
 
     def kv_put(self, key: str, value: bytes, *, ttl: float | None = None) -> None:
         """Publish a small value under ``key`` for others to `kv_get` (rendezvous).

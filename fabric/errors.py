@@ -38,6 +38,10 @@ class FetchError(FabricError):
     """A fetch could not complete: no source left for some chunks, out of time, or cancelled."""
 
 
+class WaitTimeoutError(FabricError, TimeoutError):
+    """No version newer than the one waited past was committed within the timeout."""
+
+
 class HubError(FabricError):
     """An error reported by (or about) the hub. ``code`` names it on the wire."""
 
@@ -172,6 +176,7 @@ __all__ = [
     "UnknownModelError",
     "UnknownVersionError",
     "UnknownWorkerError",
+    "WaitTimeoutError",
     "ValueTooLargeError",
     "hub_error_from_wire",
 ]

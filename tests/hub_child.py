@@ -12,6 +12,7 @@ import time
 from hub_helpers import small_manifest
 
 import weightfabric as wf
+from weightfabric.fabric.errors import WaitTimeoutError
 
 
 def publisher(url: str, worker: str, model: str, count: int) -> None:
@@ -32,8 +33,9 @@ def reader(url: str, worker: str, model: str, count: int) -> None:
     c = wf.connect(url, worker=worker, timeout=10)
     got, seen = [], 0
     while len(got) < count:
-        v = c.wait_version(model, after=seen, timeout=20)
-        if v is None:
+        try:
+            v = c.wait_version(model, after=seen, timeout=20)
+        except WaitTimeoutError:
             break
         plan = c.begin_fetch(model, v)
         c.report_progress(plan.fetch_id, plan.chunks())

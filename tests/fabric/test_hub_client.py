@@ -22,6 +22,7 @@ from weightfabric.fabric.errors import (
     UnknownFetchError,
     UnknownModelError,
     UnknownVersionError,
+    WaitTimeoutError,
 )
 from weightfabric.fabric.hub import ops as hub_ops
 from weightfabric.fabric.hub import server as hub_server
@@ -173,7 +174,8 @@ def test_wait_version_long_polls_until_commit(clients) -> None:
     t, r = clients("trainer"), clients("r")
     v1 = publish(t)
     t0 = time.monotonic()
-    assert r.wait_version("policy", after=v1, timeout=0.3) is None
+    with pytest.raises(WaitTimeoutError, match="newer than v"):
+        r.wait_version("policy", after=v1, timeout=0.3)
     assert 0.25 < time.monotonic() - t0 < 3
     committer = threading.Timer(0.2, lambda: publish(t))
     committer.start()

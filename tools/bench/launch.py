@@ -25,12 +25,6 @@ from rich.console import Console
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _pythonpath() -> str:
-    """The repository first, then the caller's own entries (wheels a GPU machine was given)."""
-    rest = os.environ.get("PYTHONPATH", "")
-    return f"{ROOT}{os.pathsep}{rest}" if rest else str(ROOT)
-
-
 class AgentError(RuntimeError):
     """A child process failed, answered with an error, or did not answer in time."""
 
@@ -56,8 +50,7 @@ class Agent:
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in close)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.proc = subprocess.Popen(
-            [*prefix, "env", f"PYTHONPATH={_pythonpath()}",
-             *(f"{k}={v}" for k, v in (env or {}).items()),
+            [*prefix, "env", *(f"{k}={v}" for k, v in (env or {}).items()),
              sys.executable, "-m", "weightfabric.tools.bench.agent"],
             cwd=ROOT, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
