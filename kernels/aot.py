@@ -30,11 +30,14 @@ def kernel_specs() -> list[tuple[Any, dict[str, str], dict[str, int]]]:
 
 
 def compile_kernel(kernel: Any, signature: dict[str, str], constexprs: dict[str, int],
-                   target: tuple[str, int, int] = HOPPER) -> Any:
+                   target: tuple[str, int, int] = HOPPER, options: dict[str, Any] | None = None) -> Any:
     """Compile one kernel for ``target`` (backend, arch, warp size); returns the compiled kernel."""
     fn = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn)
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                          target=GPUTarget(*target))
+    # pointers 16-byte aligned, as the JIT specialises them for torch allocations
+    attrs = {(i,): [["tt.divisibility", 16]]
+             for i, kind in enumerate(signature.values()) if kind.startswith("*")}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                                    attrs=attrs), target=GPUTarget(*target), options=options)
 
 
 def main() -> int:
@@ -47,6 +50,8 @@ def main() -> int:
             compiled = compile_kernel(kernel, signature, constexprs)
             record.update(ok=True, cubin_bytes=len(compiled.asm["cubin"]),
                           sm90=".target sm_90" in compiled.asm["ptx"],
+                          vector_loads=compiled.asm["ptx"].count("ld.global.v4"),
+                          vector_stores=compiled.asm["ptx"].count("st.global.v4"),
                           float_negations=compiled.asm["ttir"].count("arith.negf"))
         except Exception as exc:  # report every kernel, then fail
             record.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])

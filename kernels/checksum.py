@@ -27,36 +27,65 @@ K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 K3 = -7723592293110705685  # 0x94D049BB133111EB
 K4 = -2960836687051489901  # 0xD6E8FEB86659FD93
-DEFAULT_BLOCK = 1024
-DEFAULT_SPLIT = 16
+DEFAULT_BLOCK = 4096
+"""Words each program reads per loop step (16 KiB: four 16-byte vectors per thread at 8 warps)."""
+PROGRAM_WORDS = 16384
+"""Words (64 KiB) each program of a chunk covers by default: a chunk is split over
+``ceil(chunk_words / PROGRAM_WORDS)`` programs, so a few large chunks still fill the GPU."""
+MAX_SPLIT = 65535
+
+
+@triton.jit
+def _mix(w, pk):
+    """Mixed words (uint64) of words ``w`` (uint64 < 2**32) at positions with ``pk = pos * K1``."""
+    x = (w ^ pk) * 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 31)
+    x = x * 0x94D049BB133111EB
+    return x ^ (x >> 29)
 
 
 @triton.jit
 def _checksum_kernel(
-    words_ptr,     # *i32 [total_words]: the buffer as 32-bit words (read only)
-    partial_ptr,   # *i64 [num_chunks, SPLIT]: one wrapping partial sum per program
+    words_ptr,     # *i32: the buffer's 16-byte-aligned block start (the buffer is word `lead`)
+    out_ptr,       # *i64 [num_chunks]: zeroed; each program adds its wrapping partial sum
     total_words,   # words in the buffer
     chunk_words,   # words per chunk
     word_base,     # position of the buffer's first word in the whole byte space
+    lead,          # words between `words_ptr` and the buffer's first word (0..3)
+    span,          # words per program, a multiple of BLOCK
+    step,          # BLOCK * K1 mod 2**64
     BLOCK: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
     chunk = tl.program_id(0).to(tl.int64)
-    part = tl.program_id(1)
-    first = chunk * chunk_words
-    end = tl.minimum(first + chunk_words, total_words)
-    acc = tl.zeros([BLOCK], dtype=tl.int64)
-    for j in range(part * BLOCK, chunk_words, SPLIT * BLOCK):
-        i = first + j + tl.arange(0, BLOCK).to(tl.int64)
-        mask = i < end
-        w = tl.load(words_ptr + i, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
-        x = w ^ ((i + word_base) * -7046029254386353131)
-        x = x * -4658895280553007687
-        x = x ^ ((x >> 31) & 0x1FFFFFFFF)
-        x = x * -7723592293110705685
-        x = x ^ ((x >> 29) & 0x7FFFFFFFF)
-        acc += tl.where(mask, x, 0)
-    tl.store(partial_ptr + chunk * SPLIT + part, tl.sum(acc, axis=0))
+    part = tl.program_id(1).to(tl.int64)
+    # this program's words, in j = word index + lead (so that j % 4 == 0 is 16-byte aligned)
+    c_lo = chunk * chunk_words + lead
+    c_hi = tl.minimum(c_lo + chunk_words, total_words + lead)
+    start = tl.multiple_of((c_lo // BLOCK) * BLOCK + part * span, BLOCK)  # tiles: BLOCK-aligned j
+    lo = tl.maximum(start, c_lo)
+    hi = tl.minimum(start + span, c_hi)
+    end = tl.multiple_of((total_words + lead + 3) // 4 * 4, 4)  # j past the last 16-byte block
+    lanes = tl.arange(0, BLOCK)
+    k1 = 0x9E3779B97F4A7C15
+    # position term (word_base + j - lead + lane) * K1, advanced by BLOCK * K1 per tile
+    pk = ((word_base + start - lead).to(tl.uint64, bitcast=True)
+          + lanes.to(tl.uint64)) * k1
+    acc = tl.zeros([BLOCK], dtype=tl.uint64)
+    for k in range(0, tl.cdiv(hi - start, BLOCK)):
+        t = start + k * BLOCK
+        j = t + lanes
+        if (t >= lo) & (t + BLOCK <= hi):  # a whole tile of this program: no masks
+            wf = tl.load(words_ptr + j).to(tl.uint32, bitcast=True).to(tl.uint64)
+            acc += _mix(wf, pk)
+        else:  # an edge tile: read whole 16-byte blocks, count only [lo, hi)
+            we = tl.load(words_ptr + j, mask=tl.max_constancy(j < end, 4), other=0)
+            x = _mix(we.to(tl.uint32, bitcast=True).to(tl.uint64), pk)
+            acc += tl.where((j >= lo) & (j < hi), x, 0)
+        pk += step.to(tl.uint64)
+    total = tl.sum(acc, axis=0)
+    if part == 0:  # the length term, once per chunk
+        total += ((c_hi - c_lo) * 4).to(tl.uint64, bitcast=True) * 0xD6E8FEB86659FD93
+    tl.atomic_add(out_ptr + chunk, total.to(tl.int64, bitcast=True))
 
 
 def _check(buffer: torch.Tensor, chunk_size: int, first_chunk: int) -> None:
@@ -148,17 +177,37 @@ def _wrap(value: int) -> int:
 
 
 def chunk_checksums_triton(buffer: torch.Tensor, chunk_size: int, *, first_chunk: int = 0,
-                           block: int = DEFAULT_BLOCK, split: int = DEFAULT_SPLIT) -> torch.Tensor:
-    """Triton `chunk_checksums`: grid (chunks, split), partial sums added in torch."""
+                           block: int = DEFAULT_BLOCK, split: int | None = None) -> torch.Tensor:
+    """Triton `chunk_checksums`: grid (chunks, split), each program adding its wrapping
+    partial sum (and part 0 the length term) into the chunk's zeroed result.
+
+    ``split`` programs per chunk (default: one per `PROGRAM_WORDS` words); ``block``
+    words per loop step, a power of two >= 4. The result does not depend on either.
+    """
     _check(buffer, chunk_size, first_chunk)
+    if not isinstance(block, int) or block < 4 or block & (block - 1):
+        raise ValueError(f"checksum: block must be a power of two >= 4, got {block!r}")
     num_chunks = -(-buffer.numel() // chunk_size)
-    partial = torch.zeros((num_chunks, split), dtype=torch.int64, device=buffer.device)
+    out = torch.zeros(num_chunks, dtype=torch.int64, device=buffer.device)
     if num_chunks:
+        chunk_words = chunk_size // 4
+        if split is None:
+            split = -(-chunk_words // PROGRAM_WORDS)
+        split = max(1, min(split, MAX_SPLIT, -(-chunk_words // block)))
+        # programs' spans are whole tiles; the first tile may start before the chunk
+        span = -(-(chunk_words + block) // (split * block)) * block
+        split = -(-(chunk_words + block) // span)
+        # the kernel addresses the 16-byte block holding the first word (never past the
+        # blocks the buffer touches), so every 4-word group it loads is one 16-byte vector
+        lead = buffer.data_ptr() % 16 // 4
+        words = buffer.view(torch.int32)
+        if words.storage_offset() < lead:  # a storage not 16-byte aligned (never from torch)
+            return chunk_checksums_ref(buffer, chunk_size, first_chunk=first_chunk)
+        aligned = words.as_strided((words.numel() + lead,), (1,), words.storage_offset() - lead)
         _checksum_kernel[(num_chunks, split)](
-            words_ptr=buffer.view(torch.int32), partial_ptr=partial,
-            total_words=buffer.numel() // 4, chunk_words=chunk_size // 4,
-            word_base=first_chunk * (chunk_size // 4), BLOCK=block, SPLIT=split)
-    return _finish(partial.sum(dim=1), buffer.numel(), chunk_size)
+            aligned, out, buffer.numel() // 4, chunk_words, first_chunk * chunk_words, lead, span,
+            block * (K1 % 2**64) % 2**64, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return out
 
 
 def chunk_checksums(buffer: torch.Tensor, chunk_size: int, *, first_chunk: int = 0,
@@ -186,6 +235,6 @@ def chunk_checksums(buffer: torch.Tensor, chunk_size: int, *, first_chunk: int =
 
 def aot_specs() -> list[tuple[object, dict[str, str], dict[str, int]]]:
     """(kernel, signature, constexprs) for the Hopper compile check."""
-    sig = {"words_ptr": "*i32", "partial_ptr": "*i64", "total_words": "i64",
-           "chunk_words": "i64", "word_base": "i64", "BLOCK": "constexpr", "SPLIT": "constexpr"}
-    return [(_checksum_kernel, sig, {"BLOCK": DEFAULT_BLOCK, "SPLIT": DEFAULT_SPLIT})]
+    sig = {"words_ptr": "*i32", "out_ptr": "*i64", "total_words": "i64", "chunk_words": "i64",
+           "word_base": "i64", "lead": "i64", "span": "i64", "step": "u64", "BLOCK": "constexpr"}
+    return [(_checksum_kernel, sig, {"BLOCK": DEFAULT_BLOCK})]

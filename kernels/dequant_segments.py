@@ -14,10 +14,12 @@ the window, without the temporary.
 Kernel layout: like `kernels.segcopy`, one base pointer and a segment table,
 int64 ``[num_segments, NCOL]`` (byte offsets from the base, so sources may live
 in any allocation the device can address, e.g. a peer's IPC mapping), with
-columns ``q_off, scale_off, dst_off`` (bytes), ``kind`` (0 float32, 1 bfloat16,
-2 float16), ``R, C, row, col``, q strides, scale strides, dst strides (elements,
-2 each), ``log2(block)`` and the number of column tiles. Each program handles a
-``BR x BC`` tile of one segment, found through `kernels.segcopy.program_map`.
+columns ``first`` (the segment's first tile, a prefix sum), ``q_off, scale_off,
+dst_off`` (bytes), ``kind`` (0 float32, 1 bfloat16, 2 float16), ``R, C, row,
+col``, q strides, scale strides, dst strides (elements, 2 each), ``log2(block)``
+and the number of column tiles. Each program handles a ``BR x BC`` tile of one
+segment, found by `kernels.segcopy.find_segment` (a binary search of ``first``;
+no per-program arrays on the host), and tables are cached like segcopy's.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ import triton.language as tl
 from weightfabric.kernels.bits import bf16_rne_bits, e4m3_to_f32
 from weightfabric.kernels.dispatch import choose_backend
 from weightfabric.kernels.fp8 import DEFAULT_BLOCK, check_block, scale_shape
-from weightfabric.kernels.segcopy import program_map, program_segment
+from weightfabric.kernels.segcopy import anchor, cached_table, find_segment
 
-NCOL = 16
+NCOL = 17
 TILE_ROWS = 32
 TILE_COLS = 128
 FP8 = torch.float8_e4m3fn
@@ -45,22 +47,21 @@ _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 def _dequant_segments_kernel(
     base_ptr,        # *u8: every address is base_ptr + a byte offset from the table
     table_ptr,       # *i64 [num_segments, NCOL]: the segment table (read only)
-    prog_seg_ptr,    # *i32 [num_programs]: segment of each program
-    prog_tile_ptr,   # *i64 [num_programs]: tile of that segment, row-major over tiles
+    num_segments,    # rows of the table (column 0: each segment's first tile)
     BR: tl.constexpr, BC: tl.constexpr,
     NCOL: tl.constexpr,
 ):
-    row, tile = program_segment(table_ptr, prog_seg_ptr, prog_tile_ptr, NCOL)
-    q_off = tl.load(row + 0)
-    scale_off = tl.load(row + 1)
-    dst_off = tl.load(row + 2)
-    kind = tl.load(row + 3)
-    num_rows = tl.load(row + 4)
-    num_cols = tl.load(row + 5)
-    r0 = tl.load(row + 6)
-    c0 = tl.load(row + 7)
-    shift = tl.load(row + 14)
-    col_tiles = tl.load(row + 15)
+    row, tile = find_segment(table_ptr, num_segments, NCOL)
+    q_off = tl.load(row + 1)
+    scale_off = tl.load(row + 2)
+    dst_off = tl.load(row + 3)
+    kind = tl.load(row + 4)
+    num_rows = tl.load(row + 5)
+    num_cols = tl.load(row + 6)
+    r0 = tl.load(row + 7)
+    c0 = tl.load(row + 8)
+    shift = tl.load(row + 15)
+    col_tiles = tl.load(row + 16)
 
     # window coordinates of this tile, and the shard coordinates they read
     i = (tile // col_tiles) * BR + tl.arange(0, BR).to(tl.int64)
@@ -70,14 +71,14 @@ def _dequant_segments_kernel(
     c = c0 + j
 
     # reads: BR x BC fp8 bytes of the shard, and the scales of the blocks they fall in
-    q_idx = r[:, None] * tl.load(row + 8) + c[None, :] * tl.load(row + 9)
+    q_idx = r[:, None] * tl.load(row + 9) + c[None, :] * tl.load(row + 10)
     code = tl.load(base_ptr + q_off + q_idx, mask=mask, other=0).to(tl.int32)
-    s_idx = (r >> shift)[:, None] * tl.load(row + 10) + (c >> shift)[None, :] * tl.load(row + 11)
+    s_idx = (r >> shift)[:, None] * tl.load(row + 11) + (c >> shift)[None, :] * tl.load(row + 12)
     scales = (base_ptr + scale_off).to(tl.pointer_type(tl.float32))
     y = e4m3_to_f32(code) * tl.load(scales + s_idx, mask=mask, other=1.0)
 
     # writes: the BR x BC tile of the destination window
-    d_idx = i[:, None] * tl.load(row + 12) + j[None, :] * tl.load(row + 13)
+    d_idx = i[:, None] * tl.load(row + 13) + j[None, :] * tl.load(row + 14)
     dst = base_ptr + dst_off
     if kind == 0:
         tl.store(dst.to(tl.pointer_type(tl.float32)) + d_idx, y, mask=mask)
@@ -184,7 +185,7 @@ def _table(segments: Sequence[Fp8Segment], base: torch.Tensor, tile_cols: int) -
     for s in segments:
         num_rows, num_cols = s.dst.shape
         if num_rows * num_cols:
-            rows.append([s.q.data_ptr() - at, s.scale.data_ptr() - at, s.dst.data_ptr() - at,
+            rows.append([0, s.q.data_ptr() - at, s.scale.data_ptr() - at, s.dst.data_ptr() - at,
                          _OUT_KIND[s.dst.dtype], num_rows, num_cols, s.row, s.col,
                          *s.q.stride(), *s.scale.stride(), *s.dst.stride(),
                          s.block.bit_length() - 1, -(-num_cols // tile_cols)])
@@ -197,15 +198,23 @@ def dequantize_fp8_segments_triton(segments: Sequence[Fp8Segment], *, tile_rows:
     if not segments:
         return
     device = segments[0].dst.device
-    base = torch.empty(16, dtype=torch.uint8, device=device)  # anchor for byte offsets
-    table = _table(segments, base, tile_cols)
-    if table.shape[0] == 0:
-        return
-    tiles = -(-table[:, 4] // tile_rows) * table[:, 15]
-    prog_seg, prog_tile = program_map(tiles, 1)
-    _dequant_segments_kernel[(len(prog_seg),)](
-        base_ptr=base, table_ptr=table.to(device), prog_seg_ptr=prog_seg.to(device),
-        prog_tile_ptr=prog_tile.to(device), BR=tile_rows, BC=tile_cols, NCOL=NCOL)
+    base = anchor(device)
+    key = ("dequant", device, tile_rows, tile_cols,
+           *((s.q.data_ptr(), s.scale.data_ptr(), s.dst.data_ptr(), s.q.shape, s.q.stride(),
+              s.scale.stride(), s.dst.shape, s.dst.stride(), s.dst.dtype, s.row, s.col, s.block)
+             for s in segments))
+
+    def build() -> tuple[torch.Tensor, int, int]:
+        table = _table(segments, base, tile_cols)
+        tiles = -(-table[:, 5] // tile_rows) * table[:, 16]
+        if len(tiles):
+            table[:, 0] = torch.cumsum(tiles, 0) - tiles
+        return table.to(device), table.shape[0], int(tiles.sum())
+
+    table, num_segments, programs = cached_table(key, build)
+    if programs:
+        _dequant_segments_kernel[(programs,)](
+            base, table, num_segments, BR=tile_rows, BC=tile_cols, NCOL=NCOL)
 
 
 def dequantize_fp8_segments(segments: Sequence[Fp8Segment], *, backend: str | None = None) -> None:
@@ -245,6 +254,6 @@ def dequantize_fp8_segments(segments: Sequence[Fp8Segment], *, backend: str | No
 
 def aot_specs() -> list[tuple[object, dict[str, str], dict[str, int]]]:
     """(kernel, signature, constexprs) for the Hopper compile check."""
-    sig = {"base_ptr": "*u8", "table_ptr": "*i64", "prog_seg_ptr": "*i32",
-           "prog_tile_ptr": "*i64", "BR": "constexpr", "BC": "constexpr", "NCOL": "constexpr"}
+    sig = {"base_ptr": "*u8", "table_ptr": "*i64", "num_segments": "i64",
+           "BR": "constexpr", "BC": "constexpr", "NCOL": "constexpr"}
     return [(_dequant_segments_kernel, sig, {"BR": TILE_ROWS, "BC": TILE_COLS, "NCOL": NCOL})]

@@ -44,7 +44,7 @@ def _check_buffer(buffer: torch.Tensor, layout: PackLayout, what: str) -> None:
                          f"{tuple(buffer.shape)} strides {buffer.stride()}")
     if buffer.numel() < layout.nbytes:
         raise ValueError(f"{what}: buffer has {buffer.numel()} bytes, layout needs {layout.nbytes}")
-    widest = max((torch.empty((), dtype=s.dtype).element_size() for s in layout), default=1)
+    widest = max((s.dtype.itemsize for s in layout), default=1)
     if buffer.data_ptr() % widest:
         raise ValueError(f"{what}: buffer address {buffer.data_ptr():#x} is not aligned to "
                          f"{widest} bytes (misaligned)")

@@ -9,17 +9,35 @@ copy, bit-exact for every value), float32 -> bfloat16 / float16 (round to
 nearest even; a NaN stays a NaN, its payload bits unspecified), bfloat16 / float16 -> float32
 (exact).
 
-Kernel layout: a segment table, int64 ``[num_segments, NCOL]`` with columns
-``src_off, dst_off`` (bytes relative to one base pointer), ``numel``, ``kind``
-(element operation), ``n1, n2, n3`` (sizes of dims 1..3), four src strides, four
-dst strides (elements), ``contiguous`` (1 when both sides are dense). Each
-program copies ``BLOCK`` elements of one segment, found through the per-program
-arrays ``prog_seg`` / ``prog_start``. The float32 -> bfloat16 rounding is done
-in integer arithmetic so the interpreter and the GPU give the same bits.
+Kernel layout (built for memory speed on Hopper): each segment becomes rows of
+an inner run (``rows x len`` *units*, up to 3 outer dims flattened into rows).
+The host picks, per segment, the widest unit its addresses, byte strides and
+run length allow: a raw copy whose run is contiguous on both sides and 16-byte
+aligned moves 16-byte vectors (int32 x 4, with `tl.multiple_of` /
+`tl.max_contiguous` hints that are true by construction); otherwise 8-, 4-, 2-
+or 1-byte words. A 1-D segment whose length is not a multiple of the vector is
+split into an aligned body and a short tail. Casts move 4 elements per vector
+when aligned. A program moves one tile of ``BLOCK`` units (32 KiB on the 16-byte
+path) of one segment: ``2**shift`` columns (a power of two covering the run, at
+most ``BLOCK``) times ``BLOCK >> shift`` rows, so short rows do not waste lanes
+and the inner index needs no division. The grid is flat over every tile of every
+segment; each program finds its segment by a binary search of the table's
+``first`` column (a prefix sum of tiles per segment): per program, not per
+element, and nothing per program is built on the host. Tables are cached by
+the segments' addresses, shapes, strides and kinds, so a repeated copy costs
+the host only the key.
+
+Segment table: int64 ``[num_segments, NCOL]``, columns ``first`` (first tile),
+``op``, ``src_off, dst_off`` (bytes from one anchor allocation), ``rows, len``
+(units), ``shift, cpt, rpt`` (columns and rows per tile), ``col_tiles``,
+``n1, n2`` (sizes of outer dims 1..2), three src and three dst outer strides,
+and the inner strides (units). The float32 -> bfloat16 rounding is done in
+integer arithmetic so the interpreter and the GPU give the same bits.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -29,10 +47,11 @@ import triton.language as tl
 from weightfabric.kernels.bits import bf16_rne_bits
 from weightfabric.kernels.dispatch import choose_backend
 
-NCOL = 16
-DEFAULT_BLOCK = 1024
+NCOL = 20
+DEFAULT_BLOCK = 8192
+"""Units per program: 8192 x 4 bytes = 32 KiB read and 32 KiB written on the 16-byte path."""
 
-# element operations (column `kind`)
+# element operations (what one unit does); `kind` in the public API
 _COPY_BY_SIZE = {1: 0, 2: 1, 4: 2, 8: 3}
 _CASTS = {
     (torch.float32, torch.bfloat16): 4,
@@ -41,97 +60,174 @@ _CASTS = {
     (torch.float16, torch.float32): 7,
 }
 SUPPORTED_CASTS: tuple[tuple[torch.dtype, torch.dtype], ...] = tuple(_CASTS)
+_KIND_BYTES = {0: (1, 1), 1: (2, 2), 2: (4, 4), 3: (8, 8), 4: (4, 2), 5: (2, 4), 6: (4, 2), 7: (2, 4)}
+# kernel ops: 0..7 the element kinds on any inner stride; 8 raw 16-byte vectors (int32 x 4);
+# 9..12 the casts 4..7, four elements per vector
+_VEC = 4
+_VEC_OP = {2: 8, 4: 9, 5: 10, 6: 11, 7: 12}
 
 Segment = tuple[torch.Tensor, torch.Tensor]
 
 
 @triton.jit
 def program_segment(table_ptr, prog_seg_ptr, prog_start_ptr, NCOL: tl.constexpr):
-    """This program's row of a segment table (a pointer) and its first unit (int64).
-
-    Shared by the table-driven kernels; the per-program arrays come from `program_map`.
-    """
+    """This program's row of a segment table (a pointer) and its first unit (int64),
+    from per-program arrays (`program_map`). Kept for callers of the old layout."""
     pid = tl.program_id(0)
     seg = tl.load(prog_seg_ptr + pid).to(tl.int64)
     return table_ptr + seg * NCOL, tl.load(prog_start_ptr + pid)
 
 
 @triton.jit
+def find_segment(table_ptr, num_segments, NCOL: tl.constexpr):
+    """(row pointer, tile within the segment) of this program.
+
+    Column 0 of the table holds each segment's first tile (strictly increasing,
+    0 first); a binary search finds the last segment starting at or before the
+    program id: log2(num_segments) scalar loads per program.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    lo = pid * 0
+    hi = lo + num_segments
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        go = tl.load(table_ptr + mid * NCOL) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    row = table_ptr + lo * NCOL
+    return row, pid - tl.load(row)
+
+
+@triton.jit
+def _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length,
+          KIND: tl.constexpr, VEC: tl.constexpr, SA: tl.constexpr, DA: tl.constexpr):
+    """Move the units of rows ``r`` x columns ``c`` (row offsets ``so`` / ``do``) with
+    element operation KIND.
+
+    VEC == 1: inner strides from the table row. VEC > 1: the inner run is contiguous
+    on both sides, run length and row offsets are multiples of VEC and the byte
+    offsets of SA / DA (the host checked), and each run of VEC lanes shares its row:
+    every run is one vector access. The hints are set here, on values computed here
+    (Triton drops hints on a function's arguments).
+    """
+    mask = (r < num_rows) & (c < length)
+    if VEC > 1:
+        so = tl.max_contiguous(tl.multiple_of(so + c, VEC), VEC)
+        do = tl.max_contiguous(tl.multiple_of(do + c, VEC), VEC)
+        mask = tl.max_constancy(mask, VEC)
+        src = tl.multiple_of(base_ptr + src_off, SA)
+        dst = tl.multiple_of(base_ptr + dst_off, DA)
+    else:
+        so = so + c * tl.load(row + 18)
+        do = do + c * tl.load(row + 19)
+        src = base_ptr + src_off
+        dst = base_ptr + dst_off
+    if KIND == 0:  # raw 1-byte units
+        tl.store(dst + do, tl.load(src + so, mask=mask), mask=mask)
+    elif KIND == 1:  # raw 2-byte units
+        s16 = src.to(tl.pointer_type(tl.int16))
+        d16 = dst.to(tl.pointer_type(tl.int16))
+        tl.store(d16 + do, tl.load(s16 + so, mask=mask), mask=mask)
+    elif KIND == 2:  # raw 4-byte units (16-byte vectors when VEC == 4)
+        s32 = src.to(tl.pointer_type(tl.int32))
+        d32 = dst.to(tl.pointer_type(tl.int32))
+        tl.store(d32 + do, tl.load(s32 + so, mask=mask), mask=mask)
+    elif KIND == 3:  # raw 8-byte units
+        s64 = src.to(tl.pointer_type(tl.int64))
+        d64 = dst.to(tl.pointer_type(tl.int64))
+        tl.store(d64 + do, tl.load(s64 + so, mask=mask), mask=mask)
+    elif KIND == 4:  # float32 -> bfloat16, round to nearest even in integer math (NaN stays NaN)
+        sbits = src.to(tl.pointer_type(tl.int32))
+        dbf = dst.to(tl.pointer_type(tl.int16))
+        tl.store(dbf + do, bf16_rne_bits(tl.load(sbits + so, mask=mask)), mask=mask)
+    elif KIND == 5:  # bfloat16 -> float32 (exact: the bits move up 16 places)
+        sbf = src.to(tl.pointer_type(tl.int16))
+        dbits = dst.to(tl.pointer_type(tl.int32))
+        h = tl.load(sbf + so, mask=mask).to(tl.int32) & 0xFFFF
+        tl.store(dbits + do, h << 16, mask=mask)
+    elif KIND == 6:  # float32 -> float16 (hardware / numpy round to nearest even)
+        sf32 = src.to(tl.pointer_type(tl.float32))
+        df16 = dst.to(tl.pointer_type(tl.float16))
+        tl.store(df16 + do, tl.load(sf32 + so, mask=mask).to(tl.float16), mask=mask)
+    else:  # KIND 7: float16 -> float32 (exact)
+        sf16 = src.to(tl.pointer_type(tl.float16))
+        df32 = dst.to(tl.pointer_type(tl.float32))
+        tl.store(df32 + do, tl.load(sf16 + so, mask=mask).to(tl.float32), mask=mask)
+
+
+@triton.jit
 def _segcopy_kernel(
     base_ptr,        # *u8: every segment address is base_ptr + byte offset
     table_ptr,       # *i64 [num_segments, NCOL]: the segment table (read only)
-    prog_seg_ptr,    # *i32 [num_programs]: segment of each program
-    prog_start_ptr,  # *i64 [num_programs]: first element of each program's block
+    num_segments,    # rows of the table
     BLOCK: tl.constexpr,
     NCOL: tl.constexpr,
 ):
-    row, start = program_segment(table_ptr, prog_seg_ptr, prog_start_ptr, NCOL)
-    src_off = tl.load(row + 0)
-    dst_off = tl.load(row + 1)
-    numel = tl.load(row + 2)
-    kind = tl.load(row + 3)
-    contiguous = tl.load(row + 15)
+    row, tile = find_segment(table_ptr, num_segments, NCOL)
+    op = tl.load(row + 1)
+    src_off = tl.load(row + 2)
+    dst_off = tl.load(row + 3)
+    num_rows = tl.load(row + 4)
+    length = tl.load(row + 5)
+    shift = tl.load(row + 6).to(tl.int32)
+    cpt = tl.load(row + 7)
+    rpt = tl.load(row + 8)
+    col_tiles = tl.load(row + 9)
+    n1 = tl.load(row + 10)
+    n2 = tl.load(row + 11)
 
-    e = start + tl.arange(0, BLOCK).to(tl.int64)
-    mask = e < numel
-    if contiguous == 1:
-        src_idx = e
-        dst_idx = e
-    else:
-        n1 = tl.load(row + 4)
-        n2 = tl.load(row + 5)
-        n3 = tl.load(row + 6)
-        i3 = e % n3
-        t = e // n3
-        i2 = t % n2
-        t = t // n2
+    # the tile: BLOCK lanes as (BLOCK >> shift) rows x 2**shift columns, no division
+    tile_r = tile // col_tiles
+    tile_c = tile - tile_r * col_tiles
+    lane = tl.arange(0, BLOCK)
+    r = tile_r * rpt + (lane >> shift).to(tl.int64)
+    c = tile_c * cpt + (lane & (cpt.to(tl.int32) - 1)).to(tl.int64)
+    if n1 * n2 > 1:  # 3 or 4 dims: split the row index (per element, rare)
+        i2 = r % n2
+        t = r // n2
         i1 = t % n1
         i0 = t // n1
-        src_idx = (i0 * tl.load(row + 7) + i1 * tl.load(row + 8)
-                   + i2 * tl.load(row + 9) + i3 * tl.load(row + 10))
-        dst_idx = (i0 * tl.load(row + 11) + i1 * tl.load(row + 12)
-                   + i2 * tl.load(row + 13) + i3 * tl.load(row + 14))
+        so = i0 * tl.load(row + 12) + i1 * tl.load(row + 13) + i2 * tl.load(row + 14)
+        do = i0 * tl.load(row + 15) + i1 * tl.load(row + 16) + i2 * tl.load(row + 17)
+    else:
+        so = r * tl.load(row + 12)
+        do = r * tl.load(row + 15)
 
-    src = base_ptr + src_off
-    dst = base_ptr + dst_off
-    if kind == 0:  # raw 1-byte copy (reads src bytes, writes dst bytes)
-        v8 = tl.load(src + src_idx, mask=mask)
-        tl.store(dst + dst_idx, v8, mask=mask)
-    elif kind == 1:  # raw 2-byte copy
-        s16 = src.to(tl.pointer_type(tl.int16))
-        d16 = dst.to(tl.pointer_type(tl.int16))
-        tl.store(d16 + dst_idx, tl.load(s16 + src_idx, mask=mask), mask=mask)
-    elif kind == 2:  # raw 4-byte copy
-        s32 = src.to(tl.pointer_type(tl.int32))
-        d32 = dst.to(tl.pointer_type(tl.int32))
-        tl.store(d32 + dst_idx, tl.load(s32 + src_idx, mask=mask), mask=mask)
-    elif kind == 3:  # raw 8-byte copy
-        s64 = src.to(tl.pointer_type(tl.int64))
-        d64 = dst.to(tl.pointer_type(tl.int64))
-        tl.store(d64 + dst_idx, tl.load(s64 + src_idx, mask=mask), mask=mask)
-    elif kind == 4:  # float32 -> bfloat16, round to nearest even in integer math (NaN stays NaN)
-        sbits = src.to(tl.pointer_type(tl.int32))
-        dbf = dst.to(tl.pointer_type(tl.int16))
-        tl.store(dbf + dst_idx, bf16_rne_bits(tl.load(sbits + src_idx, mask=mask)), mask=mask)
-    elif kind == 5:  # bfloat16 -> float32 (exact: the bits move up 16 places)
-        sbf = src.to(tl.pointer_type(tl.int16))
-        dbits = dst.to(tl.pointer_type(tl.int32))
-        h = tl.load(sbf + src_idx, mask=mask).to(tl.int32) & 0xFFFF
-        tl.store(dbits + dst_idx, h << 16, mask=mask)
-    elif kind == 6:  # float32 -> float16 (hardware / numpy round to nearest even)
-        sf32 = src.to(tl.pointer_type(tl.float32))
-        df16 = dst.to(tl.pointer_type(tl.float16))
-        tl.store(df16 + dst_idx, tl.load(sf32 + src_idx, mask=mask).to(tl.float16), mask=mask)
-    else:  # kind 7: float16 -> float32 (exact)
-        sf16 = src.to(tl.pointer_type(tl.float16))
-        df32 = dst.to(tl.pointer_type(tl.float32))
-        tl.store(df32 + dst_idx, tl.load(sf16 + src_idx, mask=mask).to(tl.float32), mask=mask)
+    if op == 8:  # the hot path: raw copy, 16-byte vectors
+        _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 2, 4, 16, 16)
+    elif op < 4:  # raw copy of 1-, 2-, 4- or 8-byte units, any inner strides
+        if op == 0:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 0, 1, 1, 1)
+        elif op == 1:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 1, 1, 1, 1)
+        elif op == 2:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 2, 1, 1, 1)
+        else:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 3, 1, 1, 1)
+    elif op < 8:  # casts, any inner strides
+        if op == 4:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 4, 1, 1, 1)
+        elif op == 5:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 5, 1, 1, 1)
+        elif op == 6:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 6, 1, 1, 1)
+        else:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 7, 1, 1, 1)
+    else:  # casts of aligned contiguous runs, 4 elements per vector
+        if op == 9:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 4, 4, 16, 8)
+        elif op == 10:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 5, 4, 8, 16)
+        elif op == 11:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 6, 4, 16, 8)
+        else:
+            _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length, 7, 4, 8, 16)
 
 
 def element_kind(src_dtype: torch.dtype, dst_dtype: torch.dtype, what: str = "segment") -> int:
     """The kernel's element operation for a dtype pair; TypeError if unsupported."""
     if src_dtype == dst_dtype:
-        size = torch.empty((), dtype=src_dtype).element_size()
+        size = src_dtype.itemsize
         if size not in _COPY_BY_SIZE or src_dtype.is_complex:
             raise TypeError(f"{what}: dtype {src_dtype} is not supported")
         return _COPY_BY_SIZE[size]
@@ -156,16 +252,61 @@ def _merge_dims(shape: Sequence[int], ss: Sequence[int], ds: Sequence[int]) -> l
     return merged or [(1, 1, 1)]
 
 
-def _rows(src: torch.Tensor, dst: torch.Tensor, base_ptr: int, kind: int) -> list[list[int]]:
+def _lowbit(x: int) -> int:
+    """Largest power of two dividing ``x`` (capped at 16; 16 for 0)."""
+    return min(16, x & -x) if x else 16
+
+
+def _geometry(op: int, src_off: int, dst_off: int, outer: list[tuple[int, int, int]],
+              length: int, sin: int, din: int, block: int) -> list[int]:
+    """A table row (first tile left 0) for rows ``outer`` x ``length`` units."""
+    outer = [(1, 0, 0)] * (3 - len(outer)) + outer
+    rows = outer[0][0] * outer[1][0] * outer[2][0]
+    cpt = min(block, 1 << max(0, (length - 1).bit_length()))
+    return [0, op, src_off, dst_off, rows, length, cpt.bit_length() - 1, cpt, block // cpt,
+            -(-length // cpt), outer[1][0], outer[2][0],
+            *(d[1] for d in outer), *(d[2] for d in outer), sin, din]
+
+
+def _rows(src: torch.Tensor, dst: torch.Tensor, base_ptr: int, kind: int, block: int) -> list[list[int]]:
     dims = _merge_dims(src.shape, src.stride(), dst.stride())
     if len(dims) > 4:  # split over the leading dim until 4 remain
-        return [r for i in range(src.shape[0]) for r in _rows(src[i], dst[i], base_ptr, kind)]
-    dims = [(1, 0, 0)] * (4 - len(dims)) + dims
-    numel = src.numel()
-    contiguous = int(dims[3][1] == 1 and dims[3][2] == 1 and all(d[0] == 1 for d in dims[:3]))
-    return [[src.data_ptr() - base_ptr, dst.data_ptr() - base_ptr, numel, kind,
-             dims[1][0], dims[2][0], dims[3][0],
-             *(d[1] for d in dims), *(d[2] for d in dims), contiguous]]
+        return [r for i in range(src.shape[0]) for r in _rows(src[i], dst[i], base_ptr, kind, block)]
+    return _split_rows(src.data_ptr() - base_ptr, dst.data_ptr() - base_ptr, dims, kind, block)
+
+
+def _split_rows(src_off: int, dst_off: int, dims: list[tuple[int, int, int]], kind: int,
+                block: int) -> list[list[int]]:
+    """Table rows for one segment: the widest access its alignment allows, a 1-D
+    segment split into a vector body and a narrower tail."""
+    ssize, dsize = _KIND_BYTES[kind]
+    (n, sin, din), outer = dims[-1], dims[:-1]
+    if sin != 1 or din != 1:  # strided inner dim: one element per lane
+        return [_geometry(kind, src_off, dst_off, outer, n, sin, din, block)]
+    if kind <= 3:  # raw copy of a contiguous run: bytes, widest aligned word
+        nbytes = n * ssize
+        g = _lowbit(src_off)
+        for x in (dst_off, *(d[1] * ssize for d in outer), *(d[2] * ssize for d in outer)):
+            g = min(g, _lowbit(x))
+        if not outer and nbytes % g and nbytes > g:  # 1-D: aligned body, then the tail
+            body = nbytes - nbytes % g
+            return (_split_rows(src_off, dst_off, [(body, 1, 1)], 0, block)
+                    + _split_rows(src_off + body, dst_off + body, [(nbytes - body, 1, 1)], 0, block))
+        g = min(g, _lowbit(nbytes))
+        unit = min(g, 8) if g < 16 else 4
+        scaled = [(m, a * ssize // unit, b * ssize // unit) for m, a, b in outer]
+        op = _VEC_OP[2] if g == 16 else _COPY_BY_SIZE[unit]
+        return [_geometry(op, src_off, dst_off, scaled, nbytes // unit, 1, 1, block)]
+    # a cast: 4 elements per vector when both sides are aligned to 4 elements
+    aligned = (src_off % (_VEC * ssize) == 0 and dst_off % (_VEC * dsize) == 0
+               and all(a % _VEC == 0 and b % _VEC == 0 for _, a, b in outer))
+    if aligned and not outer and n % _VEC and n > _VEC:
+        body = n - n % _VEC
+        return (_split_rows(src_off, dst_off, [(body, 1, 1)], kind, block)
+                + [_geometry(kind, src_off + body * ssize, dst_off + body * dsize, [],
+                             n - body, 1, 1, block)])
+    op = _VEC_OP[kind] if aligned and n % _VEC == 0 else kind
+    return [_geometry(op, src_off, dst_off, outer, n, 1, 1, block)]
 
 
 def check_segments(segments: Sequence[Segment], what: str = "segment") -> list[int]:
@@ -181,23 +322,78 @@ def check_segments(segments: Sequence[Segment], what: str = "segment") -> list[i
     return kinds
 
 
-def build_table(segments: Sequence[Segment], base: torch.Tensor,
-                kinds: Sequence[int]) -> torch.Tensor:
-    """The int64 segment table (on CPU) for ``segments`` relative to ``base``."""
+def check_block(block: int) -> None:
+    """ValueError unless ``block`` (units per program) is a power of two >= 16."""
+    if not isinstance(block, int) or block < 16 or block & (block - 1):
+        raise ValueError(f"copy_segments: block must be a power of two >= 16, got {block!r}")
+
+
+def build_table(segments: Sequence[Segment], base: torch.Tensor, kinds: Sequence[int],
+                block: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """The int64 segment table (on CPU) for ``segments`` relative to ``base``, column
+    ``first`` filled with each row's first tile (a prefix sum; the grid is the total)."""
+    check_block(block)
     rows: list[list[int]] = []
     for (src, dst), kind in zip(segments, kinds, strict=True):
         if src.numel():
-            rows.extend(_rows(src, dst, base.data_ptr(), kind))
+            rows.extend(_rows(src, dst, base.data_ptr(), kind, block))
+    first = 0
+    for row in rows:
+        row[0] = first
+        first += -(-row[4] // row[8]) * row[9]  # row tiles x column tiles
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, NCOL)
 
 
+def num_tiles(table: torch.Tensor) -> int:
+    """Programs a launch over ``table`` needs (its tiles)."""
+    if not table.shape[0]:
+        return 0
+    last = table[-1].tolist()
+    return last[0] + -(-last[4] // last[8]) * last[9]
+
+
 def program_map(numels: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-program (segment id int32, first element int64) for ``numels`` split in blocks."""
+    """Per-program (segment id int32, first element int64) for ``numels`` split in blocks.
+
+    No longer used by the kernels here (they search the table); kept for callers."""
     blocks = (numels + block - 1) // block
     seg = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
     first = torch.cumsum(blocks, 0) - blocks
     start = (torch.arange(len(seg), dtype=torch.int64) - first.repeat_interleave(blocks)) * block
     return seg, start
+
+
+_ANCHORS: dict[torch.device, torch.Tensor] = {}
+_TABLES: OrderedDict[tuple, tuple[torch.Tensor, int, int]] = OrderedDict()
+TABLE_CACHE_SIZE = 64
+"""Device tables kept, most recently used first out last (each a few KiB)."""
+
+
+def anchor(device: torch.device) -> torch.Tensor:
+    """A 16-byte-aligned allocation on ``device`` that table byte offsets count from,
+    kept for the process's life so that tables can be reused between calls."""
+    a = _ANCHORS.get(device)
+    if a is None:
+        raw = torch.empty(32, dtype=torch.uint8, device=device)
+        a = raw[-raw.data_ptr() % 16:][:16]
+        _ANCHORS[device] = a
+    return a
+
+
+def cached_table(key: tuple, build) -> tuple[torch.Tensor, int, int]:
+    """``(device table, rows, programs)`` for ``key``, from ``build()`` on a miss.
+
+    A table depends only on what the key holds (addresses, shapes, strides, kinds,
+    block), so a hit is exactly what building again would give."""
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    value = build()
+    _TABLES[key] = value
+    if len(_TABLES) > TABLE_CACHE_SIZE:
+        _TABLES.popitem(last=False)
+    return value
 
 
 def copy_segments_ref(segments: Sequence[Segment]) -> None:
@@ -212,15 +408,18 @@ def copy_segments_triton(segments: Sequence[Segment], kinds: Sequence[int], *,
     if not segments:
         return
     device = segments[0][1].device
-    base = torch.empty(16, dtype=torch.uint8, device=device)  # anchor for byte offsets
-    table = build_table(segments, base, kinds)
-    if table.shape[0] == 0:
-        return
-    prog_seg, prog_start = program_map(table[:, 2], block)
-    _segcopy_kernel[(len(prog_seg),)](
-        base_ptr=base,
-        table_ptr=table.to(device), prog_seg_ptr=prog_seg.to(device),
-        prog_start_ptr=prog_start.to(device), BLOCK=block, NCOL=NCOL)
+    base = anchor(device)
+    key = ("segcopy", device, block, *((s.data_ptr(), d.data_ptr(), s.shape, s.stride(),
+                                         d.stride(), k) for (s, d), k in zip(segments, kinds, strict=True)))
+
+    def build() -> tuple[torch.Tensor, int, int]:
+        table = build_table(segments, base, kinds, block)
+        return table.to(device), table.shape[0], num_tiles(table)
+
+    table, num_segments, programs = cached_table(key, build)
+    if programs:
+        _segcopy_kernel[(programs,)](base, table, num_segments, BLOCK=block, NCOL=NCOL,
+                                     num_warps=8 if block >= 4096 else 4)
 
 
 def copy_segments(segments: Sequence[Segment], *, backend: str | None = None,
@@ -244,6 +443,6 @@ def copy_segments(segments: Sequence[Segment], *, backend: str | None = None,
 
 def aot_specs() -> list[tuple[object, dict[str, str], dict[str, int]]]:
     """(kernel, signature, constexprs) for the Hopper compile check."""
-    sig = {"base_ptr": "*u8", "table_ptr": "*i64", "prog_seg_ptr": "*i32",
-           "prog_start_ptr": "*i64", "BLOCK": "constexpr", "NCOL": "constexpr"}
+    sig = {"base_ptr": "*u8", "table_ptr": "*i64", "num_segments": "i64",
+           "BLOCK": "constexpr", "NCOL": "constexpr"}
     return [(_segcopy_kernel, sig, {"BLOCK": DEFAULT_BLOCK, "NCOL": NCOL})]

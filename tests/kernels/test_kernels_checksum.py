@@ -84,3 +84,18 @@ def test_a_slice_verifies_on_its_own_with_first_chunk(backend):
     assert torch.equal(chunk_checksums(buf[192:], 96, first_chunk=2, backend=backend), whole[2:])
     with pytest.raises(ValueError, match="first_chunk"):
         chunk_checksums(buf, 96, first_chunk=-1, backend=backend)
+
+
+@pytest.mark.parametrize("lead", [0, 4, 8, 12])
+@pytest.mark.parametrize("chunk", [36, 1028, 4096])
+def test_triton_at_every_word_alignment_and_chunk_edge(monkeypatch, lead, chunk):
+    """The kernel reads whole 16-byte blocks and tiles aligned in the buffer's space:
+    a buffer starting 4, 8 or 12 bytes into a block, chunks ending mid-tile, and a
+    chunk split over many programs (partial sums added atomically) still match."""
+    monkeypatch.setattr(checksum, "PROGRAM_WORDS", 64)
+    raw = _buf(4 * 600 + 16, seed=lead)
+    b = raw[lead:lead + 4 * 599 - 8]
+    want = chunk_checksums_ref(b, chunk, first_chunk=2)
+    for block in (16, 64):
+        assert torch.equal(chunk_checksums_triton(b, chunk, first_chunk=2, block=block), want)
+    assert torch.equal(chunk_checksums_triton(b, chunk, first_chunk=2, split=1), want)

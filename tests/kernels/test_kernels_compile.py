@@ -27,6 +27,12 @@ def test_every_kernel_compiles_for_sm90():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {r["kernel"] for r in records} >= EXPECTED
     assert all(r["sm90"] and r["cubin_bytes"] > 0 for r in records)
+    # the data movers read and write 16-byte vectors (with 16-byte-aligned pointer arguments)
+    for r in records:
+        if r["kernel"] in ("_segcopy_kernel", "_checksum_kernel"):
+            assert r["vector_loads"], r
+        if r["kernel"] == "_segcopy_kernel":
+            assert r["vector_stores"], r
     # Triton before 3.7 (the lent GPUs run 3.6) compiles a float `-x` as `0 - x`, so
     # -0.0 would come out +0.0 there: the kernels set sign bits with integer ops
     negating = [r["kernel"] for r in records if r["float_negations"]]
