@@ -9,6 +9,7 @@
 #   bash tools/gpu/session.sh all     # the four, in that order
 #   bash tools/gpu/session.sh quick   # one call of under 9 minutes: the essentials of all four
 #   bash tools/gpu/session.sh quickbench  # one call of under 6 minutes: the fetch benchmarks
+#   bash tools/gpu/session.sh recheck     # under 6 minutes: GPU tests, kernels, sm_90 build, a fetch
 #                                     # (a task is lent 15 device minutes in all, starts included)
 #
 # Wheels from tools/gpu/fetch_wheels.sh are installed from .whl/ when present. Each
@@ -153,6 +154,19 @@ quickbench() {  # the step limits add up to 330 s; logs come back as $OUT/logs.t
     mps_off
 }
 
+recheck() {  # after kernel changes: the step limits add up to 330 s
+    PACK=1
+    LOGS=/tmp/weightfabric-gpu-logs
+    mkdir -p "$LOGS"
+    step versions 30 python3 -c "$VERSIONS"
+    step gpu-tests 120 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
+        --timeout=60 tests/fabric/gpu
+    step kernels-cuda 60 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json --repeat 5
+    step aot-sm90 60 env TRITON_INTERPRET=0 python3 -m weightfabric.kernels.aot
+    step fetch-cuda-64MiB 60 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
+        --size 2GB --chunk-size 64MiB --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
+}
+
 mps_off  # none left over from an earlier call that was cut off
 case "$phase" in
     check) check ;;
@@ -162,7 +176,8 @@ case "$phase" in
     all) check; tests; bench; bench2 ;;
     quick) quick ;;
     quickbench) quickbench ;;
-    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all|quick"; exit 2 ;;
+    recheck) recheck ;;
+    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all|quick|quickbench|recheck"; exit 2 ;;
 esac
 echo "== summary (logs in $OUT)"
 printf '%s\n' "${summary[@]}"
