@@ -33,6 +33,9 @@ PROGRAM_WORDS = 16384
 """Words (64 KiB) each program of a chunk covers by default: a chunk is split over
 ``ceil(chunk_words / PROGRAM_WORDS)`` programs, so a few large chunks still fill the GPU."""
 MAX_SPLIT = 65535
+NUM_WARPS: int | None = None
+"""Warps per program; None: 8 for blocks of 2048 words or more, else 4 (`tools/gpu/tune_kernels.py`
+sweeps it)."""
 
 
 @triton.jit
@@ -206,7 +209,8 @@ def chunk_checksums_triton(buffer: torch.Tensor, chunk_size: int, *, first_chunk
         aligned = words.as_strided((words.numel() + lead,), (1,), words.storage_offset() - lead)
         _checksum_kernel[(num_chunks, split)](
             aligned, out, buffer.numel() // 4, chunk_words, first_chunk * chunk_words, lead, span,
-            block * (K1 % 2**64) % 2**64, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+            block * (K1 % 2**64) % 2**64, BLOCK=block,
+            num_warps=NUM_WARPS or (8 if block >= 2048 else 4))
     return out
 
 

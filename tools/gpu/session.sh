@@ -10,6 +10,7 @@
 #   bash tools/gpu/session.sh quick   # one call of under 9 minutes: the essentials of all four
 #   bash tools/gpu/session.sh quickbench  # one call of under 6 minutes: the fetch benchmarks
 #   bash tools/gpu/session.sh recheck     # under 6 minutes: GPU tests, kernels, sm_90 build, a fetch
+#   bash tools/gpu/session.sh tune        # under 3 minutes: kernel launch settings, then the bench
 #                                     # (a task is lent 15 device minutes in all, starts included)
 #
 # Wheels from tools/gpu/fetch_wheels.sh are installed from .whl/ when present. Each
@@ -167,6 +168,15 @@ recheck() {  # after kernel changes: the step limits add up to 330 s
         --size 2GB --chunk-size 64MiB --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
 }
 
+tune() {  # launch settings of the segment copy and checksum kernels (each checked against
+          # its torch reference), then the bench: 170 s
+    PACK=1
+    LOGS=/tmp/weightfabric-gpu-logs
+    mkdir -p "$LOGS"
+    step tune-kernels 130 env TRITON_INTERPRET=0 python3 tools/gpu/tune_kernels.py
+    step kernels-cuda 40 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json --repeat 5
+}
+
 mps_off  # none left over from an earlier call that was cut off
 case "$phase" in
     check) check ;;
@@ -177,7 +187,8 @@ case "$phase" in
     quick) quick ;;
     quickbench) quickbench ;;
     recheck) recheck ;;
-    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all|quick|quickbench|recheck"; exit 2 ;;
+    tune) tune ;;
+    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all|quick|quickbench|recheck|tune"; exit 2 ;;
 esac
 echo "== summary (logs in $OUT)"
 printf '%s\n' "${summary[@]}"

@@ -1,0 +1,82 @@
+"""Sweep the launch settings of the segment-copy and checksum kernels on a GPU.
+
+Run on a lent GPU (`bash tools/gpu/session.sh tune`): for every setting, the median
+time of `pack` over the `fabric bench kernels` tensor set (one TP8 rank of eight
+Llama-3-70B layers, bf16) and of `chunk_checksums` over the packed buffer, beside a
+device ``copy_`` of the same bytes. Prints one JSON object per line; the last line
+names the fastest setting of each kernel. Bytes count as in the bench: read +
+written for pack, read for the checksum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+
+from weightfabric.kernels import checksum, pack, pack_ref, plan_layout, segcopy
+from weightfabric.kernels.checksum import chunk_checksums_ref, chunk_checksums_triton
+from weightfabric.tools.bench.kernels import _tensor_set, median_seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu under "
+                        "TRITON_INTERPRET=1 to check this script")
+    parser.add_argument("--scale", type=int, default=1, help="divide the shapes (default 1)")
+    parser.add_argument("--layers", type=int, default=8, help="layers (default 8)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("tune_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    ts = _tensor_set(8, args.layers, args.scale, device)
+    lay = plan_layout(ts)
+    nbytes = sum(t.numel() * t.element_size() for t in ts.values())
+    buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    t_copy = median_seconds(lambda: b.copy_(a), device, 10)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(json.dumps({"device": name, "copy_GBps": 2 * nbytes / t_copy / 1e9}))
+    best: dict[str, tuple[float, dict[str, int]]] = {}
+    want = pack_ref(ts, lay, torch.zeros_like(buf)).clone()
+    for block, sub, warps in itertools.product((2048, 8192), (512, 1024, 2048), (4, 8)):
+        segcopy.SUB_BLOCK, segcopy.NUM_WARPS = sub, warps
+        buf.zero_()
+        pack(ts, lay, out=buf, block=block, backend="triton")
+        if not torch.equal(buf, want):
+            print(json.dumps({"kernel": "pack", "block": block, "sub": sub, "warps": warps,
+                              "error": "bytes differ from pack_ref"}), flush=True)
+            continue
+        t = median_seconds(lambda: pack(ts, lay, out=buf, block=block, backend="triton"), device, 10)  # noqa: B023
+        row = {"kernel": "pack", "block": block, "sub": sub, "warps": warps,
+               "GBps": 2 * nbytes / t / 1e9, "vs_copy": t_copy / t}
+        print(json.dumps(row), flush=True)
+        if row["vs_copy"] > best.get("pack", (0.0, {}))[0]:
+            best["pack"] = (row["vs_copy"], row)
+    words = buf[:nbytes // 4 * 4]
+    expected = chunk_checksums_ref(words, 4 << 20)
+    for block, program_words, warps in itertools.product((1024, 2048, 4096), (16384, 65536),
+                                                         (4, 8)):
+        checksum.PROGRAM_WORDS, checksum.NUM_WARPS = program_words, warps
+        if not torch.equal(chunk_checksums_triton(words, 4 << 20, block=block), expected):
+            print(json.dumps({"kernel": "checksum", "block": block, "warps": warps,
+                              "error": "sums differ from chunk_checksums_ref"}), flush=True)
+            continue
+        t = median_seconds(lambda: chunk_checksums_triton(words, 4 << 20, block=block),  # noqa: B023
+                           device, 10)
+        row = {"kernel": "checksum", "block": block, "program_words": program_words,
+               "warps": warps, "GBps": nbytes / t / 1e9, "vs_copy": t_copy / 2 / t}
+        print(json.dumps(row), flush=True)
+        if row["vs_copy"] > best.get("checksum", (0.0, {}))[0]:
+            best["checksum"] = (row["vs_copy"], row)
+    print(json.dumps({"best": {k: v[1] for k, v in best.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
