@@ -50,10 +50,10 @@ from weightfabric.kernels.dispatch import choose_backend
 NCOL = 20
 DEFAULT_BLOCK = 8192
 """Units per program: 8192 x 4 bytes = 32 KiB read and 32 KiB written on the 16-byte path."""
-SUB_BLOCK = 1024
-"""Lanes a program moves per step of its loop over the tile: 1024 units over 4 warps is
-one 16-byte vector per thread and step (8192 lanes at once spilled registers on an H200:
-pack ran at 116 GB/s, 3 % of copy_)."""
+SUB_BLOCK = 2048
+"""Lanes a program moves per step of its loop over the tile (all 8192 at once spilled
+registers on an H200: pack ran at 116 GB/s). 8192 / 2048 / 4 warps was the fastest
+setting `tools/gpu/tune_kernels.py` found there (docs/benchmarks.md)."""
 NUM_WARPS = 4
 
 # element operations (what one unit does); `kind` in the public API
