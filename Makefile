@@ -24,8 +24,14 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/fabric demo
 
+# mypy reads the package through a link named weightfabric (the root is the package)
+TYPECHECK := $(VENV)/typecheck
+
 lint: setup
 	$(BIN)/ruff check .
+	mkdir -p $(TYPECHECK) && ln -sfn "$(CURDIR)" $(TYPECHECK)/weightfabric
+	MYPYPATH=$(TYPECHECK) $(BIN)/mypy -m weightfabric -p weightfabric.fabric -p weightfabric.kernels \
+		-p weightfabric.topology -p weightfabric.tools
 
 test: lint
 	$(BIN)/python -m pytest -q
