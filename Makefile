@@ -34,7 +34,7 @@ lint: setup
 		-p weightfabric.topology -p weightfabric.tools
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/pytest -q tests
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis
