@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -208,7 +208,9 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
         verify: whether to verify the chunks read from a source (e.g. only over
             slow or remote links).
         options: concurrency and time limits.
-        on_chunk: called with (chunks done, chunks total) after every chunk.
+        on_chunk: called with (chunks done, chunks total) as chunks arrive: once for
+            each batch of chunks verified together (the reads that finished in one
+            wait), after that batch is marked (and reported, if a report is due).
         before_write: called with the byte range ``[lo, hi)`` of `dest` a read is about
             to write (e.g. to populate fresh pages first); what it raises ends the fetch.
         cancel: set from another thread to stop the fetch within `WAIT_SLICE`.
@@ -221,173 +223,291 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             `cancel` was set. Once it returns or raises, no read of this call
             touches `dest` again.
     """
-    stats = FetchStats()
-    start = time.monotonic()
-    failed: dict[str, str] = {}  # worker given up on -> why
-    total = progress.num_chunks
-    chunks_per_read = max(1, options.read_bytes // chunk_size)
-    attempted: set[int] = set()
-    corrupt_from: dict[int, set[str]] = {}  # chunk -> workers that sent it wrong
-    unreported: list[int] = []
-    last_report = start
-    lost_news: Callable[[], set[str]] = getattr(planner, "lost", set)
+    return _FetchRun(dest, chunk_size=chunk_size, progress=progress, planner=planner,
+                     choose=choose, checksums=checksums, checksum_fn=checksum_fn, verify=verify,
+                     options=options, on_chunk=on_chunk, before_write=before_write,
+                     cancel=cancel).run()
 
-    def flush_reports() -> None:
-        nonlocal last_report
-        if unreported:
-            planner.report(sorted(unreported))
-            unreported.clear()
-        last_report = time.monotonic()
 
-    def chunk_bytes(chunk: int) -> torch.Tensor:
-        return dest[chunk * chunk_size:min((chunk + 1) * chunk_size, dest.numel())]
+_Queued = tuple[tuple[int, ...], Source]
+"""A read to start: (span of consecutive chunks, the source to read it from)."""
 
-    def give_up(worker: str, why: str) -> None:
-        if worker not in failed:
-            failed[worker] = why
-            stats.failed_sources.append(worker)
-            log.warning("source %s failed (%s); re-planning its chunks", worker, why)
 
-    def read_span(span: tuple[int, ...], source: Source, claim: _Claim) -> _Read:
-        lo = span[0] * chunk_size
-        hi = min((span[-1] + 1) * chunk_size, dest.numel())
-        via = "?"
+class _InFlight(NamedTuple):
+    """A read started and not yet looked at."""
+
+    span: tuple[int, ...]
+    source: Source
+    claim: _Claim
+
+
+class _FetchRun:
+    """One call of `fetch_chunks`: its state, and the steps of its loop.
+
+    `run` repeats rounds until no chunk is missing: `plan_round` plans every chunk
+    still missing into `queue`; then, until the queue is empty and no read is in
+    flight, `launch` starts reads, `wait_slice` waits up to a `WAIT_SLICE` for some to
+    finish, `absorb_lost` abandons the reads of sources the planner heard are lost,
+    `settle` takes in each finished read, `requeue` puts what is left to read back at
+    the front of the queue (re-planned if need be) and `report` tells the planner and
+    `on_chunk`. `read_span` is what a read does, on a thread of `pool`; it touches
+    nothing of the run but `dest`.
+    """
+
+    def __init__(self, dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress,
+                 planner: FetchPlanner, choose: Callable[[Source], Transport],
+                 checksums: list[int] | None, checksum_fn: ChecksumFn | None,
+                 verify: Callable[[Source], bool], options: FetchOptions,
+                 on_chunk: Callable[[int, int], None] | None,
+                 before_write: Callable[[int, int], None] | None,
+                 cancel: threading.Event | None) -> None:
+        self.dest, self.chunk_size, self.progress = dest, chunk_size, progress
+        self.planner, self.choose, self.options = planner, choose, options
+        self.checksums, self.checksum_fn, self.verify = checksums, checksum_fn, verify
+        self.on_chunk, self.before_write, self.cancel = on_chunk, before_write, cancel
+        self.lost_news: Callable[[], set[str]] = getattr(planner, "lost", set)
+        self.total = progress.num_chunks
+        self.chunks_per_read = max(1, options.read_bytes // chunk_size)
+        self.start = time.monotonic()
+        self.stats = FetchStats()
+        self.failed: dict[str, str] = {}  # worker given up on -> why
+        self.corrupt_from: dict[int, set[str]] = {}  # chunk -> workers that sent it wrong
+        self.attempted: set[int] = set()  # chunks some finished read has tried
+        self.plans = 0  # planner calls, bounded by max_rounds
+        self.queue: list[_Queued] = []  # reads of this round not started yet, in order
+        self.inflight: dict[Future[_Read], _InFlight] = {}
+        self.pool = self._new_pool()
+        self.unreported: list[int] = []  # verified chunks not yet told to the planner
+        self.last_report = self.start
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run(self) -> FetchStats:
+        """Fetch every missing chunk; abandon what is still in flight however it ends."""
         try:
-            transport = choose(source)
-            via = transport.name
-            with claim.held() as live:
-                if not live:
-                    return _Read(span, source, via, error="abandoned")
-                if before_write is not None:
-                    before_write(lo, hi)
-                left = options.deadline - (time.monotonic() - start)
-                got = transport.read(source.address, source.region, lo, dest[lo:hi],
-                                     timeout=max(0.0, min(options.read_timeout, left)),
-                                     prefix=True, abort=claim.abort)
-                if got < hi - lo and got % chunk_size:
-                    raise TransportError(f"source granted {got} bytes, not whole chunks of "
-                                         f"{chunk_size}")
-                done = span if got == hi - lo else span[:got // chunk_size]
-                corrupted: tuple[int, ...] = ()
-                if checksums is not None and checksum_fn is not None and verify(source):
-                    corrupted = tuple(c for c in done
-                                      if checksum_fn(c, chunk_bytes(c)) != checksums[c])
-        except TransportError as exc:
-            return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
-        return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):])
+            while missing := [c for c in range(self.total) if not self.progress.has(c, c)]:
+                self.queue = self.plan_round(missing)
+                while self.queue or self.inflight:
+                    self.launch()
+                    if not self.inflight:  # the rest was assigned to sources that failed:
+                        break              # the next round re-plans it
+                    done = self.wait_slice()
+                    retry = self.absorb_lost()  # chunks to read elsewhere, none in flight
+                    finished: list[int] = []
+                    rests: list[_Queued] = []
+                    for future in done:
+                        read = future.result()
+                        if read.rest:  # a partial source granted a prefix: ask again for the rest
+                            rests.append((read.rest, read.source))
+                        kept, bad = self.settle(read)
+                        finished += kept
+                        retry += bad
+                    self.requeue(rests, retry)
+                    self.report(finished)
+                self.flush_reports()
+        finally:
+            self.close()
+        self.stats.seconds = time.monotonic() - self.start
+        return self.stats
 
-    def new_pool() -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=options.max_inflight, thread_name_prefix="wf-fetch")
+    def plan_round(self, missing: list[int]) -> list[_Queued]:
+        """The reads of a new round, for every chunk still `missing`; raises if the
+        rounds or the deadline ran out, or the planner names no source."""
+        if self.plans >= self.options.max_rounds:
+            raise FetchError(f"gave up after {self.options.max_rounds} re-plans; chunks "
+                             f"{_ranges(missing)} still missing")
+        if self.time_left() < 0:
+            raise FetchError(f"fetch ran past its deadline of {self.options.deadline:g} s with "
+                             f"{len(missing)} of {self.total} chunks missing")
+        self.plans += 1
+        queue = self.schedule(self.planner.plan(missing, set(self.failed)), missing)
+        if not queue:
+            raise _no_source_left(missing, self.failed, self.corrupt_from)
+        return queue
 
-    def replan_now(chunks: list[int]) -> list[tuple[tuple[int, ...], Source]]:
+    def launch(self) -> None:
+        """Start queued reads, up to `max_inflight` in flight (skipping failed sources)."""
+        while self.queue and len(self.inflight) < self.options.max_inflight:
+            span, source = self.queue.pop(0)
+            if source.worker in self.failed:
+                continue
+            claim = _Claim()
+            future = self.pool.submit(self.read_span, span, source, claim)
+            self.inflight[future] = _InFlight(span, source, claim)
+
+    def wait_slice(self) -> set[Future[_Read]]:
+        """Wait up to a `WAIT_SLICE` for reads to finish and take them out of `inflight`;
+        raises once the deadline has passed or the fetch is cancelled."""
+        left = self.time_left()
+        if left <= 0:
+            raise FetchError(f"fetch ran past its deadline of {self.options.deadline:g} s "
+                             f"with {len(self.inflight)} reads still waiting on sources")
+        done, _ = wait(self.inflight, timeout=min(WAIT_SLICE, left), return_when=FIRST_COMPLETED)
+        if self.cancel is not None and self.cancel.is_set():
+            raise FetchError(f"fetch cancelled with {self.total - self.progress.count} of "
+                             f"{self.total} chunks missing")
+        for future in done:
+            del self.inflight[future]
+        return done
+
+    def absorb_lost(self) -> list[int]:
+        """Give up on the sources the planner heard are lost and abandon their reads in
+        flight; returns those reads' chunks (to re-plan)."""
+        gone = self.lost_news()
+        for worker in gone - self.failed.keys():
+            self.give_up(worker, "lost: the hub dropped it (its lease ran out, or it dropped "
+                                 "the model)")
+        stale = [f for f, read in self.inflight.items() if read.source.worker in gone]
+        if not stale:
+            return []
+        chunks = [c for f in stale for c in self.inflight[f].span]
+        self.revoke(stale)
+        # Their threads may still be asking a hung source what it is (`choose`, never
+        # touching `dest`): the next reads get threads of their own.
+        self.pool.shutdown(wait=False)
+        self.pool = self._new_pool()
+        return chunks
+
+    def settle(self, read: _Read) -> tuple[list[int], list[int]]:
+        """Take in a finished read: mark and count its good chunks, count its corrupt
+        ones against its source, give up on the source if the read failed. Returns
+        (chunks kept, chunks to read elsewhere)."""
+        worker = read.source.worker
+        self.stats.chunks_reread += sum(1 for c in read.span if c in self.attempted)
+        self.attempted.update(read.span)
+        if read.error is not None:
+            self.give_up(worker, read.error)
+            return [], list(read.span)
+        kept: list[int] = []
+        bad: list[int] = []
+        for chunk in read.span:
+            if chunk in read.corrupted:
+                self.stats.corrupted_chunks += 1
+                self.corrupt_from.setdefault(chunk, set()).add(worker)
+                log.warning("chunk %d from %s failed its checksum; re-reading", chunk, worker)
+                bad.append(chunk)
+                continue
+            nbytes = self.chunk_bytes(chunk).numel()
+            self.progress.mark(chunk)
+            self.stats.bytes += nbytes
+            self.stats.chunks += 1
+            self.stats.sources[worker] = self.stats.sources.get(worker, 0) + nbytes
+            self.stats.transports[read.via] = self.stats.transports.get(read.via, 0) + nbytes
+            kept.append(chunk)
+        return kept, bad
+
+    def requeue(self, rests: list[_Queued], retry: list[int]) -> None:
+        """Put the `rests` of partial reads at the front of the queue, and the reads of
+        the `retry` chunks and of those queued for a failed source, re-planned, before them."""
+        self.queue[:0] = sorted(rests, key=lambda r: r[0][0])
+        retry = retry + [c for span, source in self.queue if source.worker in self.failed
+                         for c in span]
+        self.queue = [(span, source) for span, source in self.queue
+                      if source.worker not in self.failed]
+        if retry and self.plans < self.options.max_rounds:
+            self.plans += 1
+            self.queue[:0] = self.replan(sorted(retry))
+
+    def replan(self, chunks: list[int]) -> list[_Queued]:
         """Reads for chunks to read again within a round; none for those the planner
         cannot place now (the end-of-round plan then raises the proper error)."""
         try:
-            assignments = planner.plan(chunks, set(failed))
+            assignments = self.planner.plan(chunks, set(self.failed))
         except FabricError as exc:
             log.info("re-plan of chunks %s failed (%s); trying again after this round",
                      _ranges(chunks), exc)
             return []
-        return _schedule(assignments, chunks, corrupt_from, chunks_per_read=chunks_per_read,
-                         inflight=options.max_inflight)
+        return self.schedule(assignments, chunks)
 
-    pool = new_pool()
-    inflight: dict[Future[_Read], tuple[tuple[int, ...], Source, _Claim]] = {}
-    plans = 0  # planner calls, bounded by max_rounds
-    try:
-        while missing := [c for c in range(total) if not progress.has(c, c)]:
-            if plans >= options.max_rounds:
-                raise FetchError(f"gave up after {options.max_rounds} re-plans; chunks "
-                                 f"{_ranges(missing)} still missing")
-            if time.monotonic() - start > options.deadline:
-                raise FetchError(f"fetch ran past its deadline of {options.deadline:g} s with "
-                                 f"{len(missing)} of {total} chunks missing")
-            plans += 1
-            queue = _schedule(planner.plan(missing, set(failed)), missing, corrupt_from,
-                              chunks_per_read=chunks_per_read, inflight=options.max_inflight)
-            if not queue:
-                raise _no_source_left(missing, failed, corrupt_from)
-            while queue or inflight:
-                while queue and len(inflight) < options.max_inflight:
-                    span, source = queue.pop(0)
-                    if source.worker in failed:
-                        continue
-                    claim = _Claim()
-                    inflight[pool.submit(read_span, span, source, claim)] = (span, source, claim)
-                if not inflight:  # the rest was assigned to sources that failed: re-plan
-                    break
-                left = options.deadline - (time.monotonic() - start)
-                if left <= 0:
-                    raise FetchError(f"fetch ran past its deadline of {options.deadline:g} s "
-                                     f"with {len(inflight)} reads still waiting on sources")
-                done, _ = wait(inflight, timeout=min(WAIT_SLICE, left),
-                               return_when=FIRST_COMPLETED)
-                if cancel is not None and cancel.is_set():
-                    raise FetchError(f"fetch cancelled with {total - progress.count} of "
-                                     f"{total} chunks missing")
-                for future in done:
-                    del inflight[future]
-                retry: list[int] = []  # chunks to read elsewhere, none of them in flight
-                gone = lost_news()
-                for worker in gone - failed.keys():
-                    give_up(worker, "lost: the hub dropped it (its lease ran out, or it "
-                                    "dropped the model)")
-                stale = [f for f, (_, source, _) in inflight.items() if source.worker in gone]
-                if stale:
-                    retry.extend(c for f in stale for c in inflight[f][0])
-                    _revoke(stale, inflight)
-                    # Their threads may still be asking a hung source what it is (`choose`,
-                    # never touching `dest`): the next reads get threads of their own.
-                    pool.shutdown(wait=False)
-                    pool = new_pool()
-                finished: list[int] = []
-                rests: list[tuple[tuple[int, ...], Source]] = []
-                for future in done:
-                    read = future.result()
-                    worker = read.source.worker
-                    if read.rest:  # a partial source granted a prefix: ask again for the rest
-                        rests.append((read.rest, read.source))
-                    stats.chunks_reread += sum(1 for c in read.span if c in attempted)
-                    attempted.update(read.span)
-                    if read.error is not None:
-                        give_up(worker, read.error)
-                        retry.extend(read.span)
-                        continue
-                    for chunk in read.span:
-                        if chunk in read.corrupted:
-                            stats.corrupted_chunks += 1
-                            corrupt_from.setdefault(chunk, set()).add(worker)
-                            log.warning("chunk %d from %s failed its checksum; re-reading",
-                                        chunk, worker)
-                            retry.append(chunk)
-                            continue
-                        nbytes = chunk_bytes(chunk).numel()
-                        progress.mark(chunk)
-                        stats.bytes += nbytes
-                        stats.chunks += 1
-                        stats.sources[worker] = stats.sources.get(worker, 0) + nbytes
-                        stats.transports[read.via] = stats.transports.get(read.via, 0) + nbytes
-                        finished.append(chunk)
-                queue[:0] = sorted(rests, key=lambda r: r[0][0])
-                # Reads still queued for a source given up on are re-planned with the rest.
-                retry.extend(c for span, source in queue if source.worker in failed for c in span)
-                queue = [(span, source) for span, source in queue if source.worker not in failed]
-                if retry and plans < options.max_rounds:
-                    plans += 1
-                    queue[:0] = replan_now(sorted(retry))
-                unreported.extend(finished)
-                # Also when no read finished: a fetch waiting on a slow or partial source
-                # reports what it has within a `WAIT_SLICE`, not only when it ends.
-                if unreported and time.monotonic() - last_report >= options.report_interval:
-                    flush_reports()
-                if finished and on_chunk is not None:
-                    on_chunk(progress.count, total)
-            flush_reports()
-    finally:
-        _revoke(list(inflight), inflight)  # before returning: none of them writes `dest` again
-        pool.shutdown(wait=False, cancel_futures=True)
-    stats.seconds = time.monotonic() - start
-    return stats
+    def report(self, finished: list[int]) -> None:
+        """Report the chunks verified so far once `report_interval` has passed (also when
+        none just finished: a fetch waiting on a slow or partial source reports what it
+        has within a `WAIT_SLICE`, not only when it ends), then call `on_chunk` if some
+        chunks just finished."""
+        self.unreported.extend(finished)
+        if self.unreported and time.monotonic() - self.last_report >= self.options.report_interval:
+            self.flush_reports()
+        if finished and self.on_chunk is not None:
+            self.on_chunk(self.progress.count, self.total)
+
+    def flush_reports(self) -> None:
+        """Report every chunk verified and not reported yet."""
+        if self.unreported:
+            self.planner.report(sorted(self.unreported))
+            self.unreported.clear()
+        self.last_report = time.monotonic()
+
+    def close(self) -> None:
+        """Abandon the reads still in flight (none of them writes `dest` once this
+        returns) and let the pool go."""
+        self.revoke(list(self.inflight))
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- the parts ------------------------------------------------------------------------
+
+    def read_span(self, span: tuple[int, ...], source: Source, claim: _Claim) -> _Read:
+        """Read `span` from `source` into `dest` (while `claim` holds) and verify it; a
+        `TransportError` becomes the read's error. Runs on a thread of `pool`."""
+        lo = span[0] * self.chunk_size
+        hi = min((span[-1] + 1) * self.chunk_size, self.dest.numel())
+        via = "?"
+        try:
+            transport = self.choose(source)
+            via = transport.name
+            with claim.held() as live:
+                if not live:
+                    return _Read(span, source, via, error="abandoned")
+                if self.before_write is not None:
+                    self.before_write(lo, hi)
+                timeout = max(0.0, min(self.options.read_timeout, self.time_left()))
+                got = transport.read(source.address, source.region, lo, self.dest[lo:hi],
+                                     timeout=timeout, prefix=True, abort=claim.abort)
+                if got < hi - lo and got % self.chunk_size:
+                    raise TransportError(f"source granted {got} bytes, not whole chunks of "
+                                         f"{self.chunk_size}")
+                done = span if got == hi - lo else span[:got // self.chunk_size]
+                corrupted: tuple[int, ...] = ()
+                if self.checksums is not None and self.checksum_fn is not None \
+                        and self.verify(source):
+                    corrupted = tuple(c for c in done if self.checksum_fn(c, self.chunk_bytes(c))
+                                      != self.checksums[c])
+        except TransportError as exc:
+            return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
+        return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):])
+
+    def schedule(self, assignments: list[Assignment], missing: list[int]) -> list[_Queued]:
+        """`_schedule` with this fetch's read limits, avoiding corrupt senders."""
+        return _schedule(assignments, missing, self.corrupt_from,
+                         chunks_per_read=self.chunks_per_read, inflight=self.options.max_inflight)
+
+    def revoke(self, futures: Iterable[Future[_Read]]) -> None:
+        """Abandon these reads: abort them all, wait until none touches `dest` any more,
+        and forget them (their results are never looked at)."""
+        claims = [self.inflight.pop(f).claim for f in list(futures)]
+        for claim in claims:
+            claim.abort.abort()
+        for claim in claims:
+            claim.wait_released()
+
+    def give_up(self, worker: str, why: str) -> None:
+        """Count `worker` as failed for the rest of this fetch (once)."""
+        if worker not in self.failed:
+            self.failed[worker] = why
+            self.stats.failed_sources.append(worker)
+            log.warning("source %s failed (%s); re-planning its chunks", worker, why)
+
+    def chunk_bytes(self, chunk: int) -> torch.Tensor:
+        """`chunk`'s bytes in `dest`."""
+        return self.dest[chunk * self.chunk_size:min((chunk + 1) * self.chunk_size,
+                                                     self.dest.numel())]
+
+    def time_left(self) -> float:
+        """Seconds left before the deadline (negative once past it)."""
+        return self.options.deadline - (time.monotonic() - self.start)
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self.options.max_inflight,
+                                  thread_name_prefix="wf-fetch")
 
 
 class _Claim:
@@ -409,17 +529,6 @@ class _Claim:
         promptly: its transport's sockets are shut down)."""
         with self._lock:
             pass
-
-
-def _revoke(futures: Iterable[Future[_Read]],
-            inflight: dict[Future[_Read], tuple[tuple[int, ...], Source, _Claim]]) -> None:
-    """Abandon these reads: abort them all, wait until none touches the destination
-    any more, and forget them (their results are never looked at)."""
-    claims = [inflight.pop(f)[2] for f in list(futures)]
-    for claim in claims:
-        claim.abort.abort()
-    for claim in claims:
-        claim.wait_released()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from weightfabric.fabric.fetch import (
     FetchError,
     FetchOptions,
     Source,
+    _no_source_left,
+    _ranges,
     _schedule,
     fetch_chunks,
 )
@@ -243,14 +245,17 @@ def test_chunks_queued_for_a_source_that_failed_are_replanned_not_an_error(tcp):
 
 
 class CountingTransport:
-    """Wraps a transport and records each read's (offset, bytes asked, bytes granted)."""
+    """Wraps a transport and records each read's (offset, bytes asked, bytes granted)
+    and the timeout it was given."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.name = inner.name
         self.reads: list[tuple[int, int, int]] = []
+        self.timeouts: list[float] = []
 
     def read(self, source, region, offset, out, *, timeout, prefix=False, abort=None):
+        self.timeouts.append(timeout)
         got = self.inner.read(source, region, offset, out, timeout=timeout, prefix=prefix,
                               abort=abort)
         self.reads.append((offset, out.numel(), got))
@@ -640,3 +645,187 @@ def test_a_cancelled_fetch_stops_within_a_wait_slice(tcp):
             assert time.monotonic() - start < 1.0
         finally:
             a.close()
+
+
+# --- the engine's steps, one at a time ----------------------------------------------------
+
+
+class RecordingPlanner(LostPlanner):
+    """A `LostPlanner` that records each plan's (missing, failed) and, with `lose_after`,
+    hears that worker `lose` is lost once those chunks have been reported."""
+
+    def __init__(self, sources: list[Source], stripe: int | None = None, *,
+                 lose: str = "", lose_after: frozenset[int] = frozenset()) -> None:
+        super().__init__(sources, stripe)
+        self.plans: list[tuple[list[int], set[str]]] = []
+        self.lose, self.lose_after = lose, lose_after
+
+    def plan(self, missing, failed):
+        self.plans.append((list(missing), set(failed)))
+        return super().plan(missing, failed)
+
+    def report(self, chunks):
+        super().report(chunks)
+        if self.lose and self.lose_after <= set(self.reported):
+            self.gone.add(self.lose)
+
+
+def test_a_replan_after_a_lost_source_keeps_the_chunks_already_read(tcp, caplog):
+    """"a", a partial replica, grants chunks 0-4 of the one span asked for, and the read
+    of the rest waits on it. Once 0-4 are reported, the planner hears "a" is lost: the
+    waiting read is abandoned (not waited out: read_timeout 60 s) and only chunks 5-10
+    are re-planned, without "a"; 0-4 stay, counted as read from "a", none re-read."""
+    held = ChunkProgress(NUM_CHUNKS)
+    for chunk in range(5):
+        held.mark(chunk)
+    a, src_a = serve("a", data(), held)
+    b, src_b = serve("b", data())
+    planner = RecordingPlanner([src_a, src_b], stripe=1, lose="a", lose_after=frozenset(range(5)))
+    with hard_timeout(30):
+        try:
+            dest, _, stats = run(planner, tcp, options=FetchOptions(
+                max_inflight=1, read_bytes=NUM_CHUNKS * CHUNK, read_timeout=60, deadline=120))
+            assert torch.equal(dest, data())
+            assert planner.plans == [(list(range(NUM_CHUNKS)), set()),
+                                     (list(range(5, NUM_CHUNKS)), {"a"})]
+            assert stats.sources == {"a": 5 * CHUNK, "b": NBYTES - 5 * CHUNK}
+            assert stats.chunks == NUM_CHUNKS and stats.chunks_reread == 0
+            assert stats.failed_sources == ["a"] and "source a failed (lost: " in caplog.text
+        finally:
+            a.close()
+            b.close()
+
+
+def corrupt_at(worker: str, flipped_byte: int):
+    """A holder of the data with one byte flipped (holder, source)."""
+    bad = data().clone()
+    bad[flipped_byte] ^= 0xFF
+    return serve(worker, bad)
+
+
+def test_a_corrupt_chunk_counts_against_its_source_for_that_chunk_only(tcp):
+    """Chunk 3 is corrupt on "bad1" and "bad2": its re-read avoids every source that
+    sent it wrong ("bad1", then "bad2" too) though the planner names them first, and
+    neither is failed: "bad1" still serves every other chunk."""
+    bad1, src_bad1 = corrupt_at("bad1", 3 * CHUNK + 7)
+    bad2, src_bad2 = corrupt_at("bad2", 3 * CHUNK + 9)
+    good, src_good = serve("good", data())
+    planner = RecordingPlanner([src_bad1, src_bad2, src_good], stripe=1)
+    counting = CountingTransport(tcp)
+    try:
+        dest, _, stats = run(planner, counting, options=replace(
+            LIMITS, max_inflight=1, read_bytes=NUM_CHUNKS * CHUNK))
+        assert torch.equal(dest, data())
+        assert counting.reads[1:] == [(3 * CHUNK, CHUNK, CHUNK)] * 2  # bad2's, then good's
+        assert stats.corrupted_chunks == 2 and stats.chunks_reread == 2
+        assert stats.failed_sources == [] and all(not failed for _, failed in planner.plans)
+        assert stats.sources == {"bad1": NBYTES - CHUNK, "good": CHUNK}
+        assert bad2.bytes_served == CHUNK
+    finally:
+        for server in (bad1, bad2, good):
+            server.close()
+
+
+def test_a_chunk_corrupt_from_each_source_names_them_all(tcp):
+    bad1, src_bad1 = corrupt_at("bad1", 3 * CHUNK + 7)
+    bad2, src_bad2 = corrupt_at("bad2", 3 * CHUNK + 9)
+    try:
+        with pytest.raises(FetchError, match=r"^chunks 3 failed their checksum from every "
+                                             r"source that sent them \(bad1, bad2\)"):
+            run(StaticPlanner([src_bad1, src_bad2]), tcp)
+    finally:
+        bad1.close()
+        bad2.close()
+
+
+@pytest.mark.parametrize(("read_timeout", "deadline"), [(30, 5), (0.5, 60)])
+def test_each_read_waits_at_most_its_timeout_and_what_is_left_of_the_deadline(
+        tcp, read_timeout, deadline):
+    a, src_a = serve("a", data())
+    counting = CountingTransport(tcp)
+    try:
+        run(StaticPlanner([src_a]), counting,
+            options=FetchOptions(read_timeout=read_timeout, deadline=deadline))
+        assert counting.timeouts and all(0 < t <= min(read_timeout, deadline)
+                                         for t in counting.timeouts)
+    finally:
+        a.close()
+
+
+def test_on_chunk_is_called_once_per_batch_after_the_batch_is_reported(tcp):
+    """One read in flight, so each read that finishes is a batch: it is reported (every
+    time, with report_interval 0), then `on_chunk` hears the count of chunks present."""
+    a, src_a = serve("a", data())
+    events: list[tuple] = []
+
+    class Reporting(StaticPlanner):
+        def report(self, chunks):
+            events.append(("report", list(chunks)))
+
+    try:
+        run(Reporting([src_a]), tcp,
+            options=replace(LIMITS, max_inflight=1, read_bytes=4 * CHUNK, report_interval=0),
+            on_chunk=lambda done, total: events.append(("on_chunk", done, total)))
+        assert events == [("report", [0, 1, 2, 3]), ("on_chunk", 4, NUM_CHUNKS),
+                          ("report", [4, 5, 6, 7]), ("on_chunk", 8, NUM_CHUNKS),
+                          ("report", [8, 9, 10]), ("on_chunk", NUM_CHUNKS, NUM_CHUNKS)]
+    finally:
+        a.close()
+
+
+def test_a_fetch_out_of_rounds_names_the_chunks_still_missing(tcp):
+    """One planner call allowed: the dead source's spans (0-2, 6-8 of four spans striped
+    over two sources) cannot be re-planned, and the next round gives up."""
+    dead, src_dead = serve("dead", data())
+    dead.close()
+    good, src_good = serve("good", data())
+    planner = StaticPlanner([src_dead, src_good])
+    progress = ChunkProgress(NUM_CHUNKS)
+    try:
+        with pytest.raises(FetchError, match=r"gave up after 1 re-plans; chunks 0-2, 6-8 still"):
+            run(planner, tcp, progress=progress, options=replace(LIMITS, max_rounds=1))
+        assert planner.rounds == 1 and progress.count == 5
+    finally:
+        good.close()
+
+
+def test_a_planner_that_names_no_source_is_an_error(tcp):
+    class Empty(StaticPlanner):
+        def plan(self, missing, failed):
+            return []
+
+    with pytest.raises(FetchError, match=r"no source left for chunks 0-10: the planner named none"):
+        run(Empty([]), tcp)
+
+
+def test_before_write_is_told_each_range_and_what_it_raises_ends_the_fetch(tcp):
+    a, src_a = serve("a", data())
+    ranges: list[tuple[int, int]] = []
+    try:
+        run(StaticPlanner([src_a]), tcp, options=replace(LIMITS, max_inflight=1,
+                                                          read_bytes=4 * CHUNK),
+            before_write=lambda lo, hi: ranges.append((lo, hi)))
+        assert ranges == [(0, 4 * CHUNK), (4 * CHUNK, 8 * CHUNK), (8 * CHUNK, NBYTES)]
+
+        def refuse(lo: int, hi: int) -> None:
+            raise RuntimeError("no pages")
+
+        dest = torch.zeros(NBYTES, dtype=torch.uint8)
+        with pytest.raises(RuntimeError, match="no pages"):
+            run(StaticPlanner([src_a]), tcp, dest=dest, before_write=refuse)
+        assert not dest.any()
+    finally:
+        a.close()
+
+
+def test_the_no_source_error_names_corrupt_chunks_and_failed_sources_apart():
+    error = _no_source_left([1, 2, 3, 7], {"b": "SourceLostError: gone", "a": "timed out"},
+                            {3: {"y", "x"}})
+    assert str(error).startswith("chunks 3 failed their checksum from every source that sent "
+                                 "them (x, y): ")
+    assert (". no source left for chunks 1-2, 7: the sources failed (a: timed out; "
+            "b: SourceLostError: gone); retry") in str(error)
+
+
+def test_ranges_collapse_runs_of_chunks():
+    assert _ranges([5, 0, 2, 1, 7, 8]) == "0-2, 5, 7-8" and _ranges([]) == ""
