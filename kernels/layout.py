@@ -159,7 +159,10 @@ def plan_layout(tensors: Mapping[str, TensorLike] | Iterable[tuple[str, TensorLi
         if a < 1 or a & (a - 1):
             raise ValueError(f"layout: {label} must be a power of two, got {a}")
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
-    large, small = [], []
+    # (name, shape, dtype in the buffer, dtype handed to pack, nbytes)
+    Entry = tuple[str, tuple[int, ...], torch.dtype, torch.dtype, int]
+    large: list[Entry] = []
+    small: list[Entry] = []
     for name, t in items:
         shape, src_dtype = _meta(name, t)
         dst_dtype = src_dtype

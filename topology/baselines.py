@@ -35,7 +35,7 @@ def _route(layout: Layout, src: str, dst: str) -> tuple[str, ...]:
 def star(layout: Layout, trainer: list[str], needs: dict[str, list[Interval]]
          ) -> list[Transfer]:
     """Every reader reads what it needs straight from a trainer device."""
-    out = []
+    out: list[Transfer] = []
     for i, (reader, ranges) in enumerate(needs.items()):
         src = trainer[i % len(trainer)]
         path = _route(layout, src, reader)
@@ -85,7 +85,7 @@ def storage(layout: Layout, trainer: list[str], needs: dict[str, list[Interval]]
 
 def _pulls(layout: Layout, dc: str, needs: dict[str, list[Interval]],
            upstream: int | None) -> list[Transfer]:
-    out = []
+    out: list[Transfer] = []
     for reader, ranges in needs.items():
         path = layout.via_spine(None, reader, dc, STORAGE)
         if path is None:

@@ -26,7 +26,7 @@ def share_rates(graph: nx.DiGraph, transfers: list[Transfer]) -> list[float]:
         for arc in zip(t.path, t.path[1:], strict=False):
             count[arc] += 1
     edges = graph.edges
-    rates = []
+    rates: list[float] = []
     for t in transfers:
         r = min(edges[a]["bandwidth"] / count[a] for a in zip(t.path, t.path[1:], strict=False))
         if t.upstream is not None:

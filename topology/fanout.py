@@ -22,10 +22,13 @@ over: one stream at a time to the sender with the most left.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)  # a sender's name (a machine, a group of machines)
 
 
-class FanOut:
+class FanOut(Generic[K]):
     """Per-stripe fan-out quotas over a fixed list of senders (see the module docstring).
 
     Args:
@@ -33,21 +36,21 @@ class FanOut:
         capacity: streams each sender may send over all stripes (missing: 0).
     """
 
-    def __init__(self, names: list[Hashable], capacity: Mapping[Hashable, int]) -> None:
-        self.names = list(names)
-        self.left = {n: int(capacity.get(n, 0)) for n in names}
+    def __init__(self, names: Sequence[K], capacity: Mapping[K, int]) -> None:
+        self.names: list[K] = list(names)
+        self.left: dict[K, int] = {n: int(capacity.get(n, 0)) for n in names}
         self.pos = 0
 
-    def charge(self, name: Hashable, streams: int) -> None:
+    def charge(self, name: K, streams: int) -> None:
         """Count `streams` that `name` sends outside `take` (a root's fixed share)."""
         self.left[name] = self.left.get(name, 0) - streams
 
-    def total(self, eligible: list[Hashable]) -> int:
+    def total(self, eligible: Sequence[K]) -> int:
         """Streams the `eligible` senders have left."""
         return sum(self.left.get(x, 0) for x in eligible)
 
-    def take(self, demand: int, eligible: list[Hashable], *, spill: list[Hashable] = (),
-             slack: int = 0) -> dict[Hashable, int]:
+    def take(self, demand: int, eligible: Sequence[K], *, spill: Sequence[K] = (),
+             slack: int = 0) -> dict[K, int]:
         """`demand` streams from the `eligible` senders: name -> streams (> 0 only).
 
         Contiguous from where the last call stopped, each sender up to what it has
@@ -57,7 +60,7 @@ class FanOut:
         to the sender of `eligible` or `spill` with the most left (it goes over; ties:
         the first listed). Empty when nobody is eligible.
         """
-        out: dict[Hashable, int] = {}
+        out: dict[K, int] = {}
         allowed = set(eligible)
         n, i = len(self.names), self.pos
         skipped = 0

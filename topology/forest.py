@@ -30,6 +30,8 @@ whole is described in `topology.planner`.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import Final, Literal
 
 from weightfabric.topology.fanout import FanOut
 from weightfabric.topology.intranode import StripeTransfers
@@ -45,7 +47,24 @@ from weightfabric.topology.plan import (
 )
 
 Group = tuple[str, str | None]  # (datacenter, leaf), or (datacenter, "") for all of it
-MACHINE, GROUP, DATACENTER = "machine", "group", "datacenter"  # what a slot feeds
+
+# what a slot feeds: a machine of the group, another group (its head), or the entry
+# machine of a child datacenter
+MACHINE: Final = "machine"
+GROUP: Final = "group"
+DATACENTER: Final = "datacenter"
+Feed = tuple[Literal["group"], Group] | tuple[Literal["datacenter"], str]  # a cross stream
+Child = tuple[Literal["machine"], str] | Feed
+
+
+@dataclass
+class Slot:
+    """A sender of one stripe's tree and the streams it has left in it."""
+
+    machine: str
+    free: int  # streams it may still send
+    egress: int  # the NIC it prefers for the next one (see `ForestBuilder._egress`)
+    devices: list[str]  # its devices that hold the stripe
 
 
 class ForestBuilder:
@@ -64,8 +83,8 @@ class ForestBuilder:
                         for lo, hi in stripes]
         self.leafwise = {m.datacenter: True for m in layout.machines.values()
                          if leaf_aware and layout.oversubscribed(m.leaf)}
-        self.machine_quota: dict[Group, FanOut] = {}
-        self.group_quota: dict[str, FanOut] = {}
+        self.machine_quota: dict[Group, FanOut[str]] = {}
+        self.group_quota: dict[str, FanOut[Group]] = {}
         self.cross_demand = 0  # streams between the groups of the datacenter being placed
         self._senders()
 
@@ -106,7 +125,7 @@ class ForestBuilder:
         children: dict[str, list[str]] = defaultdict(list)
         for dc, p in parents.items():
             children[p].append(dc)
-        entry_slot: dict[str, list[list]] = {}
+        entry_slot: dict[str, list[Slot]] = {}
         queue = deque(sorted(roots))
         while queue:
             dc = queue.popleft()
@@ -116,17 +135,17 @@ class ForestBuilder:
 
     def _datacenter(self, s: int, dc: str, machines: list[str],
                     holder_machines: dict[str, list[str]], by_machine: dict[str, list[str]],
-                    exports: list[str], entry_slot: dict[str, list[list]]) -> None:
+                    exports: list[str], entry_slot: dict[str, list[Slot]]) -> None:
         """Stripe `s` from the holders (or the entry machine) of datacenter `dc` to
         its reading `machines` and to the entry machines of the child datacenters
         `exports`, two levels deep: groups (leaves, or the whole datacenter), then
         the machines of each group (see the module docstring)."""
         lay = self.layout
-        if dc in entry_slot:  # [machine, free slots, next egress, devices holding]
-            roots, entry = entry_slot[dc], entry_slot[dc][0][0]
+        entry: str | None = None  # the machine the parent datacenter feeds
+        if dc in entry_slot:
+            roots, entry = entry_slot[dc], entry_slot[dc][0].machine
         else:
-            entry = None
-            roots = [[m, 1, s, devs] for m, devs in
+            roots = [Slot(m, 1, s, devs) for m, devs in
                      sorted(holder_machines.items(), key=lambda kv: self.order[kv[0]])
                      if lay.machines[m].datacenter == dc]
         # readers sharing a machine with a holder (or the entry) are served inside it
@@ -138,9 +157,9 @@ class ForestBuilder:
         for m in machines:
             if m not in inner:
                 groups[self._group(m)].append(m)
-        rooted: dict[Group, list[list]] = defaultdict(list)
+        rooted: dict[Group, list[Slot]] = defaultdict(list)
         for r in roots:
-            rooted[self._group(r[0])].append(r)
+            rooted[self._group(r.machine)].append(r)
         cross = self._cross(s, dc, groups, rooted, len(exports))
         quota = {g: self._quota(s, g, members, cross.get(g, 0), rooted.get(g))
                  for g, members in groups.items()}
@@ -149,36 +168,38 @@ class ForestBuilder:
         for g in order:
             members, q = groups.get(g, []), quota.get(g, {})
             head = heads.get(g)
-            starts = rooted[g] if head is None else [[head, q.get(head, 0), s, by_machine[head]]]
-            slots = deque(x for x in starts if x[1] > 0)
+            starts = (rooted[g] if head is None
+                      else [Slot(head, q.get(head, 0), s, by_machine[head])])
+            slots = deque(x for x in starts if x.free > 0)
             relays = sorted((m for m in members if m != head and q.get(m)), key=lambda m: -q[m])
-            children = [(MACHINE, m) for m in relays] + feeds.get(g, []) \
+            children: list[Child] = [(MACHINE, m) for m in relays] + feeds.get(g, []) \
                 + [(MACHINE, m) for m in members if m != head and not q.get(m)]
-            for kind, name in children:
+            for child in children:
                 if not slots:  # over capacity: the group's first senders send once more
-                    slots.extend([x[0], 1, x[2], x[3]] for x in starts)
+                    slots.extend(Slot(x.machine, 1, x.egress, x.devices) for x in starts)
                 sender, egress = self._next(slots, s)
-                if kind == GROUP:  # the group's relay with the largest quota receives it
-                    target = heads[name] = max(groups[name], key=lambda m: quota[name].get(m, 0))
-                elif kind == DATACENTER:
-                    target = self._entry(name, by_machine)
+                if child[0] == GROUP:  # the group's relay with the largest quota receives it
+                    fed = child[1]
+                    target = heads[fed] = max(groups[fed], key=lambda m: quota[fed].get(m, 0))
+                elif child[0] == DATACENTER:
+                    target = self._entry(child[1], by_machine)
                 else:
-                    target = name
+                    target = child[1]
                 self._land(s, sender, target, by_machine[target], egress)
-                if kind == DATACENTER:
-                    entry_slot[name] = [[target, 1, s, by_machine[target]]]
-                elif kind == MACHINE and q.get(name):
-                    slots.append([name, q[name], s, by_machine[name]])
+                if child[0] == DATACENTER:
+                    entry_slot[child[1]] = [Slot(target, 1, s, by_machine[target])]
+                elif child[0] == MACHINE and q.get(target):
+                    slots.append(Slot(target, q[target], s, by_machine[target]))
 
-    def _next(self, slots: deque[list], s: int) -> tuple[str, int]:
+    def _next(self, slots: deque[Slot], s: int) -> tuple[str, int]:
         """Use a slot of the first sender in `slots`: (sending device, egress NIC)."""
         slot = slots[0]
-        egress = self._egress(slot[0], slot[2])
-        slot[1] -= 1
-        slot[2] += 1
-        if slot[1] == 0:
+        egress = self._egress(slot.machine, slot.egress)
+        slot.free -= 1
+        slot.egress += 1
+        if slot.free == 0:
             slots.popleft()
-        return self._sender(slot[0], egress, slot[3], s), egress
+        return self._sender(slot.machine, egress, slot.devices, s), egress
 
     def _group(self, machine: str) -> Group:
         """The group `machine` is placed in: its leaf where the datacenter's leaves are
@@ -208,11 +229,11 @@ class ForestBuilder:
             self.machine_quota[g] = FanOut(names, nics)
             spare[g[0]][g] = sum(nics.values()) - served[g]
         for dc, caps in spare.items():
-            names = sorted(caps, key=lambda g: self.order[self.machine_quota[g].names[0]])
-            self.group_quota[dc] = FanOut(names, caps)
+            groups = sorted(caps, key=lambda g: self.order[self.machine_quota[g].names[0]])
+            self.group_quota[dc] = FanOut(groups, caps)
 
     def _cross(self, s: int, dc: str, groups: dict[Group, list[str]],
-               rooted: dict[Group, list[list]], exports: int) -> dict[Group, int]:
+               rooted: dict[Group, list[Slot]], exports: int) -> dict[Group, int]:
         """Streams each group sends to other groups and child datacenters: one per
         root slot from the groups holding the stripe, the rest by the datacenter's
         quotas over the others (the holding groups only when those run out)."""
@@ -221,11 +242,11 @@ class ForestBuilder:
         quota = self.group_quota.setdefault(dc, FanOut([], {}))
         cross: dict[Group, int] = {}
         for g, slots in rooted.items():
-            c = min(demand, sum(x[1] for x in slots))
+            c = min(demand, sum(x.free for x in slots))
             cross[g] = c
             demand -= c
             if groups.get(g):  # its members serve every member but what the roots send
-                quota.charge(g, c - sum(x[1] for x in slots) + 1)
+                quota.charge(g, c - sum(x.free for x in slots) + 1)
         slack = quota.total(free) - demand * (self.k - s)
         for g, c in quota.take(demand, free, spill=list(rooted), slack=slack).items():
             cross[g] = cross.get(g, 0) + c
@@ -234,12 +255,12 @@ class ForestBuilder:
         return cross
 
     def _quota(self, s: int, g: Group, members: list[str], cross: int,
-               roots: list[list] | None) -> dict[str, int]:
+               roots: list[Slot] | None) -> dict[str, int]:
         """Streams each machine of group `g` sends in this stripe: one to every other
         member and `cross` out of the group, less what the roots (or the head) send.
         Slack for `FanOut.take`: what the members have beyond this stripe's need, the
         later stripes' (as many members) and the cross streams the group may still owe."""
-        demand = len(members) + cross - (sum(x[1] for x in roots) if roots else 1)
+        demand = len(members) + cross - (sum(x.free for x in roots) if roots else 1)
         if demand <= 0:
             return {}
         quota, later = self.machine_quota[g], self.k - 1 - s
@@ -248,28 +269,30 @@ class ForestBuilder:
         return quota.take(demand, members, slack=slack)
 
     @staticmethod
-    def _group_tree(groups: dict[Group, list[str]], rooted: dict[Group, list[list]],
+    def _group_tree(groups: dict[Group, list[str]], rooted: dict[Group, list[Slot]],
                     cross: dict[Group, int], exports: list[str]
-                    ) -> tuple[list[Group], dict[Group, list[tuple[str, object]]]]:
+                    ) -> tuple[list[Group], dict[Group, list[Feed]]]:
         """Breadth first over the groups: the order to fill them in, and what each
         group's cross streams feed (other groups, then child datacenters)."""
         free = [g for g in groups if g not in rooted]
         relays = sorted((g for g in free if cross.get(g)), key=lambda g: -cross[g])
-        children = [(GROUP, g) for g in relays] + [(DATACENTER, d) for d in exports] \
-            + [(GROUP, g) for g in free if not cross.get(g)]
-        slots = deque([g, cross[g]] for g in rooted if cross.get(g))
-        feeds: dict[Group, list[tuple[str, object]]] = defaultdict(list)
-        for kind, name in children:
+        children: list[Feed] = [(GROUP, g) for g in relays] \
+            + [(DATACENTER, d) for d in exports] + [(GROUP, g) for g in free if not cross.get(g)]
+        slots = deque((g, cross[g]) for g in rooted if cross.get(g))  # (group, streams left)
+        feeds: dict[Group, list[Feed]] = defaultdict(list)
+        for child in children:
             if not slots:  # unreachable while the quotas add up; stay valid anyway
-                slots.append([next(iter(rooted)), 1])
-            slot = slots[0]
-            feeds[slot[0]].append((kind, name))
-            slot[1] -= 1
-            if slot[1] == 0:
+                slots.append((next(iter(rooted)), 1))
+            sender, left = slots[0]
+            feeds[sender].append(child)
+            left -= 1
+            if left == 0:
                 slots.popleft()
-            if kind == GROUP and cross.get(name):
-                slots.append([name, cross[name]])
-        return list(rooted) + [name for kind, name in children if kind == GROUP], feeds
+            else:
+                slots[0] = (sender, left)
+            if child[0] == GROUP and cross.get(child[1]):
+                slots.append((child[1], cross[child[1]]))
+        return list(rooted) + [c[1] for c in children if c[0] == GROUP], feeds
 
     def _egress(self, machine: str, preferred: int) -> int:
         """The least used NIC of `machine` so far (ties: from `preferred` on)."""

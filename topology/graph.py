@@ -66,6 +66,16 @@ def _link(g: nx.DiGraph, a: str, b: str, *, bandwidth: float, latency: float, ti
     g.add_edge(b, a, bandwidth=bandwidth, latency=latency, tier=tier)
 
 
+def _port_bandwidth(node: Node) -> float:
+    """The PCIe bandwidth of each GPU port of `node` (the schema requires a pcie
+    tier when a node type has GPUs; the loader checks it)."""
+    t = node.type
+    if t.pcie is None:
+        raise ValueError(f"node {node.name!r}: node type {t.name!r} has {t.gpus} GPUs "
+                         "but no pcie link")
+    return t.pcie.bandwidth
+
+
 def _add_node(g: nx.DiGraph, node: Node, leaf: str) -> float:
     """Add one machine's vertices and links; return its total NIC bandwidth."""
     t = node.type
@@ -74,6 +84,7 @@ def _add_node(g: nx.DiGraph, node: Node, leaf: str) -> float:
     g.add_node(host, kind="host", memory=t.host_memory, **common)
     pcie_bw = t.pcie.bandwidth if t.pcie else None
     pcie_lat = t.pcie.latency if t.pcie else 0.0
+    port_bw = _port_bandwidth(node) if t.gpus else 0.0  # each GPU's PCIe port
     gpu_numa = t.numa.gpus if t.numa else ()
     nic_numa = t.numa.nics if t.numa else ()
 
@@ -84,8 +95,8 @@ def _add_node(g: nx.DiGraph, node: Node, leaf: str) -> float:
         g.add_node(gpu, kind="gpu", index=j, model=t.gpu.model if t.gpu else None,
                    memory=t.gpu.memory if t.gpu else None, numa=numa, **common)
         g.add_node(port, kind="pcie", index=j, gpu=gpu, numa=numa, **common)
-        _link(g, gpu, port, bandwidth=pcie_bw, latency=half, tier="pcie")
-        _link(g, port, host, bandwidth=pcie_bw, latency=half, tier="pcie")
+        _link(g, gpu, port, bandwidth=port_bw, latency=half, tier="pcie")
+        _link(g, port, host, bandwidth=port_bw, latency=half, tier="pcie")
 
     if t.nvlink is not None:
         nv = t.nvlink
@@ -118,7 +129,7 @@ def _add_node(g: nx.DiGraph, node: Node, leaf: str) -> float:
                   tier="pcie")
         _link(g, nic, leaf, bandwidth=nics.bandwidth, latency=nics.latency, tier="nic")
     for j, k in nics.rails(t.gpus):
-        _link(g, pcie_vertex(node.name, j), nic_vertex(node.name, k), bandwidth=pcie_bw,
+        _link(g, pcie_vertex(node.name, j), nic_vertex(node.name, k), bandwidth=port_bw,
               latency=half, tier="pcie")
     return nics.count * nics.bandwidth
 
@@ -147,12 +158,12 @@ def build_graph(cluster: Cluster) -> nx.DiGraph:
                 g.remove_node(leaf)
 
     for link in cluster.wan:
-        for dc in link.between:
-            gateway = f"{dc}/wan"
+        for name in link.between:
+            gateway = f"{name}/wan"
             if gateway not in g:
-                g.add_node(gateway, kind="wan", datacenter=dc)
-                total = sum(w.bandwidth for w in cluster.wan if dc in w.between)
-                _link(g, gateway, f"{dc}/spine", bandwidth=total, latency=0.0, tier="network")
-        a, b = (f"{dc}/wan" for dc in link.between)
+                g.add_node(gateway, kind="wan", datacenter=name)
+                total = sum(w.bandwidth for w in cluster.wan if name in w.between)
+                _link(g, gateway, f"{name}/spine", bandwidth=total, latency=0.0, tier="network")
+        a, b = (f"{name}/wan" for name in link.between)
         _link(g, a, b, bandwidth=link.bandwidth, latency=link.latency, tier="wan")
     return g

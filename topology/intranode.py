@@ -69,8 +69,11 @@ class StripeTransfers:
         lay = self.layout
         if plane == HOST:
             return dedupe(lay.to_host(a) + tuple(reversed(lay.to_host(b))))
-        return (lay.to_nic(m, a, lay.rail_nic(a)) + (m.leaf,)
-                + tuple(reversed(lay.to_nic(m, b, lay.rail_nic(b)))))
+        nic_a, nic_b = lay.rail_nic(a), lay.rail_nic(b)
+        # side_plane only loops through the NICs of rail devices on a leaf
+        assert nic_a is not None and nic_b is not None and m.leaf is not None
+        return (lay.to_nic(m, a, nic_a) + (m.leaf,)
+                + tuple(reversed(lay.to_nic(m, b, nic_b))))
 
     def inside(self, s: int, machine: str, devices: list[str], holders: list[str]) -> None:
         m = self.layout.machines[machine]

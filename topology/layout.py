@@ -160,18 +160,20 @@ class Layout:
         (a storage service, say): ``src -> ... -> spine -> vertex`` when `src` is
         given, else ``vertex -> spine -> ... -> dst``."""
         device = src if src is not None else dst
+        if device is None:
+            raise ValueError("via_spine: give the source or the destination device")
         m = self.machine(device)
         if not m.nics or m.leaf is None:
             return None
         spine = f"{dc}/spine"
         if m.datacenter == dc:
-            middle: tuple[str, ...] | None = (spine,)
+            middle: tuple[str, ...] = (spine,)
         else:
             fake = Machine("", dc, "", leaf=spine)
-            middle = self._network(m, fake)
-            if middle is None:
+            network = self._network(m, fake)
+            if network is None:
                 return None
-            middle = middle[:-1] + (spine,)
+            middle = network[:-1] + (spine,)
         half = self.to_nic(m, device, m.nics[self.rail_of(device) % len(m.nics)])
         out = half + (m.leaf,) + middle + (vertex,)
         return dedupe(out if src is not None else tuple(reversed(out)))
@@ -224,7 +226,9 @@ class Layout:
 
         best: dict[str, float] = {}
         parent: dict[str, str | None] = {}
-        heap = [(-float("inf"), dc, None) for dc in sorted(roots)]
+        # (-width of the widest path so far, datacenter, last datacenter with a role on it)
+        heap: list[tuple[float, str, str | None]] = [(-float("inf"), dc, None)
+                                                     for dc in sorted(roots)]
         while heap:
             neg, dc, via = heapq.heappop(heap)
             if dc in best:

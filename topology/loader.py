@@ -196,8 +196,8 @@ def _join(path: str, key: Any) -> str:
 def _kind(value: Any) -> str:
     if value is None:
         return "nothing"
-    return {dict: "a mapping", list: "a list", str: f"the text {value!r}"}.get(
-        type(value).__mro__[-2], f"{type(value).__name__} {value!r}")
+    kinds: dict[type, str] = {dict: "a mapping", list: "a list", str: f"the text {value!r}"}
+    return kinds.get(type(value).__mro__[-2], f"{type(value).__name__} {value!r}")
 
 
 def _name(value: Any) -> str:

@@ -104,8 +104,8 @@ def side_planes(layout: Layout, held: dict[str, list[Interval]],
     host |= {(b, a) for a, b in host}
     if all(a in edges for a in host) and (rate := take(host)) > 0:
         rates[HOST] = rate
-    nics = [layout.rail_nic(d) for d in chain]
-    if m.leaf is not None and all(nics):
+    nics = [n for n in map(layout.rail_nic, chain) if n]
+    if m.leaf is not None and len(nics) == len(chain):  # every device has a rail NIC
         loop = {a for d, n in zip(chain, nics, strict=True)
                 for a in _arcs(layout.to_nic(m, d, n) + (m.leaf,))}
         loop |= {(b, a) for a, b in loop}

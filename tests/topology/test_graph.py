@@ -134,3 +134,22 @@ datacenters:
 def test_cpu_only_localhost_has_a_host_and_a_nic():
     g = reference_cluster("localhost").graph()
     assert kinds(g) == {"host": 1, "nic": 1, "leaf": 1, "spine": 1}
+
+
+def test_gpus_without_a_pcie_tier_are_refused_not_linked_at_no_bandwidth():
+    # the loader requires pcie when gpus > 0; a NodeType built in code may lack it
+    from weightfabric.topology.schema import (
+        Cluster,
+        Datacenter,
+        GpuSpec,
+        NicSpec,
+        NodeGroup,
+        NodeType,
+    )
+
+    t = NodeType(name="x", gpus=2, gpu=GpuSpec(model="H100"),
+                 nics=NicSpec(count=2, bandwidth=50e9))
+    cluster = Cluster(name="c", node_types={"x": t}, datacenters=(
+        Datacenter(name="dc", nodes=(NodeGroup(name="n{i}", type="x", count=2),)),))
+    with pytest.raises(ValueError, match="no pcie link"):
+        cluster.graph()

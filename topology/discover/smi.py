@@ -223,7 +223,8 @@ def _memory(value: str | None, header: str) -> float | None:
     match = re.fullmatch(r"([\d.]+)\s*([KMG]i?B|B)?", value, flags=re.IGNORECASE)
     if not match:
         return None
-    unit = match.group(2) or (re.search(r"\[(\w+)\]", header) or [None, "MiB"])[1]
+    bracket = re.search(r"\[(\w+)\]", header)
+    unit = match.group(2) or (bracket.group(1) if bracket else "MiB")
     return float(match.group(1)) * _MEMORY_UNITS.get(unit.lower(), 2**20)
 
 

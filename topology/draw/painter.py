@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import LineCollection
@@ -38,7 +39,9 @@ class Painter:
 
     def text(self, x: float, y: float, text: str, size: float, *, bold: bool = False,
              color: str = INK, ha: str = "left", va: str = "top", z: float = 6,
-             **kwargs: object) -> None:
+             **kwargs: Any) -> None:
+        """Draw `text` at (x, y); `kwargs` are more matplotlib Text properties
+        (linespacing, bbox, ...), as loosely typed as matplotlib's own stubs."""
         self.ax.text(x, y, text, fontsize=size, fontweight="bold" if bold else "normal",
                      color=color, ha=ha, va=va, zorder=z, parse_math=False, **kwargs)
 
