@@ -22,6 +22,8 @@ from typing import Any
 
 from rich.console import Console
 
+from weightfabric.tools.command import EXIT_FAILED, EXIT_OK
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -149,4 +151,4 @@ def print_result(result: dict[str, Any], *, as_json: bool,
         print(json.dumps(result, indent=2))
     else:
         table(result, Console())
-    return 0 if result["verified"] else 1
+    return EXIT_OK if result["verified"] else EXIT_FAILED
