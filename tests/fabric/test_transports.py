@@ -13,7 +13,6 @@ from holder_process import pattern
 from paths import ROOT, TESTS, child_env
 from timeouts import hard_timeout
 
-import weightfabric as wf
 from weightfabric.fabric.fetch import Source
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports import (
@@ -340,23 +339,21 @@ def test_transport_choice_by_host_and_memory_kind():
     assert choose_transport(here, shm=shm, tcp=tcp, gpu={"kind": "nvshmem"}, ipc=ipc) is tcp
 
 
-def test_worker_reads_a_gpu_region_it_cannot_map_over_tcp():
+def test_worker_reads_a_gpu_region_it_cannot_map_over_tcp(workers):
     data = torch.arange(3000, dtype=torch.int64).to(torch.uint8)
     ipc = {"kind": "cuda_ipc", "handle": bytes(64), "offset": 0, "nbytes": 3000,
            "device_uuid": "0" * 32}  # a GPU no process here has
-    hub = wf.serve("tcp://127.0.0.1:0", lease_s=5.0)
-    with hub, wf.join(hub.url, worker="holder") as holder, \
-            wf.join(hub.url, worker="reader") as reader:
-        holder.server.expose("r", data, chunk_size=1000, gpu=ipc)
-        holder.server.expose("h", data, chunk_size=1000, shm_path="/dev/shm/x")
-        gpu_source = Source("holder", holder.server.address, "r")
-        assert reader.transport_for(gpu_source) is reader._tcp
-        assert reader.transport_for(Source("holder", holder.server.address, "h")) is reader._shm
-        out = torch.empty(3000, dtype=torch.uint8)
-        reader.transport_for(gpu_source).read(holder.server.address, "r", 0, out, timeout=5)
-        assert torch.equal(out, data)
-        with pytest.raises(ReadRefusedError, match="NOT_FOUND"):
-            reader.transport_for(Source("holder", holder.server.address, "nope"))
+    holder, reader = workers.join("holder"), workers.join("reader")
+    holder.server.expose("r", data, chunk_size=1000, gpu=ipc)
+    holder.server.expose("h", data, chunk_size=1000, shm_path="/dev/shm/x")
+    gpu_source = Source("holder", holder.server.address, "r")
+    assert reader.transport_for(gpu_source) is reader._tcp
+    assert reader.transport_for(Source("holder", holder.server.address, "h")) is reader._shm
+    out = torch.empty(3000, dtype=torch.uint8)
+    reader.transport_for(gpu_source).read(holder.server.address, "r", 0, out, timeout=5)
+    assert torch.equal(out, data)
+    with pytest.raises(ReadRefusedError, match="NOT_FOUND"):
+        reader.transport_for(Source("holder", holder.server.address, "nope"))
 
 
 def test_expose_rejects_bad_regions():
