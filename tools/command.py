@@ -27,6 +27,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+import rich.console
+
 EXIT_OK = 0
 """The command did what it was asked and every check passed."""
 EXIT_FAILED = 1
@@ -42,6 +44,16 @@ EXIT_CODES_HELP = ("Exit codes: 0 success, 1 a check or the run failed, 2 bad in
                    "130 interrupted (Ctrl-C), 141 output closed early (e.g. '| head').")
 
 Handler = Callable[[argparse.Namespace], int]
+
+
+class Console(rich.console.Console):
+    """The rich console commands print with: a closed pipe raises BrokenPipeError for
+    `run` to handle (rich's own handling would exit 1 at once, skipping clean-up)."""
+
+    def on_broken_pipe(self) -> None:
+        """Stop printing, and let `run` turn the closed pipe into exit 141."""
+        self.quiet = True
+        raise BrokenPipeError("standard output closed")
 
 
 class BadInput(Exception):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from weightfabric.tools.command import EXIT_FAILED, EXIT_OK, BadInput, add_command
+from weightfabric.tools.command import EXIT_FAILED, EXIT_OK, BadInput, Console, add_command
 from weightfabric.topology.units import UnitError, parse_size
 
 

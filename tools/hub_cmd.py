@@ -9,7 +9,6 @@ import math
 import signal
 import sys
 
-from rich.console import Console
 from rich.table import Table
 
 from weightfabric.fabric.errors import HubError
@@ -17,6 +16,7 @@ from weightfabric.tools.command import (
     EXIT_OK,
     BadInput,
     CommandFailed,
+    Console,
     add_command,
     add_group,
 )

@@ -6,10 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
-from weightfabric.tools.command import EXIT_OK, add_command, cannot_write
+from weightfabric.tools.command import EXIT_OK, Console, add_command, cannot_write
 from weightfabric.topology import Cluster, ClusterConfigError, load_cluster
 from weightfabric.topology.bounds import lower_bound
 from weightfabric.topology.layout import Layout

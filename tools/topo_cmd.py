@@ -7,10 +7,16 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
-from weightfabric.tools.command import EXIT_OK, BadInput, add_command, add_group, cannot_write
+from weightfabric.tools.command import (
+    EXIT_OK,
+    BadInput,
+    Console,
+    add_command,
+    add_group,
+    cannot_write,
+)
 from weightfabric.topology import ClusterConfigError, load_cluster
 from weightfabric.topology.summary import summarize
 from weightfabric.topology.units import human_bandwidth

@@ -32,12 +32,11 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
-from weightfabric.tools.command import EXIT_OK, add_command
+from weightfabric.tools.command import EXIT_OK, Console, add_command
 from weightfabric.topology.units import parse_bandwidth, parse_latency, parse_size
 
 NAMESPACES = {"dc-a": "wf-dca", "dc-b": "wf-dcb"}

@@ -23,12 +23,11 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
-from weightfabric.tools.command import add_command
+from weightfabric.tools.command import Console, add_command
 from weightfabric.topology.units import parse_size
 
 SEED = 1234

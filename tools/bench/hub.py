@@ -15,7 +15,7 @@ import time
 
 import zmq
 
-from weightfabric.tools.command import EXIT_OK, BadInput, add_command
+from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -170,7 +170,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
-    from rich.console import Console
     from rich.table import Table
 
     t = Table("measure", "value", title="fabric bench hub")

@@ -37,7 +37,7 @@ from weightfabric.kernels import (
     reshard,
     unpack,
 )
-from weightfabric.tools.command import EXIT_OK, BadInput, add_command
+from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
 
 
 def _sync(device: torch.device) -> None:
@@ -194,7 +194,6 @@ def _handler(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"meta": meta, "results": rows}, indent=2))
         return EXIT_OK
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"kernels on {name}: {layers} Llama-3-70B TP8 layers, shapes x{meta['shape_scale']}")

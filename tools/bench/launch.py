@@ -20,9 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
-from weightfabric.tools.command import EXIT_FAILED, EXIT_OK
+from weightfabric.tools.command import EXIT_FAILED, EXIT_OK, Console
 
 ROOT = Path(__file__).resolve().parents[2]
 

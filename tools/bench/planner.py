@@ -7,10 +7,9 @@ import argparse
 import json
 import time
 
-from rich.console import Console
 from rich.table import Table
 
-from weightfabric.tools.command import EXIT_OK, add_command
+from weightfabric.tools.command import EXIT_OK, Console, add_command
 from weightfabric.topology.layout import Layout
 from weightfabric.topology.planner import default_endpoints, plan_broadcast
 from weightfabric.topology.references import reference_cluster, reference_clusters

@@ -23,11 +23,10 @@ import argparse
 import json
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from weightfabric.tools.bench.launch import Agent, close_all
-from weightfabric.tools.command import EXIT_OK, BadInput, add_command
+from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
 from weightfabric.topology.units import UnitError, parse_size
 
 SEED = 7
