@@ -1,7 +1,8 @@
-"""A fabric worker in its own process, driven by JSON lines on stdin (for tests).
+"""A fabric worker in its own process: the ``worker`` role of `procs` (for tests).
 
-Usage: python tests/fabric_process.py HUB_URL WORKER_NAME [--read-delay S]
-       [--read-timeout S] [--deadline S]
+Usage: ``procs.Proc(url, name, ...)``, or ``python tests/procs.py worker HUB_URL
+WORKER_NAME [--read-delay S] [--read-timeout S] [--deadline S]`` (JSON lines on
+stdin and stdout; ``python tests/fabric_process.py ...`` is the same).
 
 Prints ``{"ready": true}`` once joined, then answers one JSON line per command:
 
@@ -42,13 +43,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -101,7 +99,8 @@ def corrupt(store: ModelStore, version: int | None) -> bool:
 
 def scribble(store: ModelStore, version: int) -> int:
     """Reuse the memory of every buffer of `version` but the active one, as its owner
-    may once the version is retracted: overwrite it and forget the version there."""
+    may once the version is retracted: overwrite it and forget the version there.
+    """
     count = 0
     with store._lock:
         for buffer in store._buffers:
@@ -115,7 +114,8 @@ def scribble(store: ModelStore, version: int) -> int:
 
 def spare_version(store: ModelStore) -> int | None:
     """The oldest version the store exposes complete in a buffer other than the active
-    one (not one a fetch is filling, nor one a future will switch to)."""
+    one (not one a fetch is filling, nor one a future will switch to).
+    """
     return min((b.version for b in store._buffers
                 if b is not store._active and not b.pending and b.version is not None
                 and b.exposed is not None and b.exposed.progress.count
@@ -154,7 +154,8 @@ def slow_reads(worker: wf.Worker, delay: float) -> None:
 
 class Session:
     """A worker's store and what the commands left behind, with one ``op_*`` method
-    per command."""
+    per command.
+    """
 
     def __init__(self, worker: wf.Worker, options: FetchOptions) -> None:
         self.worker, self.options = worker, options
@@ -243,9 +244,11 @@ class Session:
         return {"bytes": self.worker.bytes_served}
 
 
-def serve(argv: list[str], lines: Iterable[str], emit: Callable[[str], None]) -> None:
-    """Join as the worker `argv` names, then answer each JSON line of `lines` with one
-    through `emit`, until ``exit`` or the end of `lines`."""
+def role(argv: list[str], commands: Iterator[dict[str, Any]],
+         reply: Callable[[dict[str, Any]], None]) -> None:
+    """The ``worker`` role of `procs`: join as the worker `argv` names, then answer
+    each command with one reply, until ``exit`` or the end of the commands.
+    """
     args = parse_args(argv)
     worker = wf.join(args.url, worker=args.name)
     if args.read_delay:
@@ -253,33 +256,13 @@ def serve(argv: list[str], lines: Iterable[str], emit: Callable[[str], None]) ->
     options = FetchOptions(read_timeout=args.read_timeout, deadline=args.deadline,
                            read_bytes=CHUNK if args.read_delay else FetchOptions.read_bytes)
     session = Session(worker, options)
-    emit(json.dumps({"ready": True}))
-    for line in lines:
-        cmd = json.loads(line)
-        if cmd["op"] == "exit":
-            break
-        emit(json.dumps(session.run(cmd)))
+    reply({"ready": True})
+    for cmd in commands:
+        reply(session.run(cmd))
     worker.close()
 
 
-def forked(argv: list[str], env: dict[str, str], conn: Connection) -> None:
-    """`serve` in a process forked by `multiprocessing` (a forkserver that imported
-    this module starts it in milliseconds): JSON lines over `conn` both ways."""
-    os.environ.update(env)
-
-    def lines() -> Iterator[str]:
-        while True:
-            try:
-                yield conn.recv()
-            except EOFError:
-                return
-
-    serve(argv, lines(), conn.send)
-
-
-def main() -> None:
-    serve(sys.argv[1:], sys.stdin, lambda line: print(line, flush=True))
-
-
 if __name__ == "__main__":
-    main()
+    import procs
+
+    sys.exit(procs.main(["worker", *sys.argv[1:]]))
