@@ -1,5 +1,4 @@
-"""Hub clients in their own processes: the ``publisher``, ``reader`` and ``hub-holder``
-roles of `procs`.
+"""Hub clients in their own processes: roles ``publisher``, ``reader``, ``hub-holder``.
 
 Usage: ``procs.Child("publisher", URL, WORKER, MODEL, COUNT, wait=False)``, or
 ``python tests/procs.py ROLE URL ARGS...``; ``python tests/hub_child.py ROLE URL

@@ -210,8 +210,10 @@ class Child:
         os.kill(self.pid, signal.SIGCONT)
 
     def kill(self) -> None:
-        """SIGKILL (no clean-up in the child), reap it, and remove the /dev/shm files it
-        named and the arena files its pid created, which it cannot remove any more.
+        """SIGKILL (no clean-up in the child), reap it, and remove its /dev/shm files.
+
+        Those are the files it named and the arena files its pid created, which it
+        cannot remove any more.
         """
         if self.alive:
             self._process.kill()
@@ -259,9 +261,11 @@ class Proc(Child):
 
 @contextmanager
 def children(limit: int = 300) -> Iterator[Callable[..., Child]]:
-    """Hand out children (``spawn(role, *args, **Child options)``) for a test that must
-    end within `limit` s; then close every one (killing those that do not exit, and
-    all of them if the test failed) and remove the /dev/shm files of the dead ones.
+    """Hand out children (``spawn(role, *args, **Child options)``) for `limit` s.
+
+    The test must end within `limit` s; then every child is closed (killed if it does
+    not exit, and all of them if the test failed) and the /dev/shm files of the
+    killed ones are removed.
     """
     started: list[Child] = []
 
@@ -331,8 +335,9 @@ _FORKSERVER.set_forkserver_preload(["procs", "fabric_process"])
 
 @contextmanager
 def _forkserver_path() -> Iterator[None]:
-    """tests/ on PYTHONPATH while the forkserver may start: it
-    inherits this environment, and Python 3.11 ignores the sys.path multiprocessing
+    """Put tests/ on PYTHONPATH while the forkserver may start.
+
+    The forkserver inherits this environment, and Python 3.11 ignores the sys.path multiprocessing
     hands it, so its preload of the role modules would fail silently (and every
     child would import torch itself, taking seconds).
     """
@@ -392,8 +397,9 @@ def arena_files_of(pids: set[int]) -> list[Path]:
 @contextmanager
 def running_cluster(*, lease_s: float = 2.0, limit: int = 300
                     ) -> Iterator[tuple[wf.HubServer, Callable[..., Proc]]]:
-    """A hub (short leases) and a factory of worker processes (`Proc` arguments), all
-    torn down after; fails if an arena file of one of them is left in /dev/shm.
+    """A hub (short leases) and a factory of worker processes (`Proc` arguments).
+
+    All are torn down after; fails if an arena file of one of them is left in /dev/shm.
     """
     import weightfabric as wf
     from weightfabric.fabric.arena import remove_stale_regions

@@ -47,8 +47,11 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 class Console(rich.console.Console):
-    """The rich console commands print with: a closed pipe raises BrokenPipeError for
-    `run` to handle (rich's own handling would exit 1 at once, skipping clean-up)."""
+    """The rich console commands print with.
+
+    A closed pipe raises BrokenPipeError for `run` to handle (rich's own handling
+    would exit 1 at once, skipping clean-up).
+    """
 
     def on_broken_pipe(self) -> None:
         """Stop printing, and let `run` turn the closed pipe into exit 141."""
@@ -141,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _silence_stdout() -> None:
-    """Point standard output at /dev/null, so that the interpreter's last flush of
-    what is still buffered for the closed pipe does not raise again at exit."""
+    """Point standard output at /dev/null.
+
+    So that the interpreter's last flush of what is still buffered for the closed
+    pipe does not raise again at exit.
+    """
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -140,8 +140,11 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _table(*headers: str, title: str) -> Table:
-    """A table whose cells wrap long values inside their column, whole: a model or
-    worker name is an identifier, never cut or ellipsized to fit the terminal."""
+    """A table whose cells wrap long values inside their column, whole.
+
+    A model or worker name is an identifier, never cut or ellipsized to fit the
+    terminal.
+    """
     table = Table(*headers, title=title)
     for column in table.columns:
         column.overflow = "fold"

@@ -132,8 +132,10 @@ class Agent:
 
 
 def close_all(agents: Sequence[Agent], timeout: float = 15.0) -> None:
-    """Ask every agent to exit, readers first (reverse start order), then wait for
-    each; whichever is still running after `timeout` s is killed."""
+    """Ask every agent to exit, readers first (reverse start order), then wait for each.
+
+    Whichever is still running after `timeout` s is killed.
+    """
     for agent in reversed(agents):
         agent.request_exit()
     for agent in reversed(agents):

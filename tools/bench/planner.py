@@ -1,5 +1,8 @@
-"""`fabric bench planner`: planner time and efficiency from 8 to 10,000+ GPUs, and the
-baselines' completion times in the scenarios (numbers go to docs/benchmarks.md)."""
+"""`fabric bench planner`: planner time and efficiency from 8 to 10,000+ GPUs.
+
+Also the baselines' completion times in the scenarios (numbers go to
+docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ def _oversubscribed_row(nodes: int, over: float, per_leaf: int) -> dict[str, obj
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `fabric bench planner`; returns the exit code."""
     from weightfabric.tools.plan_cmd import plan_summary
 
     out: dict[str, object] = {"size": SIZE}
