@@ -1,9 +1,84 @@
-"""Test-wide settings.
+"""Test-wide settings and the shared fixtures.
 
 TRITON_INTERPRET must be set before any module with a `@triton.jit` kernel is
 imported: the decorator reads it. Kernel tests then run on the CPU interpreter.
+
+Fixtures:
+
+- ``hub``: an in-process hub on loopback TCP (``wf.serve("tcp://127.0.0.1:0")``),
+  started for the test and stopped after it; ``hub.url`` is its address. Options
+  of `wf.serve` come from a marker: ``@pytest.mark.hub(lease_s=5.0)``.
+- ``workers``: a factory of clients of that hub, all closed after the test:
+  ``workers.join(name, **kw)`` is a `wf.join` (a `Worker`, with a read server),
+  ``workers.connect(name=None, **kw)`` a `wf.connect` (a `HubClient`).
+
+Multi-process tests start their children with `procs` (see its docstring).
 """
 
+from __future__ import annotations
+
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``hub`` marker (options of the ``hub`` fixture's `wf.serve`)."""
+    config.addinivalue_line("markers", "hub(**options): options of the hub fixture's wf.serve "
+                                       "(e.g. lease_s=5.0, state_dir=...)")
+
+
+@pytest.fixture
+def hub(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """An in-process hub on ``tcp://127.0.0.1:<free port>``, stopped after the test."""
+    import weightfabric as wf
+
+    marker = request.node.get_closest_marker("hub")
+    server = wf.serve("tcp://127.0.0.1:0", **(marker.kwargs if marker else {}))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Workers:
+    """Clients of one hub, each closed by `close_all` (the ``workers`` fixture's)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._open: list[Any] = []
+
+    def join(self, name: str, **kwargs: Any) -> Any:
+        """`wf.join` the hub as worker `name` (``timeout`` defaults to 10 s)."""
+        import weightfabric as wf
+
+        self._open.append(wf.join(self.url, worker=name, **kwargs))
+        return self._open[-1]
+
+    def connect(self, name: str | None = None, **kwargs: Any) -> Any:
+        """`wf.connect` to the hub, as worker `name` if given (``timeout`` 10 s)."""
+        import weightfabric as wf
+
+        self._open.append(wf.connect(self.url, worker=name, **kwargs))
+        return self._open[-1]
+
+    def close_all(self) -> None:
+        """Close every client, the last opened first, whatever each close raises."""
+        while self._open:
+            with contextlib.suppress(Exception):
+                self._open.pop().close()
+
+
+@pytest.fixture
+def workers(hub: Any) -> Iterator[Workers]:
+    """A factory of workers and clients of the ``hub`` fixture, closed after the test."""
+    members = Workers(hub.url)
+    try:
+        yield members
+    finally:
+        members.close_all()

@@ -1,7 +1,8 @@
-"""A fabric worker in its own process, driven by JSON lines on stdin (for tests).
+"""A fabric worker in its own process: the ``worker`` role of `procs` (for tests).
 
-Usage: python tests/fabric_process.py HUB_URL WORKER_NAME [--read-delay S]
-       [--read-timeout S] [--deadline S]
+Usage: ``procs.Proc(url, name, ...)``, or ``python tests/procs.py worker HUB_URL
+WORKER_NAME [--read-delay S] [--read-timeout S] [--deadline S]`` (JSON lines on
+stdin and stdout; ``python tests/fabric_process.py ...`` is the same).
 
 Prints ``{"ready": true}`` once joined, then answers one JSON line per command:
 
@@ -42,13 +43,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -78,6 +76,7 @@ def tensor_set(seed: int, mb: int) -> dict[str, torch.Tensor]:
 
 @functools.lru_cache(maxsize=8)
 def cached_tensor_set(seed: int, mb: int) -> dict[str, torch.Tensor]:
+    """`tensor_set`, kept for the next fetches that compare against it."""
     return tensor_set(seed, mb)
 
 
@@ -100,8 +99,11 @@ def corrupt(store: ModelStore, version: int | None) -> bool:
 
 
 def scribble(store: ModelStore, version: int) -> int:
-    """Reuse the memory of every buffer of `version` but the active one, as its owner
-    may once the version is retracted: overwrite it and forget the version there."""
+    """Reuse the memory of every buffer of `version` but the active one.
+
+    As its owner may once the version is retracted: overwrite it and forget the
+    version there.
+    """
     count = 0
     with store._lock:
         for buffer in store._buffers:
@@ -114,8 +116,10 @@ def scribble(store: ModelStore, version: int) -> int:
 
 
 def spare_version(store: ModelStore) -> int | None:
-    """The oldest version the store exposes complete in a buffer other than the active
-    one (not one a fetch is filling, nor one a future will switch to)."""
+    """The oldest version the store exposes complete in a buffer other than the active one.
+
+    Not one a fetch is filling, nor one a future will switch to.
+    """
     return min((b.version for b in store._buffers
                 if b is not store._active and not b.pending and b.version is not None
                 and b.exposed is not None and b.exposed.progress.count
@@ -123,6 +127,7 @@ def spare_version(store: ModelStore) -> int | None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The worker's command line: hub URL, name and fetch options."""
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
     parser.add_argument("name")
@@ -153,8 +158,10 @@ def slow_reads(worker: wf.Worker, delay: float) -> None:
 
 
 class Session:
-    """A worker's store and what the commands left behind, with one ``op_*`` method
-    per command."""
+    """A worker's store and what the commands left behind.
+
+    One ``op_*`` method per command.
+    """
 
     def __init__(self, worker: wf.Worker, options: FetchOptions) -> None:
         self.worker, self.options = worker, options
@@ -178,18 +185,22 @@ class Session:
             return out
 
     def op_publish(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Publish `tensor_set(seed, mb)`; replies its version."""
         return {"version": self.store.publish(tensor_set(cmd["seed"], cmd["mb"]))}
 
     def op_expect(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Set the tensors later fetches must reproduce."""
         self.expected = tensor_set(cmd["seed"], cmd["mb"])
         return {}
 
     def op_fetch(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Fetch a version; replies the stats and whether the tensors are exact."""
         stats = self.store.fetch(cmd.get("version", "latest"), verify=cmd.get("verify"),
                                  options=self.options)
         return self.checked(stats, cmd)
 
     def op_fetch_async(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Start a fetch; its result comes with the ``result`` command."""
         if self.future is not None:
             raise ValueError("a fetch_async is still waiting for its result command")
         self.future = self.store.fetch_async(cmd.get("version", "latest"),
@@ -198,6 +209,7 @@ class Session:
         return {"started": True}
 
     def op_result(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Wait for the ``fetch_async`` in flight; replies what ``fetch`` does."""
         future, self.future = self.future, None
         if future is None:
             raise ValueError("no fetch_async to wait for")
@@ -214,6 +226,7 @@ class Session:
         return out
 
     def op_retract(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Retract a version (or the spare one), optionally reusing its memory."""
         version = cmd["version"] if cmd["version"] != "spare" else spare_version(self.store)
         out: dict[str, Any] = {"version": version}
         if version is not None:
@@ -223,6 +236,7 @@ class Session:
         return out
 
     def op_release(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Release a version (`ModelStore.release`)."""
         self.store.release(cmd["version"], wait=cmd.get("wait", 30))
         return {}
 
@@ -233,19 +247,26 @@ class Session:
         return {}
 
     def op_corrupt(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Flip one byte in every chunk of a version's buffer."""
         return {"corrupted": corrupt(self.store, cmd.get("version"))}
 
     def op_held(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The store's active version and the version of each buffer."""
         return {"active": self.store.version,
                 "buffers": [b.version for b in self.store._buffers]}
 
     def op_served(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Bytes this worker has served."""
         return {"bytes": self.worker.bytes_served}
 
 
-def serve(argv: list[str], lines: Iterable[str], emit: Callable[[str], None]) -> None:
-    """Join as the worker `argv` names, then answer each JSON line of `lines` with one
-    through `emit`, until ``exit`` or the end of `lines`."""
+def role(argv: list[str], commands: Iterator[dict[str, Any]],
+         reply: Callable[[dict[str, Any]], None]) -> None:
+    """The ``worker`` role of `procs`.
+
+    Join as the worker `argv` names, then answer each command with one reply, until
+    ``exit`` or the end of the commands.
+    """
     args = parse_args(argv)
     worker = wf.join(args.url, worker=args.name)
     if args.read_delay:
@@ -253,33 +274,13 @@ def serve(argv: list[str], lines: Iterable[str], emit: Callable[[str], None]) ->
     options = FetchOptions(read_timeout=args.read_timeout, deadline=args.deadline,
                            read_bytes=CHUNK if args.read_delay else FetchOptions.read_bytes)
     session = Session(worker, options)
-    emit(json.dumps({"ready": True}))
-    for line in lines:
-        cmd = json.loads(line)
-        if cmd["op"] == "exit":
-            break
-        emit(json.dumps(session.run(cmd)))
+    reply({"ready": True})
+    for cmd in commands:
+        reply(session.run(cmd))
     worker.close()
 
 
-def forked(argv: list[str], env: dict[str, str], conn: Connection) -> None:
-    """`serve` in a process forked by `multiprocessing` (a forkserver that imported
-    this module starts it in milliseconds): JSON lines over `conn` both ways."""
-    os.environ.update(env)
-
-    def lines() -> Iterator[str]:
-        while True:
-            try:
-                yield conn.recv()
-            except EOFError:
-                return
-
-    serve(argv, lines(), conn.send)
-
-
-def main() -> None:
-    serve(sys.argv[1:], sys.stdin, lambda line: print(line, flush=True))
-
-
 if __name__ == "__main__":
-    main()
+    import procs
+
+    sys.exit(procs.main(["worker", *sys.argv[1:]]))

@@ -15,9 +15,11 @@ class FakeClock:
         self.now = start
 
     def __call__(self) -> float:
+        """The current fake time."""
         return self.now
 
     def advance(self, seconds: float) -> None:
+        """Move the clock forward by `seconds`."""
         self.now += seconds
 
 
@@ -47,5 +49,6 @@ class OffsetClock(FakeClock):
         super().__init__(0.0)
 
     def __call__(self) -> float:
+        """Monotonic time plus the offset."""
         import time
         return time.monotonic() + self.now

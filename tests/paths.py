@@ -9,8 +9,11 @@ FIXTURES = TESTS / "fixtures"
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """This environment for a child process, with tests/ first on its PYTHONPATH (the
-    helper modules); ``weightfabric`` comes from wherever this process found it."""
+    """This environment for a child process, with tests/ first on its PYTHONPATH.
+
+    tests/ holds the helper modules; ``weightfabric`` comes from wherever this
+    process found it.
+    """
     path = os.environ.get("PYTHONPATH")
     return {**os.environ, **extra,
             "PYTHONPATH": os.pathsep.join([str(TESTS), *([path] if path else [])])}

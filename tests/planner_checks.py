@@ -1,5 +1,7 @@
-"""Invariant checkers for plans and simulations (in the style of networkx's flow
-tests), and the small clusters the planner tests run on."""
+"""Invariant checkers for plans and simulations, and the planner tests' small clusters.
+
+The checkers are in the style of networkx's flow tests.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ from weightfabric.topology.plan import Plan, merge_intervals
 
 
 def check_plan(plan: Plan, graph) -> None:
-    """Every reader gets each needed byte exactly once; every transfer's bytes are held
-    by its source or brought to it by an earlier transfer; paths follow graph arcs."""
+    """Check that every reader gets each needed byte exactly once.
+
+    Also that every transfer's bytes are held by its source or brought to it by an
+    earlier transfer, and that paths follow graph arcs.
+    """
     got: dict[str, list[tuple[int, int]]] = {}
     for i, t in enumerate(plan.transfers):
         assert 0 <= t.start < t.end <= plan.size, t
@@ -50,6 +55,7 @@ def _cluster(node_types: str, dcs: str, wan: str = "") -> Layout:
 
 @st.composite
 def small_clusters(draw):
+    """A hypothesis strategy of small clusters for the planner tests."""
     types, dcs = [], []
     for i in range(draw(st.integers(1, 2))):
         gpus = draw(st.integers(1, 4))

@@ -9,8 +9,11 @@ from contextlib import contextmanager
 
 @contextmanager
 def hard_timeout(seconds: int) -> Iterator[None]:
-    """Raise TimeoutError in the main thread after `seconds`, so a stuck test fails and
-    still runs its `finally` clean-up instead of hanging the suite."""
+    """Raise TimeoutError in the main thread after `seconds`.
+
+    So a stuck test fails and still runs its `finally` clean-up instead of hanging
+    the suite.
+    """
     def expired(*_: object) -> None:
         raise TimeoutError(f"test exceeded {seconds} s")
 

@@ -1,0 +1,1 @@
+"""Command-line tools: the `fabric` command (`tools.cli`), its benchmarks and the demo."""

@@ -1,3 +1,5 @@
+"""``python -m weightfabric.tools``: the `fabric` command."""
+
 import sys
 
 from weightfabric.tools.cli import main

@@ -1,8 +1,9 @@
 """The `fabric` command line: one entry point, one module per command group.
 
 Each command module in `COMMAND_MODULES` exposes ``register(subparsers)``, which
-adds its sub-command(s) and sets ``handler`` (a function of the parsed args that
-returns the exit code).
+adds its sub-command(s) with `tools.command.add_command`; `main` parses the
+arguments and runs the chosen handler through `tools.command.run` (exit codes,
+error messages, Ctrl-C and closed pipes, in one place).
 """
 
 from __future__ import annotations
@@ -12,22 +13,28 @@ import importlib
 import sys
 
 import weightfabric as wf
+from weightfabric.tools.command import (  # noqa: F401 (re-exported: the exit codes' old home)
+    EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
+    EXIT_CODES_HELP,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    run,
+)
 
-COMMAND_MODULES = ["weightfabric.tools.demo_cmd", "weightfabric.tools.topo_cmd", "weightfabric.tools.bench_cmd", "weightfabric.tools.hub_cmd"]
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
+COMMAND_MODULES = ["weightfabric.tools.demo_cmd", "weightfabric.tools.topo_cmd",
+                   "weightfabric.tools.bench_cmd", "weightfabric.tools.hub_cmd"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `fabric` parser with every command module's sub-commands."""
     parser = argparse.ArgumentParser(
         prog="fabric",
         description="weightfabric: move every new version of the weights from the trainer to\n"
                     "every rollout worker, peer to peer, along the cluster's topology.",
         epilog="Run 'fabric COMMAND --help' for the options and an example of each command.\n"
-               "Exit codes: 0 success, 1 a check or the run failed, 2 bad input,\n"
-               "130 interrupted (Ctrl-C).\n\n"
+               f"{EXIT_CODES_HELP}\n\n"
                "example:\n  fabric demo",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -39,13 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the `fabric` CLI; returns the process exit code."""
-    args = build_parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    """Run the `fabric` CLI; returns the process exit code (see `tools.command`)."""
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

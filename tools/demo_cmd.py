@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from weightfabric.tools.command import EXIT_FAILED, EXIT_OK, BadInput, Console, add_command
 from weightfabric.topology.units import UnitError, parse_size
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "demo", help="trainer + rollouts exchanging real weights over the fabric",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    """Add `fabric demo`."""
+    p = add_command(
+        subparsers, "demo", help="trainer + rollouts exchanging real weights over the fabric",
+        handler=_demo,
         description="Start a hub, a trainer and rollout processes on this machine (CPU).\n"
                     "The trainer runs a short RL loop on a small Llama-shaped model and\n"
                     "publishes a version every step; rollouts fetch it from each other,\n"
@@ -25,8 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "version 2, if there are 2 or more) and a new one joins (at version 3).\n"
                     "Ends with a summary and checks that every rollout's logits equal the\n"
                     "trainer's at every version; exits 1 if any check fails, 2 on bad options.",
-        epilog="examples:\n  fabric demo\n  fabric demo --workers 5 --steps 10 --size medium\n"
-               "  fabric demo --json | jq .versions")
+        examples=["fabric demo", "fabric demo --workers 5 --steps 10 --size medium",
+                  "fabric demo --json | jq .versions"])
     p.add_argument("--workers", type=int, default=3, help="rollouts at the start (default 3)")
     p.add_argument("--steps", type=int, default=6, help="training steps = versions (default 6)")
     p.add_argument("--size", default="small", choices=["tiny", "small", "medium"],
@@ -40,7 +38,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="print the result as JSON (keys: ok, checks, seconds, versions, "
                         "rollouts, killed, joined, logits_match, errors); progress goes to "
                         "stderr")
-    p.set_defaults(handler=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -52,7 +49,7 @@ def _demo(args: argparse.Namespace) -> int:
     )
     from weightfabric.tools.demo.report import print_summary
 
-    try:
+    try:  # only the options' errors are bad input: a ValueError of the run is a failure
         config = DemoConfig(workers=args.workers, steps=args.steps, size=args.size,
                             chunk_size=default_chunk_size(args.size) if args.chunk_size is None
                             else int(parse_size(args.chunk_size)),
@@ -60,8 +57,7 @@ def _demo(args: argparse.Namespace) -> int:
                             else 2,
                             join_step=None if args.no_join or args.steps < 3 else 3)
     except (UnitError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise BadInput(exc) from exc
     console = Console(stderr=args.json)
     with Progress(TextColumn("[bold]demo"), BarColumn(), TextColumn("step {task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=console) as progress:

@@ -9,35 +9,40 @@ import math
 import signal
 import sys
 
-from rich.console import Console
 from rich.table import Table
 
 from weightfabric.fabric.errors import HubError
+from weightfabric.tools.command import (
+    EXIT_OK,
+    BadInput,
+    CommandFailed,
+    Console,
+    add_command,
+    add_group,
+)
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 SOON_S = 0.5
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    hub = subparsers.add_parser(
-        "hub", help="the control plane: serve a hub, show its state",
+    """Add `fabric hub serve` and `fabric hub status`."""
+    sub = add_group(
+        subparsers, "hub", help="the control plane: serve a hub, show its state",
         description="The hub tracks which workers hold which version of which model and\n"
                     "hands readers plans; bytes never pass through it.",
-        epilog="examples:\n  fabric hub serve --port 7470 --state-dir /var/lib/fabric-hub\n"
-               "  fabric hub status tcp://127.0.0.1:7470",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = hub.add_subparsers(dest="hub_command", metavar="SUBCOMMAND", required=True)
-    raw = argparse.RawDescriptionHelpFormatter
+        examples=["fabric hub serve --port 7470 --state-dir /var/lib/fabric-hub",
+                  "fabric hub status tcp://127.0.0.1:7470"])
 
-    p = sub.add_parser("serve", help="run a hub in the foreground", formatter_class=raw,
-                       description="Run a hub until interrupted. Prints 'fabric hub serving at "
-                                   "URL' once bound;\nwith --port 0 the OS picks the port. "
-                                   "Exits 0 on SIGTERM or Ctrl-C, 1 if it\ncannot serve (e.g. "
-                                   "the port is taken), 2 on a bad --port, --state-dir,\n"
-                                   "--cluster or --lease (it must be > 0).",
-                       epilog="examples:\n  fabric hub serve --host 0.0.0.0 --port 7470 "
-                              "--state-dir /var/lib/fabric-hub\n"
-                              "  fabric hub serve --port 0 --cluster topology/clusters/two-datacenters.yaml")
+    p = add_command(sub, "serve", help="run a hub in the foreground", handler=_serve,
+                    description="Run a hub until interrupted. Prints 'fabric hub serving at "
+                                "URL' once bound;\nwith --port 0 the OS picks the port. "
+                                "Exits 0 on SIGTERM or Ctrl-C, 1 if it\ncannot serve (e.g. "
+                                "the port is taken), 2 on a bad --port, --state-dir,\n"
+                                "--cluster or --lease (it must be > 0).",
+                    examples=["fabric hub serve --host 0.0.0.0 --port 7470 "
+                              "--state-dir /var/lib/fabric-hub",
+                              "fabric hub serve --port 0 "
+                              "--cluster topology/clusters/two-datacenters.yaml"])
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=7470,
                    help="TCP port, 0 = any free (default 7470)")
@@ -52,21 +57,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level (default INFO)")
-    p.set_defaults(handler=_serve)
 
-    p = sub.add_parser("status", help="show a hub's models, versions, fetches and leases",
-                       formatter_class=raw,
-                       description="Models, versions with state and replica counts "
-                                   "(full/partial), fetches in\nflight with progress, and "
-                                   "worker leases, soonest to expire first.\nExits 1 if no hub "
-                                   "answers at URL within --timeout, 2 on a malformed URL.",
-                       epilog="examples:\n  fabric hub status tcp://127.0.0.1:7470\n"
-                              "  fabric hub status tcp://hub:7470 --json | jq .models")
+    p = add_command(sub, "status", help="show a hub's models, versions, fetches and leases",
+                    handler=_status,
+                    description="Models, versions with state and replica counts "
+                                "(full/partial), fetches in\nflight with progress, and "
+                                "worker leases, soonest to expire first. Long names\n"
+                                "wrap inside their column, whole. Exits 1 if no hub "
+                                "answers at URL within\n--timeout, 2 on a malformed URL.",
+                    examples=["fabric hub status tcp://127.0.0.1:7470",
+                              "fabric hub status tcp://hub:7470 --json | jq .models"])
     p.add_argument("url", help="hub URL, e.g. tcp://127.0.0.1:7470")
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
     p.add_argument("--timeout", type=_seconds, default=5.0,
                    help="seconds to wait for the hub's answer (default 5)")
-    p.set_defaults(handler=_status)
 
 
 def _port(text: str) -> int:
@@ -101,8 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
         server = HubServer(f"tcp://{args.host}:{args.port}", state_dir=args.state_dir,
                            lease_s=args.lease, **ranking)
     except (ValueError, HubError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise BadInput(exc) from exc
     signal.signal(signal.SIGTERM, lambda *_: server.stop(0))
 
     def ready(url: str) -> None:
@@ -112,8 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         server.stop(0)
     except Exception as exc:
-        print(f"error: cannot serve on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        raise CommandFailed(f"cannot serve on {args.host}:{args.port}: {exc}") from exc
     return EXIT_OK
 
 
@@ -124,14 +126,12 @@ def _status(args: argparse.Namespace) -> int:
     try:
         endpoint(args.url, bind=False)
     except HubError as exc:  # not a hub URL: bad input, not a hub that failed to answer
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise BadInput(exc) from exc
     try:
         with connect(args.url, timeout=args.timeout) as client:
             snap = client.status()
     except HubError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        raise CommandFailed(exc) from exc
     if args.json:
         print(json.dumps(snap, indent=2))
         return EXIT_OK
@@ -139,13 +139,25 @@ def _status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _table(*headers: str, title: str) -> Table:
+    """A table whose cells wrap long values inside their column, whole.
+
+    A model or worker name is an identifier, never cut or ellipsized to fit the
+    terminal.
+    """
+    table = Table(*headers, title=title)
+    for column in table.columns:
+        column.overflow = "fold"
+    return table
+
+
 def render_status(snap: dict, console: Console) -> None:
-    """Print a hub snapshot as rich tables."""
+    """Print a hub snapshot as rich tables (long names wrap, whole)."""
     lease = snap["lease_s"]
     console.print(f"[bold]hub[/]: {len(snap['models'])} models, {len(snap['workers'])} workers, "
                   f"{len(snap['fetches'])} fetches in flight, lease {lease:g} s")
-    versions = Table("model", "ver", "state", "shards", "full", "part", "retr", "kept", "note",
-                     title="versions (* = latest; full/partial/retracting replicas)")
+    versions = _table("model", "ver", "state", "shards", "full", "part", "retr", "kept", "note",
+                      title="versions (* = latest; full/partial/retracting replicas)")
     for name, m in snap["models"].items():
         for v in m["versions"]:
             mark = "*" if v["version"] == m["latest"] else ""
@@ -160,15 +172,15 @@ def render_status(snap: dict, console: Console) -> None:
             versions.add_row(name, "-", "-", "", "", "", "", "", "no versions held")
     console.print(versions)
     if snap["fetches"]:
-        fetches = Table("fetch", "worker", "model", "ver", "shard", "progress", "sources",
-                        title="fetches in flight")
+        fetches = _table("fetch", "worker", "model", "ver", "shard", "progress", "sources",
+                         title="fetches in flight")
         for f in snap["fetches"]:
             pct = 100 * f["have"] / max(1, f["num_chunks"])
             fetches.add_row(f["fetch_id"], f["worker"], f["model"], str(f["version"]),
                             str(f["shard"]), f"{f['have']}/{f['num_chunks']} ({pct:.0f}%)",
                             ", ".join(f["sources"]))
         console.print(fetches)
-    workers = Table("worker", "datacenter", "node", "device", "lease left", title="leases")
+    workers = _table("worker", "datacenter", "node", "device", "lease left", title="leases")
     for w in snap["workers"]:
         left = w["expires_in"]
         style = "red" if left < SOON_S * lease else ""

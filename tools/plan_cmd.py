@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from weightfabric.tools.command import EXIT_OK, Console, add_command, cannot_write
 from weightfabric.topology import Cluster, ClusterConfigError, load_cluster
 from weightfabric.topology.bounds import lower_bound
 from weightfabric.topology.layout import Layout
@@ -24,21 +23,22 @@ from weightfabric.topology.scenarios import (
 from weightfabric.topology.simulator import simulate
 from weightfabric.topology.units import UnitError, parse_bandwidth, parse_size
 
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
+BAD_INPUT = (ClusterConfigError, UnitError, PlanError)
+"""Errors of the options or the cluster file: exit 2 with their message."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    raw = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser(
-        "plan", help="plan a broadcast of one version", formatter_class=raw,
+    """Add `fabric topo plan` and `fabric topo simulate` to `fabric topo`'s sub-parsers."""
+    p = add_command(
+        sub, "plan", help="plan a broadcast of one version", handler=_plan, bad_input=BAD_INPUT,
         description="Plan who reads which bytes from whom (a forest of pipelined stripe "
                     "trees), check it against the max-flow lower bound and simulate it.\n"
                     "Sources and readers default to the YAML roles (trainer, rollout).",
-        epilog="examples:\n  fabric topo plan topology/clusters/two-datacenters.yaml --size 140GB\n"
-               "  fabric topo plan topology/clusters/two-datacenters.yaml --size 140GB "
-               "--draw plan.png\n"
-               "  fabric topo plan c.yaml --size 1GB --sources node-0 --readers node-1/gpu3 "
-               "--json -o plan.json")
+        examples=["fabric topo plan topology/clusters/two-datacenters.yaml --size 140GB",
+                  "fabric topo plan topology/clusters/two-datacenters.yaml --size 140GB "
+                  "--draw plan.png",
+                  "fabric topo plan c.yaml --size 1GB --sources node-0 --readers node-1/gpu3 "
+                  "--json -o plan.json"])
     p.add_argument("file", type=Path, help="cluster YAML file")
     p.add_argument("--size", required=True, help="bytes of the version, e.g. 140GB")
     p.add_argument("--sources", nargs="+", help="devices or nodes holding the version")
@@ -51,18 +51,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draw", type=Path, metavar="PNG",
                    help="draw the plan over the cluster's picture: the links it uses, as wide "
                         "as the bytes they carry, and its trees' network hops")
-    p.set_defaults(handler=_plan)
 
-    p = sub.add_parser(
-        "simulate", help="simulate a scenario: our plan against the baselines",
-        formatter_class=raw,
+    p = add_command(
+        sub, "simulate", help="simulate a scenario: our plan against the baselines",
+        handler=_simulate, bad_input=BAD_INPUT,
         description="Run a scenario with the flow-level simulator (max-min fair links, "
                     "pipelining, failures) for our plan and the baselines: star (every "
                     "reader pulls from the trainer), ring (a chain in rank order), storage "
                     "(push to a storage service, then pull).\nScenarios: "
                     + ", ".join(SCENARIOS) + ".",
-        epilog="example:\n  fabric topo simulate topology/clusters/two-datacenters.yaml "
-               "--scenario cross-dc --json")
+        examples=["fabric topo simulate topology/clusters/two-datacenters.yaml "
+                  "--scenario cross-dc --json"])
     p.add_argument("file", type=Path, help="cluster YAML file")
     p.add_argument("--scenario", required=True, choices=SCENARIOS,
                    help="standalone: the trainer to every rollout device; elastic: half the "
@@ -79,12 +78,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="print JSON (keys: scenario, ours_s, baselines, speedup, "
                         "lower_bound_s, efficiency, wan_bytes, ...)")
-    p.set_defaults(handler=_simulate)
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT
 
 
 def plan_summary(plan: Plan, layout: Layout) -> dict[str, object]:
@@ -105,15 +98,12 @@ def plan_summary(plan: Plan, layout: Layout) -> dict[str, object]:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    try:
-        cluster = load_cluster(args.file)
-        size = int(parse_size(args.size))
-        chunk = int(parse_size(args.chunk)) if args.chunk is not None else None
-        layout = Layout(cluster.graph())
-        plan = plan_broadcast(cluster if not (args.sources and args.readers) else layout, size,
-                              sources=args.sources, readers=args.readers, chunk=chunk)
-    except (ClusterConfigError, UnitError, PlanError) as exc:
-        return _fail(str(exc))
+    cluster = load_cluster(args.file)
+    size = int(parse_size(args.size))
+    chunk = int(parse_size(args.chunk)) if args.chunk is not None else None
+    layout = Layout(cluster.graph())
+    plan = plan_broadcast(cluster if not (args.sources and args.readers) else layout, size,
+                          sources=args.sources, readers=args.readers, chunk=chunk)
     out = plan_summary(plan, layout)
     try:
         if args.draw:
@@ -121,7 +111,7 @@ def _plan(args: argparse.Namespace) -> int:
         if args.output:
             args.output.write_text(json.dumps(plan.to_dict()))
     except OSError as exc:
-        return _fail(f"cannot write {exc.filename or 'the output'}: {exc.strerror or exc}")
+        raise cannot_write("the output", exc) from exc
     if args.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
@@ -147,20 +137,17 @@ def _draw(path: Path, cluster: Cluster, plan: Plan, layout: Layout, out: dict) -
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    try:
-        cluster = load_cluster(args.file)
-        size = int(parse_size(args.size))
-        bw = (parse_bandwidth(args.storage_bandwidth) if args.storage_bandwidth
-              else DEFAULT_STORAGE_BANDWIDTH)
-        result = run_scenario(cluster, args.scenario, size, storage_bandwidth=bw,
-                              baselines_to_run=tuple(args.baselines))
-    except (ClusterConfigError, UnitError, PlanError) as exc:
-        return _fail(str(exc))
+    cluster = load_cluster(args.file)
+    size = int(parse_size(args.size))
+    bw = (parse_bandwidth(args.storage_bandwidth) if args.storage_bandwidth
+          else DEFAULT_STORAGE_BANDWIDTH)
+    result = run_scenario(cluster, args.scenario, size, storage_bandwidth=bw,
+                          baselines_to_run=tuple(args.baselines))
     if args.timeline:
         try:
             _timeline(result.timeline, args.timeline, f"{cluster.name}: {args.scenario}")
         except OSError as exc:
-            return _fail(f"cannot write {exc.filename or args.timeline}: {exc.strerror or exc}")
+            raise cannot_write(args.timeline, exc) from exc
     out = result.to_dict()
     if args.json:
         print(json.dumps(out, indent=2))

@@ -7,90 +7,84 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from weightfabric.tools.command import (
+    EXIT_OK,
+    BadInput,
+    Console,
+    add_command,
+    add_group,
+    cannot_write,
+)
 from weightfabric.topology import ClusterConfigError, load_cluster
 from weightfabric.topology.summary import summarize
 from weightfabric.topology.units import human_bandwidth
 
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
+BAD_CLUSTER = (ClusterConfigError,)
+"""Errors that mean a bad cluster file: exit 2 with their 'file:line: field: ...'."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    topo = subparsers.add_parser(
-        "topo", help="cluster descriptions: validate, show, draw, discover, plan, simulate",
+    """Add `fabric topo` and its sub-commands (plan and simulate from `tools.plan_cmd`)."""
+    sub = add_group(
+        subparsers, "topo",
+        help="cluster descriptions: validate, show, draw, discover, plan, simulate",
         description="Work with cluster YAML files (see the README's YAML reference): check and "
                     "summarise them, draw them, describe this machine, plan and simulate a "
-                    "broadcast of a version over them.",
-        epilog="examples:\n  fabric topo validate topology/clusters/dgx-h100.yaml\n"
-               "  fabric topo plan topology/clusters/two-datacenters.yaml --size 140GB "
-               "--draw plan.png\n\nRun 'fabric topo SUBCOMMAND --help' for each one's options.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = topo.add_subparsers(dest="topo_command", metavar="SUBCOMMAND", required=True)
-    raw = argparse.RawDescriptionHelpFormatter
+                    "broadcast of a version over them.\nRun 'fabric topo SUBCOMMAND --help' "
+                    "for each one's options.",
+        examples=["fabric topo validate topology/clusters/dgx-h100.yaml",
+                  "fabric topo plan topology/clusters/two-datacenters.yaml --size 140GB "
+                  "--draw plan.png"])
 
-    p = sub.add_parser("validate", help="check a cluster YAML file", formatter_class=raw,
-                       description="Check a cluster YAML file against the schema.\n\n"
-                                   "Exit 0 when it is valid; exit 2 and print "
-                                   "'file:line: field: what is wrong' when it is not.",
-                       epilog="example:\n  fabric topo validate topology/clusters/dgx-h100.yaml")
+    p = add_command(sub, "validate", help="check a cluster YAML file", handler=_validate,
+                    bad_input=BAD_CLUSTER,
+                    description="Check a cluster YAML file against the schema.\n\n"
+                                "Exit 0 when it is valid; exit 2 and print "
+                                "'file:line: field: what is wrong' when it is not.",
+                    examples=["fabric topo validate topology/clusters/dgx-h100.yaml"])
     p.add_argument("file", type=Path, help="cluster YAML file")
-    p.set_defaults(handler=_validate)
 
-    p = sub.add_parser("show", help="summarise a cluster", formatter_class=raw,
-                       description="Print counts of datacenters, nodes, GPUs and NICs and the "
-                                   "bandwidth of each link tier.",
-                       epilog="examples:\n  fabric topo show topology/clusters/two-datacenters.yaml\n"
-                              "  fabric topo show cluster.yaml --json | jq .gpus")
+    p = add_command(sub, "show", help="summarise a cluster", handler=_show,
+                    bad_input=BAD_CLUSTER,
+                    description="Print counts of datacenters, nodes, GPUs and NICs and the "
+                                "bandwidth of each link tier.",
+                    examples=["fabric topo show topology/clusters/two-datacenters.yaml",
+                              "fabric topo show cluster.yaml --json | jq .gpus"])
     p.add_argument("file", type=Path, help="cluster YAML file")
     p.add_argument("--json", action="store_true",
                    help="print JSON (keys: datacenters, nodes, gpus, nics, per_datacenter, tiers, wan)")
-    p.set_defaults(handler=_show)
 
-    p = sub.add_parser("draw", help="draw a cluster to a PNG", formatter_class=raw,
-                       description="Draw datacenters, nodes, GPUs, NICs and link tiers.",
-                       epilog="example:\n  fabric topo draw topology/clusters/two-datacenters.yaml "
-                              "-o two-dc.png")
+    p = add_command(sub, "draw", help="draw a cluster to a PNG", handler=_draw,
+                    bad_input=BAD_CLUSTER,
+                    description="Draw datacenters, nodes, GPUs, NICs and link tiers.",
+                    examples=["fabric topo draw topology/clusters/two-datacenters.yaml "
+                              "-o two-dc.png"])
     p.add_argument("file", type=Path, help="cluster YAML file")
     p.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
-    p.set_defaults(handler=_draw)
 
-    p = sub.add_parser("discover", help="describe this machine as cluster YAML", formatter_class=raw,
-                       description="Read the local machine (GPUs through NVML or nvidia-smi, "
-                                   "NVLink peers, NUMA affinity, NICs from /sys, host memory) "
-                                   "and write a cluster YAML with one node. Works without GPUs.",
-                       epilog="example:\n  fabric topo discover -o local.yaml && "
-                              "fabric topo validate local.yaml")
+    p = add_command(sub, "discover", help="describe this machine as cluster YAML",
+                    handler=_discover,
+                    description="Read the local machine (GPUs through NVML or nvidia-smi, "
+                                "NVLink peers, NUMA affinity, NICs from /sys, host memory) "
+                                "and write a cluster YAML with one node. Works without GPUs.",
+                    examples=["fabric topo discover -o local.yaml && "
+                              "fabric topo validate local.yaml"])
     p.add_argument("-o", "--output", type=Path, help="file to write (default: standard output)")
     p.add_argument("--name", help="node name (default: this host's name)")
-    p.set_defaults(handler=_discover)
     from weightfabric.tools import plan_cmd  # plan, simulate
     plan_cmd.register(sub)
 
 
-def _load(path: Path):
-    try:
-        return load_cluster(path)
-    except ClusterConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return None
-
-
 def _validate(args: argparse.Namespace) -> int:
-    cluster = _load(args.file)
-    if cluster is None:
-        return EXIT_BAD_INPUT
-    s = summarize(cluster)
+    s = summarize(load_cluster(args.file))
     print(f"{args.file}: valid: {_counts(s)}")
     return EXIT_OK
 
 
 def _show(args: argparse.Namespace) -> int:
-    cluster = _load(args.file)
-    if cluster is None:
-        return EXIT_BAD_INPUT
-    s = summarize(cluster)
+    s = summarize(load_cluster(args.file))
     if args.json:
         print(json.dumps(s, indent=2))
         return EXIT_OK
@@ -120,14 +114,11 @@ def _counts(s: dict) -> str:
 def _draw(args: argparse.Namespace) -> int:
     from weightfabric.topology.draw import draw_cluster
 
-    cluster = _load(args.file)
-    if cluster is None:
-        return EXIT_BAD_INPUT
+    cluster = load_cluster(args.file)
     try:
         draw_cluster(cluster, args.output)
     except OSError as exc:
-        print(f"error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise cannot_write(args.output, exc) from exc
     print(f"wrote {args.output}")
     return EXIT_OK
 
@@ -138,8 +129,7 @@ def _discover(args: argparse.Namespace) -> int:
     try:
         found = discover(name=args.name)
     except (ClusterConfigError, ValueError) as exc:  # e.g. a --name that is no node name
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise BadInput(exc) from exc
     text = found.to_yaml()
     if args.output is None:
         sys.stdout.write(text)
@@ -147,7 +137,6 @@ def _discover(args: argparse.Namespace) -> int:
     try:
         args.output.write_text(text)
     except OSError as exc:
-        print(f"error: cannot write {args.output}: {exc.strerror or exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise cannot_write(args.output, exc) from exc
     print(f"wrote {args.output}: {found.summary()}", file=sys.stderr)
     return EXIT_OK

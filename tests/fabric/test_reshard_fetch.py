@@ -86,18 +86,14 @@ def spec(tp: int, block: int = 128) -> dict[str, Resharding]:
 
 
 @pytest.fixture
-def published():
+def published(hub, workers):
+    """Two TP2 trainers (on the shared ``hub``) that published one version of `full_tensors`."""
     full = full_tensors()
-    with wf.serve("tcp://127.0.0.1:0", lease_s=10.0) as hub:
-        workers = [wf.join(hub.url, worker=f"trainer-{r}") for r in range(2)]
-        try:
-            versions = {workers[r].model("policy", chunk_size=CHUNK, shard=r, num_shards=2)
-                        .publish(publisher_tensors(full, r), group="step-1") for r in range(2)}
-            assert len(versions) == 1
-            yield hub, full, versions.pop(), workers
-        finally:
-            for w in workers:
-                w.close()
+    trainers = [workers.join(f"trainer-{r}") for r in range(2)]
+    versions = {trainers[r].model("policy", chunk_size=CHUNK, shard=r, num_shards=2)
+                .publish(publisher_tensors(full, r), group="step-1") for r in range(2)}
+    assert len(versions) == 1
+    return hub, full, versions.pop(), trainers
 
 
 @pytest.mark.parametrize("tp,rank", [(1, 0), (4, 1), (4, 3)])
@@ -135,31 +131,26 @@ def test_a_holder_that_stops_serving_is_skipped_for_another_of_its_shard(publish
     assert stats.failed_sources == ["trainer-0"] and stats.sources.get("rollout-0", 0) > 0
 
 
-def test_fp8_scales_must_match_the_block_the_reader_names():
+def test_fp8_scales_must_match_the_block_the_reader_names(workers):
     """Publishers quantised in blocks of 64: a reader assuming the default 128 (or
     scales stored in another dtype) is refused, one naming block 64 gets exact bytes."""
     full = full_tensors()
-    with wf.serve("tcp://127.0.0.1:0", lease_s=10.0) as hub:
-        workers = [wf.join(hub.url, worker=f"trainer-{r}") for r in range(2)]
-        try:
-            for r in range(2):
-                tensors = publisher_tensors(full, r, block=64)
-                bf16_scales = {**tensors, "w8.scale": tensors["w8.scale"].bfloat16()}
-                for model, published in (("policy", tensors), ("bf16-scales", bf16_scales)):
-                    workers[r].model(model, chunk_size=CHUNK, shard=r, num_shards=2
-                                     ).publish(published, group=model)
-            want = expected(full, 1, 0, block=64)
-            with wf.join(hub.url, worker="reader") as reader:
-                dst = {n: torch.empty_like(t) for n, t in want.items()}
-                with pytest.raises(ManifestMismatchError, match="scales 'w8.scale'.*block"):
-                    fetch_resharded(reader, "policy", spec(1), dst, rank=0)
-                with pytest.raises(ManifestMismatchError, match="torch.bfloat16"):
-                    fetch_resharded(reader, "bf16-scales", spec(1, block=64), dst, rank=0)
-                fetch_resharded(reader, "policy", spec(1, block=64), dst, rank=0)
-            assert all(torch.equal(dst[n], want[n]) for n in want)
-        finally:
-            for w in workers:
-                w.close()
+    trainers = [workers.join(f"trainer-{r}") for r in range(2)]
+    for r in range(2):
+        tensors = publisher_tensors(full, r, block=64)
+        bf16_scales = {**tensors, "w8.scale": tensors["w8.scale"].bfloat16()}
+        for model, published in (("policy", tensors), ("bf16-scales", bf16_scales)):
+            trainers[r].model(model, chunk_size=CHUNK, shard=r, num_shards=2
+                              ).publish(published, group=model)
+    want = expected(full, 1, 0, block=64)
+    reader = workers.join("reader")
+    dst = {n: torch.empty_like(t) for n, t in want.items()}
+    with pytest.raises(ManifestMismatchError, match="scales 'w8.scale'.*block"):
+        fetch_resharded(reader, "policy", spec(1), dst, rank=0)
+    with pytest.raises(ManifestMismatchError, match="torch.bfloat16"):
+        fetch_resharded(reader, "bf16-scales", spec(1, block=64), dst, rank=0)
+    fetch_resharded(reader, "policy", spec(1, block=64), dst, rank=0)
+    assert all(torch.equal(dst[n], want[n]) for n in want)
     with pytest.raises(ValueError, match="block must be a power of two"):
         Resharding((4, 4), Sharded(tp=1, dim=0), Sharded(tp=1, dim=0), block=0)
 

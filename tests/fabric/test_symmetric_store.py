@@ -76,13 +76,13 @@ def same(a: nn.Module, b: nn.Module) -> bool:
 
 
 @pytest.fixture
-def pes():
-    """(worker, runtime, store opener) per PE, on one hub; closes stores, then workers."""
-    server = wf.serve("tcp://127.0.0.1:0", lease_s=5.0)
+def pes(workers):
+    """(worker, runtime, store opener) per PE, on the shared ``hub``; closes the stores,
+    then (the ``workers`` fixture) the workers, then the hub."""
     made: list[tuple[wf.Worker, list[ModelStore]]] = []
 
     def pe(name: str, *, buffers: int = 2, chunk_size: int = CHUNK):
-        worker = wf.join(server.url, worker=name, timeout=5)
+        worker = workers.join(name, timeout=5)
         runtime = RecordingRuntime("job-1", rank=len(made))
         stores: list[ModelStore] = []
         made.append((worker, stores))
@@ -95,11 +95,9 @@ def pes():
         return open_store, runtime
 
     yield pe
-    for worker, stores in made:
+    for _, stores in made:
         for store in stores:
             store.close()
-        worker.close()
-    server.stop()
 
 
 def test_buffers_are_allocated_together_in_attach_and_freed_together_in_close(pes):

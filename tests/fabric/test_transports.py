@@ -1,8 +1,6 @@
 """CPU transports against a holder in another process: tcp and shm, partial
 replicas, retract waiting for reads in flight, a holder killed mid-read."""
 
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -10,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 from holder_process import pattern
-from paths import ROOT, TESTS, child_env
+from procs import Child
 from timeouts import hard_timeout
 
-import weightfabric as wf
 from weightfabric.fabric.fetch import Source
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports import (
@@ -35,30 +32,24 @@ CHUNK = 1024 * 1024
 
 
 class Holder:
-    """A holder process (tests/holder_process.py), killed in `close` whatever happened."""
+    """A holder process (role ``holder`` of `procs`, tests/holder_process.py); `close`
+    kills it and removes its /dev/shm region whatever happened."""
 
     def __init__(self, *, partial: bool = False) -> None:
-        args = [sys.executable, str(TESTS / "holder_process.py"), str(NBYTES), str(CHUNK)]
-        self.proc = subprocess.Popen(args + (["--partial"] if partial else []), cwd=ROOT,
-                                     text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=child_env())
-        ready = self.proc.stdout.readline().split()
-        assert ready and ready[0] == "READY", f"holder did not start: {ready}"
-        self.source = SourceAddress("127.0.0.1", int(ready[1]), local_host_id())
-        self.shm_path = Path(ready[2])
+        self.child = Child("holder", NBYTES, CHUNK, *(["--partial"] if partial else []))
+        self.source = SourceAddress("127.0.0.1", self.child.ready["port"], local_host_id())
+        self.shm_path = Path(self.child.ready["shm_path"])
 
-    def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+    def mark(self, chunk: int) -> None:
+        """Chunk `chunk` becomes present (once this returns)."""
+        self.child.ask("mark", chunk=chunk, timeout=10)
 
-    def ask(self, line: str) -> list[str]:
-        self.send(line)
-        return self.proc.stdout.readline().split()
+    def served(self) -> int:
+        """Bytes the holder has served."""
+        return self.child.ask("served", timeout=10)["bytes"]
 
     def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
-        self.shm_path.unlink(missing_ok=True)  # a killed holder cannot clean up
+        self.child.kill()  # and removes the region, which a killed holder cannot
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +99,7 @@ def test_describe_and_progress(partial_holder, transport):
     info = transport.describe(partial_holder.source, "v1", timeout=10)
     assert (info.nbytes, info.chunk_size, info.num_chunks, info.present) == (NBYTES, CHUNK, 4, 0)
     assert info.shm_path == str(partial_holder.shm_path)
-    partial_holder.send("mark 2")
+    partial_holder.mark(2)
     await_progress(transport, partial_holder, b"\x00\x00\x01\x00")
 
 
@@ -127,10 +118,10 @@ def test_read_from_partial_replica_waits_for_its_chunks(partial_holder, transpor
     reader.start()
     time.sleep(0.3)
     assert not result, "the read must wait for chunks 1 and 2"
-    partial_holder.send("mark 1")
+    partial_holder.mark(1)
     time.sleep(0.2)
     assert not result, "chunk 2 is still missing"
-    partial_holder.send("mark 2")
+    partial_holder.mark(2)
     reader.join(timeout=30)
     assert result == [None]
     assert torch.equal(out, pattern(NBYTES)[CHUNK + 100:2 * CHUNK + 100])
@@ -156,7 +147,7 @@ def test_an_aborted_read_ends_at_once_and_later_reads_still_work(partial_holder,
         with pytest.raises(SourceLostError, match="aborted"):
             transport.read(partial_holder.source, "v1", 0, torch.empty(10, dtype=torch.uint8),
                            timeout=10, abort=abort)
-        partial_holder.send("mark 0")
+        partial_holder.mark(0)
         out = torch.empty(10, dtype=torch.uint8)
         transport.read(partial_holder.source, "v1", 0, out, timeout=10)
         assert torch.equal(out, pattern(NBYTES)[:10])
@@ -197,7 +188,7 @@ def test_holder_killed_mid_read_raises_source_lost(partial_holder):
         reader = threading.Thread(target=read)
         reader.start()
         time.sleep(0.3)
-        partial_holder.proc.kill()
+        partial_holder.child.kill()
         reader.join(timeout=30)
         assert not reader.is_alive()
         assert len(errors) == 1 and isinstance(errors[0], SourceLostError)
@@ -316,14 +307,14 @@ def test_a_read_waiting_on_a_stalled_partial_region_is_answered_before_its_timeo
 
 
 def test_bytes_served_counts_egress(holder):
-    before = int(holder.ask("served")[1])
+    before = holder.served()
     tcp = TcpTransport()
     try:
         tcp.read(holder.source, "v1", 0, torch.empty(1000, dtype=torch.uint8), timeout=5)
         tcp.read(holder.source, "v1", 5, torch.empty(24, dtype=torch.uint8), timeout=5)
     finally:
         tcp.close()
-    assert int(holder.ask("served")[1]) - before == 1024
+    assert holder.served() - before == 1024
 
 
 def test_transport_choice_by_host_and_memory_kind():
@@ -340,23 +331,21 @@ def test_transport_choice_by_host_and_memory_kind():
     assert choose_transport(here, shm=shm, tcp=tcp, gpu={"kind": "nvshmem"}, ipc=ipc) is tcp
 
 
-def test_worker_reads_a_gpu_region_it_cannot_map_over_tcp():
+def test_worker_reads_a_gpu_region_it_cannot_map_over_tcp(workers):
     data = torch.arange(3000, dtype=torch.int64).to(torch.uint8)
     ipc = {"kind": "cuda_ipc", "handle": bytes(64), "offset": 0, "nbytes": 3000,
            "device_uuid": "0" * 32}  # a GPU no process here has
-    hub = wf.serve("tcp://127.0.0.1:0", lease_s=5.0)
-    with hub, wf.join(hub.url, worker="holder") as holder, \
-            wf.join(hub.url, worker="reader") as reader:
-        holder.server.expose("r", data, chunk_size=1000, gpu=ipc)
-        holder.server.expose("h", data, chunk_size=1000, shm_path="/dev/shm/x")
-        gpu_source = Source("holder", holder.server.address, "r")
-        assert reader.transport_for(gpu_source) is reader._tcp
-        assert reader.transport_for(Source("holder", holder.server.address, "h")) is reader._shm
-        out = torch.empty(3000, dtype=torch.uint8)
-        reader.transport_for(gpu_source).read(holder.server.address, "r", 0, out, timeout=5)
-        assert torch.equal(out, data)
-        with pytest.raises(ReadRefusedError, match="NOT_FOUND"):
-            reader.transport_for(Source("holder", holder.server.address, "nope"))
+    holder, reader = workers.join("holder"), workers.join("reader")
+    holder.server.expose("r", data, chunk_size=1000, gpu=ipc)
+    holder.server.expose("h", data, chunk_size=1000, shm_path="/dev/shm/x")
+    gpu_source = Source("holder", holder.server.address, "r")
+    assert reader.transport_for(gpu_source) is reader._tcp
+    assert reader.transport_for(Source("holder", holder.server.address, "h")) is reader._shm
+    out = torch.empty(3000, dtype=torch.uint8)
+    reader.transport_for(gpu_source).read(holder.server.address, "r", 0, out, timeout=5)
+    assert torch.equal(out, data)
+    with pytest.raises(ReadRefusedError, match="NOT_FOUND"):
+        reader.transport_for(Source("holder", holder.server.address, "nope"))
 
 
 def test_expose_rejects_bad_regions():
@@ -393,8 +382,8 @@ def test_shm_reader_follows_a_region_moved_to_another_file(tmp_path):
 def test_prefix_read_gets_the_present_run_of_chunks(partial_holder, transport):
     expected = pattern(NBYTES)
     out = torch.zeros(NBYTES, dtype=torch.uint8)
-    for line in ("mark 0", "mark 1", "mark 3"):
-        partial_holder.send(line)
+    for chunk in (0, 1, 3):
+        partial_holder.mark(chunk)
     await_progress(transport, partial_holder, b"\x01\x01\x00\x01")
     got = transport.read(partial_holder.source, "v1", 0, out, timeout=10, prefix=True)
     assert got == 2 * CHUNK  # chunk 2 is missing: 3 is not part of the run
@@ -402,7 +391,7 @@ def test_prefix_read_gets_the_present_run_of_chunks(partial_holder, transport):
     with pytest.raises(ReadRefusedError, match="NOT_READY.*chunks 2..2"):
         transport.read(partial_holder.source, "v1", 2 * CHUNK, out[2 * CHUNK:], timeout=0.2,
                        prefix=True)
-    partial_holder.send("mark 2")  # the holder marks it in its own time: wait to see it
+    partial_holder.mark(2)  # the holder marks it in its own time: wait to see it
     await_progress(transport, partial_holder, b"\x01\x01\x01\x01")
     got = transport.read(partial_holder.source, "v1", CHUNK + 7, out[:NBYTES - CHUNK - 7],
                          timeout=10, prefix=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import select
 import signal
@@ -12,9 +13,12 @@ import pytest
 from hub_helpers import kill_all, small_manifest
 from paths import ROOT as REPO_ROOT
 from paths import child_env
+from rich.console import Console
 from timeouts import hard_timeout
 
 import weightfabric as wf
+from weightfabric.tools.command import EXIT_BROKEN_PIPE
+from weightfabric.tools.hub_cmd import render_status
 
 HARD_TIMEOUT_S = 60
 
@@ -44,45 +48,87 @@ def start_serve(procs: list[subprocess.Popen]) -> str:
     return line.split()[-1]
 
 
-def test_status_shows_versions_fetches_and_leases_as_table_and_json() -> None:
-    procs: list[subprocess.Popen] = []
-    clients: list[wf.HubClient] = []
-    try:
-        url = start_serve(procs)
-        t = wf.connect(url, worker="trainer", location={"datacenter": "dc1", "node": "n1"},
-                           timeout=5)
-        r = wf.connect(url, worker="rollout-7", location={"datacenter": "dc2"}, timeout=5)
-        clients += [t, r]
-        v1 = t.begin_publish("policy", small_manifest())
-        t.commit("policy", v1)
-        v2 = t.begin_publish("policy", small_manifest())
-        plan = r.begin_fetch("policy", v1)
-        r.report_progress(plan.fetch_id, [0, 1])
+@pytest.mark.hub(lease_s=30.0)
+def test_status_shows_versions_fetches_and_leases_as_table_and_json(hub, workers) -> None:
+    t = workers.connect("trainer", location={"datacenter": "dc1", "node": "n1"}, timeout=5)
+    r = workers.connect("rollout-7", location={"datacenter": "dc2"}, timeout=5)
+    v1 = t.begin_publish("policy", small_manifest())
+    t.commit("policy", v1)
+    v2 = t.begin_publish("policy", small_manifest())
+    plan = r.begin_fetch("policy", v1)
+    r.report_progress(plan.fetch_id, [0, 1])
 
-        out = fabric_cli("hub", "status", url, "--json")
-        assert out.returncode == 0, out.stderr
-        snap = json.loads(out.stdout)
-        policy = snap["models"]["policy"]
-        assert policy["latest"] == v1
-        assert {v["version"]: (v["state"], v["full"], v["partial"])
-                for v in policy["versions"]} == {v1: ("committed", 1, 1),
-                                                  v2: ("publishing", 0, 1)}
-        assert [(f["fetch_id"], f["worker"], f["have"], f["num_chunks"], f["sources"])
-                for f in snap["fetches"]] == [(plan.fetch_id, "rollout-7", 2, 4, ["trainer"])]
-        assert {w["worker"] for w in snap["workers"]} == {"trainer", "rollout-7"}
-        assert all(0 < w["expires_in"] <= 30 for w in snap["workers"])
+    out = fabric_cli("hub", "status", hub.url, "--json")
+    assert out.returncode == 0, out.stderr
+    snap = json.loads(out.stdout)
+    policy = snap["models"]["policy"]
+    assert policy["latest"] == v1
+    assert {v["version"]: (v["state"], v["full"], v["partial"])
+            for v in policy["versions"]} == {v1: ("committed", 1, 1),
+                                              v2: ("publishing", 0, 1)}
+    assert [(f["fetch_id"], f["worker"], f["have"], f["num_chunks"], f["sources"])
+            for f in snap["fetches"]] == [(plan.fetch_id, "rollout-7", 2, 4, ["trainer"])]
+    assert {w["worker"] for w in snap["workers"]} == {"trainer", "rollout-7"}
+    assert all(0 < w["expires_in"] <= 30 for w in snap["workers"])
 
-        out = fabric_cli("hub", "status", url)
-        assert out.returncode == 0, out.stderr
-        text = out.stdout
-        assert "2 workers, 1 fetches in flight" in text
-        assert f"{v1}*" in text and "committed" in text and "publishing" in text
-        assert plan.fetch_id in text and "2/4 (50%)" in text
-        assert "rollout-7" in text and "dc2" in text and "n1" in text
-    finally:
-        for c in clients:
-            c.close()
-        kill_all(procs)
+    out = fabric_cli("hub", "status", hub.url)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "2 workers, 1 fetches in flight" in text
+    assert f"{v1}*" in text and "committed" in text and "publishing" in text
+    assert plan.fetch_id in text and "2/4 (50%)" in text
+    assert "rollout-7" in text and "dc2" in text and "n1" in text
+
+
+def column_text(table: str, column: int) -> str:
+    """The cells of `column` (0 = the first) of a rich table's body rows, joined."""
+    return "".join(line.split("│")[column + 1].strip() for line in table.splitlines()
+                   if line.count("│") > column + 1)
+
+
+@pytest.mark.parametrize("width", [200, 80, 50])
+def test_status_table_shows_long_model_and_worker_names_whole(width) -> None:
+    """A name wider than its column wraps inside it, whole: never cut, never '…'."""
+    model = "org-" + "x" * 30 + "/llama-3-70b-instruct-rl-run-" + "7" * 17  # 80 characters
+    worker = "rollout-" + "w" * 60
+    assert len(model) == 80
+    snap = {"lease_s": 10.0, "fetches": [],
+            "models": {model: {"latest": 3, "retired": [], "versions": [
+                {"version": 3, "state": "committed", "num_shards": 1, "full": 1, "partial": 0,
+                 "retracting": 0, "pinned": False, "retained": True, "reason": ""}]}},
+            "workers": [{"worker": worker, "expires_in": 9.5,
+                         "location": {"datacenter": "dc1", "node": "n1", "device": "cpu"}}]}
+    buf = io.StringIO()
+    render_status(snap, Console(file=buf, width=width, color_system=None))
+    text = buf.getvalue()
+    assert "…" not in text
+    versions, leases = text.split("leases")
+    assert column_text(versions, 0) == model
+    assert column_text(leases, 0) == worker
+
+
+def test_status_piped_into_head_exits_quietly(hub, workers) -> None:
+    """`fabric hub status URL | head -1`: the reader closes the pipe after one line; the
+    command stops with exit 141 (128 + SIGPIPE, as a shell reports for any program
+    killed by it) and no traceback, for the table and for --json."""
+    t = workers.connect("trainer", timeout=5)
+    for i in range(400):  # some 100 KB of table: more than a pipe holds (64 KiB)
+        name = f"model-{i:03d}-" + "x" * 60
+        t.commit(name, t.begin_publish(name, small_manifest()))
+    for extra in ([], ["--json"]):
+        p = subprocess.Popen([sys.executable, "-m", "weightfabric.tools", "hub", "status",
+                              hub.url, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=REPO_ROOT, env={**child_env(), "COLUMNS": "200"})
+        try:
+            ready, _, _ = select.select([p.stdout], [], [], 30)
+            assert ready, "fabric hub status printed nothing within 30 s"
+            assert p.stdout.readline()
+            p.stdout.close()  # as `head -1` does once it has its line
+            _, err = p.communicate(timeout=30)
+        finally:
+            kill_all([p])
+        assert p.returncode == EXIT_BROKEN_PIPE == 141, err
+        assert b"Traceback" not in err and b"BrokenPipe" not in err and b"Exception" not in err, err
 
 
 def test_serve_stops_cleanly_on_sigterm() -> None:

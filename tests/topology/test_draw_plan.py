@@ -118,7 +118,7 @@ def test_cli_bad_draw_path_exits_2_with_a_message(tmp_path: Path,
     four = str(reference_clusters()["4x-dgx-h100"])
     assert main(["topo", "plan", four, "--size", "1GB", "--draw", str(out)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: cannot write {out}: ") and "Traceback" not in err
+    assert err.startswith(f"fabric topo plan: error: cannot write {out}: ") and "Traceback" not in err
     assert main(["topo", "plan", four, "--size", "1GB", "--draw", str(tmp_path)]) == 2
     assert "cannot write" in capsys.readouterr().err
 

@@ -49,8 +49,10 @@ def emit(obj: dict[str, Any]) -> None:
 
 
 def bench_tensors(nbytes: int, seed: int) -> dict[str, torch.Tensor]:
-    """About `nbytes` of Llama-shaped, mixed-dtype tensors (bf16 weights, fp32 norms),
-    deterministic in `seed`: views of one random byte buffer, so generating 1 GB is cheap."""
+    """About `nbytes` of Llama-shaped, mixed-dtype tensors (bf16 weights, fp32 norms).
+
+    Deterministic in `seed`: views of one random byte buffer, so generating 1 GB is cheap.
+    """
     hidden = 1024
     while hidden > 64 and 4 * 26 * hidden * hidden > nbytes:  # at least 4 layers
         hidden //= 2
@@ -114,6 +116,7 @@ class Agent:
         self._tensors: dict[str, torch.Tensor] | None = None
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The answer to one command; raises if it fails (`main` reports the error)."""
         op = cmd["op"]
         if op == "hub":
             self.hub = wf.serve(f"tcp://{cmd['host']}:{cmd.get('port', 0)}",
@@ -165,6 +168,7 @@ class Agent:
         raise ValueError(f"unknown op {op!r}")
 
     def close(self) -> None:
+        """Close the agent's worker and hub."""
         if self.worker is not None:
             self.worker.close()
         if self.hub is not None:
@@ -172,6 +176,7 @@ class Agent:
 
 
 def main() -> None:
+    """Answer JSON commands on stdin, one JSON line each on stdout."""
     agent = Agent()
     emit({"ready": True})
     try:

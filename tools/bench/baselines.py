@@ -18,8 +18,10 @@ import torch.multiprocessing as mp
 
 
 def memcpy_gbps(nbytes: int, *, device: str = "cpu", repeats: int = 5) -> float:
-    """Best-of-`repeats` GB/s (bytes copied / s) of copying `nbytes` between two
-    buffers on `device` (host memory, or device-to-device on one GPU)."""
+    """Best-of-`repeats` GB/s (bytes copied / s) of copying `nbytes` between two buffers.
+
+    The buffers are on `device`: host memory, or device-to-device on one GPU.
+    """
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in, warm the GPU up
@@ -54,8 +56,10 @@ def _broadcast_worker(rank: int, world: int, store_path: str, tensor_bytes: list
 
 
 def gloo_broadcast_gbps(tensor_bytes: list[int], readers: int, *, timeout: float = 300) -> float:
-    """Aggregate GB/s (bytes delivered to all readers / slowest reader's time) of a gloo
-    broadcast of tensors of the given sizes from rank 0 to `readers` processes.
+    """Aggregate GB/s of a gloo broadcast from rank 0 to `readers` processes.
+
+    GB/s: bytes delivered to all readers / slowest reader's time, for tensors of the
+    given sizes.
 
     Raises:
         RuntimeError: a process failed, or a reader did not receive the right bytes.

@@ -32,14 +32,13 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
+from weightfabric.tools.command import EXIT_OK, Console, add_command
 from weightfabric.topology.units import parse_bandwidth, parse_latency, parse_size
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 NAMESPACES = {"dc-a": "wf-dca", "dc-b": "wf-dcb"}
 VETH = {"dc-a": "wf-wan-a", "dc-b": "wf-wan-b"}
 ADDRESS = {"dc-a": "10.99.0.1", "dc-b": "10.99.0.2"}
@@ -47,17 +46,18 @@ SEED = 99
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "crossdc", help="emulated cross-datacenter fetch: WAN bytes and stall (root)",
+    """Add `fabric bench crossdc`."""
+    p = add_command(
+        subparsers, "crossdc", help="emulated cross-datacenter fetch: WAN bytes and stall (root)",
+        handler=_run, bad_input=(ValueError,), failures=(AgentError,),
         description="Two network namespaces joined by a tc-shaped veth WAN; trainer and one\n"
                     "rollout in dc-a, --remote rollouts in dc-b. Compares the fabric's\n"
                     "locality plan with every remote rollout pulling from the trainer: WAN\n"
                     "bytes per version and each rollout's stall. Needs root and ip netns;\n"
                     "without them it prints why and exits 0. Exits 1 if a rollout's bytes\n"
                     "differ from the trainer's or a process fails, 2 on bad options.",
-        epilog="example:\n  sudo fabric bench crossdc --remote 3 --size 64MB --rate 1Gbit/s "
-               "--rtt 20ms --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        examples=["sudo fabric bench crossdc --remote 3 --size 64MB --rate 1Gbit/s "
+                  "--rtt 20ms --json"])
     p.add_argument("--remote", type=int, default=3, help="rollouts in dc-b (default 3)")
     p.add_argument("--size", default="64MB", help="model bytes (default 64MB)")
     p.add_argument("--chunk-size", default="4MiB", help="fetch chunk size (default 4MiB)")
@@ -65,7 +65,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rtt", default="20ms", help="WAN round-trip time (default 20ms)")
     p.add_argument("--versions", type=int, default=2, help="versions per plan (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(handler=_run)
 
 
 def unavailable() -> str | None:
@@ -240,12 +239,8 @@ def _sigterm(signum: int, frame: object) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        size, chunk = int(parse_size(args.size)), int(parse_size(args.chunk_size))
-        rate, rtt = parse_bandwidth(args.rate), parse_latency(args.rtt)
-    except ValueError as exc:
-        print(f"fabric bench crossdc: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    size, chunk = int(parse_size(args.size)), int(parse_size(args.chunk_size))
+    rate, rtt = parse_bandwidth(args.rate), parse_latency(args.rtt)
     reason = unavailable()
     if reason is not None:
         msg = f"fabric bench crossdc: skipped: {reason}"
@@ -274,12 +269,6 @@ def _run(args: argparse.Namespace) -> int:
             result = bench_crossdc(remote=args.remote, size=size, chunk_size=chunk,
                                    rate_bps=rate, rtt_s=rtt, versions=args.versions,
                                    on_phase=on_phase, on_progress=on_progress)
-    except ValueError as exc:
-        print(f"fabric bench crossdc: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except AgentError as exc:
-        print(f"fabric bench crossdc failed: {exc}", file=sys.stderr)
-        return EXIT_FAILED
     finally:
         signal.signal(signal.SIGTERM, previous)
     return print_result(result, as_json=args.json, table=_table)

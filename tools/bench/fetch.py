@@ -20,33 +20,32 @@ reader's start). Gloo: readers x bytes / slowest reader's time.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
+from weightfabric.tools.command import Console, add_command
 from weightfabric.topology.units import parse_size
 
-EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 SEED = 1234
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "fetch", help="CPU fetch GB/s, N readers, vs memcpy and gloo broadcast",
+    """Add `fabric bench fetch`."""
+    p = add_command(
+        subparsers, "fetch", help="CPU fetch GB/s, N readers, vs memcpy and gloo broadcast",
+        handler=_run, bad_input=(ValueError,), failures=(AgentError,),
         description="Trainer and N readers as separate processes on localhost; the readers\n"
                     "fetch one version concurrently. Reports aggregate and per-reader GB/s,\n"
                     "the trainer's egress and a bit-exact check, beside a memcpy and a gloo\n"
                     "broadcast of the same bytes. Exits 1 if a reader's bytes differ from the\n"
                     "trainer's or a process fails, 2 on bad options (or --device cuda\n"
                     "without a usable GPU).",
-        epilog="examples:\n  fabric bench fetch --readers 4 --size 1GB --json\n"
-               "  fabric bench fetch --device cuda --readers 1 --size 4GB --chunk-size 64MiB",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        examples=["fabric bench fetch --readers 4 --size 1GB --json",
+                  "fabric bench fetch --device cuda --readers 1 --size 4GB --chunk-size 64MiB"])
     p.add_argument("--readers", type=int, default=4, help="reader processes (default 4)")
     p.add_argument("--size", default="1GB", help="model bytes, e.g. 256MB, 1GB (default 1GB)")
     p.add_argument("--chunk-size", default="16MiB", help="fetch chunk size (default 16MiB, the "
@@ -78,7 +77,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-baselines", action="store_true",
                    help="skip memcpy and gloo (for profiling the fetch alone)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(handler=_run)
 
 
 def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int = 4,
@@ -226,13 +224,9 @@ def _targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        size = int(parse_size(args.size))
-        chunk = int(parse_size(args.chunk_size))
-        read_bytes = None if args.read_bytes is None else int(parse_size(args.read_bytes))
-    except ValueError as exc:
-        print(f"fabric bench fetch: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    size = int(parse_size(args.size))
+    chunk = int(parse_size(args.chunk_size))
+    read_bytes = None if args.read_bytes is None else int(parse_size(args.read_bytes))
     console = Console(stderr=True)
     columns = (TextColumn("{task.description:<16}"), BarColumn(), TaskProgressColumn(),
                TimeElapsedColumn())
@@ -249,20 +243,13 @@ def _run(args: argparse.Namespace) -> int:
                 bars[name] = progress.add_task(name, total=total)
             progress.update(bars[name], completed=done)
 
-        try:
-            result = bench_fetch(readers=args.readers, size=size, chunk_size=chunk,
-                                 max_inflight=args.max_inflight, read_bytes=read_bytes,
-                                 versions=args.versions,
-                                 report_interval=args.report_interval, device=args.device,
-                                 nvshmem_pes=args.nvshmem_pes, attach=args.attach,
-                                 baselines=not args.no_baselines, on_phase=on_phase,
-                                 on_progress=on_progress)
-        except ValueError as exc:
-            print(f"fabric bench fetch: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        except AgentError as exc:
-            print(f"fabric bench fetch failed: {exc}", file=sys.stderr)
-            return EXIT_FAILED
+        result = bench_fetch(readers=args.readers, size=size, chunk_size=chunk,
+                             max_inflight=args.max_inflight, read_bytes=read_bytes,
+                             versions=args.versions,
+                             report_interval=args.report_interval, device=args.device,
+                             nvshmem_pes=args.nvshmem_pes, attach=args.attach,
+                             baselines=not args.no_baselines, on_phase=on_phase,
+                             on_progress=on_progress)
     return print_result(result, as_json=args.json, table=_table)
 
 

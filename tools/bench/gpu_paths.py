@@ -144,11 +144,13 @@ def pe_environment(pes: int, heap: int) -> dict[str, str]:
 
 def _run_pes(target: Callable[..., None], args: tuple[Any, ...], *, pes: int, readers: int,
              heap: int, timeout: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Start ``pes`` spawned processes ``target(hub_url, session, rank, pes, *args, queue)``
-    on one hub, each with `pe_environment` for ``heap`` symmetric bytes; collect
-    ``readers`` results (or the first error) within ``timeout``; returns (results by
+    """Start ``pes`` spawned processes on one hub and collect their results.
+
+    Each runs ``target(hub_url, session, rank, pes, *args, queue)`` with
+    `pe_environment` for ``heap`` symmetric bytes; collect ``readers`` results (or the first error) within ``timeout``; returns (results by
     rank, errors). Processes still alive at the end are killed; when every result
-    came, a PE that did not exit cleanly (a teardown that hung or crashed) is an error."""
+    came, a PE that did not exit cleanly (a teardown that hung or crashed) is an error.
+    """
     import weightfabric as wf
     session = f"bench-{time.time_ns()}"
     ctx = mp.get_context("spawn")
@@ -365,7 +367,10 @@ def reshard_reads(*, device: str = "cuda", budget: int = 64 << 20, scale: int = 
     """Time staged and direct TP2 -> TP1 reads of one layer, bf16 and fp8 (see the module).
 
     Args:
+        device: where the stores and buffers live (``cuda``, or ``cpu`` in tests).
+        budget: the staged reader's staging budget in bytes.
         scale: divide the layer's dimensions (CPU runs and tests use 8 or more).
+        repeats: timed reads of each kind; the median is reported.
 
     Returns:
         Per stored dtype: GB/s staged, direct and of ``copy_``, the ratios, the staging

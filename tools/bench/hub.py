@@ -11,28 +11,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import zmq
 
-EXIT_OK = 0
-EXIT_BAD_INPUT = 2
+from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "hub", help="control-plane ops/s, p99 latency, plan time",
+    """Add `fabric bench hub`."""
+    p = add_command(
+        subparsers, "hub", help="control-plane ops/s, p99 latency, plan time", handler=_run,
         description="Control-plane operations per second and p50/p99 latency with many "
                     "simulated workers on loopback, and plan computation time for many readers.",
-        epilog="example:\n  fabric bench hub --workers 1000 --seconds 5 --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        examples=["fabric bench hub --workers 1000 --seconds 5 --json"])
     p.add_argument("--workers", type=int, default=1000, help="simulated workers (default 1000)")
     p.add_argument("--seconds", type=float, default=5.0, help="measurement time (default 5)")
     p.add_argument("--readers", type=int, default=1000, help="readers to plan for (default 1000)")
     p.add_argument("--chunks", type=int, default=256, help="chunks per version (default 256)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=_run)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -166,16 +163,13 @@ def bench_plans(num_readers: int, num_chunks: int) -> dict:
 
 def _run(args: argparse.Namespace) -> int:
     if min(args.workers, args.readers, args.chunks) < 1 or args.seconds <= 0:
-        print("fabric bench hub: --workers, --readers and --chunks must be >= 1 and "
-              "--seconds > 0", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise BadInput("--workers, --readers and --chunks must be >= 1 and --seconds > 0")
     ops = bench_ops(args.workers, args.seconds)
     plans = bench_plans(args.readers, args.chunks)
     out = {"ops": ops, "plans": plans}
     if args.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
-    from rich.console import Console
     from rich.table import Table
 
     t = Table("measure", "value", title="fabric bench hub")

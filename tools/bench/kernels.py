@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -38,6 +37,7 @@ from weightfabric.kernels import (
     reshard,
     unpack,
 )
+from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
 
 
 def _sync(device: torch.device) -> None:
@@ -183,8 +183,7 @@ def _handler(args: argparse.Namespace) -> int:
         if args.repeat < 1 or (args.layers is not None and args.layers < 1):
             raise ValueError("--repeat and --layers must be >= 1")
     except (RuntimeError, ValueError) as exc:
-        print(f"fabric bench kernels: {exc}", file=sys.stderr)
-        return 2
+        raise BadInput(exc) from exc
     on_gpu = device.type == "cuda"
     layers = args.layers or (8 if on_gpu else 4)
     scale = 1 if on_gpu else 4
@@ -194,8 +193,7 @@ def _handler(args: argparse.Namespace) -> int:
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     if args.json:
         print(json.dumps({"meta": meta, "results": rows}, indent=2))
-        return 0
-    from rich.console import Console
+        return EXIT_OK
     from rich.table import Table
 
     table = Table(title=f"kernels on {name}: {layers} Llama-3-70B TP8 layers, shapes x{meta['shape_scale']}")
@@ -207,17 +205,18 @@ def _handler(args: argparse.Namespace) -> int:
                       "-" if r["baseline GB/s"] is None else f"{r['baseline GB/s']:.2f}",
                       "-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
     Console().print(table)
-    return 0
+    return EXIT_OK
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "kernels", help="GB/s of pack/unpack, fp8, reshard and checksum kernels vs torch",
-        description="Times the transfer kernels on one device beside torch doing the same bytes. "
-                    "On CPU, shapes are scaled down 4x and 4 layers run by default. "
-                    "Example: fabric bench kernels --json")
+    """Add `fabric bench kernels`."""
+    p = add_command(
+        subparsers, "kernels", handler=_handler,
+        help="GB/s of pack/unpack, fp8, reshard and checksum kernels vs torch",
+        description="Times the transfer kernels on one device beside torch doing the same "
+                    "bytes.\nOn CPU, shapes are scaled down 4x and 4 layers run by default.",
+        examples=["fabric bench kernels --json", "fabric bench kernels --device cuda:1"])
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--layers", type=int, default=None, help="transformer layers (default 8 GPU, 4 CPU)")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions, the median is reported (default 5)")
-    p.set_defaults(handler=_handler)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from weightfabric.tools.command import EXIT_FAILED, EXIT_OK, Console
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,8 +132,10 @@ class Agent:
 
 
 def close_all(agents: Sequence[Agent], timeout: float = 15.0) -> None:
-    """Ask every agent to exit, readers first (reverse start order), then wait for
-    each; whichever is still running after `timeout` s is killed."""
+    """Ask every agent to exit, readers first (reverse start order), then wait for each.
+
+    Whichever is still running after `timeout` s is killed.
+    """
     for agent in reversed(agents):
         agent.request_exit()
     for agent in reversed(agents):
@@ -149,4 +151,4 @@ def print_result(result: dict[str, Any], *, as_json: bool,
         print(json.dumps(result, indent=2))
     else:
         table(result, Console())
-    return 0 if result["verified"] else 1
+    return EXIT_OK if result["verified"] else EXIT_FAILED

@@ -1,5 +1,8 @@
-"""`fabric bench planner`: planner time and efficiency from 8 to 10,000+ GPUs, and the
-baselines' completion times in the scenarios (numbers go to docs/benchmarks.md)."""
+"""`fabric bench planner`: planner time and efficiency from 8 to 10,000+ GPUs.
+
+Also the baselines' completion times in the scenarios (numbers go to
+docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +10,9 @@ import argparse
 import json
 import time
 
-from rich.console import Console
 from rich.table import Table
 
+from weightfabric.tools.command import EXIT_OK, Console, add_command
 from weightfabric.topology.layout import Layout
 from weightfabric.topology.planner import default_endpoints, plan_broadcast
 from weightfabric.topology.references import reference_cluster, reference_clusters
@@ -23,17 +26,16 @@ OVERSUBSCRIBED = [(31, 3.0, 4), (127, 3.0, 4), (31, 3.0, 8), (127, 4.0, 16)]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "planner", help="broadcast planner: time, efficiency, baselines",
+    """Add `fabric bench planner`."""
+    p = add_command(
+        subparsers, "planner", help="broadcast planner: time, efficiency, baselines", handler=run,
         description="Plan, bound and simulate a 140 GB broadcast on every reference cluster\n"
                     "and on synthetic DGX H100 clusters from 8 to 10,000 GPUs; compare with\n"
                     "star, ring and storage baselines.",
-        epilog="example:\n  fabric bench planner --max-gpus 1024 --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        examples=["fabric bench planner --max-gpus 1024 --json"])
     p.add_argument("--max-gpus", type=int, default=10_000,
                    help="largest synthetic cluster to run (default 10000)")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=run)
 
 
 def _scale_row(rollout_nodes: list[int]) -> dict[str, object]:
@@ -79,6 +81,7 @@ def _oversubscribed_row(nodes: int, over: float, per_leaf: int) -> dict[str, obj
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run `fabric bench planner`; returns the exit code."""
     from weightfabric.tools.plan_cmd import plan_summary
 
     out: dict[str, object] = {"size": SIZE}
@@ -109,9 +112,9 @@ def run(args: argparse.Namespace) -> int:
     out["scenarios"] = {k: v.to_dict() for k, v in scen.items()}
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
+        return EXIT_OK
     _print(out)
-    return 0
+    return EXIT_OK
 
 
 def _print(out: dict) -> None:

@@ -22,21 +22,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from weightfabric.tools.bench.launch import print_result
+from weightfabric.tools.command import add_command
 from weightfabric.topology.units import parse_size
-
-EXIT_BAD_INPUT = 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "reshard", help="resharded fetch (TP2 -> TP1) GB/s, verified vs unverified",
+    """Add `fabric bench reshard`."""
+    p = add_command(
+        subparsers, "reshard", help="resharded fetch (TP2 -> TP1) GB/s, verified vs unverified",
+        handler=_run, bad_input=(ValueError,),
         description="Two TP2 publishers and a TP1 reader in this process, on an embedded\n"
                     "hub: the reader fetches one Llama-3-70B-shaped layer in turn with a\n"
                     "kept ReshardReader, unverified and verified against the chunk\n"
@@ -44,9 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "Reports median GB/s of each, their ratios, the verification memory,\n"
                     "and a copy_ of the same bytes. Exits 1 if a fetch is not bit-exact,\n"
                     "2 on bad options.",
-        epilog="examples:\n  fabric bench reshard\n"
-               "  fabric bench reshard --scale 1 --chunk-size 4MiB --repeats 5 --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        examples=["fabric bench reshard",
+                  "fabric bench reshard --scale 1 --chunk-size 4MiB --repeats 5 --json"])
     p.add_argument("--scale", type=int, default=2,
                    help="divide the layer's dimensions by this (1: 1.7 GB, 2: 0.43 GB; default 2)")
     p.add_argument("--chunk-size", default="16MiB",
@@ -55,7 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="fetches of each kind; the median is reported (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(handler=_run)
 
 
 def bench_reshard(*, scale: int = 2, chunk_size: int = 16 << 20, budget: int = 64 << 20,
@@ -134,12 +132,8 @@ def bench_reshard(*, scale: int = 2, chunk_size: int = 16 << 20, budget: int = 6
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        result = bench_reshard(scale=args.scale, chunk_size=int(parse_size(args.chunk_size)),
-                               budget=int(parse_size(args.budget)), repeats=args.repeats)
-    except ValueError as exc:
-        print(f"fabric bench reshard: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    result = bench_reshard(scale=args.scale, chunk_size=int(parse_size(args.chunk_size)),
+                           budget=int(parse_size(args.budget)), repeats=args.repeats)
     return print_result(result, as_json=args.json, table=_table)
 
 

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from weightfabric.tools.bench.launch import Agent, close_all
+from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
 from weightfabric.topology.units import UnitError, parse_size
 
 SEED = 7
@@ -101,17 +100,17 @@ def bench_stall(*, rollouts: int, joiners: int, size: int, chunk_size: int,
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "stall", help="rollout stall per version: fabric vs every rollout pulling from the trainer",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
-        epilog="example:\n  fabric bench stall --rollouts 3 --joiners 2 --size 64MB")
+    """Add `fabric bench stall`."""
+    p = add_command(
+        subparsers, "stall", handler=_run,
+        help="rollout stall per version: fabric vs every rollout pulling from the trainer",
+        description=__doc__, examples=["fabric bench stall --rollouts 3 --joiners 2 --size 64MB"])
     p.add_argument("--rollouts", type=int, default=3, help="rollouts (default 3)")
     p.add_argument("--joiners", type=int, default=2, help="new rollouts in elastic (default 2)")
     p.add_argument("--size", default="64MB", help="model bytes (default 64MB)")
     p.add_argument("--chunk-size", default="4MiB", help="fetch chunk size (default 4MiB)")
     p.add_argument("--versions", type=int, default=2, help="versions per run (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -121,15 +120,14 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--rollouts, --joiners, --versions must be >= 1 and "
                              "--chunk-size a multiple of 256")
     except (UnitError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise BadInput(exc) from exc
     console = Console(stderr=args.json)
     with console.status("running standalone, elastic and cross-dc, each twice..."):
         out = bench_stall(rollouts=args.rollouts, joiners=args.joiners, size=size,
                           chunk_size=chunk, versions=args.versions)
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
+        return EXIT_OK
     table = Table(title=f"summed rollout stall per version (s), {size / 1e6:.0f} MB",
                   title_justify="left")
     for column in ("setting", "version", "fabric", "every rollout from the trainer", "ratio"):
@@ -141,4 +139,4 @@ def _run(args: argparse.Namespace) -> int:
     console.print(table)
     for setting, reason in out.get("skipped", {}).items():
         console.print(f"{setting} skipped: {reason}")
-    return 0
+    return EXIT_OK

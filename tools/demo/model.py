@@ -18,6 +18,7 @@ from torch import nn
 
 @dataclass(frozen=True, kw_only=True)
 class TinyLlamaConfig:
+    """Sizes of the demo's Llama-shaped model."""
     vocab_size: int = 256
     dim: int = 256
     num_layers: int = 4
@@ -40,16 +41,19 @@ class TinyLlamaConfig:
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square layer norm."""
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise `x` over its last dimension."""
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 class Attention(nn.Module):
+    """Causal self-attention with rotary position embeddings."""
     def __init__(self, cfg: TinyLlamaConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
@@ -60,6 +64,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Attend over `x` with the rotary embedding `rope` (cos, sin)."""
         b, t, _ = x.shape
         q = _rotate(self.q_proj(x).view(b, t, self.num_heads, self.head_dim), rope)
         k = _rotate(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim), rope)
@@ -72,6 +77,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The SwiGLU feed-forward block."""
     def __init__(self, cfg: TinyLlamaConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
@@ -79,10 +85,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block to `x`."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
+    """One pre-norm transformer layer: attention, then MLP."""
     def __init__(self, cfg: TinyLlamaConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim)
@@ -91,6 +99,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Apply the layer to `x` with the rotary embedding `rope`."""
         x = x + self.self_attn(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -45,6 +45,7 @@ class DemoFailure(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
+    """Settings of one demo run (`fabric demo`'s options)."""
     workers: int = 3
     steps: int = 6
     size: str = "small"
@@ -66,6 +67,7 @@ class DemoConfig:
 
 @dataclass
 class VersionRecord:
+    """One version: its bytes, the trainer's logits, each rollout's fetch and logits check."""
     version: int
     nbytes: int
     published_at: float
@@ -144,6 +146,7 @@ class Demo:
     # --- the run -------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        """Run the demo; returns its result (the ``--json`` output)."""
         cfg = self.config
         logging.getLogger("fabric").setLevel(logging.ERROR)  # the demo reports events itself
         hub = wf.serve("tcp://127.0.0.1:0", lease_s=2.0)
@@ -233,9 +236,11 @@ class Demo:
                  f"{paused['done']} of {paused['total']} chunks)")
 
     def _await_reader_of(self, hub_url: str, victim: str, v: int, held: int) -> bool:
-        """Wait until the hub shows another rollout's fetch of ``v`` planned from
-        ``victim`` and holding at least the ``held`` chunks the victim holds (a fixed
-        sleep lost that race on a loaded machine)."""
+        """Wait until the hub shows another rollout's fetch of ``v`` planned from ``victim``.
+
+        That fetch must hold at least the ``held`` chunks the victim holds (a fixed
+        sleep lost that race on a loaded machine).
+        """
         deadline = time.monotonic() + READER_WAIT_S
         with wf.connect(hub_url) as hub:
             while time.monotonic() < deadline:

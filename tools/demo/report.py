@@ -66,6 +66,7 @@ def result(demo: Demo, seconds: float) -> dict[str, Any]:
 
 
 def print_summary(out: dict[str, Any], console: Console) -> None:
+    """Print the demo's result `out` as a summary and tables."""
     table = Table(title="per version", title_justify="left")
     for column in ("v", "rollouts", "MB", "ms", "GB/s", "trainer MB", "stall s", "read from",
                    "logits", "reward"):

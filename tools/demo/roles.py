@@ -37,6 +37,7 @@ BATCH = 16
 
 @dataclass(frozen=True)
 class RoleConfig:
+    """What a demo role process needs to know to start."""
     hub_url: str
     size: str
     chunk_size: int
