@@ -37,4 +37,4 @@ test: lint
 	$(BIN)/pytest -q tests
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
