@@ -298,8 +298,9 @@ class HubClient:
             HubUnavailableError: the client is closed.
             HubError subclasses: the hub's answer.
         """
-        out = decode_body(self._call_once(op, args, timeout, wait_s, channel), object)
-        return out if isinstance(out, dict) else {"value": out}
+        out: dict[str, Any] = decode_body(self._call_once(op, args, timeout, wait_s, channel),
+                                          dict)
+        return out  # `decode` let only a map through
 
     def _call_once(self, op: str, args: Body, timeout: float | None,
                    wait_s: float, channel: str, retried: bool = False) -> Message:

@@ -502,36 +502,37 @@ class KvGetRequest(Request, frozen=True, kw_only=True):
     timeout: float = 0.0
 
 
+ReplyType = type[Reply] | type[StatusReply]
+_PAIRS: tuple[tuple[type[Request], ReplyType], ...] = (
+    (PingRequest, PingReply),
+    (StatusRequest, dict),
+    (RegisterRequest, RegisterReply),
+    (HeartbeatRequest, HeartbeatReply),
+    (UnregisterRequest, EmptyReply),
+    (DropRequest, DropReply),
+    (RestoreRequest, RestoreReply),
+    (BeginPublishRequest, BeginPublishReply),
+    (CommitRequest, PublishStateReply),
+    (AbortPublishRequest, PublishStateReply),
+    (BeginFetchRequest, PlanReply),
+    (LocateRequest, LocateReply),
+    (PlanRequest, PlanReply),
+    (ReportProgressRequest, ProgressReply),
+    (CompleteFetchRequest, CompleteReply),
+    (GroupStatusRequest, GroupStatusReply),
+    (ReleaseRequest, EmptyReply),
+    (RetractRequest, RetractReply),
+    (RetractStatusRequest, RetractReply),
+    (SetRetentionRequest, PolicyReply),
+    (PinRequest, PolicyReply),
+    (LatestRequest, VersionReply),
+    (WaitVersionRequest, VersionReply),
+    (KvPutRequest, KvPutReply),
+    (KvGetRequest, KvGetReply),
+)
 # Every operation: its request and its reply type.
-OPERATIONS: dict[str, tuple[type[Request], type[Reply] | type[StatusReply]]] = {
-    req.op: (req, reply) for req, reply in (
-        (PingRequest, PingReply),
-        (StatusRequest, dict),
-        (RegisterRequest, RegisterReply),
-        (HeartbeatRequest, HeartbeatReply),
-        (UnregisterRequest, EmptyReply),
-        (DropRequest, DropReply),
-        (RestoreRequest, RestoreReply),
-        (BeginPublishRequest, BeginPublishReply),
-        (CommitRequest, PublishStateReply),
-        (AbortPublishRequest, PublishStateReply),
-        (BeginFetchRequest, PlanReply),
-        (LocateRequest, LocateReply),
-        (PlanRequest, PlanReply),
-        (ReportProgressRequest, ProgressReply),
-        (CompleteFetchRequest, CompleteReply),
-        (GroupStatusRequest, GroupStatusReply),
-        (ReleaseRequest, EmptyReply),
-        (RetractRequest, RetractReply),
-        (RetractStatusRequest, RetractReply),
-        (SetRetentionRequest, PolicyReply),
-        (PinRequest, PolicyReply),
-        (LatestRequest, VersionReply),
-        (WaitVersionRequest, VersionReply),
-        (KvPutRequest, KvPutReply),
-        (KvGetRequest, KvGetReply),
-    )
-}
+OPERATIONS: dict[str, tuple[type[Request], ReplyType]] = {req.op: (req, reply)
+                                                          for req, reply in _PAIRS}
 
 __all__ = [
     "OPERATIONS", "AbortPublishRequest", "BeginFetchRequest", "BeginPublishReply",
