@@ -10,6 +10,9 @@ worker because its lease ran out (the process was paused longer than a lease),
 whichever of its calls hears it first. A daemon thread heartbeats every
 ``lease_s / 3`` on a socket of its own, so a caller's long poll never delays
 it; the caller's threads share the main DEALER socket under a lock.
+
+Each operation's stub builds its request struct (`fabric.hub_messages`) and gets
+the reply struct back (`HubClient.request`); `HubClient.call` is the untyped form.
 """
 
 from __future__ import annotations
@@ -21,25 +24,88 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import zmq
 
 from weightfabric.fabric.errors import (
     HubTimeoutError,
     HubUnavailableError,
+    ProtocolError,
     UnknownFetchError,
     UnknownWorkerError,
     ValueTooLargeError,
     WaitTimeoutError,
     hub_error_from_wire,
 )
+from weightfabric.fabric.hub_messages import (
+    AbortPublishRequest,
+    BeginFetchRequest,
+    BeginPublishReply,
+    BeginPublishRequest,
+    CommitRequest,
+    CompleteFetchRequest,
+    CompleteReply,
+    DropReply,
+    DropRequest,
+    EmptyReply,
+    Endpoints,
+    ErrorBody,
+    GroupStatusReply,
+    GroupStatusRequest,
+    HeartbeatReply,
+    HeartbeatRequest,
+    Holding,
+    KvGetReply,
+    KvGetRequest,
+    KvPutReply,
+    KvPutRequest,
+    LatestRequest,
+    LocateReply,
+    LocateRequest,
+    ManifestWire,
+    PingReply,
+    PingRequest,
+    PinRequest,
+    PlanReply,
+    PlanRequest,
+    PolicyReply,
+    ProgressReply,
+    PublishStateReply,
+    RegisterReply,
+    RegisterRequest,
+    ReleaseRequest,
+    ReportProgressRequest,
+    Request,
+    RestoreReply,
+    RestoreRequest,
+    RetractReply,
+    RetractRequest,
+    RetractStatusRequest,
+    SetRetentionRequest,
+    StatusReply,
+    StatusRequest,
+    UnregisterRequest,
+    VersionReply,
+    WaitVersionRequest,
+)
 from weightfabric.fabric.locality import Location
 from weightfabric.fabric.manifest import Manifest
-from weightfabric.fabric.protocol import ERROR, MAX_MESSAGE_SIZE, REQUEST, decode, encode
+from weightfabric.fabric.protocol import (
+    ERROR,
+    MAX_MESSAGE_SIZE,
+    REQUEST,
+    Body,
+    Message,
+    decode,
+    decode_body,
+    encode,
+)
 from weightfabric.fabric.zmq_util import endpoint, make_socket
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _RESTORE_CODES = (UnknownWorkerError.code, UnknownFetchError.code)
 _NO_REREGISTER = ("register", "restore", "unregister")
@@ -52,7 +118,7 @@ class SourceInfo:
 
     worker: str
     location: Location
-    endpoints: dict[str, Any]
+    endpoints: Endpoints
     complete: bool
 
 
@@ -81,17 +147,25 @@ class FetchPlan:
     workers: dict[str, SourceInfo]
 
     @classmethod
-    def from_wire(cls, raw: dict[str, Any], manifest: Manifest | None = None) -> FetchPlan:
+    def from_reply(cls, reply: PlanReply, manifest: Manifest | None = None) -> FetchPlan:
         """Build from the hub's reply to ``begin_fetch`` or ``plan`` (``manifest``: the
-        one the reader kept, for a reply without it)."""
+        one the reader kept, for a reply without it).
+
+        Raises:
+            ProtocolError: a reply without a manifest and none kept.
+            ValueError: the reply's manifest is not a valid layout.
+        """
         if manifest is None:
-            manifest = Manifest.from_wire(raw["manifest"])
-        return cls(raw["fetch_id"], raw["model"], raw["version"], raw["shard"],
-                   raw["num_shards"], manifest,
-                   tuple(PlanRange(r["start"], r["stop"], tuple(r["sources"]), tuple(r["wait"]))
-                         for r in raw["ranges"]),
-                   {w: SourceInfo(w, Location.from_wire(i["location"]), i["endpoints"],
-                                  i["complete"]) for w, i in raw["workers"].items()})
+            if reply.manifest is None:
+                raise ProtocolError(f"the hub's plan for fetch {reply.fetch_id!r} has no "
+                                    "manifest")
+            manifest = reply.manifest.manifest()
+        return cls(reply.fetch_id, reply.model, reply.version, reply.shard, reply.num_shards,
+                   manifest,
+                   tuple(PlanRange(r.start, r.stop, tuple(r.sources), tuple(r.wait))
+                         for r in reply.ranges),
+                   {w: SourceInfo(w, Location.from_wire(i.location), i.endpoints, i.complete)
+                    for w, i in reply.workers.items()})
 
     def chunks(self) -> list[int]:
         """Every chunk index this plan covers."""
@@ -112,11 +186,12 @@ class _Holding:
     chunks: set[int] = field(default_factory=set)
     group: str | None = None      # fetch group: the hub does not resume it after a restart
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"model": self.model, "version": self.version, "shard": self.shard,
-                "num_shards": self.num_shards, "manifest": self.manifest.to_wire(),
-                "state": self.state, "complete": self.complete, "publisher": self.publisher,
-                "fetch_id": self.fetch_id, "chunks": sorted(self.chunks), "group": self.group}
+    def to_wire(self) -> Holding:
+        return Holding(model=self.model, version=self.version, shard=self.shard,
+                       num_shards=self.num_shards, manifest=ManifestWire.of(self.manifest),
+                       state="committed" if self.state == "committed" else "publishing",
+                       complete=self.complete, publisher=self.publisher,
+                       fetch_id=self.fetch_id, chunks=sorted(self.chunks), group=self.group)
 
 
 class HubClient:
@@ -124,7 +199,7 @@ class HubClient:
 
     def __init__(self, url: str, *, worker: str | None = None,
                  location: Location | dict[str, str] | None = None,
-                 endpoints: dict[str, Any] | None = None, timeout: float = 10.0,
+                 endpoints: Endpoints | None = None, timeout: float = 10.0,
                  heartbeat: bool = True, max_message_size: int = MAX_MESSAGE_SIZE) -> None:
         self.url = url
         self.worker = worker
@@ -160,7 +235,7 @@ class HubClient:
             DuplicateWorkerError: the worker id is taken by another live client.
         """
         try:
-            self.call("ping", {})
+            self.request(PingRequest(), PingReply)
         except HubTimeoutError as exc:
             self.close()
             raise HubUnavailableError(f"no hub answered at {self.url} within "
@@ -193,9 +268,25 @@ class HubClient:
         self.close()
 
     # -------------------------------------------------------------- transport
-    def call(self, op: str, args: dict[str, Any], *, timeout: float | None = None,
+    def request(self, req: Request, reply: type[T], *, timeout: float | None = None,
+                wait_s: float = 0.0, channel: str = "main") -> T:
+        """Send one typed request; returns its reply as ``reply`` (raises the hub's typed
+        error). Arguments as for `call`.
+
+        Raises:
+            ProtocolError: the reply does not fit ``reply`` (a hub of another build).
+            HubTimeoutError, HubUnavailableError, HubError subclasses: see `call`.
+        """
+        msg = self._call_once(req.op, req, timeout, wait_s, channel)
+        try:
+            return decode_body(msg, reply)
+        except msgspec.MsgspecError as exc:
+            raise ProtocolError(f"the hub's reply to {req.op!r} is malformed: {exc}") from exc
+
+    def call(self, op: str, args: Body, *, timeout: float | None = None,
              wait_s: float = 0.0, channel: str = "main") -> dict[str, Any]:
-        """Send one request and return the reply body (raises the hub's typed error).
+        """Send one request and return the reply body as plain data (raises the hub's
+        typed error). The untyped form of `request`, for tools and tests.
 
         Args:
             timeout: overall deadline in seconds (default: the client's ``timeout``).
@@ -207,10 +298,12 @@ class HubClient:
             HubUnavailableError: the client is closed.
             HubError subclasses: the hub's answer.
         """
-        return self._call_once(op, args, timeout, wait_s, channel)
+        out: dict[str, Any] = decode_body(self._call_once(op, args, timeout, wait_s, channel),
+                                          dict)
+        return out  # `decode` let only a map through
 
-    def _call_once(self, op: str, args: dict[str, Any], timeout: float | None,
-                   wait_s: float, channel: str, retried: bool = False) -> dict[str, Any]:
+    def _call_once(self, op: str, args: Body, timeout: float | None,
+                   wait_s: float, channel: str, retried: bool = False) -> Message:
         limit = (self.timeout if timeout is None else timeout) + wait_s
         with self._chan_locks[channel]:
             if self._closed:
@@ -236,11 +329,15 @@ class HubClient:
                                          register=msg.name == UnknownWorkerError.code)):
             return self._call_once(op, args, timeout, wait_s, channel, retried=True)
         if msg.kind == ERROR:
-            raise hub_error_from_wire(msg.name, str(msg.body.get("message", "")))
-        return msg.body
+            try:
+                message = decode_body(msg, ErrorBody).message
+            except msgspec.MsgspecError:
+                message = "(an error reply without a readable message)"
+            raise hub_error_from_wire(msg.name, message)
+        return msg
 
     def _exchange(self, channel: str, op: str, req_id: int, data: bytes, limit: float,
-                  wait_s: float):
+                  wait_s: float) -> Message:
         deadline = time.monotonic() + limit
         attempt = 0
         while True:
@@ -290,15 +387,16 @@ class HubClient:
 
     # ------------------------------------------------------------- liveness
     def _register(self, channel: str = "main") -> None:
-        out = self.call("register", {"worker": self.worker, "location": self.location.to_wire(),
-                                     "endpoints": self.endpoints}, channel=channel)
-        self.lease_s = float(out["lease_s"])
+        out = self.request(RegisterRequest(worker=self._me(), location=self.location.to_wire(),
+                                           endpoints=self.endpoints),
+                           RegisterReply, channel=channel)
+        self.lease_s = out.lease_s
         with self._lock:
             holdings = [h.to_wire() for h in self._holdings.values()]
         if holdings:
-            res = self.call("restore", {"worker": self.worker, "holdings": holdings},
-                            channel=channel)
-            for model, version, shard, why in res["rejected"]:
+            res = self.request(RestoreRequest(worker=self._me(), holdings=holdings),
+                               RestoreReply, channel=channel)
+            for model, version, shard, why in res.rejected:
                 log.warning("hub refused restored replica model=%s version=%s shard=%s: %s",
                             model, version, shard, why)
         with self._lock:
@@ -317,7 +415,7 @@ class HubClient:
                 self._register(channel)
             return register
 
-    def heartbeat(self, *, channel: str = "main") -> dict[str, Any]:
+    def heartbeat(self, *, channel: str = "main") -> HeartbeatReply:
         """Renew the lease now, and claim the versions this client is publishing (a
         publishing version nobody claims for a lease is retired as orphaned).
 
@@ -328,11 +426,11 @@ class HubClient:
         with self._lock:       # the versions we know we publish keep their publish claim
             publishing = sorted({(h.model, h.version) for h in self._holdings.values()
                                  if h.publisher and h.state == "publishing"})
-        args = {"worker": self.worker, "publishing": [list(p) for p in publishing]}
-        out = self.call("heartbeat", args, channel=channel)  # registers again if need be
-        for fid, workers in out["lost"].items():  # a new set: fetches read it unlocked
+        out = self.request(HeartbeatRequest(worker=self._me(), publishing=publishing),
+                           HeartbeatReply, channel=channel)  # registers again if need be
+        for fid, workers in out.lost.items():  # a new set: fetches read it unlocked
             self.lost[fid] = self.lost.get(fid, set()) | set(workers)
-        self.retired.update((m, v) for m, v in out["retired"])
+        self.retired.update(out.retired)
         return out
 
     def _heartbeat_loop(self) -> None:
@@ -343,10 +441,15 @@ class HubClient:
                 log.warning("heartbeat of worker=%s failed: %s", self.worker, exc)
 
     # ------------------------------------------------------------ operations
-    def _w(self, **args: Any) -> dict[str, Any]:
+    def _me(self) -> str:
+        """This client's worker id.
+
+        Raises:
+            ValueError: an observer (no worker id).
+        """
         if self.worker is None:
             raise ValueError("this operation needs a worker id: connect(url, worker=...)")
-        return {"worker": self.worker, **{k: v for k, v in args.items() if v is not None}}
+        return self.worker
 
     def begin_publish(self, model: str, manifest: Manifest, *, shard: int = 0,
                       num_shards: int = 1, group: str | None = None) -> int:
@@ -355,9 +458,10 @@ class HubClient:
         Raises:
             ManifestMismatchError, InvalidStateError: see `HubState.begin_publish`.
         """
-        out = self.call("begin_publish", self._w(model=model, manifest=manifest.to_wire(),
-                                                 shard=shard, num_shards=num_shards, group=group))
-        v = int(out["version"])
+        v = self.request(BeginPublishRequest(worker=self._me(), model=model,
+                                             manifest=ManifestWire.of(manifest), shard=shard,
+                                             num_shards=num_shards, group=group),
+                         BeginPublishReply).version
         with self._lock:
             self._holdings[(model, v, shard)] = _Holding(model, v, shard, num_shards, manifest,
                                                          "publishing", publisher=True)
@@ -366,7 +470,8 @@ class HubClient:
     def commit(self, model: str, version: int) -> str:
         """Commit this worker's shards; returns ``"committed"`` or ``"publishing"`` (group
         still waiting for other shards)."""
-        state = self.call("commit", self._w(model=model, version=version))["state"]
+        state = self.request(CommitRequest(worker=self._me(), model=model, version=version),
+                             PublishStateReply).state
         with self._lock:
             for h in self._holdings.values():
                 if h.model == model and h.version == version and h.publisher:
@@ -379,7 +484,8 @@ class HubClient:
         Raises:
             InvalidStateError: see `HubState.abort_publish`.
         """
-        self.call("abort_publish", self._w(model=model, version=version, reason=reason))
+        self.request(AbortPublishRequest(worker=self._me(), model=model, version=version,
+                                         reason=reason), PublishStateReply)
         self._forget(model, version)
 
     def begin_fetch(self, model: str, version: int | str = "latest", *, shard: int = 0,
@@ -396,12 +502,12 @@ class HubClient:
             UnknownModelError, UnknownVersionError, ManifestMismatchError, NoSourceError,
             InvalidStateError, GroupAbortedError: see `HubState.begin_fetch`.
         """
-        fetch_id = fetch_id or f"{self.worker}/{secrets.token_hex(6)}"
-        raw = self.call("begin_fetch", self._w(model=model, version=version, shard=shard,
-                                               fingerprint=fingerprint, group=group,
-                                               group_size=group_size, have=have,
-                                               fetch_id=fetch_id))
-        plan = FetchPlan.from_wire(raw)
+        fetch_id = fetch_id or f"{self._me()}/{secrets.token_hex(6)}"
+        reply = self.request(BeginFetchRequest(worker=self._me(), model=model, version=version,
+                                               shard=shard, fingerprint=fingerprint,
+                                               group=group, group_size=group_size, have=have,
+                                               fetch_id=fetch_id), PlanReply)
+        plan = FetchPlan.from_reply(reply)
         with self._lock:
             self._holdings[(model, plan.version, shard)] = _Holding(
                 model, plan.version, shard, plan.num_shards, plan.manifest, "committed",
@@ -412,13 +518,20 @@ class HubClient:
         """Where each shard of a committed version can be read whole, without becoming a
         replica (see `HubState.locate`); holders ranked for this worker's location.
 
+        Returns:
+            The `LocateReply` as plain data (``where["shards"][k]["manifest"]`` is what
+            `Manifest.from_wire` reads); `locate_reply` gives the struct.
+
         Raises:
             UnknownModelError, UnknownVersionError, NoSourceError.
         """
-        args = {"model": model, "version": version}
-        if self.worker is not None:
-            args["worker"] = self.worker
-        return self.call("locate", args)
+        out: dict[str, Any] = msgspec.to_builtins(self.locate_reply(model, version))
+        return out
+
+    def locate_reply(self, model: str, version: int | str = "latest") -> LocateReply:
+        """`locate`, as the typed `LocateReply`."""
+        return self.request(LocateRequest(model=model, version=version, worker=self.worker),
+                            LocateReply)
 
     def replan(self, fetch_id: str, *, chunks: list[int] | None = None,
                exclude: list[str] | None = None) -> FetchPlan:
@@ -426,44 +539,47 @@ class HubClient:
         with self._lock:      # kept from begin_fetch: the hub need not send it again
             kept = next((h.manifest for h in self._holdings.values()
                          if h.fetch_id == fetch_id), None)
-        raw = self.call("plan", self._w(fetch_id=fetch_id, chunks=chunks, exclude=exclude,
-                                        with_manifest=kept is None))
-        return FetchPlan.from_wire(raw, kept)
+        reply = self.request(PlanRequest(worker=self._me(), fetch_id=fetch_id, chunks=chunks,
+                                         exclude=exclude, with_manifest=kept is None),
+                             PlanReply)
+        return FetchPlan.from_reply(reply, kept)
 
     def report_progress(self, fetch_id: str, chunks: list[int], *,
-                        sources: list[str] | None = None) -> dict[str, Any]:
-        """Tell the hub these chunks are held and verified; returns ``{"have", "num_chunks",
-        "lost"}`` (``lost``: sources that died: replan the chunks you miss)."""
-        out = self.call("report_progress", self._w(fetch_id=fetch_id, chunks=list(chunks),
-                                                   sources=sources))
+                        sources: list[str] | None = None) -> ProgressReply:
+        """Tell the hub these chunks are held and verified; returns ``have``,
+        ``num_chunks`` and ``lost`` (sources that died: replan the chunks you miss)."""
+        out = self.request(ReportProgressRequest(worker=self._me(), fetch_id=fetch_id,
+                                                 chunks=list(chunks), sources=sources),
+                           ProgressReply)
         with self._lock:
             for h in self._holdings.values():
                 if h.fetch_id == fetch_id:
                     h.chunks.update(chunks)
         return out
 
-    def complete_fetch(self, fetch_id: str, *, wait: float = 0.0) -> dict[str, Any]:
+    def complete_fetch(self, fetch_id: str, *, wait: float = 0.0) -> CompleteReply:
         """Become a complete replica. In a group, ``wait`` seconds for the other members;
-        returns ``{"complete": bool, "group": None | "open" | "committed" | "aborted"}``."""
-        out = self.call("complete_fetch", self._w(fetch_id=fetch_id, timeout=wait),
-                        wait_s=wait)
+        returns ``complete`` (bool) and ``group`` (None, ``"open"``, ``"committed"`` or
+        ``"aborted"``)."""
+        out = self.request(CompleteFetchRequest(worker=self._me(), fetch_id=fetch_id,
+                                                timeout=wait), CompleteReply, wait_s=wait)
         with self._lock:
             for h in self._holdings.values():
                 if h.fetch_id == fetch_id:
                     h.chunks = set(range(h.manifest.num_chunks))
-                    if out["complete"]:
+                    if out.complete:
                         h.complete, h.fetch_id = True, None
-        if out["complete"]:
+        if out.complete:
             self.lost.pop(fetch_id, None)
         return out
 
-    def group_status(self, model: str, group: str) -> dict[str, Any]:
-        """State of a fetch group: ``{"state", "version", "size", "done", "reason"}``."""
-        return self.call("group_status", {"model": model, "group": group})
+    def group_status(self, model: str, group: str) -> GroupStatusReply:
+        """State of a fetch group: ``state, version, size, done, reason``."""
+        return self.request(GroupStatusRequest(model=model, group=group), GroupStatusReply)
 
     def release(self, fetch_id: str) -> None:
         """Abandon a fetch (its partial replica is retracted; a group aborts)."""
-        self.call("release", self._w(fetch_id=fetch_id))
+        self.request(ReleaseRequest(worker=self._me(), fetch_id=fetch_id), EmptyReply)
         self.lost.pop(fetch_id, None)
         with self._lock:
             for key, h in list(self._holdings.items()):
@@ -486,15 +602,17 @@ class HubClient:
         Raises:
             RetentionError: it would break ``min_replicas`` and ``delay`` is false.
         """
-        state = self.call("retract", self._w(model=model, version=version, delay=delay,
-                                             timeout=wait), wait_s=wait)["state"]
+        state = self.request(RetractRequest(worker=self._me(), model=model, version=version,
+                                            delay=delay, timeout=wait),
+                             RetractReply, wait_s=wait).state
         if state == "done":
             self._forget(model, version)
         return state
 
     def retract_status(self, model: str, version: int) -> str:
         """``"done"``, ``"retracting"``, ``"delayed"`` or ``"live"``."""
-        state = self.call("retract_status", self._w(model=model, version=version))["state"]
+        state = self.request(RetractStatusRequest(worker=self._me(), model=model,
+                                                  version=version), RetractReply).state
         if state == "done":
             self._forget(model, version)
         return state
@@ -518,7 +636,7 @@ class HubClient:
                 if h.fetch_id is not None:
                     self.lost.pop(h.fetch_id, None)
             self.retired = {(m, n) for m, n in self.retired if m != model}
-        return list(self.call("drop", self._w(model=model))["dropped"])
+        return self.request(DropRequest(worker=self._me(), model=model), DropReply).dropped
 
     def _forget(self, model: str, version: int) -> None:
         with self._lock:
@@ -526,22 +644,23 @@ class HubClient:
                 del self._holdings[key]
 
     def set_retention(self, model: str, *, keep_last: int | None = None,
-                      min_replicas: int | None = None) -> dict[str, Any]:
-        """Set the retention policy; returns ``{"keep_last", "min_replicas", "pinned"}``."""
-        return self.call("set_retention", {"model": model, "keep_last": keep_last,
-                                           "min_replicas": min_replicas})
+                      min_replicas: int | None = None) -> PolicyReply:
+        """Set the retention policy; returns it (``keep_last, min_replicas, pinned``)."""
+        return self.request(SetRetentionRequest(model=model, keep_last=keep_last,
+                                                min_replicas=min_replicas), PolicyReply)
 
-    def pin(self, model: str, version: int) -> dict[str, Any]:
-        """Retain a version regardless of ``keep_last``."""
-        return self.call("pin", {"model": model, "version": version, "pinned": True})
+    def pin(self, model: str, version: int) -> PolicyReply:
+        """Retain a version regardless of ``keep_last``; returns the policy."""
+        return self.request(PinRequest(model=model, version=version, pinned=True), PolicyReply)
 
-    def unpin(self, model: str, version: int) -> dict[str, Any]:
-        """Undo `pin`."""
-        return self.call("pin", {"model": model, "version": version, "pinned": False})
+    def unpin(self, model: str, version: int) -> PolicyReply:
+        """Undo `pin`; returns the policy."""
+        return self.request(PinRequest(model=model, version=version, pinned=False),
+                            PolicyReply)
 
     def latest(self, model: str) -> int | None:
         """The newest committed version with a live complete replica, or None."""
-        return self.call("latest", {"model": model})["version"]
+        return self.request(LatestRequest(model=model), VersionReply).version
 
     def wait_version(self, model: str, *, after: int = 0, timeout: float = 30.0) -> int:
         """Block until `latest` is newer than ``after``; returns it.
@@ -557,10 +676,10 @@ class HubClient:
         while True:
             left = end - time.monotonic()
             piece = max(0.0, min(left, 10.0))
-            v = self.call("wait_version", {"model": model, "after": after, "timeout": piece},
-                          wait_s=piece)["version"]
+            v = self.request(WaitVersionRequest(model=model, after=after, timeout=piece),
+                             VersionReply, wait_s=piece).version
             if v is not None:
-                return int(v)
+                return v
             if left <= piece:
                 raise WaitTimeoutError(f"no version of {model!r} newer than v{after} was "
                                        f"committed within {timeout:g} s")
@@ -594,10 +713,8 @@ class HubClient:
         if len(value) > MAX_KV_VALUE:
             raise ValueTooLargeError(f"value for key {key!r} is {len(value)} bytes, over the "
                                      f"{MAX_KV_VALUE}-byte limit of the rendezvous store")
-        args: dict[str, Any] = {"key": key, "value": value}
-        if ttl is not None:
-            args["ttl"] = float(ttl)
-        self.call("kv_put", args)
+        self.request(KvPutRequest(key=key, value=value,
+                                  ttl=None if ttl is None else float(ttl)), KvPutReply)
 
     def kv_get(self, key: str, *, timeout: float = 30.0) -> bytes:
         """The value under ``key``, waiting (hub-side long poll) until someone puts it.
@@ -618,28 +735,29 @@ class HubClient:
         while True:
             left = end - time.monotonic()
             piece = max(0.0, min(left, 10.0))
-            value = self.call("kv_get", {"key": key, "timeout": piece}, wait_s=piece)["value"]
+            value = self.request(KvGetRequest(key=key, timeout=piece), KvGetReply,
+                                 wait_s=piece).value
             if value is not None:
-                return bytes(value)
+                return value
             if left <= piece:
                 raise HubTimeoutError(f"rendezvous key {key!r} did not appear on {self.url} "
                                       f"within {timeout:g} s; did the peer kv_put it (to this "
                                       "hub, before it restarted)?")
 
-    def status(self) -> dict[str, Any]:
-        """The hub's snapshot (what `fabric hub status` shows)."""
-        return self.call("status", {})
+    def status(self) -> StatusReply:
+        """The hub's snapshot (what `fabric hub status` shows), as plain data."""
+        return self.request(StatusRequest(), StatusReply)
 
     def unregister(self) -> None:
         """Leave now: the hub drops this worker's replicas and fetches."""
-        self.call("unregister", self._w())
+        self.request(UnregisterRequest(worker=self._me()), EmptyReply)
         with self._lock:
             self._holdings.clear()
 
 
 def connect(url: str, *, worker: str | None = None,
             location: Location | dict[str, str] | None = None,
-            endpoints: dict[str, Any] | None = None, timeout: float = 10.0,
+            endpoints: Endpoints | None = None, timeout: float = 10.0,
             heartbeat: bool = True) -> HubClient:
     """Connect to a hub; with ``worker``, register it and keep its lease by heartbeat.
 

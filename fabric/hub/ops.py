@@ -1,8 +1,12 @@
-"""The hub's operations as the wire names them: argument checks and dispatch.
+"""The hub's operations as the wire names them: the registry and the handlers.
 
-Each handler takes ``(state, session, args)`` and returns a reply body, or a
-`Park` when the answer must wait (long-polls): the server re-runs ``check``
-whenever the state changes and answers ``on_timeout()`` at the deadline.
+`OPS` maps each operation to its request type (`fabric.hub_messages`) and its
+handler. The server decodes a request's body into that type (msgspec's typed
+decoding: a missing, unknown or mistyped field is refused there, once) and calls
+the handler with ``(state, session, request)``; what is left here are the checks
+a type cannot say (finite waits, manifests, chunk ranges). A handler returns a
+reply, or a `Park` when the answer must wait (long-polls): the server re-runs
+``check`` whenever the state changes and answers ``on_timeout()`` at the deadline.
 """
 
 from __future__ import annotations
@@ -10,301 +14,281 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from weightfabric.fabric.errors import BadRequestError
 from weightfabric.fabric.hub.state import HubState, check_manifest_size
+from weightfabric.fabric.hub_messages import (
+    AbortPublishRequest,
+    BeginFetchRequest,
+    BeginPublishRequest,
+    CommitRequest,
+    CompleteFetchRequest,
+    CompleteReply,
+    DropRequest,
+    GroupStatusRequest,
+    HeartbeatRequest,
+    KvGetReply,
+    KvGetRequest,
+    KvPutRequest,
+    LatestRequest,
+    LocateRequest,
+    ManifestWire,
+    PingReply,
+    PingRequest,
+    PinRequest,
+    PlanRequest,
+    RegisterRequest,
+    ReleaseRequest,
+    Reply,
+    ReportProgressRequest,
+    Request,
+    RestoreRequest,
+    RetractReply,
+    RetractRequest,
+    RetractStatusRequest,
+    SetRetentionRequest,
+    StatusReply,
+    StatusRequest,
+    UnregisterRequest,
+    VersionReply,
+    WaitVersionRequest,
+)
 from weightfabric.fabric.locality import Location
 from weightfabric.fabric.manifest import Manifest
 
 MAX_WAIT_S = 300.0
 
+R = TypeVar("R", bound=Request)
+Answer = Reply | StatusReply
+
 
 @dataclass
 class Park:
-    """A reply that waits: ``check()`` returns the body once ready, else None."""
+    """A reply that waits: ``check()`` returns the reply once ready, else None."""
 
-    check: Callable[[], dict[str, Any] | None]
+    check: Callable[[], Reply | None]
     timeout: float
-    on_timeout: Callable[[], dict[str, Any]]
+    on_timeout: Callable[[], Reply]
 
 
-_MISSING = object()
+@dataclass(frozen=True)
+class Op(Generic[R]):
+    """One operation: the type its request body decodes to, and its handler."""
+
+    request: type[R]
+    handler: Callable[[HubState, str, R], Answer | Park]
 
 
-def _arg(args: dict[str, Any], key: str, kinds: type | tuple[type, ...], default: Any = _MISSING
-         ) -> Any:
-    value = args.get(key, default)
-    if value is _MISSING:
-        raise BadRequestError(f"missing argument {key!r}")
-    if value is None and default is None:
-        return None
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise BadRequestError(f"argument {key!r} must be {kinds}, got a bool")
-    if not isinstance(value, kinds):
-        raise BadRequestError(f"argument {key!r} must be {kinds}, got {type(value).__name__}")
-    return value
-
-
-def _ints(args: dict[str, Any], key: str) -> list[int] | None:
-    value = _arg(args, key, list, None)
-    if value is not None and not all(isinstance(c, int) and not isinstance(c, bool)
-                                     for c in value):
-        raise BadRequestError(f"argument {key!r} must be a list of ints")
-    return value
-
-
-def _strs(args: dict[str, Any], key: str) -> list[str] | None:
-    value = _arg(args, key, list, None)
-    if value is not None and not all(isinstance(c, str) for c in value):
-        raise BadRequestError(f"argument {key!r} must be a list of strings")
-    return value
-
-
-def _manifest(args: dict[str, Any]) -> Manifest:
-    return _parse_manifest(_arg(args, "manifest", dict), "bad manifest")
-
-
-def _parse_manifest(raw: Any, what: str) -> Manifest:
-    """A wire manifest, checked (fields and `MAX_CHUNKS`).
+def parse_manifest(wire: ManifestWire, what: str = "bad manifest") -> Manifest:
+    """A wire manifest, checked (layout and `MAX_CHUNKS`).
 
     Raises:
-        BadRequestError: malformed, or too many chunks.
+        BadRequestError: an invalid layout, or too many chunks.
     """
     try:
-        manifest = Manifest.from_wire(raw)
+        manifest = wire.manifest()
         check_manifest_size(manifest)
     except ValueError as exc:
         raise BadRequestError(f"{what}: {exc}") from exc
     return manifest
 
 
-def _wait(args: dict[str, Any]) -> float:
+def _wait(timeout: float) -> float:
     """A long poll's wait in seconds, clamped to 0..`MAX_WAIT_S`.
 
     Raises:
-        BadRequestError: not a number, or NaN / infinite (it could never be answered).
+        BadRequestError: NaN or infinite (it could never be answered).
     """
-    timeout = float(_arg(args, "timeout", (int, float), 0.0))
     if not math.isfinite(timeout):
         raise BadRequestError(f"argument 'timeout' must be a finite number of seconds, got "
                               f"{timeout}; pass at most {MAX_WAIT_S:g}")
     return min(max(timeout, 0.0), MAX_WAIT_S)
 
 
-def _worker(args: dict[str, Any]) -> str:
-    return _arg(args, "worker", str)
+def op_register(s: HubState, session: str, a: RegisterRequest) -> Answer:
+    return s.register(a.worker, session=session, location=Location.from_wire(a.location),
+                      endpoints=a.endpoints)
 
 
-def op_register(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    try:
-        loc = Location.from_wire(a.get("location"))
-    except ValueError as exc:
-        raise BadRequestError(str(exc)) from exc
-    return s.register(_worker(a), session=session, location=loc,
-                      endpoints=_arg(a, "endpoints", dict, None))
+def op_heartbeat(s: HubState, session: str, a: HeartbeatRequest) -> Answer:
+    return s.heartbeat(a.worker, session=session, publishing=a.publishing)
 
 
-def op_heartbeat(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    publishing = _arg(a, "publishing", list, None)
-    if publishing is not None and not all(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
-            and isinstance(p[1], int) and not isinstance(p[1], bool) for p in publishing):
-        raise BadRequestError("argument 'publishing' must be a list of [model, version]")
-    return s.heartbeat(_worker(a), session=session, publishing=publishing)
+def op_unregister(s: HubState, session: str, a: UnregisterRequest) -> Answer:
+    return s.unregister(a.worker, session=session)
 
 
-def op_unregister(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.unregister(_worker(a), session=session)
+def op_drop(s: HubState, session: str, a: DropRequest) -> Answer:
+    return s.drop(a.model, a.worker, session=session)
 
 
-def op_drop(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.drop(_arg(a, "model", str), _worker(a), session=session)
+def op_restore(s: HubState, session: str, a: RestoreRequest) -> Answer:
+    return s.restore(a.worker, session=session, holdings=a.holdings)
 
 
-def op_restore(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    holdings = [_holding(h) for h in _arg(a, "holdings", list)]
-    return s.restore(_worker(a), session=session, holdings=holdings)
+def op_begin_publish(s: HubState, session: str, a: BeginPublishRequest) -> Answer:
+    return s.begin_publish(a.model, a.worker, parse_manifest(a.manifest), session=session,
+                           shard=a.shard, num_shards=a.num_shards, group=a.group)
 
 
-_HOLDING_STATES = ("publishing", "committed")
+def op_commit(s: HubState, session: str, a: CommitRequest) -> Answer:
+    return s.commit(a.model, a.version, a.worker, session=session)
 
 
-def _holding(h: Any) -> dict[str, Any]:
-    """One ``restore`` holding, every field type-checked (nothing changes on a bad one).
-
-    Raises:
-        BadRequestError: not a map, a field of the wrong type, a bad manifest, an
-            unknown state, or chunk indices out of range.
-    """
-    if not isinstance(h, dict):
-        raise BadRequestError("each holding must be a map")
-    manifest = _parse_manifest(h.get("manifest"), "bad manifest in holding")
-    out = {"model": _arg(h, "model", str), "version": _arg(h, "version", int),
-           "shard": _arg(h, "shard", int), "num_shards": _arg(h, "num_shards", int, 1),
-           "manifest": manifest, "state": _arg(h, "state", str, "publishing"),
-           "complete": _arg(h, "complete", bool, False),
-           "publisher": _arg(h, "publisher", bool, False),
-           "fetch_id": _arg(h, "fetch_id", str, None), "chunks": _ints(h, "chunks") or [],
-           "group": _arg(h, "group", str, None)}
-    if out["state"] not in _HOLDING_STATES:
-        raise BadRequestError(f"holding state must be one of {_HOLDING_STATES}, "
-                              f"got {out['state']!r}")
-    if out["version"] < 1:
-        raise BadRequestError(f"holding version must be >= 1, got {out['version']}")
-    bad = [c for c in out["chunks"] if not 0 <= c < manifest.num_chunks]
-    if bad:
-        raise BadRequestError(f"holding chunk indices out of range 0..{manifest.num_chunks - 1}:"
-                              f" {bad[:8]}")
-    return out
+def op_abort_publish(s: HubState, session: str, a: AbortPublishRequest) -> Answer:
+    return s.abort_publish(a.model, a.version, a.worker, session=session, reason=a.reason)
 
 
-def op_begin_publish(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.begin_publish(_arg(a, "model", str), _worker(a), _manifest(a), session=session,
-                           shard=_arg(a, "shard", int, 0), num_shards=_arg(a, "num_shards", int, 1),
-                           group=_arg(a, "group", str, None))
+def op_begin_fetch(s: HubState, session: str, a: BeginFetchRequest) -> Answer:
+    return s.begin_fetch(a.model, a.version, a.worker, session=session, fetch_id=a.fetch_id,
+                         shard=a.shard, fingerprint=a.fingerprint, group=a.group,
+                         group_size=a.group_size, have=a.have)
 
 
-def op_commit(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.commit(_arg(a, "model", str), _arg(a, "version", int), _worker(a), session=session)
+def op_locate(s: HubState, session: str, a: LocateRequest) -> Answer:
+    return s.locate(a.model, a.version, worker=a.worker)
 
 
-def op_abort_publish(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.abort_publish(_arg(a, "model", str), _arg(a, "version", int), _worker(a),
-                           session=session, reason=_arg(a, "reason", str, ""))
+def op_plan(s: HubState, session: str, a: PlanRequest) -> Answer:
+    return s.plan(a.fetch_id, a.worker, session=session, chunks=a.chunks, exclude=a.exclude,
+                  with_manifest=a.with_manifest)
 
 
-def op_begin_fetch(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.begin_fetch(_arg(a, "model", str), _arg(a, "version", (int, str), "latest"),
-                         _worker(a), session=session, fetch_id=_arg(a, "fetch_id", str),
-                         shard=_arg(a, "shard", int, 0),
-                         fingerprint=_arg(a, "fingerprint", str, None),
-                         group=_arg(a, "group", str, None),
-                         group_size=_arg(a, "group_size", int, 1), have=_ints(a, "have"))
+def op_report_progress(s: HubState, session: str, a: ReportProgressRequest) -> Answer:
+    return s.report_progress(a.fetch_id, a.worker, session=session, chunks=a.chunks,
+                             sources=a.sources)
 
 
-def op_locate(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.locate(_arg(a, "model", str), _arg(a, "version", (int, str), "latest"),
-                    worker=_arg(a, "worker", str, None))
-
-
-def op_plan(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.plan(_arg(a, "fetch_id", str), _worker(a), session=session,
-                  chunks=_ints(a, "chunks"), exclude=_strs(a, "exclude"),
-                  with_manifest=_arg(a, "with_manifest", bool, True))
-
-
-def op_report_progress(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.report_progress(_arg(a, "fetch_id", str), _worker(a), session=session,
-                             chunks=_ints(a, "chunks") or [], sources=_strs(a, "sources"))
-
-
-def op_complete_fetch(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any] | Park:
-    fetch_id = _arg(a, "fetch_id", str)
-    rec = s.fetches.get(fetch_id)
-    out = s.complete_fetch(fetch_id, _worker(a), session=session)
-    timeout = _wait(a)
-    if out["group"] != "open" or timeout <= 0 or rec is None or rec.group is None:
+def op_complete_fetch(s: HubState, session: str, a: CompleteFetchRequest) -> Answer | Park:
+    rec = s.fetches.get(a.fetch_id)
+    out = s.complete_fetch(a.fetch_id, a.worker, session=session)
+    timeout = _wait(a.timeout)
+    if out.group != "open" or timeout <= 0 or rec is None or rec.group is None:
         return out
     model, group = rec.model, rec.group
 
-    def check() -> dict[str, Any] | None:
+    def check() -> CompleteReply | None:
         g = s.group_status(model, group)
-        return None if g["state"] == "open" else {"complete": g["state"] == "committed",
-                                                  "group": g["state"]}
+        return None if g.state == "open" else CompleteReply(complete=g.state == "committed",
+                                                            group=g.state)
     return Park(check, timeout, lambda: out)
 
 
-def op_group_status(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.group_status(_arg(a, "model", str), _arg(a, "group", str))
+def op_group_status(s: HubState, session: str, a: GroupStatusRequest) -> Answer:
+    return s.group_status(a.model, a.group)
 
 
-def op_release(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.release(_arg(a, "fetch_id", str), _worker(a), session=session)
+def op_release(s: HubState, session: str, a: ReleaseRequest) -> Answer:
+    return s.release(a.fetch_id, a.worker, session=session)
 
 
-def op_retract(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any] | Park:
-    model, version, worker = _arg(a, "model", str), _arg(a, "version", int), _worker(a)
-    out = s.retract(model, version, worker, session=session,
-                    delay=bool(_arg(a, "delay", bool, False)))
-    timeout = _wait(a)
-    if out["state"] == "done" or timeout <= 0:
+def op_retract(s: HubState, session: str, a: RetractRequest) -> Answer | Park:
+    model, version, worker = a.model, a.version, a.worker
+    out = s.retract(model, version, worker, session=session, delay=a.delay)
+    timeout = _wait(a.timeout)
+    if out.state == "done" or timeout <= 0:
         return out
 
-    def check() -> dict[str, Any] | None:
+    def check() -> RetractReply | None:
         st = s.retract_status(model, version, worker)
-        return st if st["state"] == "done" else None
+        return st if st.state == "done" else None
     return Park(check, timeout, lambda: s.retract_status(model, version, worker))
 
 
-def op_retract_status(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.retract_status(_arg(a, "model", str), _arg(a, "version", int), _worker(a))
+def op_retract_status(s: HubState, session: str, a: RetractStatusRequest) -> Answer:
+    return s.retract_status(a.model, a.version, a.worker)
 
 
-def op_set_retention(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+def op_set_retention(s: HubState, session: str, a: SetRetentionRequest) -> Answer:
     try:
-        return s.set_retention(_arg(a, "model", str), keep_last=_arg(a, "keep_last", int, None),
-                               min_replicas=_arg(a, "min_replicas", int, None))
+        return s.set_retention(a.model, keep_last=a.keep_last, min_replicas=a.min_replicas)
     except ValueError as exc:
         raise BadRequestError(str(exc)) from exc
 
 
-def op_pin(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return s.pin(_arg(a, "model", str), _arg(a, "version", int),
-                 bool(_arg(a, "pinned", bool, True)))
+def op_pin(s: HubState, session: str, a: PinRequest) -> Answer:
+    return s.pin(a.model, a.version, a.pinned)
 
 
-def op_latest(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return {"version": s.latest(_arg(a, "model", str))}
+def op_latest(s: HubState, session: str, a: LatestRequest) -> Answer:
+    return VersionReply(version=s.latest(a.model))
 
 
-def op_wait_version(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any] | Park:
-    model, after = _arg(a, "model", str), _arg(a, "after", int, 0)
+def op_wait_version(s: HubState, session: str, a: WaitVersionRequest) -> Answer | Park:
+    model, after = a.model, a.after
 
-    def check() -> dict[str, Any] | None:
+    def check() -> VersionReply | None:
         v = s.latest(model)
-        return {"version": v} if v is not None and v > after else None
+        return VersionReply(version=v) if v is not None and v > after else None
     ready = check()
-    timeout = _wait(a)
+    timeout = _wait(a.timeout)
     if ready is not None or timeout <= 0:
-        return ready or {"version": None}
-    return Park(check, timeout, lambda: {"version": None})
+        return ready or VersionReply(version=None)
+    return Park(check, timeout, lambda: VersionReply(version=None))
 
 
-def op_kv_put(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    ttl = _arg(a, "ttl", (int, float), None)
-    return s.kv_put(_arg(a, "key", str), _arg(a, "value", bytes),
-                    ttl=None if ttl is None else float(ttl))
+def op_kv_put(s: HubState, session: str, a: KvPutRequest) -> Answer:
+    return s.kv_put(a.key, a.value, ttl=a.ttl)
 
 
-def op_kv_get(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any] | Park:
-    key = _arg(a, "key", str)
+def op_kv_get(s: HubState, session: str, a: KvGetRequest) -> Answer | Park:
+    key = a.key
 
-    def check() -> dict[str, Any] | None:
+    def check() -> KvGetReply | None:
         value = s.kv_get(key)
-        return None if value is None else {"value": value}
+        return None if value is None else KvGetReply(value=value)
     ready = check()
-    timeout = _wait(a)
+    timeout = _wait(a.timeout)
     if ready is not None or timeout <= 0:
-        return ready or {"value": None}
-    return Park(check, timeout, lambda: {"value": None})
+        return ready or KvGetReply(value=None)
+    return Park(check, timeout, lambda: KvGetReply(value=None))
 
 
-def op_status(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
+def op_status(s: HubState, session: str, a: StatusRequest) -> Answer:
     return s.snapshot()
 
 
-def op_ping(s: HubState, session: str, a: dict[str, Any]) -> dict[str, Any]:
-    return {"pong": True}
+def op_ping(s: HubState, session: str, a: PingRequest) -> Answer:
+    return PingReply()
 
 
-OPS: dict[str, Callable[[HubState, str, dict[str, Any]], dict[str, Any] | Park]] = {
-    name[3:]: fn for name, fn in globals().items() if name.startswith("op_")
-}
+def _op(request: type[R], handler: Callable[[HubState, str, R], Answer | Park]) -> Op[Any]:
+    return Op(request, handler)
+
+
+# Every operation the hub serves, by its wire name (`Request.op`).
+OPS: dict[str, Op[Any]] = {op.request.op: op for op in (
+    _op(PingRequest, op_ping),
+    _op(StatusRequest, op_status),
+    _op(RegisterRequest, op_register),
+    _op(HeartbeatRequest, op_heartbeat),
+    _op(UnregisterRequest, op_unregister),
+    _op(DropRequest, op_drop),
+    _op(RestoreRequest, op_restore),
+    _op(BeginPublishRequest, op_begin_publish),
+    _op(CommitRequest, op_commit),
+    _op(AbortPublishRequest, op_abort_publish),
+    _op(BeginFetchRequest, op_begin_fetch),
+    _op(LocateRequest, op_locate),
+    _op(PlanRequest, op_plan),
+    _op(ReportProgressRequest, op_report_progress),
+    _op(CompleteFetchRequest, op_complete_fetch),
+    _op(GroupStatusRequest, op_group_status),
+    _op(ReleaseRequest, op_release),
+    _op(RetractRequest, op_retract),
+    _op(RetractStatusRequest, op_retract_status),
+    _op(SetRetentionRequest, op_set_retention),
+    _op(PinRequest, op_pin),
+    _op(LatestRequest, op_latest),
+    _op(WaitVersionRequest, op_wait_version),
+    _op(KvPutRequest, op_kv_put),
+    _op(KvGetRequest, op_kv_get),
+)}
 
 # Operations that change nothing a retry could see twice: the hub does not keep their
 # replies for retries (a retried one runs again and answers from the current state).
 READ_ONLY = frozenset({"group_status", "kv_get", "latest", "locate", "ping", "retract_status",
                        "status", "wait_version"})
 
-__all__ = ["MAX_WAIT_S", "OPS", "READ_ONLY", "Park"]
+__all__ = ["MAX_WAIT_S", "OPS", "READ_ONLY", "Op", "Park", "parse_manifest"]

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from weightfabric.fabric.hub.records import LIVE, Replica, VersionRecord, WorkerRecord
+from weightfabric.fabric.hub_messages import PlanRangeWire
 from weightfabric.fabric.locality import Location, RankSources, SourceCandidate
 
 
 def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]], *,
           banned: set[str], workers: dict[str, WorkerRecord], load: Counter[str],
           rank_sources: RankSources, max_sources: int
-          ) -> tuple[list[dict[str, Any]], set[str], list[int]]:
+          ) -> tuple[list[PlanRangeWire], set[str], list[int]]:
     """Ranked sources for each chunk the reader needs and can read now.
 
     ``need`` is sorted, disjoint ``(start, stop)`` runs of chunks (`runs`,
@@ -57,7 +57,7 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]]
               [names[i] for i in row[sources:] if i >= 0]) for row in kinds.tolist()]
     read = np.asarray([bool(srcs) for srcs, _ in kinds])[kind_of]
     # The ranges share their kind's lists (the reply is serialised, not changed).
-    ranges = [{"start": a, "stop": b, "sources": kinds[k][0], "wait": kinds[k][1]}
+    ranges = [PlanRangeWire(start=a, stop=b, sources=kinds[k][0], wait=kinds[k][1])
               for a, b, k in zip(starts[firsts[read]].tolist(), stops[lasts[read]].tolist(),
                                  kind_of[read].tolist(), strict=True)]
     missing = [c for a, b in zip(starts[firsts[~read]].tolist(), stops[lasts[~read]].tolist(),

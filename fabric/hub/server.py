@@ -1,7 +1,9 @@
 """The hub process: a zmq ROUTER serving `HubState` operations.
 
 One thread owns the socket and the state (no locks): it receives a request,
-decodes it (`fabric.protocol`), runs the operation (`fabric.hub.ops`), persists
+decodes it (`fabric.protocol`; its body into the operation's request type from
+`fabric.hub_messages`, once: a bad field is a `BadRequestError` naming the op and
+the field), runs the operation (`fabric.hub.ops`), persists
 new version counters when a state dir is set, and replies. Long-polls are parked
 and answered when the state changes or their deadline passes; a timer tick
 expires leases even when no request arrives. Bad frames get a typed error reply
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -25,21 +28,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from weightfabric.fabric.errors import BadRequestError, HubError, ProtocolError
-from weightfabric.fabric.hub.ops import OPS, READ_ONLY, Park
+from weightfabric.fabric.hub.ops import OPS, READ_ONLY, Answer, Park
 from weightfabric.fabric.hub.persist import load_state, save_state
 from weightfabric.fabric.hub.state import DEFAULT_LEASE_S, HubState
+from weightfabric.fabric.hub_messages import ErrorBody, Request
 from weightfabric.fabric.locality import RankSources, rank_by_locality
 from weightfabric.fabric.protocol import (
     ERROR,
     MAX_MESSAGE_SIZE,
+    PROTOCOL_VERSION,
     REPLY,
     REQUEST,
+    Message,
     decode,
+    decode_body,
     encode,
     peek_req_id,
+    peek_version,
 )
 from weightfabric.fabric.zmq_util import endpoint, make_socket, url_of
 
@@ -211,7 +220,9 @@ class HubServer:
         except ProtocolError as exc:
             self.num_bad_frames += 1
             log.warning("bad frame from %s: %s", ident.hex(), exc)
-            self._send_error(ident, peek_req_id(payload), exc)
+            # in the sender's version: an older client can read the error and say why
+            self._send(ident, self._error_bytes(peek_req_id(payload), exc,
+                                                version=peek_version(payload)))
             return
         key = (msg.tag, msg.req_id)
         if key in self._replies:
@@ -220,13 +231,13 @@ class HubServer:
         if key in self._parked:
             self._parked[key].ident = ident
             return
-        fn = OPS.get(msg.name)
+        op = OPS.get(msg.name)
         cache = msg.name not in READ_ONLY
         try:
-            if fn is None:
+            if op is None:
                 raise BadRequestError(f"unknown operation {msg.name!r}; is the client newer "
                                       "than the hub?")
-            result = fn(self.state, msg.tag, msg.body)
+            result = op.handler(self.state, msg.tag, _request(msg, op.request))
         except HubError as exc:
             self._finish(ident, key, self._error_bytes(msg.req_id, exc), cache=cache)
             return
@@ -307,14 +318,16 @@ class HubServer:
         self._saved_generation = generation
 
     # --------------------------------------------------------------- replies
-    def _reply_bytes(self, req_id: int, body: dict[str, Any]) -> bytes:
+    def _reply_bytes(self, req_id: int, body: Answer) -> bytes:
         try:
             return encode(REPLY, req_id, self.epoch, "", body, max_size=self.max_message_size)
         except ProtocolError as exc:
             return self._error_bytes(req_id, exc)
 
-    def _error_bytes(self, req_id: int, exc: HubError) -> bytes:
-        return encode(ERROR, req_id, self.epoch, exc.code, {"message": str(exc)[:4096]})
+    def _error_bytes(self, req_id: int, exc: HubError, *,
+                     version: int = PROTOCOL_VERSION) -> bytes:
+        return encode(ERROR, req_id, self.epoch, exc.code, ErrorBody(message=str(exc)[:4096]),
+                      version=version)
 
     def _send_error(self, ident: bytes, req_id: int, exc: HubError) -> None:
         self._send(ident, self._error_bytes(req_id, exc))
@@ -325,6 +338,27 @@ class HubServer:
             self._sock.send_multipart([ident, data], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or its queue full: it will retry
             log.warning("reply to %s dropped: %s", ident.hex(), exc)
+
+
+_AT = re.compile(r"^(?P<what>.*) - at `\$\.?(?P<path>[^`]*)`$", re.DOTALL)
+
+
+def _request(msg: Message, request: type[Request]) -> Request:
+    """``msg``'s body as the operation's request type.
+
+    Raises:
+        BadRequestError: a missing, unknown or mistyped field (the message names the
+            operation and the field).
+        ProtocolError: a body that is not msgpack (`decode` already let it pass).
+    """
+    try:
+        return decode_body(msg, request)
+    except msgspec.ValidationError as exc:
+        m = _AT.match(str(exc))
+        where = f"argument {m['path']!r}: {m['what']}" if m else str(exc)
+        raise BadRequestError(f"{msg.name}: {where}") from exc
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"{msg.name}: undecodable arguments: {exc}") from exc
 
 
 def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,

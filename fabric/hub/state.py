@@ -39,9 +39,9 @@ import math
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 from weightfabric.fabric.errors import (
+    BadRequestError,
     DuplicateWorkerError,
     GroupAbortedError,
     InvalidStateError,
@@ -84,6 +84,30 @@ from weightfabric.fabric.hub.retention import (
 )
 from weightfabric.fabric.hub.routing import holders, missing_runs, route, runs
 from weightfabric.fabric.hub.status import status_snapshot
+from weightfabric.fabric.hub_messages import (
+    BeginPublishReply,
+    CompleteReply,
+    DropReply,
+    EmptyReply,
+    Endpoints,
+    GroupStatusReply,
+    HeartbeatReply,
+    Holder,
+    Holding,
+    KvPutReply,
+    LocateReply,
+    LocateShard,
+    ManifestWire,
+    PlanReply,
+    PlanSource,
+    PolicyReply,
+    ProgressReply,
+    PublishStateReply,
+    RegisterReply,
+    RestoreReply,
+    RetractReply,
+    StatusReply,
+)
 from weightfabric.fabric.locality import Location, RankSources, rank_by_locality
 from weightfabric.fabric.manifest import Manifest
 
@@ -160,7 +184,7 @@ class HubState:
 
     # ----------------------------------------------------------------- workers
     def register(self, worker: str, *, session: str, location: Location | None = None,
-                 endpoints: dict[str, Any] | None = None) -> dict[str, Any]:
+                 endpoints: Endpoints | None = None) -> RegisterReply:
         """Register (or refresh) a worker and start its lease.
 
         Raises:
@@ -183,10 +207,10 @@ class HubState:
         if rec is None:
             log.info("worker registered worker=%s location=%s", worker, location)
         self._touch()
-        return {"lease_s": self.lease_s}
+        return RegisterReply(lease_s=self.lease_s)
 
     def heartbeat(self, worker: str, *, session: str,
-                  publishing: list[tuple[str, int]] | None = None) -> dict[str, Any]:
+                  publishing: list[tuple[str, int]] | None = None) -> HeartbeatReply:
         """Renew a worker's lease; returns news for it.
 
         Args:
@@ -196,8 +220,8 @@ class HubState:
                 every version it publishes is claimed (older clients).
 
         Returns:
-            ``{"lease_s", "lost": {fetch_id: [workers]}, "retired": [[model, version]]}``:
-            sources that died under the worker's fetches (re-plan those chunks), and
+            ``lease_s``, ``lost`` (``{fetch_id: [workers]}``), ``retired`` (``[(model,
+            version)]``): sources that died under the worker's fetches (re-plan those chunks), and
             versions it holds that left retention (it may retract them).
 
         Raises:
@@ -219,23 +243,23 @@ class HubState:
                 f.lost.clear()
         retired = sorted({(m, n) for m, n, _ in self._index.held.get(worker, ())
                           if self.models[m].versions[n].state == RETIRED})
-        return {"lease_s": self.lease_s, "lost": lost, "retired": [list(x) for x in retired]}
+        return HeartbeatReply(lease_s=self.lease_s, lost=lost, retired=retired)
 
-    def unregister(self, worker: str, *, session: str) -> dict[str, Any]:
+    def unregister(self, worker: str, *, session: str) -> EmptyReply:
         """Remove a worker now, as if its lease expired."""
         self._worker(worker, session)
         self._drop_worker(worker, "unregistered")
         self._settle()
-        return {}
+        return EmptyReply()
 
-    def drop(self, model: str, worker: str, *, session: str) -> dict[str, Any]:
+    def drop(self, model: str, worker: str, *, session: str) -> DropReply:
         """The worker lets go of everything it holds of ``model`` (its memory is going
         away): its replicas and fetches of that model go at once, as if it were lost
         (fetch groups abort, readers learn it, versions it was publishing retire);
         retention is not consulted.
 
         Returns:
-            ``{"dropped": [version...]}``: the versions whose replica was dropped.
+            ``dropped``: the versions whose replica was dropped.
 
         Raises:
             UnknownWorkerError: not registered, or the lease already expired.
@@ -245,7 +269,7 @@ class HubState:
         log.info("worker dropped model=%s worker=%s", model, worker)
         dropped = self._drop_holdings(worker, f"dropped {model!r}", model)
         self._settle()
-        return {"dropped": dropped}
+        return DropReply(dropped=dropped)
 
     def expire(self) -> list[str]:
         """Drop every worker whose lease ended (and rendezvous keys whose ttl ran out);
@@ -292,14 +316,14 @@ class HubState:
     # ----------------------------------------------------------------- publish
     def begin_publish(self, model: str, worker: str, manifest: Manifest, *, session: str,
                       shard: int = 0, num_shards: int = 1, group: str | None = None
-                      ) -> dict[str, Any]:
+                      ) -> BeginPublishReply:
         """Start publishing one shard of a new version; the hub assigns the number.
 
         Model-parallel publishers pass the same ``group`` key and ``num_shards``: the
         first call creates the version, the others join it.
 
         Returns:
-            ``{"version": int}``.
+            The ``version`` number.
 
         Raises:
             ManifestMismatchError: another publisher of this shard sent another manifest.
@@ -336,16 +360,17 @@ class HubState:
         log.info("begin publish model=%s version=%d shard=%d worker=%s", model, v.number, shard,
                  worker)
         self._touch()
-        return {"version": v.number}
+        return BeginPublishReply(version=v.number)
 
-    def commit(self, model: str, version: int, worker: str, *, session: str) -> dict[str, Any]:
+    def commit(self, model: str, version: int, worker: str, *, session: str
+               ) -> PublishStateReply:
         """Commit the worker's shards of a publishing version.
 
         The version becomes committed (and may become `latest`) once every shard has a
         committed publisher; until then its state stays ``publishing``.
 
         Returns:
-            ``{"state": "publishing" | "committed"}``.
+            ``state``: ``"publishing"`` or ``"committed"``.
 
         Raises:
             InvalidStateError: the worker is not a publisher of this version.
@@ -368,10 +393,10 @@ class HubState:
                 rep.fill()
         self._commit_if_every_shard_committed(v, worker)
         self._settle()
-        return {"state": v.state}
+        return PublishStateReply(state=v.state)
 
     def abort_publish(self, model: str, version: int, worker: str, *, session: str,
-                      reason: str = "") -> dict[str, Any]:
+                      reason: str = "") -> PublishStateReply:
         """Abandon the worker's publish of a version that is still publishing.
 
         A publisher whose local step failed after the hub assigned the number (a region
@@ -380,7 +405,7 @@ class HubState:
         version retires as a whole (all or none).
 
         Returns:
-            ``{"state": "retired"}``.
+            ``state``: ``"retired"``.
 
         Raises:
             InvalidStateError: the worker is not a publisher of this version, or the
@@ -396,7 +421,7 @@ class HubState:
         elif v.state != RETIRED:
             raise InvalidStateError(f"{model!r} v{version} is {v.state}, not publishing: "
                                     "retract it instead")
-        return {"state": v.state}
+        return PublishStateReply(state=v.state)
 
     def _commit_if_every_shard_committed(self, v: VersionRecord, worker: str) -> None:
         """A publishing version whose every shard has a committed publisher commits."""
@@ -419,7 +444,7 @@ class HubState:
     def begin_fetch(self, model: str, version: int | str, worker: str, *, session: str,
                     fetch_id: str, shard: int = 0, fingerprint: str | None = None,
                     group: str | None = None, group_size: int = 1,
-                    have: list[int] | None = None) -> dict[str, Any]:
+                    have: list[int] | None = None) -> PlanReply:
         """Start (or resume) a fetch of one shard; the reader becomes a partial replica.
 
         Args:
@@ -515,7 +540,7 @@ class HubState:
 
     def plan(self, fetch_id: str, worker: str, *, session: str,
              chunks: list[int] | None = None, exclude: list[str] | None = None,
-             with_manifest: bool = True) -> dict[str, Any]:
+             with_manifest: bool = True) -> PlanReply:
         """(Re)plan a fetch: ranked sources for each chunk range the reader still needs.
 
         Args:
@@ -525,10 +550,10 @@ class HubState:
                 asks without: it is one checksum per chunk, megabytes for a big shard).
 
         Returns:
-            ``{"fetch_id", "model", "version", "shard", "num_shards", "manifest",
-            "fingerprint", "ranges": [{"start", "stop", "sources": [worker...],
-            "wait": [worker...]}], "workers": {worker: {"location", "endpoints",
-            "complete"}}}`` (``manifest`` only ``with_manifest``) — chunks
+            A `PlanReply`: ``fetch_id, model, version, shard, num_shards, manifest,
+            fingerprint, ranges`` (each ``start, stop, sources, wait``) and ``workers``
+            (each ``location, endpoints, complete``); ``manifest`` only
+            ``with_manifest``. Chunks
             ``start..stop-1`` can be read from any of ``sources`` (best first; each has
             them now); ``wait`` names partial replicas ranked better than every source
             that do not have them yet and began fetching before this reader (so waits
@@ -557,21 +582,18 @@ class HubState:
         self._index.set_sources(f, (f.sources - banned) | named)
         if self._index.pending_retracts:          # an excluded retracting source may be done
             self._settle()
-        out = {
-            "fetch_id": f.fetch_id, "model": f.model, "version": f.version, "shard": f.shard,
-            "num_shards": v.num_shards, "fingerprint": manifest.fingerprint, "ranges": ranges,
-            "workers": {w: {"location": self.workers[w].location.to_wire(),
-                            "endpoints": self.workers[w].endpoints,
-                            "complete": v.replicas[(w, f.shard)].complete}
-                        for w in sorted(named)},
-        }
-        if with_manifest:
-            out["manifest"] = manifest.to_wire()
-        return out
+        return PlanReply(
+            fetch_id=f.fetch_id, model=f.model, version=f.version, shard=f.shard,
+            num_shards=v.num_shards, fingerprint=manifest.fingerprint, ranges=ranges,
+            workers={w: PlanSource(location=self.workers[w].location.to_wire(),
+                                   endpoints=self.workers[w].endpoints,
+                                   complete=v.replicas[(w, f.shard)].complete)
+                     for w in sorted(named)},
+            manifest=ManifestWire.of(manifest) if with_manifest else None)
 
     def report_progress(self, fetch_id: str, worker: str, *, session: str,
                         chunks: list[int], sources: list[str] | None = None
-                        ) -> dict[str, Any]:
+                        ) -> ProgressReply:
         """Record chunks the reader now holds (verified); others may read them from it.
 
         Args:
@@ -580,7 +602,7 @@ class HubState:
                 their retracts finish sooner).
 
         Returns:
-            ``{"have": int, "num_chunks": int, "lost": [workers]}`` — ``lost``: sources
+            ``have`` (chunks held), ``num_chunks``, ``lost`` (workers): ``lost``: sources
             of this fetch that died since last told (re-plan the chunks you miss).
         """
         f = self._fetch(fetch_id, worker, session)
@@ -592,15 +614,15 @@ class HubState:
         lost = sorted(f.lost)
         f.lost.clear()
         self._settle()
-        return {"have": rep.count, "num_chunks": len(rep.have), "lost": lost}
+        return ProgressReply(have=rep.count, num_chunks=len(rep.have), lost=lost)
 
-    def complete_fetch(self, fetch_id: str, worker: str, *, session: str) -> dict[str, Any]:
+    def complete_fetch(self, fetch_id: str, worker: str, *, session: str) -> CompleteReply:
         """The reader holds every chunk, verified: it becomes a complete replica.
 
         In a fetch group the replicas become complete only when every member completed.
 
         Returns:
-            ``{"complete": bool, "group": None | "open" | "committed" | "aborted"}``
+            ``complete`` (bool), ``group``: None, ``"open"``, ``"committed"`` or ``"aborted"``
             (``"aborted"``: this completion found a member gone and aborted the group).
 
         Raises:
@@ -615,7 +637,7 @@ class HubState:
             v.reindex(rep)
             self._end_fetch(f, keep_replica=True)
             self._settle()
-            return {"complete": True, "group": None}
+            return CompleteReply(complete=True, group=None)
         g = self.groups[(f.model, f.group)]
         g.members[fetch_id] = True
         f.done = True
@@ -623,7 +645,7 @@ class HubState:
         if len(g.members) == g.size and all(g.members.values()):
             self._commit_group(g, v)
         self._settle()
-        return {"complete": g.state == GROUP_COMMITTED, "group": g.state}
+        return CompleteReply(complete=g.state == GROUP_COMMITTED, group=g.state)
 
     def _commit_group(self, g: FetchGroup, v: VersionRecord) -> None:
         """Every member completed: their replicas become complete together, or, if one
@@ -641,29 +663,29 @@ class HubState:
             v.reindex(rep)
         log.info("fetch group committed group=%s model=%s version=%d", g.key, g.model, g.version)
 
-    def group_status(self, model: str, group: str) -> dict[str, Any]:
-        """``{"state", "version", "size", "done", "reason"}`` of a fetch group."""
+    def group_status(self, model: str, group: str) -> GroupStatusReply:
+        """A fetch group's ``state, version, size, done, reason``."""
         self.expire()
         g = self.groups.get((model, group))
         if g is None:
             raise UnknownFetchError(f"no fetch group {group!r} for {model!r}")
-        return {"state": g.state, "version": g.version, "size": g.size,
-                "done": sum(g.members.values()), "reason": g.reason}
+        return GroupStatusReply(state=g.state, version=g.version, size=g.size,
+                                done=sum(g.members.values()), reason=g.reason)
 
-    def release(self, fetch_id: str, worker: str, *, session: str) -> dict[str, Any]:
+    def release(self, fetch_id: str, worker: str, *, session: str) -> EmptyReply:
         """Abandon a fetch: its partial replica stops being routed (a group aborts)."""
         f = self._fetch(fetch_id, worker, session)
         self._end_fetch(f, keep_replica=False, reason=f"{worker} released its fetch")
         self._settle()
-        return {}
+        return EmptyReply()
 
     # ----------------------------------------------------------------- retract
     def retract(self, model: str, version: int, worker: str, *, session: str,
-                delay: bool = False) -> dict[str, Any]:
+                delay: bool = False) -> RetractReply:
         """Stop routing reads to the worker's replicas of a version.
 
         Returns:
-            ``{"state": "done" | "retracting" | "delayed"}``: ``done`` — no read may be in
+            ``state``: ``done`` — no read may be in
             flight, the holder may overwrite; ``retracting`` — waiting for fetches that may
             read from it (see `retract_status`); ``delayed`` — still routed until another
             replica lets retention hold.
@@ -697,26 +719,26 @@ class HubState:
                 r.retract_delayed = True
                 self._index.delayed.add((model, version, r.shard, worker))
             self._settle()  # the ended fetches' replicas go once no reader is left
-            return {"state": "delayed"}
+            return RetractReply(state="delayed")
         for r in reps:
             r.retract_delayed = False
             self._index.delayed.discard((model, version, r.shard, worker))
             self._index.set_status(v, r, RETRACTING)
         self._settle()
-        return {"state": retract_state(v, worker)}
+        return RetractReply(state=retract_state(v, worker))
 
-    def retract_status(self, model: str, version: int, worker: str) -> dict[str, Any]:
-        """``{"state": "done" | "retracting" | "delayed" | "live"}`` of a retract."""
+    def retract_status(self, model: str, version: int, worker: str) -> RetractReply:
+        """A retract's ``state``: ``done``, ``retracting``, ``delayed`` or ``live``."""
         self.expire()
         m = self.models.get(model)
         v = m.versions.get(version) if m else None
         if v is None:
-            return {"state": "done"}
-        return {"state": retract_state(v, worker)}
+            return RetractReply(state="done")
+        return RetractReply(state=retract_state(v, worker))
 
     # --------------------------------------------------------------- retention
     def set_retention(self, model: str, *, keep_last: int | None = None,
-                      min_replicas: int | None = None) -> dict[str, Any]:
+                      min_replicas: int | None = None) -> PolicyReply:
         """Change a model's retention policy (creates the model if new)."""
         m = self.models.setdefault(model, ModelRecord(model))
         policy = RetentionPolicy(keep_last if keep_last is not None else m.policy.keep_last,
@@ -726,9 +748,9 @@ class HubState:
         self.durable_generation += 1
         self._index.dirty_models.add(model)
         self._settle()
-        return policy.to_wire()
+        return _policy_reply(policy)
 
-    def pin(self, model: str, version: int, pinned: bool = True) -> dict[str, Any]:
+    def pin(self, model: str, version: int, pinned: bool = True) -> PolicyReply:
         """Pin (retain regardless of ``keep_last``) or unpin a committed version."""
         v = self._version(model, version)
         policy = self.models[model].policy
@@ -741,10 +763,10 @@ class HubState:
         self.durable_generation += 1
         self._index.dirty_models.add(model)
         self._settle()
-        return policy.to_wire()
+        return _policy_reply(policy)
 
     # --------------------------------------------------------------- rendezvous
-    def kv_put(self, key: str, value: bytes, *, ttl: float | None = None) -> dict[str, Any]:
+    def kv_put(self, key: str, value: bytes, *, ttl: float | None = None) -> KvPutReply:
         """Store a small value under ``key`` (last writer wins); soft state.
 
         Args:
@@ -754,7 +776,7 @@ class HubState:
             ttl: seconds until the key vanishes (None: until the hub stops).
 
         Returns:
-            ``{"size": len(value)}``.
+            The value's ``size`` in bytes.
 
         Raises:
             ValueTooLargeError: the key or value is over its limit, or the hub already
@@ -764,7 +786,7 @@ class HubState:
         """
         self.kv.put(key, value, ttl=ttl)
         self._touch()
-        return {"size": len(value)}
+        return KvPutReply(size=len(value))
 
     def kv_get(self, key: str) -> bytes | None:
         """The value stored under ``key``, or None when it is absent (or its ttl ran out).
@@ -788,16 +810,15 @@ class HubState:
         return None
 
     def locate(self, model: str, version: int | str, *, worker: str | None = None
-               ) -> dict[str, Any]:
+               ) -> LocateReply:
         """Where every shard of a committed version can be read whole, for a reader that
         does not become a replica (it transforms the bytes as it reads them, e.g. to
         another tensor-parallel layout). Read-only: nothing is recorded, so a holder
         may retract meanwhile; its read server then refuses, and the reader tries the next.
 
         Returns:
-            ``{"model", "version", "num_shards", "shards": [{"manifest", "holders":
-            [worker...]}], "workers": {worker: {"location", "endpoints"}}}``, holders
-            ranked for ``worker``'s location.
+            ``model, version, num_shards, shards`` (each ``manifest, holders``) and
+            ``workers`` (each ``location, endpoints``); holders ranked for ``worker``'s location.
 
         Raises:
             UnknownModelError, UnknownVersionError: nothing committed to read.
@@ -809,63 +830,62 @@ class HubState:
         if v.state != COMMITTED:
             raise UnknownVersionError(f"{model!r} v{v.number} is {v.state}, not committed")
         reader = self.workers[worker].location if worker in self.workers else Location()
-        shards: list[dict[str, Any]] = []
+        shards: list[LocateShard] = []
         for k in range(v.num_shards):
             ranked = holders(v, k, reader, workers=self.workers, load=self._index.load,
                              rank_sources=self.rank_sources)
             if not ranked:
                 raise NoSourceError(f"{model!r} v{v.number} shard {k}: no complete live replica")
-            shards.append({"manifest": v.manifests[k].to_wire(), "holders": ranked})
-        named = sorted({w for sh in shards for w in sh["holders"]})
-        return {"model": model, "version": v.number, "num_shards": v.num_shards, "shards": shards,
-                "workers": {w: {"location": self.workers[w].location.to_wire(),
-                                "endpoints": self.workers[w].endpoints} for w in named}}
+            shards.append(LocateShard(manifest=ManifestWire.of(v.manifests[k]), holders=ranked))
+        named = sorted({w for sh in shards for w in sh.holders})
+        return LocateReply(model=model, version=v.number, num_shards=v.num_shards,
+                           shards=shards,
+                           workers={w: Holder(location=self.workers[w].location.to_wire(),
+                                              endpoints=self.workers[w].endpoints)
+                                    for w in named})
 
     def retained(self, model: str) -> set[int]:
         """Version numbers the model's retention policy keeps."""
         return retained(self.models[model])
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> StatusReply:
         """Everything `fabric hub status` shows, as plain data (`fabric.hub.status`)."""
         return status_snapshot(self)
 
     # ----------------------------------------------------------------- restore
-    def restore(self, worker: str, *, session: str, holdings: list[dict[str, Any]]
-                ) -> dict[str, Any]:
+    def restore(self, worker: str, *, session: str, holdings: list[Holding]) -> RestoreReply:
         """Re-register what a worker holds after a hub restart (soft state).
 
-        Args:
-            holdings: dicts with ``model, version, shard, num_shards, manifest (Manifest),
-                state ("publishing" | "committed"), complete (bool), chunks (list),
-                fetch_id (str | None), publisher (bool), group (str | None: the fetch
-                group; such a holding, not complete, is rejected: groups do not survive a
-                restart)``.
+        Every holding is checked before anything changes (`parse_holding`); then each
+        is restored, or rejected when it does not fit what the hub knows. A holding of
+        a fetch group, not complete, is rejected: groups do not survive a restart.
 
         Returns:
-            ``{"restored": int, "rejected": [[model, version, shard, why]]}``.
+            How many were ``restored``, and ``[(model, version, shard, why)]`` of each
+            ``rejected``.
+
+        Raises:
+            BadRequestError: a malformed holding (nothing changed).
         """
         self._worker(worker, session)
+        parsed = [(h, parse_holding(h)) for h in holdings]
         restored, rejected = 0, []
         try:
-            for h in holdings:
-                model, number, shard = h["model"], int(h["version"]), int(h["shard"])
+            for h, manifest in parsed:
                 try:
-                    self._restore_one(worker, h, model, number, shard)
+                    self._restore_one(worker, h, manifest)
                     restored += 1
                 except (ManifestMismatchError, InvalidStateError, ValueError) as exc:
-                    rejected.append([model, number, shard, str(exc)])
+                    rejected.append((h.model, h.version, h.shard, str(exc)))
         finally:        # even a bug half-way leaves retention and retracts settled
             self._settle()
-        return {"restored": restored, "rejected": rejected}
+        return RestoreReply(restored=restored, rejected=rejected)
 
-    def _restore_one(self, worker: str, h: dict[str, Any], model: str, number: int,
-                     shard: int) -> None:
-        num_shards = int(h.get("num_shards", 1))
+    def _restore_one(self, worker: str, h: Holding, manifest: Manifest) -> None:
+        model, number, shard, num_shards = h.model, h.version, h.shard, h.num_shards
         _check_shard(shard, num_shards)
-        manifest: Manifest = h["manifest"]
-        check_manifest_size(manifest)
-        if h.get("group") is not None and not h.get("complete"):
-            raise InvalidStateError(f"it was fetched in fetch group {h['group']!r}, and fetch "
+        if h.group is not None and not h.complete:
+            raise InvalidStateError(f"it was fetched in fetch group {h.group!r}, and fetch "
                                     "groups do not survive a hub restart; begin a new group")
         m = self.models.setdefault(model, ModelRecord(model))
         if number >= self.next_versions.get(model, 1):
@@ -880,7 +900,7 @@ class HubState:
                 m.retired_log.get(number) or "retired before the hub restarted"))
             m.versions[number] = v
         elif v is None:
-            state = COMMITTED if h.get("state") == COMMITTED else PUBLISHING
+            state = COMMITTED if h.state == COMMITTED else PUBLISHING
             v = VersionRecord(model, number, num_shards, state=state)
             m.versions[number] = v
             seen.add(number)
@@ -889,28 +909,28 @@ class HubState:
                 self._leases.claim(v)
         if v.num_shards != num_shards:
             raise InvalidStateError(f"v{number} has {v.num_shards} shards, holder says {num_shards}")
-        if v.state == PUBLISHING and h.get("state") == COMMITTED:
+        if v.state == PUBLISHING and h.state == COMMITTED:
             v.state = COMMITTED
             self._index.unpublish(v)
             self.durable_generation += 1
         self._index.dirty_models.add(model)
         self._set_manifest(v, shard, manifest)
         rep = Replica(worker, shard, bytearray(manifest.num_chunks))
-        committed_shard = bool(h.get("publisher") and h.get("complete"))
-        if h.get("complete") and v.state == COMMITTED:
+        committed_shard = h.publisher and h.complete
+        if h.complete and v.state == COMMITTED:
             rep.fill()
             rep.complete = True
         elif committed_shard:       # this shard committed, the version waits for others
             rep.fill()
         else:
-            rep.add_chunks(_check_chunks(list(h.get("chunks", ())), manifest.num_chunks))
+            rep.add_chunks(h.chunks)
         self._index.add_replica(v, rep)
-        if h.get("publisher") and v.state == PUBLISHING:
+        if h.publisher and v.state == PUBLISHING:
             v.publishers[(worker, shard)] = committed_shard
             self._index.add_publisher(worker, v)
             self._leases.claim(v)
             self._commit_if_every_shard_committed(v, worker)
-        fid = h.get("fetch_id")
+        fid = h.fetch_id
         if fid and not rep.complete and v.state == COMMITTED and fid not in self.fetches:
             self._index.add_fetch(FetchRecord(fid, model, number, shard, worker))
 
@@ -1089,6 +1109,31 @@ def check_manifest_size(manifest: Manifest) -> None:
                          f"(at least {fits} bytes for {manifest.total_bytes} bytes)")
 
 
+def parse_holding(h: Holding) -> Manifest:
+    """A `restore` holding's manifest, after every check its types cannot say.
+
+    Raises:
+        BadRequestError: a bad manifest, version < 1, or chunk indices out of range.
+    """
+    try:
+        manifest = h.manifest.manifest()
+        check_manifest_size(manifest)
+    except ValueError as exc:
+        raise BadRequestError(f"bad manifest in holding: {exc}") from exc
+    if h.version < 1:
+        raise BadRequestError(f"holding version must be >= 1, got {h.version}")
+    bad = [c for c in h.chunks if not 0 <= c < manifest.num_chunks]
+    if bad:
+        raise BadRequestError(f"holding chunk indices out of range 0..{manifest.num_chunks - 1}:"
+                              f" {bad[:8]}")
+    return manifest
+
+
+def _policy_reply(policy: RetentionPolicy) -> PolicyReply:
+    return PolicyReply(keep_last=policy.keep_last, min_replicas=policy.min_replicas,
+                       pinned=sorted(policy.pinned))
+
+
 def _check_shard(shard: int, num_shards: int) -> None:
     if num_shards < 1 or not 0 <= shard < num_shards:
         raise ValueError(f"shard must be in 0..num_shards-1, got shard={shard} "
@@ -1107,4 +1152,5 @@ def _fmt_chunks(chunks: list[int]) -> str:
     return ", ".join(map(str, chunks[:16])) + (" ..." if len(chunks) > 16 else "")
 
 
-__all__ = ["DEFAULT_LEASE_S", "MAX_CHUNKS", "MAX_KV_KEY", "MAX_KV_KEYS", "MAX_KV_VALUE", "HubState", "check_manifest_size"]
+__all__ = ["DEFAULT_LEASE_S", "MAX_CHUNKS", "MAX_KV_KEY", "MAX_KV_KEYS", "MAX_KV_VALUE",
+           "HubState", "check_manifest_size", "parse_holding"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from typing import Any, TypeVar
 
 import pytest
 import zmq
@@ -26,11 +27,20 @@ from weightfabric.fabric.errors import (
 )
 from weightfabric.fabric.hub import ops as hub_ops
 from weightfabric.fabric.hub import server as hub_server
-from weightfabric.fabric.hub.state import MAX_CHUNKS
+from weightfabric.fabric.hub.state import MAX_CHUNKS, HubState
+from weightfabric.fabric.hub_messages import (
+    CompleteReply,
+    DropReply,
+    PingReply,
+    PingRequest,
+    Request,
+    RestoreRequest,
+)
 from weightfabric.fabric.manifest import Manifest, TensorSpec
 from weightfabric.fabric.zmq_util import endpoint, make_socket
 
 _names = itertools.count()
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -79,7 +89,7 @@ def test_publish_fetch_complete_makes_reader_a_source(clients) -> None:
     # r1 shares r2's node: it is ranked first for the chunks it has, waited for the others.
     assert plan2.ranges[0].start == 0 and plan2.ranges[0].sources[0] == "r1"
     assert plan2.ranges[-1].sources == ("trainer",) and plan2.ranges[-1].wait == ("r1",)
-    assert r1.complete_fetch(plan.fetch_id) == {"complete": True, "group": None}
+    assert r1.complete_fetch(plan.fetch_id) == CompleteReply(complete=True, group=None)
     assert r2.replan(plan2.fetch_id).ranges[0].sources[0] == "r1"
 
 
@@ -226,7 +236,7 @@ def test_group_fetch_is_all_or_nothing(clients) -> None:
     p0 = r0.begin_fetch("policy", group="g", group_size=2)
     p1 = r1.begin_fetch("policy", group="g", group_size=2)
     assert p0.version == p1.version == v
-    assert r0.complete_fetch(p0.fetch_id) == {"complete": False, "group": "open"}
+    assert r0.complete_fetch(p0.fetch_id) == CompleteReply(complete=False, group="open")
     assert t.status()["models"]["policy"]["versions"][0]["full"] == 1   # not yet
     assert r1.complete_fetch(p1.fetch_id)["group"] == "committed"
     assert t.status()["models"]["policy"]["versions"][0]["full"] == 3
@@ -273,7 +283,7 @@ def test_a_reader_forgets_the_news_of_fetches_it_completed_or_released(hub, cloc
     r2.heartbeat()
     r3.heartbeat()
     assert r2.lost == {done.fetch_id: {"r1"}} and r3.lost == {dropped.fetch_id: {"r1"}}
-    assert r2.complete_fetch(done.fetch_id)["complete"] and r2.lost == {}
+    assert r2.complete_fetch(done.fetch_id).complete and r2.lost == {}
     r3.release(dropped.fetch_id)
     assert r3.lost == {}
 
@@ -289,7 +299,7 @@ def test_expired_worker_leaves_plans_and_readers_learn(hub, clock, clients) -> N
     r2.heartbeat()
     clock.advance(6)                        # r1 missed its heartbeat: lease over
     news = r2.heartbeat()
-    assert news["lost"] == {plan.fetch_id: ["r1"]} and r2.lost == {plan.fetch_id: {"r1"}}
+    assert news.lost == {plan.fetch_id: ["r1"]} and r2.lost == {plan.fetch_id: {"r1"}}
     assert set(r2.replan(plan.fetch_id).workers) == {"trainer"}
     clock.advance(11)                       # everyone gone except r2, which holds no chunk
     r2.heartbeat()
@@ -342,15 +352,15 @@ def test_a_hub_that_stalls_longer_than_a_lease_drops_nobody(monkeypatch, caplog,
     hub = wf.serve(f"memory://stall-{next(_names)}", lease_s=1.5)
     stall = threading.Event()
 
-    def ping_that_stalls(state, session, args):
+    def ping_that_stalls(state: HubState, session: str, args: PingRequest) -> PingReply:
         if stall.is_set():                  # once: the client retries a slow call
             stall.clear()
             time.sleep(2.5)                 # the whole loop waits: no heartbeat is read
             if then_expire:
                 state.expire()              # as every operation does first
-        return {"pong": True}
+        return PingReply()
 
-    monkeypatch.setitem(hub_ops.OPS, "ping", ping_that_stalls)
+    monkeypatch.setitem(hub_ops.OPS, "ping", hub_ops.Op(PingRequest, ping_that_stalls))
     try:
         with wf.connect(hub.url, worker="t", timeout=10) as t, \
                 wf.connect(hub.url, timeout=10) as other:
@@ -386,15 +396,15 @@ def test_a_call_racing_the_heartbeats_registration_waits_for_its_restore(hub, cl
     plan = r.begin_fetch("policy", publish(t))
     clock.advance(11)                       # both leases ran out
     t.heartbeat()
-    call, restoring = r.call, threading.Event()
+    request, restoring = r.request, threading.Event()
 
-    def slow_restore(op, args, **kw):
-        if op == "restore":
+    def slow_restore(req: Request, reply: type[T], **kw: Any) -> T:
+        if isinstance(req, RestoreRequest):
             restoring.set()
             time.sleep(0.5)                 # the fetch's call arrives meanwhile
-        return call(op, args, **kw)
+        return request(req, reply, **kw)
 
-    r.call = slow_restore
+    r.request = slow_restore
     heartbeat = threading.Thread(target=r.heartbeat, kwargs={"channel": "heartbeat"})
     heartbeat.start()
     try:
@@ -440,12 +450,12 @@ def test_drop_lets_go_of_one_model_at_once_ignoring_retention() -> None:
     hub.begin_fetch("m", v1, "r", session="r", fetch_id="fr")      # r reads from w
     keep = hub.begin_publish("other", "w", small_manifest(), session="w")["version"]
     hub.commit("other", keep, "w", session="w")
-    assert hub.drop("m", "w", session="w") == {"dropped": [v1, v2, v3]}
+    assert hub.drop("m", "w", session="w") == DropReply(dropped=[v1, v2, v3])
     hub._check_indexes()
     versions = hub.models["m"].versions
     assert not any(w == "w" for v in versions.values() for w, _ in v.replicas)
     assert "fw" not in hub.fetches and v2 not in versions      # retired, nobody holds it
-    assert hub.heartbeat("r", session="r")["lost"] == {"fr": ["w"]}
+    assert hub.heartbeat("r", session="r").lost == {"fr": ["w"]}
     assert hub.latest("m") == v3 and hub.latest("other") == keep
 
 

@@ -15,6 +15,7 @@ import weightfabric as wf
 from weightfabric.fabric.errors import GroupAbortedError, UnknownFetchError
 from weightfabric.fabric.hub.persist import STATE_FILE, load_state, save_state
 from weightfabric.fabric.hub.records import VersionRanges
+from weightfabric.fabric.hub_messages import Holding, HoldingState, ManifestWire, RestoreReply
 
 LEASE = 10.0
 
@@ -40,7 +41,7 @@ def test_publish_whose_reply_was_lost_is_retired_after_a_lease() -> None:
             assert states[known]["state"] == "publishing"        # claimed by heartbeats
             assert states[lost]["state"] == "retired"
             assert "orphaned" in states[lost]["reason"]
-            assert ["policy", lost] in news["retired"]          # the holder may retract it
+            assert ("policy", lost) in news.retired          # the holder may retract it
             assert t.commit("policy", known) == "committed"
             with pytest.raises(GroupAbortedError, match="orphaned"):
                 t.commit("policy", lost)
@@ -82,7 +83,7 @@ def test_version_retired_before_a_restart_stays_retired(tmp_path: Path) -> None:
         got = versions(obs)
         assert got[v1]["state"] == "committed" and obs.latest("policy") == v1
         assert got[v2]["state"] == "retired" and "lost" in got[v2]["reason"]
-        assert ["policy", v2] in t.heartbeat()["retired"]
+        assert ("policy", v2) in t.heartbeat().retired
         assert t.retract("policy", v2, wait=1) == "done"
         assert {"version": v2, "reason": got[v2]["reason"]} in \
             obs.status()["models"]["policy"]["retired"]
@@ -192,10 +193,9 @@ def test_fetch_group_is_not_resumed_after_a_restart(tmp_path: Path) -> None:
         hub.stop()
 
 
-def _holding(version: int, state: str, **extra) -> dict:
-    return {"model": "policy", "version": version, "shard": 0, "num_shards": 1,
-            "manifest": small_manifest(), "state": state, "complete": False, "chunks": [],
-            "fetch_id": None, "publisher": False, "group": None, **extra}
+def _holding(version: int, state: HoldingState, **extra: bool) -> Holding:
+    return Holding(model="policy", version=version, shard=0, num_shards=1,
+                   manifest=ManifestWire.of(small_manifest()), state=state, **extra)
 
 
 def test_version_restored_then_retired_is_not_revived_without_a_state_dir() -> None:
@@ -206,14 +206,15 @@ def test_version_restored_then_retired_is_not_revived_without_a_state_dir() -> N
     state = wf.HubState(lease_s=LEASE, clock=clock)
     state.register("a", session="s1")
     v5 = _holding(5, "publishing", publisher=True)
-    assert state.restore("a", session="s1", holdings=[v5]) == {"restored": 1, "rejected": []}
+    assert state.restore("a", session="s1", holdings=[v5]) == RestoreReply(restored=1,
+                                                                          rejected=[])
     clock.advance(LEASE + 1)
     state.expire()
     assert state.models["policy"].versions.get(5) is None     # retired and forgotten
     state.register("a", session="s2")
     state.restore("a", session="s2", holdings=[v5])
     assert state.models["policy"].versions[5].state == "retired"
-    assert ["policy", 5] in state.heartbeat("a", session="s2")["retired"]
+    assert ("policy", 5) in state.heartbeat("a", session="s2").retired
     # a number the hub never saw is still restored as the holder says: v3, held by a
     # worker slower to come back, is not mistaken for a retired version
     state.restore("a", session="s2", holdings=[_holding(3, "committed", complete=True)])

@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -117,10 +118,11 @@ def scenarios(draw):
 def test_route_matches_the_per_chunk_algorithm(case):
     v, need, kwargs = case
     expected = reference_route(v, 0, READER, list(need), **kwargs)
-    ranges, named, missing = route(v, 0, READER, runs(need), **kwargs)
+    wire, named, missing = route(v, 0, READER, runs(need), **kwargs)
+    ranges = [msgspec.structs.asdict(r) for r in wire]
     assert (ranges, named, missing) == expected
     assert all(type(c) is int for c in missing)                   # plain ints for the wire
-    assert all(type(r["start"]) is int and type(r["stop"]) is int for r in ranges)
+    assert all(type(r.start) is int and type(r.stop) is int for r in wire)
 
 
 def test_route_large_shard_names_one_range_per_change():
@@ -137,7 +139,8 @@ def test_route_large_shard_names_one_range_per_change():
     need = [c for c in range(n) if c != 5000]
     kwargs = dict(banned=set(), workers=workers, load=Counter(t=1),   # t ranks after p, q, r
                   rank_sources=rank_by_locality, max_sources=2)
-    ranges, named, missing = route(v, 0, READER, runs(need), **kwargs)
+    wire, named, missing = route(v, 0, READER, runs(need), **kwargs)
+    ranges = [msgspec.structs.asdict(r) for r in wire]
     assert ranges == [{"start": 0, "stop": 500, "sources": ["p", "r"], "wait": []},
                       {"start": 500, "stop": 1000, "sources": ["p", "q"], "wait": []},
                       {"start": 1000, "stop": 1500, "sources": ["q", "t"], "wait": ["p"]},

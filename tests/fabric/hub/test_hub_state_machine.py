@@ -14,6 +14,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from weightfabric.fabric.errors import HubError, InvalidStateError, NoSourceError, RetentionError
 from weightfabric.fabric.hub.records import COMMITTED, LIVE, PUBLISHING, RETIRED
 from weightfabric.fabric.hub.state import HubState
+from weightfabric.fabric.hub_messages import (
+    Holding,
+    ManifestWire,
+    PublishStateReply,
+    RetractReply,
+)
 from weightfabric.fabric.locality import Location
 
 WORKERS = [f"w{i}" for i in range(5)]
@@ -61,7 +67,7 @@ class HubMachine(RuleBasedStateMachine):
                               for n, v in m.versions.items() if v.state == RETIRED}
         self.seen = now
 
-    def _holdings(self, w: str, old: HubState) -> list[dict]:
+    def _holdings(self, w: str, old: HubState) -> list[Holding]:
         """What worker ``w``'s client would restore: every live replica it holds (retired
         versions included: a holder may not have heard), except versions it never knew."""
         out = []
@@ -75,13 +81,12 @@ class HubMachine(RuleBasedStateMachine):
                     fid = next((f.fetch_id for f in old.fetches.values() if f.worker == w
                                 and f.model == m.name and f.version == v.number
                                 and f.shard == s and not f.done and f.group is None), None)
-                    out.append({
-                        "model": m.name, "version": v.number, "shard": s,
-                        "num_shards": v.num_shards, "manifest": v.manifests[s],
-                        "state": COMMITTED if r.complete else PUBLISHING,
-                        "complete": r.complete,
-                        "chunks": [i for i, h in enumerate(r.have) if h],
-                        "fetch_id": fid, "publisher": (w, s) in v.publishers})
+                    out.append(Holding(
+                        model=m.name, version=v.number, shard=s, num_shards=v.num_shards,
+                        manifest=ManifestWire.of(v.manifests[s]),
+                        state=COMMITTED if r.complete else PUBLISHING, complete=r.complete,
+                        chunks=[i for i, h in enumerate(r.have) if h], fetch_id=fid,
+                        publisher=(w, s) in v.publishers))
         return out
 
     def _counts(self) -> dict[tuple[str, int, int], int]:
@@ -401,7 +406,7 @@ def test_a_delayed_retract_ends_the_workers_own_fetch_of_the_version():
     for shard, w in enumerate(("w0", "w1")):
         hub.begin_fetch("m", v, w, session=w, shard=shard, group="fg", group_size=2,
                         fetch_id=f"f{shard}")
-    assert hub.retract("m", v, "w1", session="w1", delay=True) == {"state": "delayed"}
+    assert hub.retract("m", v, "w1", session="w1", delay=True) == RetractReply(state="delayed")
     replicas = hub.models["m"].versions[v].replicas
     assert "f1" not in hub.fetches and ("w1", 1) not in replicas  # nobody read it: gone
     assert replicas[("w1", 0)].retract_delayed and replicas[("w1", 0)].status == LIVE
@@ -416,10 +421,10 @@ def test_an_aborted_publish_retires_its_version_at_once_and_only_for_its_publish
     v = hub.begin_publish("m", "w0", small_manifest(2), session="w0")["version"]
     with pytest.raises(InvalidStateError, match="did not begin publishing"):
         hub.abort_publish("m", v, "w1", session="w1")
-    assert hub.abort_publish("m", v, "w0", session="w0", reason="bad name") == {"state": RETIRED}
+    assert hub.abort_publish("m", v, "w0", session="w0", reason="bad name") == PublishStateReply(state=RETIRED)
     assert hub.latest("m") is None
     assert "bad name" in hub.models["m"].retired_log[v]
-    assert hub.abort_publish("m", v, "w0", session="w0") == {"state": RETIRED}  # a retry
+    assert hub.abort_publish("m", v, "w0", session="w0") == PublishStateReply(state=RETIRED)  # a retry
     done = hub.begin_publish("m", "w0", small_manifest(2), session="w0")["version"]
     hub.commit("m", done, "w0", session="w0")
     with pytest.raises(InvalidStateError, match="retract it instead"):

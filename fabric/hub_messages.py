@@ -1,0 +1,550 @@
+"""The hub's messages: one typed request and one typed reply per operation.
+
+Both sides import this module: the client (`fabric.client`) builds the requests and
+decodes the replies, the hub (`fabric.hub`) decodes the requests, once, with
+msgspec's typed decoding, and answers replies. It is worker-side code: it never
+imports `fabric.hub`, so a rollout process does not load the control plane.
+
+Every request is a frozen `msgspec.Struct` that refuses unknown fields and names
+its operation in ``op`` (the envelope's ``name``, `fabric.protocol`); `REQUESTS`
+lists them all, by operation. A request's fields are the operation's arguments,
+with their defaults; fields at their default are left off the wire. Replies are
+frozen structs too; a few are shared by operations that answer the same shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import msgspec
+
+from weightfabric.fabric.manifest import Manifest
+
+# A worker's data-plane endpoints: opaque to the hub, passed through to readers.
+Endpoints = dict[str, Any]
+# A `Location` on the wire: ``{"datacenter", "node", "device"}`` (missing keys are "").
+LocationWire = dict[str, str]
+HoldingState = Literal["publishing", "committed"]
+
+
+class Wire(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of every struct in a reply.
+
+    ``reply["field"]`` and ``reply.get("field")`` read a field as the dict replies of
+    protocol version 1 did (for callers written against those; use attributes).
+    """
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.__struct_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field ``key``, or ``default`` when there is none."""
+        return getattr(self, key) if key in self.__struct_fields__ else default
+
+
+class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+              omit_defaults=True):
+    """Base of every request; ``op`` is the operation's name on the wire."""
+
+    op: ClassVar[str]
+
+
+# --------------------------------------------------------------------- shared parts
+class ManifestWire(Wire, frozen=True, kw_only=True):
+    """A `Manifest` on the wire (`Manifest.to_wire`): tensors as ``[name, shape, dtype,
+    nbytes, offset]``."""
+
+    tensors: list[tuple[str, list[int], str, int, int]]
+    chunk_size: int
+    checksums: list[int] = msgspec.field(default_factory=list)
+    total_bytes: int = -1
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> ManifestWire:
+        """The wire form of ``manifest``."""
+        return cls(tensors=[(t.name, list(t.shape), t.dtype, t.nbytes, t.offset)
+                            for t in manifest.tensors],
+                   chunk_size=manifest.chunk_size, checksums=list(manifest.checksums),
+                   total_bytes=manifest.total_bytes)
+
+    def manifest(self) -> Manifest:
+        """The `Manifest` this describes.
+
+        Raises:
+            ValueError: an invalid layout (see `Manifest`).
+        """
+        return Manifest.from_wire({"tensors": self.tensors, "chunk_size": self.chunk_size,
+                                   "checksums": self.checksums,
+                                   "total_bytes": self.total_bytes})
+
+
+class Holding(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+              omit_defaults=True):
+    """One replica a worker holds, re-registered by `RestoreRequest` after a hub restart."""
+
+    model: str
+    version: int
+    shard: int
+    num_shards: int = 1
+    manifest: ManifestWire
+    state: HoldingState = "publishing"
+    complete: bool = False
+    publisher: bool = False
+    fetch_id: str | None = None
+    chunks: list[int] = msgspec.field(default_factory=list)
+    group: str | None = None     # its fetch group (groups do not survive a restart)
+
+
+class PlanRangeWire(Wire, frozen=True, kw_only=True):
+    """Chunks ``start..stop-1``: read from ``sources`` (best first) or wait on ``wait``."""
+
+    start: int
+    stop: int
+    sources: list[str]
+    wait: list[str]
+
+
+class PlanSource(Wire, frozen=True, kw_only=True):
+    """A worker a plan names."""
+
+    location: LocationWire
+    endpoints: Endpoints
+    complete: bool
+
+
+class Holder(Wire, frozen=True, kw_only=True):
+    """A worker `LocateReply` names."""
+
+    location: LocationWire
+    endpoints: Endpoints
+
+
+class LocateShard(Wire, frozen=True, kw_only=True):
+    """One shard of a located version: its manifest and its holders, best first."""
+
+    manifest: ManifestWire
+    holders: list[str]
+
+
+# ------------------------------------------------------------------------ replies
+class Reply(Wire, frozen=True, kw_only=True):
+    """Base of every reply."""
+
+
+class EmptyReply(Reply, frozen=True, kw_only=True):
+    """Done; nothing to tell (``unregister``, ``release``)."""
+
+
+class PingReply(Reply, frozen=True, kw_only=True):
+    """``ping``'s answer."""
+
+    pong: bool = True
+
+
+class RegisterReply(Reply, frozen=True, kw_only=True):
+    """The lease the worker must renew (heartbeat every ``lease_s / 3``)."""
+
+    lease_s: float
+
+
+class HeartbeatReply(Reply, frozen=True, kw_only=True):
+    """News for the worker: ``lost`` sources per fetch (replan those chunks), and
+    ``retired`` versions it holds that left retention (it may retract them)."""
+
+    lease_s: float
+    lost: dict[str, list[str]]
+    retired: list[tuple[str, int]]
+
+
+class DropReply(Reply, frozen=True, kw_only=True):
+    """The versions whose replica the hub dropped."""
+
+    dropped: list[int]
+
+
+class RestoreReply(Reply, frozen=True, kw_only=True):
+    """How many holdings were restored, and ``[model, version, shard, why]`` of each
+    one refused."""
+
+    restored: int
+    rejected: list[tuple[str, int, int, str]]
+
+
+class BeginPublishReply(Reply, frozen=True, kw_only=True):
+    """The version number the hub assigned."""
+
+    version: int
+
+
+class PublishStateReply(Reply, frozen=True, kw_only=True):
+    """A version's state after ``commit`` (``publishing`` while other shards are
+    missing) or ``abort_publish`` (``retired``)."""
+
+    state: str
+
+
+class PlanReply(Reply, frozen=True, kw_only=True):
+    """A fetch plan (``begin_fetch``, ``plan``): see `HubState.plan`."""
+
+    fetch_id: str
+    model: str
+    version: int
+    shard: int
+    num_shards: int
+    fingerprint: str
+    ranges: list[PlanRangeWire]
+    workers: dict[str, PlanSource]
+    manifest: ManifestWire | None = None    # left off when the reader kept it
+
+
+class LocateReply(Reply, frozen=True, kw_only=True):
+    """Where every shard of a committed version can be read whole: see `HubState.locate`."""
+
+    model: str
+    version: int
+    num_shards: int
+    shards: list[LocateShard]
+    workers: dict[str, Holder]
+
+
+class ProgressReply(Reply, frozen=True, kw_only=True):
+    """Chunks the reader holds of ``num_chunks``; ``lost``: sources that died since."""
+
+    have: int
+    num_chunks: int
+    lost: list[str]
+
+
+class CompleteReply(Reply, frozen=True, kw_only=True):
+    """Whether the replica is complete; its fetch group's state (None: no group)."""
+
+    complete: bool
+    group: str | None
+
+
+class GroupStatusReply(Reply, frozen=True, kw_only=True):
+    """A fetch group: ``open``, ``committed`` or ``aborted`` (``reason``)."""
+
+    state: str
+    version: int
+    size: int
+    done: int
+    reason: str
+
+
+class RetractReply(Reply, frozen=True, kw_only=True):
+    """A retract's state: ``done``, ``retracting``, ``delayed`` or ``live``."""
+
+    state: str
+
+
+class PolicyReply(Reply, frozen=True, kw_only=True):
+    """A model's retention policy (``set_retention``, ``pin``)."""
+
+    keep_last: int
+    min_replicas: int
+    pinned: list[int]
+
+
+class VersionReply(Reply, frozen=True, kw_only=True):
+    """A version number, or None (``latest``; ``wait_version`` that ran out)."""
+
+    version: int | None
+
+
+class KvPutReply(Reply, frozen=True, kw_only=True):
+    """The stored value's size in bytes."""
+
+    size: int
+
+
+class KvGetReply(Reply, frozen=True, kw_only=True):
+    """The value, or None (absent, or the wait ran out)."""
+
+    value: bytes | None
+
+
+# The hub's status snapshot (`fabric.hub.status`): plain data for people and tools.
+StatusReply = dict[str, Any]
+
+
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+    """An error reply's body; the envelope's ``name`` is the error's code."""
+
+    message: str = ""
+
+
+# ----------------------------------------------------------------------- requests
+class PingRequest(Request, frozen=True, kw_only=True):
+    """Is the hub there? (``ping``)"""
+
+    op: ClassVar[str] = "ping"
+
+
+class StatusRequest(Request, frozen=True, kw_only=True):
+    """The hub's status snapshot (``status``)."""
+
+    op: ClassVar[str] = "status"
+
+
+class RegisterRequest(Request, frozen=True, kw_only=True):
+    """Register a worker and start its lease."""
+
+    op: ClassVar[str] = "register"
+    worker: str
+    location: LocationWire | None = None
+    endpoints: Endpoints | None = None
+
+
+class HeartbeatRequest(Request, frozen=True, kw_only=True):
+    """Renew the lease; ``publishing``: the ``(model, version)`` pairs the worker knows it
+    publishes (None: claim all, as older clients did)."""
+
+    op: ClassVar[str] = "heartbeat"
+    worker: str
+    publishing: list[tuple[str, int]] | None = None
+
+
+class UnregisterRequest(Request, frozen=True, kw_only=True):
+    """Leave now."""
+
+    op: ClassVar[str] = "unregister"
+    worker: str
+
+
+class DropRequest(Request, frozen=True, kw_only=True):
+    """Let go of everything the worker holds of ``model``."""
+
+    op: ClassVar[str] = "drop"
+    worker: str
+    model: str
+
+
+class RestoreRequest(Request, frozen=True, kw_only=True):
+    """Re-register what the worker holds after a hub restart."""
+
+    op: ClassVar[str] = "restore"
+    worker: str
+    holdings: list[Holding]
+
+
+class BeginPublishRequest(Request, frozen=True, kw_only=True):
+    """Start publishing one shard of a new version."""
+
+    op: ClassVar[str] = "begin_publish"
+    worker: str
+    model: str
+    manifest: ManifestWire
+    shard: int = 0
+    num_shards: int = 1
+    group: str | None = None
+
+
+class CommitRequest(Request, frozen=True, kw_only=True):
+    """Commit the worker's shards of a publishing version."""
+
+    op: ClassVar[str] = "commit"
+    worker: str
+    model: str
+    version: int
+
+
+class AbortPublishRequest(Request, frozen=True, kw_only=True):
+    """Abandon the worker's publish of a version still publishing."""
+
+    op: ClassVar[str] = "abort_publish"
+    worker: str
+    model: str
+    version: int
+    reason: str = ""
+
+
+class BeginFetchRequest(Request, frozen=True, kw_only=True):
+    """Start (or resume, same ``fetch_id``) a fetch of one shard."""
+
+    op: ClassVar[str] = "begin_fetch"
+    worker: str
+    model: str
+    fetch_id: str
+    version: int | str = "latest"
+    shard: int = 0
+    fingerprint: str | None = None
+    group: str | None = None
+    group_size: int = 1
+    have: list[int] | None = None
+
+
+class LocateRequest(Request, frozen=True, kw_only=True):
+    """Where a committed version can be read whole (holders ranked for ``worker``)."""
+
+    op: ClassVar[str] = "locate"
+    model: str
+    version: int | str = "latest"
+    worker: str | None = None
+
+
+class PlanRequest(Request, frozen=True, kw_only=True):
+    """Replan a fetch (``chunks``: those to plan; ``exclude``: workers to avoid)."""
+
+    op: ClassVar[str] = "plan"
+    worker: str
+    fetch_id: str
+    chunks: list[int] | None = None
+    exclude: list[str] | None = None
+    with_manifest: bool = True
+
+
+class ReportProgressRequest(Request, frozen=True, kw_only=True):
+    """Chunks the reader now holds, verified (``sources``: the only ones it still reads)."""
+
+    op: ClassVar[str] = "report_progress"
+    worker: str
+    fetch_id: str
+    chunks: list[int] = msgspec.field(default_factory=list)
+    sources: list[str] | None = None
+
+
+class CompleteFetchRequest(Request, frozen=True, kw_only=True):
+    """The reader holds every chunk; in a group, wait ``timeout`` s for the others."""
+
+    op: ClassVar[str] = "complete_fetch"
+    worker: str
+    fetch_id: str
+    timeout: float = 0.0
+
+
+class GroupStatusRequest(Request, frozen=True, kw_only=True):
+    """A fetch group's state."""
+
+    op: ClassVar[str] = "group_status"
+    model: str
+    group: str
+
+
+class ReleaseRequest(Request, frozen=True, kw_only=True):
+    """Abandon a fetch."""
+
+    op: ClassVar[str] = "release"
+    worker: str
+    fetch_id: str
+
+
+class RetractRequest(Request, frozen=True, kw_only=True):
+    """Stop serving the worker's replicas of a version; wait ``timeout`` s for ``done``."""
+
+    op: ClassVar[str] = "retract"
+    worker: str
+    model: str
+    version: int
+    delay: bool = False
+    timeout: float = 0.0
+
+
+class RetractStatusRequest(Request, frozen=True, kw_only=True):
+    """A retract's state."""
+
+    op: ClassVar[str] = "retract_status"
+    worker: str
+    model: str
+    version: int
+
+
+class SetRetentionRequest(Request, frozen=True, kw_only=True):
+    """Change a model's retention policy (None: keep that part)."""
+
+    op: ClassVar[str] = "set_retention"
+    model: str
+    keep_last: int | None = None
+    min_replicas: int | None = None
+
+
+class PinRequest(Request, frozen=True, kw_only=True):
+    """Pin (or unpin) a version."""
+
+    op: ClassVar[str] = "pin"
+    model: str
+    version: int
+    pinned: bool = True
+
+
+class LatestRequest(Request, frozen=True, kw_only=True):
+    """The newest servable version of ``model``."""
+
+    op: ClassVar[str] = "latest"
+    model: str
+
+
+class WaitVersionRequest(Request, frozen=True, kw_only=True):
+    """A version newer than ``after``, waiting up to ``timeout`` s."""
+
+    op: ClassVar[str] = "wait_version"
+    model: str
+    after: int = 0
+    timeout: float = 0.0
+
+
+class KvPutRequest(Request, frozen=True, kw_only=True):
+    """Store a small value under ``key`` (``ttl``: seconds it lives; None: ever)."""
+
+    op: ClassVar[str] = "kv_put"
+    key: str
+    value: bytes
+    ttl: float | None = None
+
+
+class KvGetRequest(Request, frozen=True, kw_only=True):
+    """The value under ``key``, waiting up to ``timeout`` s for it."""
+
+    op: ClassVar[str] = "kv_get"
+    key: str
+    timeout: float = 0.0
+
+
+ReplyType = type[Reply] | type[StatusReply]
+_PAIRS: tuple[tuple[type[Request], ReplyType], ...] = (
+    (PingRequest, PingReply),
+    (StatusRequest, dict),
+    (RegisterRequest, RegisterReply),
+    (HeartbeatRequest, HeartbeatReply),
+    (UnregisterRequest, EmptyReply),
+    (DropRequest, DropReply),
+    (RestoreRequest, RestoreReply),
+    (BeginPublishRequest, BeginPublishReply),
+    (CommitRequest, PublishStateReply),
+    (AbortPublishRequest, PublishStateReply),
+    (BeginFetchRequest, PlanReply),
+    (LocateRequest, LocateReply),
+    (PlanRequest, PlanReply),
+    (ReportProgressRequest, ProgressReply),
+    (CompleteFetchRequest, CompleteReply),
+    (GroupStatusRequest, GroupStatusReply),
+    (ReleaseRequest, EmptyReply),
+    (RetractRequest, RetractReply),
+    (RetractStatusRequest, RetractReply),
+    (SetRetentionRequest, PolicyReply),
+    (PinRequest, PolicyReply),
+    (LatestRequest, VersionReply),
+    (WaitVersionRequest, VersionReply),
+    (KvPutRequest, KvPutReply),
+    (KvGetRequest, KvGetReply),
+)
+# Every operation: its request and its reply type.
+OPERATIONS: dict[str, tuple[type[Request], ReplyType]] = {req.op: (req, reply)
+                                                          for req, reply in _PAIRS}
+
+__all__ = [
+    "OPERATIONS", "AbortPublishRequest", "BeginFetchRequest", "BeginPublishReply",
+    "BeginPublishRequest", "CommitRequest", "CompleteFetchRequest", "CompleteReply",
+    "DropReply", "DropRequest", "EmptyReply", "Endpoints", "ErrorBody", "GroupStatusReply",
+    "GroupStatusRequest", "HeartbeatReply", "HeartbeatRequest", "Holder", "Holding",
+    "HoldingState", "KvGetReply", "KvGetRequest", "KvPutReply", "KvPutRequest",
+    "LatestRequest", "LocateReply", "LocateRequest", "LocateShard", "LocationWire",
+    "ManifestWire", "PinRequest", "PingReply", "PingRequest", "PlanRangeWire", "PlanReply",
+    "PlanRequest", "PlanSource", "PolicyReply", "ProgressReply", "PublishStateReply",
+    "RegisterReply", "RegisterRequest", "ReleaseRequest", "Reply", "ReportProgressRequest",
+    "Request", "RestoreReply", "RestoreRequest", "RetractReply", "RetractRequest",
+    "RetractStatusRequest", "SetRetentionRequest", "StatusReply", "StatusRequest",
+    "UnregisterRequest", "VersionReply", "WaitVersionRequest", "Wire",
+]
