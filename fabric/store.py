@@ -87,6 +87,7 @@ from weightfabric.fabric.regions import region_name
 from weightfabric.fabric.tensorset import (
     check_chunk_size,
     check_compatible,
+    check_has_data,
     layout_from_manifest,
     layout_of,
     manifest_of,
@@ -870,7 +871,12 @@ class ModelStore:
         self._prepare_spare()
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        for name, t in tensors.items():
+        """``tensors`` if they have data on the store's device.
+
+        Raises:
+            TensorSetError: a meta tensor, or one on another device.
+        """
+        for name, t in check_has_data(tensors).items():
             if t.device != self.device:
                 raise TensorSetError(
                     f"model {self.model!r} lives on {self.device}; tensor {name!r} is on "

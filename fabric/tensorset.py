@@ -43,11 +43,12 @@ def named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torc
 
 
 def check_tensor_set(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` if a store can publish or attach them.
+    """``tensors`` if they form a tensor set: one with a layout (a meta-device set has
+    one, for sizing; a store refuses meta tensors when it takes them, `check_has_data`).
 
     Raises:
-        TensorSetError: the set is empty, a name is not a non-empty string, a value is
-            not a tensor, or a tensor has no data (the meta device).
+        TensorSetError: the set is empty, a name is not a non-empty string, or a value
+            is not a tensor.
     """
     if not tensors:
         raise TensorSetError("an empty tensor set cannot be published or fetched: pass a "
@@ -58,6 +59,16 @@ def check_tensor_set(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         if not isinstance(t, torch.Tensor):
             raise TensorSetError(f"expected an nn.Module or a mapping of name -> tensor; "
                                  f"{name!r} is a {type(t).__name__}")
+    return tensors
+
+
+def check_has_data(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` if every one has data to publish or attach.
+
+    Raises:
+        TensorSetError: a tensor is on the meta device.
+    """
+    for name, t in tensors.items():
         if t.is_meta:
             raise TensorSetError(f"tensor {name!r} is on the meta device and has no data; "
                                  "materialise the model (e.g. to_empty + load) first")
