@@ -8,6 +8,7 @@ Copy `trainer` into your training loop and `rollout` into your inference workers
 
 import multiprocessing as mp
 import sys
+from multiprocessing.synchronize import Event
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ def make_policy() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 16))
 
 
-def trainer(url: str, samples: mp.Queue) -> None:
+def trainer(url: str, samples: mp.Queue, done: Event) -> None:
     policy = make_policy()
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     with wf.join(url, worker="trainer") as worker:
@@ -37,17 +38,18 @@ def trainer(url: str, samples: mp.Queue) -> None:
             optimizer.step()
             print(f"trainer: published v{version}, then trained on its samples "
                   f"(reward {rewards.mean():.2f})", flush=True)
+        # end so the last version outlives this process: it lives while a live worker holds it
+        store.wait_replicated(version, replicas=1, timeout=120)
 
 
-def rollout(url: str, samples: mp.Queue) -> None:
+def rollout(url: str, samples: mp.Queue, done: Event) -> None:
     policy = make_policy()  # whatever weights: every fetch overwrites them
     with wf.join(url, worker="rollout-0") as worker:
         store = worker.model("policy")
         store.attach(policy)  # parameters move into shared memory, once
-        version = 0
         for _ in range(STEPS):
-            version = worker.hub.wait_version("policy", after=version, timeout=120)
-            stats = store.fetch(version)  # lands in the parameters, from whoever holds it
+            stats = store.sync(timeout=120)  # waits for a newer version, lands in the parameters
+            version = stats.version
             obs = torch.randn(32, 64)
             with torch.no_grad():
                 actions = torch.distributions.Categorical(logits=policy(obs)).sample()
@@ -55,18 +57,20 @@ def rollout(url: str, samples: mp.Queue) -> None:
             samples.put((obs.numpy(), actions.numpy(), rewards.numpy()))  # by value
             print(f"rollout: v{version}: {stats.bytes / 1e3:.0f} kB in "
                   f"{stats.seconds * 1e3:.1f} ms from {', '.join(stats.sources)}", flush=True)
+        done.wait(timeout=120)  # serve the last version until the trainer has ended
 
 
 if __name__ == "__main__":
     hub = wf.serve("tcp://127.0.0.1:0")
     ctx = mp.get_context("spawn")
-    samples = ctx.Queue()
-    procs = [ctx.Process(target=role, args=(hub.url, samples)) for role in (trainer, rollout)]
+    samples, done = ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=role, args=(hub.url, samples, done)) for role in (trainer, rollout)]
     for p in procs:
         p.start()
-    for p in procs:
+    for p in procs:  # the trainer first
         p.join(timeout=300)
         if p.is_alive():
             p.kill()
+        done.set()
     hub.stop()
     sys.exit(max(1 if p.exitcode is None else abs(p.exitcode) for p in procs))

@@ -42,6 +42,18 @@ class WaitTimeoutError(FabricError, TimeoutError):
     """No version newer than the one waited past was committed within the timeout."""
 
 
+class ReplicationTimeoutError(WaitTimeoutError):
+    """Fewer workers than asked for held a complete replica of the version within the
+    timeout (`ModelStore.wait_replicated`)."""
+
+
+class TensorSetError(FabricError, ValueError, TypeError):
+    """A tensor set cannot be published or attached: it is empty, a name is empty or not
+    a string, a value is not a tensor, or a tensor has no storage (meta) or is on another
+    device than the store. Also a `ValueError` and a `TypeError`, which these cases raised
+    before."""
+
+
 class HubError(FabricError):
     """An error reported by (or about) the hub. ``code`` names it on the wire."""
 
@@ -169,8 +181,10 @@ __all__ = [
     "NoSourceError",
     "ProtocolError",
     "ReadRefusedError",
+    "ReplicationTimeoutError",
     "RetentionError",
     "SourceLostError",
+    "TensorSetError",
     "TransportError",
     "UnknownFetchError",
     "UnknownModelError",

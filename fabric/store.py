@@ -25,17 +25,22 @@ collective: every PE of the job attaches a model of the same size, in the same
 order of stores, and closes them in the same order. It never allocates or frees a
 buffer in between; peers of the job read its versions one-sidedly.
 
+A store is given its collaborators (`Worker.model` builds it): the worker's hub
+client, its read server and its transport selector; it never reaches back into the
+worker. Its buffers and their reuse rules are a `BufferPool`.
+
 Trainer::
 
     store = worker.model("policy")
     v = store.publish(model)                  # snapshot: copy, expose, commit
     # or, with the weights already in the arena (store.attach(model) once):
     v = store.publish(snapshot=False, hold=True)  # expose in place; wait for a peer
+    store.wait_replicated(v, replicas=1)      # before exiting: the last version lives on
 
 Rollout::
 
     store.attach(model)                       # parameters move into the arena, once
-    stats = store.fetch("latest")             # bytes land in the spare buffer, then switch
+    stats = store.sync(timeout=60)            # wait for a newer version, fetch it, switch
     future = store.fetch_async("latest")      # keep generating with the old version...
     stats = future.result()                   # ...switch when it suits you
 """
@@ -45,20 +50,27 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from weightfabric.fabric.arena import Region
+from weightfabric.fabric.buffer_pool import MAX_BUFFERS, PREPARED_BUFFERS, Buffer, BufferPool
+from weightfabric.fabric.checks import check_model_name, check_version
+from weightfabric.fabric.client import HubClient
 from weightfabric.fabric.errors import (
     ArenaError,
+    BadRequestError,
     FabricError,
     ManifestMismatchError,
+    NoSourceError,
+    ReplicationTimeoutError,
     RetentionError,
+    TensorSetError,
     UnknownVersionError,
 )
 from weightfabric.fabric.fetch import (
@@ -75,39 +87,32 @@ from weightfabric.fabric.regions import region_name
 from weightfabric.fabric.tensorset import (
     check_chunk_size,
     check_compatible,
+    check_has_data,
     layout_from_manifest,
     layout_of,
     manifest_of,
     named_tensors,
     views,
 )
-from weightfabric.fabric.transports.server import Exposure
+from weightfabric.fabric.transports.selector import TransportSelector
+from weightfabric.fabric.transports.server import Exposure, ReadServer
 from weightfabric.kernels import PackLayout, chunk_checksums, pack
 
 if TYPE_CHECKING:
     from weightfabric.fabric.gpu.nvshmem_arena import NvshmemRuntime
-    from weightfabric.fabric.worker import Worker
 
 log = logging.getLogger(__name__)
 
-MAX_BUFFERS = 4
-PREPARED_BUFFERS = 2
-"""`prepare_spare` tops the store up to this many buffers (active + spare), never more."""
+__all__ = ["FAILED_DRAIN_S", "MAX_BUFFERS", "PREPARED_BUFFERS", "FetchFuture", "ModelStore",
+           "StoreRegion", "resolve_device"]
+
+StoreRegion = Region | DeviceRegion | SymmetricBuffer
+"""The memory of a store's buffer: a shared-memory file, a GPU allocation, or symmetric memory."""
+
 FAILED_DRAIN_S = 0.5
 """Seconds a failed fetch waits for peers' reads of its partial replica before it raises
 (and a fetch for its early exposure in other chunks than the publisher's); a buffer
 still being read stays exposed, and is not reused, until they end."""
-
-
-@dataclass
-class _Buffer:
-    region: Region | DeviceRegion | SymmetricBuffer
-    version: int | None = None
-    exposed: Exposure | None = None  # on the read server while peers may read it
-    pending: bool = False
-    """Filled by a fetch whose `FetchFuture.result` has not switched to it yet:
-    reserved, not reused or released, until then or until a newer version is active."""
-    releasing: bool = False  # `release` is retracting it: not reused meanwhile
 
 
 class FetchFuture:
@@ -120,7 +125,8 @@ class FetchFuture:
     and its `result` raises `FabricError` instead of switching back).
     """
 
-    def __init__(self, store: ModelStore, inner: Future) -> None:
+    def __init__(self, store: ModelStore,
+                 inner: Future[tuple[Buffer | None, FetchStats]]) -> None:
         self._store = store
         self._inner = inner
         self._switched = False
@@ -152,9 +158,27 @@ class FetchFuture:
 
 
 class ModelStore:
-    """Versions of one model as seen by one worker. Get it with `Worker.model`."""
+    """Versions of one model as seen by one worker. Get it with `Worker.model`.
 
-    def __init__(self, worker: Worker, model: str, *, chunk_size: int,
+    Args:
+        model: the model's name (checked up front: see `check_model_name`).
+        hub: the worker's registered hub client.
+        server: the worker's read server, which serves the versions exposed here.
+        transports: the worker's transport selector, which picks how to read each source.
+        chunk_size: bytes per chunk of the versions this store publishes.
+        device: ``"cpu"`` or a CUDA device (see `resolve_device`).
+        shard, num_shards: this store's shard of a model published by ``num_shards`` ranks.
+        prepare_spare: keep a populated spare host buffer ready (module docstring).
+        nvshmem: the NVSHMEM job whose symmetric heap holds the buffers, or None.
+        buffers: with ``nvshmem``, the number of buffers `attach` allocates.
+
+    Raises:
+        BadRequestError: a model name no read server can expose.
+        ValueError: a shard outside ``0..num_shards - 1``, or bad ``buffers``.
+    """
+
+    def __init__(self, model: str, *, hub: HubClient, server: ReadServer,
+                 transports: TransportSelector, chunk_size: int,
                  device: torch.device | str = "cpu", shard: int = 0, num_shards: int = 1,
                  prepare_spare: bool = True, nvshmem: NvshmemRuntime | None = None,
                  buffers: int = PREPARED_BUFFERS) -> None:
@@ -162,8 +186,10 @@ class ModelStore:
             raise ValueError(f"model {model!r}: shard {shard} outside 0..{num_shards - 1}")
         if nvshmem is not None and not 1 <= buffers <= MAX_BUFFERS:
             raise ValueError(f"model {model!r}: buffers must be 1..{MAX_BUFFERS}, got {buffers}")
-        self.worker = worker
-        self.model = model
+        self.model = check_model_name(model, shard)
+        self.hub = hub
+        self.server = server
+        self.transports = transports
         self.shard, self.num_shards = shard, num_shards
         self.chunk_size = check_chunk_size(chunk_size)
         self.device = resolve_device(device)
@@ -176,8 +202,9 @@ class ModelStore:
         docstring); False allocates buffers only when a version needs one. GPU stores
         never prepare one: GPU memory has no page faults to hide."""
         self.layout: PackLayout | None = None
-        self._buffers: list[_Buffer] = []
-        self._active: _Buffer | None = None
+        self.pool = BufferPool(model)
+        """The store's buffers (read it; the store changes it under its lock)."""
+        self._published: int | None = None  # the last version this store published
         self._attached: dict[str, torch.Tensor] | None = None
         self._closed = False
         self._lock = threading.RLock()
@@ -191,7 +218,8 @@ class ModelStore:
     @property
     def version(self) -> int | None:
         """The version the store's tensors hold now (None before the first one)."""
-        return self._active.version if self._active else None
+        active = self.pool.active
+        return active.version if active else None
 
     @property
     def closed(self) -> bool:
@@ -202,9 +230,10 @@ class ModelStore:
     def tensors(self) -> dict[str, torch.Tensor]:
         """name -> tensor of the active version (views of arena memory: read only
         while the version is exposed)."""
-        if self._active is None or self.layout is None:
+        active = self.pool.active
+        if active is None or self.layout is None:
             raise FabricError(f"model {self.model!r} holds no version yet: attach or fetch first")
-        return views(self.layout, self._active.region.tensor)
+        return views(self.layout, active.region.tensor)
 
     # --- attach ----------------------------------------------------------------------
 
@@ -221,7 +250,8 @@ class ModelStore:
         Raises:
             FabricError: already attached.
             ManifestMismatchError: the tensors do not fit the version the store holds.
-            TypeError: not a module or a mapping of tensors on the store's device.
+            TensorSetError: not a module or a mapping of tensors on the store's device
+                (or empty, an empty name, a meta tensor).
         """
         tensors = self._on_device(named_tensors(obj))
         with self._lock:
@@ -233,7 +263,7 @@ class ModelStore:
                     f"model {self.model!r}: the tensors to attach are laid out differently from "
                     f"v{self.version}, which this store holds (names, shapes or dtypes differ)")
             self.layout = layout
-            buffer = self._active
+            buffer = self.pool.active
             if buffer is None:  # keep the module's values; else it takes the version held
                 buffer = self._allocate_symmetric() if self.nvshmem else self._ready(self._new_buffer())
                 pack({n: t.detach() for n, t in tensors.items()}, layout, out=buffer.region.tensor)
@@ -246,6 +276,10 @@ class ModelStore:
                 snapshot: bool = True, hold: bool = False, group: str | None = None,
                 timeout: float = 120.0) -> int:
         """Publish a new version; returns its number.
+
+        A publish that fails here after the hub assigned the number (the read server
+        refused the region, the commit failed) aborts that version at the hub, which
+        retires it at once, and raises.
 
         Args:
             obj: the tensors (a module or name -> tensor); default: the attached ones.
@@ -264,6 +298,8 @@ class ModelStore:
         Raises:
             FabricError: in-place publish of tensors that are not attached, `hold`
                 timed out (the version stays exposed), or no ``group`` with several shards.
+            TensorSetError: not a module or mapping of tensors (or an empty one, an empty
+                name, a meta tensor, a tensor on another device).
             HubError: the hub refused (e.g. unreachable).
         """
         if self.num_shards > 1 and group is None:
@@ -284,23 +320,27 @@ class ModelStore:
             else:
                 self._check_in_place(obj)
                 self._drop_spares()
-                buffer = self._active
+                buffer = self._require_active()
                 if buffer.exposed is not None:
                     raise FabricError(f"the attached tensors are still exposed as v{buffer.version};"
                                       " retract that version before publishing them again")
+            assert self.layout is not None
             manifest = manifest_of(self.layout, buffer.region.tensor, self.chunk_size)
-            hub = self.worker.hub
-            version = hub.begin_publish(self.model, manifest, shard=self.shard,
-                                        num_shards=self.num_shards, group=group)
-            buffer.exposed = self.worker.server.expose(
-                region_name(self.model, version, self.shard), buffer.region.tensor,
-                chunk_size=self.chunk_size,
-                progress=self._progress(buffer, self.chunk_size, complete=True),
-                **_reach(buffer.region))
-            buffer.version = version
-            hub.commit(self.model, version)
+            version = self.hub.begin_publish(self.model, manifest, shard=self.shard,
+                                             num_shards=self.num_shards, group=group)
+            previous = buffer.version
+            try:
+                buffer.exposed = self._expose(
+                    buffer, version, self.chunk_size,
+                    self._progress(buffer, self.chunk_size, complete=True))
+                buffer.version = version
+                self.hub.commit(self.model, version)
+            except BaseException as exc:
+                self._abort_publish(buffer, version, previous, exc)
+                raise
+            self._published = version
             if snapshot and self._attached is None:
-                self._set_active(buffer)
+                self.pool.activate(buffer)
             if snapshot:
                 self._prepare_spare()
             log.info("published %s v%d (%d bytes, %d chunks)", self.model, version,
@@ -312,6 +352,76 @@ class ModelStore:
                                   f"{timeout:g} s (retract is {state}); it stays exposed")
         return version
 
+    def _abort_publish(self, buffer: Buffer, version: int, previous: int | None,
+                       exc: BaseException) -> None:
+        """Undo a publish that failed after the hub assigned ``version``: withdraw the
+        exposure, give the buffer back its old state, and abort the version at the hub
+        (which retires it), so no version stays ``publishing`` with nobody to commit it."""
+        if buffer.exposed is not None:
+            self._drained(buffer, FAILED_DRAIN_S)
+        buffer.version = previous
+        reason = f"{type(exc).__name__}: {exc}"[:200]
+        _quietly(functools.partial(self.hub.abort_publish, reason=reason), self.model, version)
+
+    def wait_replicated(self, version: int | None = None, *, replicas: int = 1,
+                        timeout: float = 120.0) -> list[str]:
+        """Block until ``replicas`` live workers other than this one hold a complete
+        replica of ``version``; returns them.
+
+        This is how a trainer ends without losing its last version: a version lives
+        only as long as some live worker holds it, and a trainer that exits right after
+        `publish` takes the only copy with it. Call it before leaving::
+
+            version = store.publish(model)
+            store.wait_replicated(version, replicas=1, timeout=300)
+            worker.close()
+
+        It asks the hub (`HubClient.locate`, read-only) every few tens of milliseconds,
+        up to every 0.5 s; the replicas it counts are the ones the hub would send
+        readers to.
+
+        Args:
+            version: the version; default: the last one this store published.
+            replicas: how many other workers must hold it (``>= 1``).
+            timeout: seconds to wait.
+
+        Raises:
+            BadRequestError: ``version`` is not an ``int > 0``, ``replicas`` is not an
+                ``int >= 1``, or there is no version to default to.
+            ReplicationTimeoutError: fewer holders than ``replicas`` within ``timeout``
+                (also a `WaitTimeoutError`); the message names the holders seen.
+            HubError: the hub could not be asked.
+        """
+        if version is None:
+            version = self._published
+            if version is None:
+                raise BadRequestError(f"model {self.model!r}: this store published nothing; "
+                                      "pass the version to wait for")
+        if check_version(version) == "latest":
+            raise BadRequestError("wait_replicated needs a version number, not 'latest'")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise BadRequestError(f"replicas must be an int >= 1, got {replicas!r}")
+        end = time.monotonic() + timeout
+        pause, seen, why = 0.02, [], "none yet"
+        while True:
+            try:
+                where = self.hub.locate(self.model, version)
+                holders = where["shards"][self.shard]["holders"]
+                seen = [w for w in holders if w != self.hub.worker]
+                why = f"holders: {', '.join(seen) or 'none but this worker'}"
+            except (NoSourceError, UnknownVersionError) as exc:  # not committed or held yet
+                seen, why = [], str(exc)
+            if len(seen) >= replicas:
+                return seen
+            left = end - time.monotonic()
+            if left <= 0:
+                raise ReplicationTimeoutError(
+                    f"{self.model!r} v{version}: {len(seen)} of {replicas} other replicas "
+                    f"within {timeout:g} s ({why}); keep this worker alive until readers "
+                    "fetched it, or raise the timeout")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
+
     # --- fetch -----------------------------------------------------------------------
 
     def fetch(self, version: int | str = "latest", *, verify: bool | None = None,
@@ -321,7 +431,7 @@ class ModelStore:
         still holds in another buffer, e.g. pinned, is switched to without a read).
 
         Args:
-            version: a number or ``"latest"``.
+            version: an ``int > 0`` or ``"latest"``.
             verify: check every chunk's checksum (True), none (False), or by default
                 only chunks read from other hosts.
             options: concurrency and time limits of the fetch engine.
@@ -331,6 +441,7 @@ class ModelStore:
             FetchStats: bytes, seconds, GB/s, sources used, chunks re-read.
 
         Raises:
+            BadRequestError: ``version`` is neither (nothing changes).
             UnknownModelError, UnknownVersionError: nothing to fetch.
             ManifestMismatchError: the version's tensors do not fit the attached ones.
             FetchError: some chunks could not be read from any source in time, or the
@@ -351,26 +462,57 @@ class ModelStore:
         `FetchFuture`).
 
         Raises:
+            BadRequestError: ``version`` is not an ``int > 0`` or ``"latest"``.
             FabricError: the store is closed (the fetch's own errors come from `result`).
         """
+        version = check_version(version)
         with self._lock:
             self._check_open()
             inner = self._fetcher.submit(self._fetch, version, verify,
                                          options or FetchOptions(), on_chunk)
         return FetchFuture(self, inner)
 
+    def sync(self, *, timeout: float = 30.0, verify: bool | None = None,
+             options: FetchOptions | None = None,
+             on_chunk: Callable[[int, int], None] | None = None) -> FetchStats:
+        """Wait for a version newer than the one held, fetch it and switch to it.
+
+        The rollout loop's one call: each new version is fetched once (a second
+        `sync` waits for the next one), and a missing version is an error, never a
+        fetch of something else::
+
+            while True:
+                stats = store.sync(timeout=600)   # the newest version, once it exists
+                generate(...)
+
+        Args:
+            timeout: seconds to wait for a newer version.
+            verify, options, on_chunk: as for `fetch`.
+
+        Returns:
+            The fetch's `FetchStats` (``stats.version`` is the version now held).
+
+        Raises:
+            WaitTimeoutError: no newer version within ``timeout`` (nothing changed).
+            FabricError: the store is closed; and what `fetch` raises.
+        """
+        self._check_open()
+        newer = self.hub.wait_version(self.model, after=self.version or 0, timeout=timeout)
+        return self.fetch(newer, verify=verify, options=options, on_chunk=on_chunk)
+
     def _fetch(self, version: int | str, verify: bool | None, options: FetchOptions,
-               on_chunk: Callable[[int, int], None] | None) -> tuple[_Buffer | None, FetchStats]:
-        if self.nvshmem is not None and not self._buffers:
+               on_chunk: Callable[[int, int], None] | None) -> tuple[Buffer | None, FetchStats]:
+        if self.nvshmem is not None and not len(self.pool):
             raise self._no_symmetric_buffer()
-        hub = self.worker.hub
+        hub = self.hub
         if version == "latest":
             version = hub.latest(self.model) or "latest"
         if version == self.version:
             return None, FetchStats(version=self.version)
-        held = self._held(version)
-        if held is not None:  # still here (e.g. pinned): switch back to it, nothing moves
-            return held, FetchStats(version=version)
+        if isinstance(version, int):
+            held = self._held(version)
+            if held is not None:  # still here (e.g. pinned): switch back to it, nothing moves
+                return held, FetchStats(version=version)
         # Expose the buffer before the hub lists this worker as a partial replica, so
         # peers told to wait on it find the region at once.
         early_chunk = self._early_chunk_size
@@ -410,12 +552,12 @@ class ModelStore:
         region = buffer.region  # a fetch that overtakes the background populate does its part
         populate = (region.populate_range if isinstance(region, Region)
                     and region.populated_bytes < region.nbytes else None)
-        choose = functools.partial(self.worker.transport_for, timeout=options.read_timeout,
+        choose = functools.partial(self.transports.transport_for, timeout=options.read_timeout,
                                    symmetric=self.nvshmem is not None)
         try:
             stats = fetch_chunks(
                 buffer.region.tensor, chunk_size=manifest.chunk_size, progress=progress,
-                planner=HubPlanner(hub, plan, me=self.worker.location), choose=choose,
+                planner=HubPlanner(hub, plan, me=hub.location), choose=choose,
                 checksums=list(manifest.checksums),
                 checksum_fn=lambda c, piece: int(chunk_checksums(
                     piece, manifest.chunk_size, first_chunk=c)[0]),
@@ -453,15 +595,15 @@ class ModelStore:
                 `delay` is false.
         """
         try:
-            state = self.worker.hub.retract(self.model, version, wait=wait, delay=delay)
+            state = self.hub.retract(self.model, version, wait=wait, delay=delay)
         except UnknownVersionError:
             with self._lock:
-                if not any(b.version == version and b.exposed for b in self._buffers):
+                if not any(b.version == version and b.exposed for b in self.pool.buffers):
                     raise
             state = "done"  # an earlier retract got the hub's part done; reads here remain
         if state == "done":
             with self._lock:
-                for buffer in self._buffers:
+                for buffer in self.pool.buffers:
                     if buffer.version == version and not self._drained(buffer, wait):
                         log.warning("%s v%d: a read is still in flight after %g s",
                                     self.model, version, wait)
@@ -477,10 +619,10 @@ class ModelStore:
             RetentionError: the hub still needs this replica.
         """
         with self._lock:
-            buffer = next((b for b in self._buffers if b.version == version), None)
+            buffer = self.pool.find(version)
             if buffer is None:
                 return
-            if buffer is self._active:
+            if buffer is self.pool.active:
                 raise FabricError(f"{self.model!r} v{version} is the active version; fetch or "
                                   "publish another before releasing it")
             if buffer.pending:
@@ -493,13 +635,12 @@ class ModelStore:
                 raise FabricError(f"{self.model!r} v{version}: reads still in flight after "
                                   f"{wait:g} s; release it again later")
             with self._lock:
-                if buffer.version != version or buffer not in self._buffers:
+                if buffer.version != version or buffer not in self.pool:
                     return  # freed meanwhile (close, or another release)
                 if self.nvshmem is not None:  # symmetric buffers are freed together, in close
-                    buffer.version = None
+                    self.pool.forget(buffer)
                     return
-                self._buffers.remove(buffer)
-                buffer.region.close()
+                self.pool.remove(buffer)
         finally:
             buffer.releasing = False
 
@@ -526,31 +667,24 @@ class ModelStore:
         self._cancel.set()
         self._fetcher.shutdown(wait=True, cancel_futures=True)
         with self._lock:
-            if tell_hub and any(b.version is not None or b.exposed for b in self._buffers):
+            if tell_hub and any(b.version is not None or b.exposed for b in self.pool.buffers):
                 try:
-                    self.worker.hub.drop(self.model)
+                    self.hub.drop(self.model)
                 except Exception as exc:  # the hub may be gone; the lease then runs out
                     log.warning("%s: could not tell the hub this worker drops it: %s",
                                 self.model, exc)
-            for buffer in self._buffers:
+            for buffer in self.pool.clear():
                 if buffer.exposed:
-                    self.worker.server.retract(buffer.exposed, timeout=5.0)
+                    self.server.retract(buffer.exposed, timeout=5.0)
                 buffer.region.close()
-            self._buffers.clear()
-            self._active = None
 
     # --- buffers -----------------------------------------------------------------------
 
-    def _held(self, version: int | str) -> _Buffer | None:
+    def _held(self, version: int) -> Buffer | None:
         """A buffer other than the active one that holds all of `version` (a fetched or
         published copy kept, e.g. pinned), reserved for the fetch's future; else None."""
         with self._lock:
-            for buffer in self._buffers:
-                if (buffer.version == version and buffer is not self._active
-                        and not buffer.releasing):
-                    buffer.pending = True
-                    return buffer
-        return None
+            return self.pool.reserve(version)
 
     def _check_open(self) -> None:
         """Raises:
@@ -559,47 +693,50 @@ class ModelStore:
             raise FabricError(f"model {self.model!r}: the store is closed; open another "
                               "with worker.model(...)")
 
-    def _new_buffer(self) -> _Buffer:
+    def _new_buffer(self) -> Buffer:
         """A new buffer; in host memory it populates itself in the background (writers:
         `_ready`, and a fetch's ``before_write``).
 
         Raises:
             FabricError: the store is closed, or it is a symmetric one (no new buffers).
         """
+        return self.pool.add(self._new_region())
+
+    def _new_region(self) -> Region | DeviceRegion:
+        """Memory for a new buffer (see `_new_buffer`)."""
         self._check_open()
         if self.nvshmem is not None:
             raise self._no_symmetric_buffer()
         assert self.layout is not None
-        region: Region | DeviceRegion
         if self.device.type == "cuda":
-            region = DeviceRegion(self.layout.nbytes, self.device)
-        else:
-            region = Region.create(f"{self.worker.name}-{self.model}", self.layout.nbytes)
-            region.populate(background=True)
-        buffer = _Buffer(region)
-        self._buffers.append(buffer)
-        return buffer
+            return DeviceRegion(self.layout.nbytes, self.device)
+        region = Region.create(f"{self.hub.worker}-{self.model}", self.layout.nbytes)
+        region.populate(background=True)
+        return region
 
     def _no_symmetric_buffer(self) -> FabricError:
         """Why a symmetric store cannot have another buffer now."""
-        if self._buffers:
-            return FabricError(f"model {self.model!r}: all {len(self._buffers)} symmetric buffers "
+        if len(self.pool):
+            return FabricError(f"model {self.model!r}: all {len(self.pool)} symmetric buffers "
                                "hold versions readers still need; retract or release one first "
                                "(or open the store with more buffers)")
         return FabricError(f"model {self.model!r} lives in NVSHMEM symmetric memory, whose "
                            "buffers every PE allocates together in attach: attach the model on "
                            "every PE first")
 
-    def _allocate_symmetric(self) -> _Buffer:
+    def _allocate_symmetric(self) -> Buffer:
         """Every symmetric buffer at once (collective); returns the first."""
         assert self.layout is not None and self.nvshmem is not None
+        first = None
         for i in range(self.buffers):
             region = SymmetricBuffer(self.nvshmem, f"{self.model}/{i}", self.layout.nbytes,
                                      self.chunk_size)
-            self._buffers.append(_Buffer(region))
-        return self._buffers[0]
+            buffer = self.pool.add(region)
+            first = first or buffer
+        assert first is not None
+        return first
 
-    def _ready(self, buffer: _Buffer) -> _Buffer:
+    def _ready(self, buffer: Buffer) -> Buffer:
         """`buffer`, fully populated (the caller finishes what the background has not);
         a buffer that cannot be populated is freed.
 
@@ -614,19 +751,16 @@ class ModelStore:
                 raise
         return buffer
 
-    def _drop(self, buffer: _Buffer) -> None:
+    def _drop(self, buffer: Buffer) -> None:
         with self._lock:
-            if buffer in self._buffers:
-                self._buffers.remove(buffer)
-            buffer.region.close()
+            self.pool.remove(buffer)
 
     def _prepare_spare(self) -> None:
         """With `prepare_spare`, start populating a spare buffer now, so the next
         version does not wait for fresh pages; only up to `PREPARED_BUFFERS`."""
         with self._lock:
             if (not self.prepare_spare or self.layout is None or self._closed
-                    or len(self._buffers) >= PREPARED_BUFFERS
-                    or any(b is not self._active and b.version is None for b in self._buffers)):
+                    or not self.pool.wants_spare()):
                 return
             try:
                 self._new_buffer()
@@ -640,47 +774,51 @@ class ModelStore:
             self.prepare_spare = False
             if self.nvshmem is not None:
                 return  # symmetric buffers are freed together, in close
-            for buffer in [b for b in self._buffers if b is not self._active and b.version is None]:
+            for buffer in self.pool.unused():
                 self._drop(buffer)
 
-    def _spare_buffer(self) -> _Buffer:
+    def _spare_buffer(self) -> Buffer:
         """A buffer that is neither active nor needed by readers, reclaiming the oldest
         versions whose retract the hub allows, or allocating a new one."""
-        for buffer in sorted((b for b in self._buffers
-                              if b is not self._active and not b.pending and not b.releasing),
-                             key=lambda b: b.version or -1):
-            if buffer.version is None and getattr(buffer.region, "populate_error", None):
-                self._drop(buffer)  # /dev/shm had no room for it; try afresh below
-                continue
-            if buffer.version is None:
-                if self._drained(buffer, 5.0):
-                    return buffer
-                continue  # a read of its last exposure is still in flight
-            try:
-                if buffer.exposed is None or self.retract(buffer.version, wait=5.0) == "done":
-                    buffer.version = None
-                    return buffer
-            except RetentionError:
-                continue  # another reader may still need it; try the next one
-        if len(self._buffers) >= MAX_BUFFERS:
-            raise FabricError(f"model {self.model!r}: all {MAX_BUFFERS} buffers hold versions "
-                              "readers still need or fetches whose result() was not called "
-                              "yet; retract or release one, or call result(), first")
-        return self._new_buffer()
+        return self.pool.take(self._reclaim, self._new_region)
 
-    def _expose_spare(self, version: int, chunk_size: int) -> tuple[_Buffer, ChunkProgress]:
+    def _reclaim(self, buffer: Buffer) -> bool:
+        """Whether ``buffer`` (a reuse candidate) can take a new version now: an unused one
+        whose last exposure has no read in flight, or an older version the hub lets this
+        worker retract. A buffer /dev/shm had no room for is dropped instead."""
+        if buffer.version is None and getattr(buffer.region, "populate_error", None):
+            self._drop(buffer)  # /dev/shm had no room for it; try afresh
+            return False
+        if buffer.version is None:
+            return self._drained(buffer, 5.0)  # False: a read of its last exposure is in flight
+        try:
+            return buffer.exposed is None or self.retract(buffer.version, wait=5.0) == "done"
+        except RetentionError:
+            return False  # another reader may still need it; try the next one
+
+    def _expose_spare(self, version: int, chunk_size: int) -> tuple[Buffer, ChunkProgress]:
         """A spare buffer, exposed empty as `version` (a partial replica that fills)."""
         assert self.layout is not None
         with self._lock:
             buffer = self._spare_buffer()
             progress = self._progress(buffer, chunk_size)
-            buffer.exposed = self.worker.server.expose(
-                region_name(self.model, version, self.shard), buffer.region.tensor,
-                chunk_size=chunk_size, progress=progress, **_reach(buffer.region))
+            buffer.exposed = self._expose(buffer, version, chunk_size, progress)
             buffer.version = version
             return buffer, progress
 
-    def _progress(self, buffer: _Buffer, chunk_size: int, *, complete: bool = False
+    def _expose(self, buffer: Buffer, version: int, chunk_size: int,
+                progress: ChunkProgress) -> Exposure:
+        """Serve ``buffer`` as this shard of ``version``; readers on this host reach it
+        without the read server through its shared-memory file or GPU descriptor."""
+        region = cast(StoreRegion, buffer.region)
+        name = region_name(self.model, version, self.shard)
+        if region.path is None:
+            return self.server.expose(name, region.tensor, chunk_size=chunk_size,
+                                      progress=progress, gpu=region.gpu)
+        return self.server.expose(name, region.tensor, chunk_size=chunk_size,
+                                  progress=progress, shm_path=str(region.path))
+
+    def _progress(self, buffer: Buffer, chunk_size: int, *, complete: bool = False
                   ) -> ChunkProgress:
         """Progress of a new exposure of ``buffer`` (symmetric: also its flags, reset)."""
         if isinstance(buffer.region, SymmetricBuffer):
@@ -688,27 +826,28 @@ class ModelStore:
         assert self.layout is not None
         return ChunkProgress(-(-self.layout.nbytes // chunk_size), complete=complete)
 
-    def _unexpose(self, buffer: _Buffer, *, timeout: float = 5.0) -> None:
+    def _unexpose(self, buffer: Buffer, *, timeout: float = 5.0) -> None:
         """Forget the buffer's version; it stays `exposed` (not reused, see
         `_spare_buffer`) while a read of it is still in flight after `timeout`."""
         self._drained(buffer, timeout)
-        buffer.version, buffer.pending = None, False
+        self.pool.forget(buffer)
 
-    def _drained(self, buffer: _Buffer, timeout: float) -> bool:
+    def _drained(self, buffer: Buffer, timeout: float) -> bool:
         """Retract the buffer's exposure on the read server; True (and no longer
         exposed) once no read of it is in flight, False if one still is after `timeout`."""
-        if buffer.exposed is not None and not self.worker.server.retract(buffer.exposed,
-                                                                         timeout=timeout):
+        if buffer.exposed is not None and not self.server.retract(buffer.exposed,
+                                                                  timeout=timeout):
             return False
         buffer.exposed = None
         return True
 
-    def _switch_to(self, buffer: _Buffer | None, version: int | None) -> None:
+    def _switch_to(self, buffer: Buffer | None, version: int | None) -> None:
         """Make `buffer`, which a fetch filled with `version`, the active one (None:
         the version was active already).
 
         Raises:
-            FabricError: the store is closed (the buffer was freed with it).
+            FabricError: the store is closed (the buffer was freed with it), the buffer
+                was released or reused, or a newer version became active first.
         """
         with self._lock:
             if self._closed:
@@ -716,38 +855,32 @@ class ModelStore:
                                   "was freed with it; open another store and fetch again")
             if buffer is None:
                 return
-            if buffer not in self._buffers or buffer.version != version:
-                raise FabricError(f"model {self.model!r} v{version}: its buffer was released or "
-                                  "reused before result() was called; fetch it again")
-            if not buffer.pending:
-                raise FabricError(f"model {self.model!r} v{version}: a newer version "
-                                  f"(v{self.version}) became active before result() was called, "
-                                  "so its buffer is no longer reserved; fetch it again")
-            self._activate(buffer)
+            self.pool.switch(buffer, version)
+            self._point_attached(buffer)
 
-    def _activate(self, buffer: _Buffer) -> None:
+    def _activate(self, buffer: Buffer) -> None:
         with self._lock:
-            self._set_active(buffer)
-            if self._attached is not None and self.layout is not None:
-                for name, view in views(self.layout, buffer.region.tensor).items():
-                    self._attached[name].data = view
-            self._prepare_spare()
+            self.pool.activate(buffer)
+            self._point_attached(buffer)
 
-    def _set_active(self, buffer: _Buffer) -> None:
-        """Make `buffer` active; fetched buffers of older versions no future switched
-        to lose their reservation (a superseded future must not pin memory)."""
-        self._active = buffer
-        buffer.pending = False
-        for other in self._buffers:
-            if (other.pending and other.version is not None and buffer.version is not None
-                    and other.version < buffer.version):
-                other.pending = False
+    def _point_attached(self, buffer: Buffer) -> None:
+        """Point the attached tensors at the now active ``buffer``; top up the spare."""
+        if self._attached is not None and self.layout is not None:
+            for name, view in views(self.layout, buffer.region.tensor).items():
+                self._attached[name].data = view
+        self._prepare_spare()
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        for name, t in tensors.items():
+        """``tensors`` if they have data on the store's device.
+
+        Raises:
+            TensorSetError: a meta tensor, or one on another device.
+        """
+        for name, t in check_has_data(tensors).items():
             if t.device != self.device:
-                raise TypeError(f"model {self.model!r} lives on {self.device}; tensor {name!r} is "
-                                f"on {t.device} (open the store with device={str(t.device)!r})")
+                raise TensorSetError(
+                    f"model {self.model!r} lives on {self.device}; tensor {name!r} is on "
+                    f"{t.device} (open the store with device={str(t.device)!r})")
         return tensors
 
     def _require_attached(self) -> dict[str, torch.Tensor]:
@@ -755,6 +888,11 @@ class ModelStore:
             raise FabricError(f"model {self.model!r}: nothing to publish; pass the tensors or "
                               "attach them first")
         return self._attached
+
+    def _require_active(self) -> Buffer:
+        active = self.pool.active
+        assert active is not None, "attached stores always have an active buffer"
+        return active
 
     def _check_in_place(self, obj: nn.Module | Mapping[str, torch.Tensor] | None) -> None:
         attached = self._require_attached()
@@ -782,14 +920,6 @@ def resolve_device(device: torch.device | str) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"model stores live on cpu or cuda, not {device}")
     return device
-
-
-def _reach(region: Region | DeviceRegion | SymmetricBuffer) -> dict[str, object]:
-    """How readers reach a buffer without the read server: its shared-memory file, or
-    its GPU descriptor (`ReadServer.expose` arguments)."""
-    if region.path is None:
-        return {"gpu": region.gpu}
-    return {"shm_path": str(region.path)}
 
 
 def _quietly(fn: Callable[..., object], *args: object) -> None:

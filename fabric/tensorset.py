@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from weightfabric.fabric.errors import ManifestMismatchError
+from weightfabric.fabric.errors import ManifestMismatchError, TensorSetError
 from weightfabric.fabric.manifest import Manifest, TensorSpec
 from weightfabric.kernels import PackLayout, Slot, chunk_checksums, plan_layout
 
@@ -25,22 +25,64 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers of a module (its state_dict names), or a mapping.
+    """Parameters and persistent buffers of a module (its state_dict names), or a mapping,
+    checked by `check_tensor_set`.
 
     Raises:
-        TypeError: not a module or a mapping of tensors.
+        TensorSetError: not a module or a mapping of tensors, or not a set a store can
+            hold (see `check_tensor_set`).
     """
     if isinstance(obj, nn.Module):
-        return {name: t for name, t in obj.state_dict(keep_vars=True).items()}
-    if isinstance(obj, Mapping) and all(isinstance(t, torch.Tensor) for t in obj.values()):
-        return dict(obj)
-    raise TypeError(f"expected an nn.Module or a mapping of name -> tensor, got {type(obj).__name__}")
+        tensors = dict(obj.state_dict(keep_vars=True).items())
+    elif isinstance(obj, Mapping):
+        tensors = dict(obj)
+    else:
+        raise TensorSetError(f"expected an nn.Module or a mapping of name -> tensor, got "
+                             f"{type(obj).__name__}")
+    return check_tensor_set(tensors)
+
+
+def check_tensor_set(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` if they form a tensor set: one with a layout (a meta-device set has
+    one, for sizing; a store refuses meta tensors when it takes them, `check_has_data`).
+
+    Raises:
+        TensorSetError: the set is empty, a name is not a non-empty string, or a value
+            is not a tensor.
+    """
+    if not tensors:
+        raise TensorSetError("an empty tensor set cannot be published or fetched: pass a "
+                             "module with parameters or a non-empty mapping of name -> tensor")
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise TensorSetError(f"tensor names must be non-empty strings, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TensorSetError(f"expected an nn.Module or a mapping of name -> tensor; "
+                                 f"{name!r} is a {type(t).__name__}")
+    return tensors
+
+
+def check_has_data(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` if every one has data to publish or attach.
+
+    Raises:
+        TensorSetError: a tensor is on the meta device.
+    """
+    for name, t in tensors.items():
+        if t.is_meta:
+            raise TensorSetError(f"tensor {name!r} is on the meta device and has no data; "
+                                 "materialise the model (e.g. to_empty + load) first")
+    return tensors
 
 
 def layout_of(tensors: Mapping[str, torch.Tensor]) -> PackLayout:
-    """The byte layout of a tensor set (no casts: bytes travel as they are)."""
+    """The byte layout of a tensor set (no casts: bytes travel as they are).
+
+    Raises:
+        TensorSetError: the set is empty.
+    """
     if not tensors:
-        raise ValueError("an empty tensor set cannot be published or fetched")
+        raise TensorSetError("an empty tensor set cannot be published or fetched")
     return plan_layout({n: (tuple(t.shape), t.dtype) for n, t in tensors.items()},
                        alignment=ALIGNMENT)
 

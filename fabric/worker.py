@@ -1,44 +1,35 @@
 """`Worker`: one process taking part in the fabric with data.
 
 A worker is a registered hub client plus the data plane: a `ReadServer` that
-serves its exposed replicas, shared-memory and TCP transports to read from
-peers, and the arena regions its model stores allocate. Create one with
-`fabric.join`; get a model's store with `Worker.model`.
+serves its exposed replicas, a `TransportSelector` with the transports to read
+from peers, and its model stores, each given those three collaborators (a store
+never reaches back into its worker). Create one with `fabric.join`; get a model's
+store with `Worker.model`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
-from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from weightfabric.fabric.arena import remove_stale_regions
+from weightfabric.fabric.buffer_pool import PREPARED_BUFFERS
+from weightfabric.fabric.checks import check_model_name
 from weightfabric.fabric.client import HubClient
 from weightfabric.fabric.fetch import Source
-from weightfabric.fabric.gpu.probe import normalise_uuid
 from weightfabric.fabric.locality import Location
-from weightfabric.fabric.store import PREPARED_BUFFERS, ModelStore, resolve_device
+from weightfabric.fabric.store import ModelStore, resolve_device
 from weightfabric.fabric.tensorset import DEFAULT_CHUNK_SIZE
-from weightfabric.fabric.transports import (
-    ReadServer,
-    ShmTransport,
-    TcpTransport,
-    Transport,
-    choose_transport,
-    local_host_id,
-)
+from weightfabric.fabric.transports import ReadServer, Transport, TransportSelector
 from weightfabric.fabric.transports.server import STALL_TIMEOUT
 
 if TYPE_CHECKING:
     from weightfabric.fabric.gpu.nvshmem_arena import NvshmemRuntime
 
 log = logging.getLogger(__name__)
-
-MAX_DESCRIPTORS = 1024  # regions whose kind (host or GPU memory) a worker remembers
 
 
 class Worker:
@@ -62,14 +53,10 @@ class Worker:
             raise
         self.name = worker
         self.location = self.hub.location
-        self._shm = ShmTransport()
-        self._tcp = TcpTransport()
-        self._ipc: Transport | None = None
         self.nvshmem = nvshmem
         """The NVSHMEM job this worker's process is a PE of, or None."""
-        self._nvshmem: Transport | None = None
-        self._timeout = timeout
-        self._gpu_descriptors: OrderedDict[tuple[str, int, str], dict[str, Any] | None] = OrderedDict()
+        self.transports = TransportSelector(timeout=timeout, nvshmem=nvshmem)
+        """Picks the transport for each source this worker's stores read."""
         self._stores: dict[str, ModelStore] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -99,9 +86,12 @@ class Worker:
                 active version plus spares; a fetch needs one not held for readers).
 
         Raises:
+            BadRequestError: a name no read server can expose (empty, too long, not
+                UTF-8): refused before the hub is asked anything.
             ValueError: bad arguments, ``symmetric`` without an NVSHMEM job or a GPU, or
                 the model is already open with other arguments.
         """
+        check_model_name(name, shard)
         if symmetric and self.nvshmem is None:
             raise ValueError(f"model {name!r}: symmetric=True needs a worker in an NVSHMEM job "
                              "(fabric.join(..., nvshmem=NvshmemRuntime.start(...)))")
@@ -111,7 +101,8 @@ class Worker:
             store = self._stores.get(name)
             if store is None or store.closed:
                 store = self._stores[name] = ModelStore(
-                    self, name, chunk_size=chunk_size, device=device, shard=shard,
+                    name, hub=self.hub, server=self.server, transports=self.transports,
+                    chunk_size=chunk_size, device=device, shard=shard,
                     num_shards=num_shards, prepare_spare=prepare_spare,
                     nvshmem=self.nvshmem if symmetric else None, buffers=buffers)
             elif (store.chunk_size, store.device, store.shard, store.num_shards,
@@ -126,65 +117,9 @@ class Worker:
 
     def transport_for(self, source: Source, *, symmetric: bool = False,
                       timeout: float | None = None) -> Transport:
-        """The transport for a source's region (see `choose_transport`): on this host it
-        asks the source once whether the region is in GPU memory.
-
-        Args:
-            symmetric: the destination is this PE's symmetric memory, so a region in
-                the symmetric memory of this worker's NVSHMEM job is read one-sidedly,
-                on any host (the source is then asked on every host).
-            timeout: seconds to wait for the source's answer (a fetch passes its read
-                timeout); default: the hub call timeout given to `join`.
-
-        Raises:
-            TransportError: the source could not be asked.
-        """
-        gpu = None
-        symmetric = symmetric and self.nvshmem is not None
-        if symmetric or source.address.host_id == local_host_id():
-            key = (source.address.host, source.address.port, source.region)
-            with self._lock:
-                known = key in self._gpu_descriptors
-                gpu = self._gpu_descriptors.get(key)
-            if not known:
-                gpu = self._shm.describe(source.address, source.region,
-                                         timeout=self._timeout if timeout is None else timeout).gpu
-                with self._lock:
-                    self._gpu_descriptors[key] = gpu
-                    while len(self._gpu_descriptors) > MAX_DESCRIPTORS:
-                        self._gpu_descriptors.popitem(last=False)
-        return choose_transport(source.address, shm=self._shm, tcp=self._tcp, gpu=gpu,
-                                ipc=self._ipc_for(gpu),
-                                nvshmem=self._nvshmem_for(gpu) if symmetric else None)
-
-    def _nvshmem_for(self, gpu: dict[str, Any] | None) -> Transport | None:
-        """An `NvshmemTransport` when ``gpu`` names symmetric memory of this worker's job."""
-        if (gpu is None or gpu.get("kind") != "nvshmem" or self.nvshmem is None
-                or gpu.get("job") != self.nvshmem.session):
-            return None
-        from weightfabric.fabric.transports.nvshmem import NvshmemTransport
-
-        with self._lock:
-            if self._nvshmem is None:
-                self._nvshmem = NvshmemTransport(self.nvshmem)
-            return self._nvshmem
-
-    def _ipc_for(self, gpu: dict[str, Any] | None) -> Transport | None:
-        """A `CudaIpcTransport` when ``gpu`` is an IPC handle of a GPU this process sees."""
-        if (gpu is None or gpu.get("kind") != "cuda_ipc" or gpu.get("pid") == os.getpid()
-                or not torch.cuda.is_available()):
-            return None  # (CUDA opens no handle in the process that exported it)
-        from weightfabric.fabric.transports.cuda_ipc import CudaIpcTransport, visible_devices
-
-        try:
-            if normalise_uuid(gpu.get("device_uuid", "")) not in visible_devices():
-                return None
-        except ValueError:  # a malformed descriptor: read over TCP
-            return None
-        with self._lock:
-            if self._ipc is None:
-                self._ipc = CudaIpcTransport()
-            return self._ipc
+        """The transport for a source's region: `TransportSelector.transport_for` of
+        this worker's `transports`."""
+        return self.transports.transport_for(source, symmetric=symmetric, timeout=timeout)
 
     @property
     def bytes_served(self) -> int:
@@ -204,11 +139,7 @@ class Worker:
             store.close(tell_hub=False)  # waits for reads already in flight
         self.hub.close()
         self.server.close()
-        self._shm.close()
-        self._tcp.close()
-        for transport in (self._ipc, self._nvshmem):
-            if transport is not None:
-                transport.close()
+        self.transports.close()
 
     def __enter__(self) -> Worker:
         return self

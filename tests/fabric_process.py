@@ -12,6 +12,9 @@ Prints ``{"ready": true}`` once joined, then answers one JSON line per command:
   ``"exact"``: whether the fetched tensors equal `tensor_set(seed, mb)` of the last
   ``expect`` command, or, when the command has ``"seeds": {"V": N, ...}`` and
   ``"mb": M``, `tensor_set(N, M)` for the version V it fetched (``"latest"`` too).
+- ``{"op": "sync", "timeout": S}`` -> as ``fetch``: `ModelStore.sync`.
+- ``{"op": "wait_replicated", "version": V, "replicas": K, "timeout": S}`` ->
+  ``{"holders": [...]}``: `ModelStore.wait_replicated` (V null: the last published).
 - ``{"op": "fetch_async", ...}`` (as ``fetch``) -> ``{"started": true}`` at once; then
   ``{"op": "result", "timeout": S}`` -> what ``fetch`` answers, once the fetch is done
   (commands in between are answered meanwhile).
@@ -90,9 +93,9 @@ def matches(store: ModelStore, expected: dict[str, torch.Tensor] | None) -> bool
 def corrupt(store: ModelStore, version: int | None) -> bool:
     """Flip one byte of every chunk of the buffer holding `version` (None: the active one)."""
     if version is None:
-        buffers = [store._active] if store._active is not None else []
+        buffers = [store.pool.active] if store.pool.active is not None else []
     else:
-        buffers = [b for b in store._buffers if b.version == version]
+        buffers = [b for b in store.pool.buffers if b.version == version]
     for buffer in buffers:
         buffer.region.tensor[::CHUNK] ^= 0xFF
     return bool(buffers)
@@ -106,8 +109,9 @@ def scribble(store: ModelStore, version: int) -> int:
     """
     count = 0
     with store._lock:
-        for buffer in store._buffers:
-            if buffer.version == version and buffer is not store._active and not buffer.pending:
+        for buffer in store.pool.buffers:
+            if (buffer.version == version and buffer is not store.pool.active
+                    and not buffer.pending):
                 assert buffer.exposed is None, "scribbling a buffer still exposed"
                 buffer.region.tensor.fill_(0xA5)
                 buffer.version = None
@@ -120,8 +124,8 @@ def spare_version(store: ModelStore) -> int | None:
 
     Not one a fetch is filling, nor one a future will switch to.
     """
-    return min((b.version for b in store._buffers
-                if b is not store._active and not b.pending and b.version is not None
+    return min((b.version for b in store.pool.buffers
+                if b is not store.pool.active and not b.pending and b.version is not None
                 and b.exposed is not None and b.exposed.progress.count
                 == b.exposed.progress.num_chunks), default=None)
 
@@ -139,7 +143,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def slow_reads(worker: wf.Worker, delay: float) -> None:
     """Make every read of `worker` sleep `delay` s first."""
-    original = worker.transport_for
+    original = worker.transports.transport_for
 
     def slow(source, **kwargs):
         transport = original(source, **kwargs)
@@ -154,7 +158,7 @@ def slow_reads(worker: wf.Worker, delay: float) -> None:
 
         return Slow()
 
-    worker.transport_for = slow  # type: ignore[method-assign]
+    worker.transports.transport_for = slow  # type: ignore[method-assign]
 
 
 class Session:
@@ -187,6 +191,16 @@ class Session:
     def op_publish(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Publish `tensor_set(seed, mb)`; replies its version."""
         return {"version": self.store.publish(tensor_set(cmd["seed"], cmd["mb"]))}
+
+    def op_wait_replicated(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        holders = self.store.wait_replicated(cmd.get("version"), replicas=cmd.get("replicas", 1),
+                                             timeout=cmd.get("timeout", 60))
+        return {"holders": holders}
+
+    def op_sync(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        stats = self.store.sync(timeout=cmd.get("timeout", 30), verify=cmd.get("verify"),
+                                options=self.options)
+        return self.checked(stats, cmd)
 
     def op_expect(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Set the tensors later fetches must reproduce."""
@@ -253,7 +267,7 @@ class Session:
     def op_held(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """The store's active version and the version of each buffer."""
         return {"active": self.store.version,
-                "buffers": [b.version for b in self.store._buffers]}
+                "buffers": [b.version for b in self.store.pool.buffers]}
 
     def op_served(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Bytes this worker has served."""

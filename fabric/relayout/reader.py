@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from weightfabric.fabric.checks import check_version
 from weightfabric.fabric.errors import FetchError, ManifestMismatchError, TransportError
 from weightfabric.fabric.fetch import Source, verify_rule
 from weightfabric.fabric.manifest import Manifest
@@ -385,8 +386,10 @@ class ReshardReader:
             ManifestMismatchError: the shards do not hold the tensors as described.
             FetchError: some band could not be read from any holder of its shard (none
                 left, or every one failed or sent a chunk with a bad checksum).
+            BadRequestError: ``version`` is not an ``int > 0`` or ``"latest"``.
             ValueError, TypeError: bad layouts, budget or destinations (see `plan_staging`).
         """
+        version = check_version(version)
         missing = sorted(set(self.tensors) - set(dst))
         if missing:
             raise ValueError(f"resharded fetch: no destination for {missing}")
@@ -430,7 +433,11 @@ def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding
 
     A `ReshardReader` used for one fetch (arguments as there and in its `fetch`); a
     loop fetching every version should keep a `ReshardReader`, which reuses its buffers.
+
+    Raises:
+        BadRequestError: ``version`` is not an ``int > 0`` or ``"latest"``.
     """
+    version = check_version(version)
     reader = ReshardReader(worker, model, tensors, rank=rank, budget=budget,
                            scale_suffix=scale_suffix, verify=verify, timeout=timeout)
     return reader.fetch(dst, version, wanted_dtypes=wanted_dtypes)

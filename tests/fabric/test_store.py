@@ -20,6 +20,7 @@ from weightfabric.fabric import arena
 from weightfabric.fabric.client import HubClient
 from weightfabric.fabric.errors import (
     ArenaError,
+    BadRequestError,
     FabricError,
     FetchError,
     HubUnavailableError,
@@ -129,7 +130,7 @@ def test_a_fetch_during_release_does_not_take_the_buffer_being_freed(hub):
     r_store.fetch(t_store.publish(net(seed=2)))
     source = net(seed=3)
     v3 = t_store.publish(source)
-    released = next(b for b in r_store._buffers if b.version == v1)
+    released = next(b for b in r_store.pool.buffers if b.version == v1)
     hub_retract, during = rollout.hub.retract, []
 
     def retract(model_name, version, **kw):  # release has dropped the lock for this call
@@ -145,8 +146,8 @@ def test_a_fetch_during_release_does_not_take_the_buffer_being_freed(hub):
     finally:
         rollout.hub.retract = hub_retract
     assert during[0].result().version == v3 and same(model, source)
-    assert r_store._active is not released and not r_store._active.region.closed
-    assert released not in r_store._buffers and released.region.closed
+    assert r_store.pool.active is not released and not r_store.pool.active.region.closed
+    assert released not in r_store.pool.buffers and released.region.closed
 
 
 def test_fetching_a_version_the_store_still_holds_switches_back_to_it(hub):
@@ -160,10 +161,10 @@ def test_fetching_a_version_the_store_still_holds_switches_back_to_it(hub):
     r_store.fetch(v1)
     r_store.fetch(t_store.publish(net(seed=2)))
     t_store.publish(net(seed=3))  # the trainer reuses v1's buffer: ours is its last copy
-    buffers = list(r_store._buffers)
+    buffers = r_store.pool.buffers
     stats = r_store.fetch(v1)
     assert stats.version == v1 and stats.bytes == 0  # nothing read again
-    assert r_store.version == v1 and same(model, baseline) and r_store._buffers == buffers
+    assert r_store.version == v1 and same(model, baseline) and r_store.pool.buffers == buffers
 
 
 def read_in_flight(worker, name: str, peer_timeout: float) -> threading.Thread:
@@ -309,6 +310,37 @@ def test_misuse_is_refused_with_a_reason(hub):
         store.attach([1, 2])
 
 
+BAD_VERSIONS = [None, 0, -1, "1", 1.0, True, "", "Latest"]
+
+
+@pytest.mark.parametrize("holding", [False, True], ids=["fresh", "holding-v1"])
+def test_a_fetch_of_anything_but_a_positive_int_or_latest_changes_nothing(hub, holding):
+    """Only ``int > 0`` or ``"latest"``: anything else is a `BadRequestError` from
+    `fetch` and `fetch_async` themselves, before the store changes (``fetch(None)`` used
+    to switch a store holding v1 to its empty spare, leaving ``version`` None)."""
+    trainer, rollout = hub("trainer"), hub("rollout")
+    source = net(seed=1)
+    v1 = trainer.model("m", chunk_size=CHUNK).publish(source)
+    store = rollout.model("m", chunk_size=CHUNK)
+    model = net(seed=2)
+    if holding:
+        store.attach(model)
+        store.fetch(v1)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    buffers = [(b, b.version) for b in store.pool.buffers]
+    for bad in BAD_VERSIONS:
+        with pytest.raises(BadRequestError, match="a version is an int > 0 or 'latest'"):
+            store.fetch(bad)
+        with pytest.raises(BadRequestError, match="a version is an int > 0 or 'latest'"):
+            store.fetch_async(bad)
+        assert store.version == (v1 if holding else None), f"fetch({bad!r}) switched"
+        assert [(b, b.version) for b in store.pool.buffers] == buffers
+        assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())
+    if holding:
+        assert same(model, source)
+    assert store.fetch("latest").version == v1  # the store still works
+
+
 def test_a_closed_store_refuses_fetches_and_switches_to_nothing(hub):
     trainer, rollout = hub("trainer"), hub("rollout")
     v1 = trainer.model("m", chunk_size=CHUNK).publish(net(seed=1))
@@ -320,7 +352,7 @@ def test_a_closed_store_refuses_fetches_and_switches_to_nothing(hub):
     for future in (done, queued):
         with pytest.raises(FabricError, match="the store is closed"):
             future.result(timeout=30)
-    assert store._active is None and store.version is None
+    assert store.pool.active is None and store.version is None
     with pytest.raises(FabricError, match="the store is closed"):
         store.fetch(v1)
     with pytest.raises(FabricError, match="the store is closed"):
@@ -407,7 +439,7 @@ def test_a_fetch_asks_a_frozen_holder_on_its_host_only_within_its_read_timeout(h
     _, version, store = origin_and_reader(hub)
     silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     address = SourceAddress("127.0.0.1", silent.getsockname()[1], local_host_id())
-    frozen = HubClient(store.worker.hub.url, worker="frozen", location=NEAR,
+    frozen = HubClient(store.hub.url, worker="frozen", location=NEAR,
                        endpoints={"read": address.to_dict()}).open()
     try:
         frozen.begin_fetch("m", version)
@@ -441,7 +473,7 @@ def test_a_failed_fetch_leaves_a_peer_copying_from_it_and_the_version_is_fetched
     source, version, store = origin_and_reader(hub)
     model = net(seed=9)
     store.attach(model)
-    address = store.worker.server.address
+    address = store.server.address
     leases: list[socket.socket] = []  # a peer's connection, its lease never ended
 
     def a_peer_leases_chunk_0_then_the_fetch_fails(done: int, total: int) -> None:
@@ -508,11 +540,11 @@ def big(seed: int = 0, mb: int = 24) -> dict[str, torch.Tensor]:
 
 
 def paths(store) -> set:
-    return {b.region.path for b in store._buffers}
+    return {b.region.path for b in store.pool.buffers}
 
 
 def spares(store) -> list:
-    return [b for b in store._buffers if b is not store._active and b.version is None]
+    return [b for b in store.pool.buffers if b is not store.pool.active and b.version is None]
 
 
 def test_attach_prepares_a_populated_spare_that_the_first_fetch_fills(hub):
@@ -526,7 +558,7 @@ def test_attach_prepares_a_populated_spare_that_the_first_fetch_fills(hub):
     assert is_resident(spare.region.path, spare.region.nbytes)
     before = paths(store)
     store.fetch(v1)
-    assert store._active is spare and paths(store) == before  # no buffer allocated
+    assert store.pool.active is spare and paths(store) == before  # no buffer allocated
     assert all(torch.equal(model[n], t) for n, t in big(1).items())
 
 
@@ -545,7 +577,7 @@ def test_first_fetch_prepares_the_buffer_of_the_second(hub):
         store.fetch(t_store.publish(source))
         assert paths(store) == before  # v2 fills the spare, v3 the buffer of v1
         assert all(torch.equal(store.tensors[n], t) for n, t in source.items())
-    assert len(t_store._buffers) == 2  # the trainer's snapshots alternate in two as well
+    assert len(t_store.pool.buffers) == 2  # the trainer's snapshots alternate in two as well
 
 
 def test_without_prepare_spare_buffers_come_only_with_versions(hub):
@@ -554,10 +586,10 @@ def test_without_prepare_spare_buffers_come_only_with_versions(hub):
     v1 = t_store.publish(big(1, mb=4))
     store = rollout.model("m", chunk_size=CHUNK, prepare_spare=False)
     store.fetch(v1)
-    assert len(store._buffers) == len(t_store._buffers) == 1
+    assert len(store.pool.buffers) == len(t_store.pool.buffers) == 1
     attached = rollout.model("n", chunk_size=CHUNK, prepare_spare=False)
     attached.attach(big(2, mb=4))
-    assert len(attached._buffers) == 1
+    assert len(attached.pool.buffers) == 1
 
 
 def test_an_in_place_publisher_frees_its_spare(hub):
@@ -566,7 +598,7 @@ def test_an_in_place_publisher_frees_its_spare(hub):
     store.attach(model)
     [spare] = spares(store)
     store.publish(snapshot=False)
-    assert len(store._buffers) == 1 and not spare.region.path.exists()
+    assert len(store.pool.buffers) == 1 and not spare.region.path.exists()
     assert not store.prepare_spare
 
 
@@ -578,7 +610,7 @@ def test_fetch_overtaking_a_background_populate_is_exact(hub, monkeypatch):
     store = rollout.model("m", chunk_size=CHUNK)
     store.fetch(v1)
     files = paths(store)
-    region = store._active.region
+    region = store.pool.active.region
     assert region.populated_bytes < region.nbytes  # the background is still at it...
     assert is_resident(region.path, region.nbytes)  # ...the fetch populated the rest
     assert all(torch.equal(store.tensors[n], t) for n, t in source.items())
@@ -613,4 +645,4 @@ def test_no_room_for_a_buffer_fails_the_fetch_with_arena_error(hub, monkeypatch)
     assert store.version is None
     monkeypatch.undo()
     assert store.fetch(v1).version == v1  # room again: the broken buffer was dropped
-    assert len(store._buffers) == 2
+    assert len(store.pool.buffers) == 2

@@ -75,6 +75,22 @@ def same(a: nn.Module, b: nn.Module) -> bool:
                                                  b.state_dict().values(), strict=True))
 
 
+class Opener:
+    """Opens symmetric stores of one PE's worker (on CPU `Worker.model` refuses them)."""
+
+    def __init__(self, worker: wf.Worker, runtime: RecordingRuntime, stores: list[ModelStore],
+                 *, buffers: int, chunk_size: int) -> None:
+        self.worker, self.runtime, self.stores = worker, runtime, stores
+        self.buffers, self.chunk_size = buffers, chunk_size
+
+    def __call__(self, model: str = "m", **kwargs) -> ModelStore:
+        options = {"chunk_size": self.chunk_size, "buffers": self.buffers, **kwargs}
+        self.stores.append(ModelStore(model, hub=self.worker.hub, server=self.worker.server,
+                                      transports=self.worker.transports,
+                                      nvshmem=self.runtime, **options))
+        return self.stores[-1]
+
+
 @pytest.fixture
 def pes(workers):
     """(worker, runtime, store opener) per PE, on the shared ``hub``; closes the stores,
@@ -86,13 +102,7 @@ def pes(workers):
         runtime = RecordingRuntime("job-1", rank=len(made))
         stores: list[ModelStore] = []
         made.append((worker, stores))
-
-        def open_store(model: str = "m") -> ModelStore:
-            stores.append(ModelStore(worker, model, chunk_size=chunk_size, nvshmem=runtime,
-                                     buffers=buffers))
-            return stores[-1]
-
-        return open_store, runtime
+        return Opener(worker, runtime, stores, buffers=buffers, chunk_size=chunk_size), runtime
 
     yield pe
     for _, stores in made:
@@ -140,21 +150,28 @@ def test_buffers_are_allocated_together_in_attach_and_freed_together_in_close(pe
 def published(pes, **reader: int) -> tuple[ModelStore, ModelStore, RecordingRuntime, int]:
     """A trainer and a reader (opened with ``reader``'s options), both attached; the
     trainer has published one version. Returns (trainer, reader, reader's runtime, v)."""
+    t, r, rt_r, v, _ = published_by(pes, **reader)
+    return t, r, rt_r, v
+
+
+def published_by(pes, **reader: int) -> tuple[ModelStore, ModelStore, RecordingRuntime, int,
+                                               Opener]:
+    """`published`, and the reader's `Opener`."""
     open_t, _ = pes("trainer")
     open_r, rt_r = pes("rollout", **reader)
     t, r = open_t(), open_r()
     t.attach(net(1))
     r.attach(net(2))
-    return t, r, rt_r, t.publish()
+    return t, r, rt_r, t.publish(), open_r
 
 
 def test_a_store_never_allocates_beyond_its_buffers(pes):
-    t, r, rt_r, v = published(pes, buffers=1)
+    t, r, rt_r, v, open_r = published_by(pes, buffers=1)
     with pytest.raises(FabricError, match="all 1 symmetric buffers hold versions"):
         r.fetch(v)
     assert [e for e in rt_r.log if e.startswith("alloc")] == [f"alloc m/0 {t.layout.nbytes}"]
     with pytest.raises(ValueError, match="buffers must be"):
-        ModelStore(r.worker, "x", chunk_size=CHUNK, nvshmem=rt_r, buffers=0)
+        open_r("x", buffers=0)
 
 
 def test_chunk_size_must_match_the_publishers(pes):
@@ -165,7 +182,7 @@ def test_chunk_size_must_match_the_publishers(pes):
 
 def test_worker_model_symmetric_needs_a_job_and_a_gpu(pes):
     open_store, runtime = pes("w")
-    worker = open_store().worker
+    worker = open_store.worker
     with pytest.raises(ValueError, match="needs a worker in an NVSHMEM job"):
         worker.model("n", symmetric=True)
     worker.nvshmem = runtime
@@ -190,9 +207,9 @@ def test_choose_transport_reads_symmetric_memory_one_sidedly_on_any_host():
 
 def test_a_worker_picks_nvshmem_only_for_its_own_job(pes):
     open_store, runtime = pes("w")
-    worker = open_store().worker
-    worker.nvshmem = runtime
+    transports = open_store.worker.transports
+    transports.nvshmem = runtime
     other_job = {"kind": "nvshmem", "job": "job-2", "pe": 1, "region": "m/0"}
-    assert worker._nvshmem_for(other_job) is None
-    assert worker._nvshmem_for({"kind": "cuda_ipc"}) is None
-    assert worker._nvshmem_for(None) is None
+    assert transports._nvshmem_for(other_job) is None
+    assert transports._nvshmem_for({"kind": "cuda_ipc"}) is None
+    assert transports._nvshmem_for(None) is None

@@ -339,8 +339,8 @@ def test_worker_reads_a_gpu_region_it_cannot_map_over_tcp(workers):
     holder.server.expose("r", data, chunk_size=1000, gpu=ipc)
     holder.server.expose("h", data, chunk_size=1000, shm_path="/dev/shm/x")
     gpu_source = Source("holder", holder.server.address, "r")
-    assert reader.transport_for(gpu_source) is reader._tcp
-    assert reader.transport_for(Source("holder", holder.server.address, "h")) is reader._shm
+    assert reader.transport_for(gpu_source) is reader.transports.tcp
+    assert reader.transport_for(Source("holder", holder.server.address, "h")) is reader.transports.shm
     out = torch.empty(3000, dtype=torch.uint8)
     reader.transport_for(gpu_source).read(holder.server.address, "r", 0, out, timeout=5)
     assert torch.equal(out, data)
