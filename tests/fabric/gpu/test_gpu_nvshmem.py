@@ -104,9 +104,12 @@ def test_pe_processes_get_the_mps_share_and_heap_and_a_hung_teardown_is_an_error
 
     for name in ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "NVSHMEM_SYMMETRIC_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(gpu_paths, "TEARDOWN_S", 2.0)
+    # a PE that has not finished starting (spawn imports torch: seconds on a loaded
+    # machine) is no hung teardown: the clean run gets a long teardown, the hung one 5 s
+    monkeypatch.setattr(gpu_paths, "TEARDOWN_S", 60.0)
     ok, errors = gpu_paths._run_pes(_fake_pe, (False,), pes=2, readers=1, heap=1 << 30, timeout=60)
     assert errors == [] and ok == [{"rank": 1, "env": ["50", str((1 << 30) + (256 << 20))]}]
+    monkeypatch.setattr(gpu_paths, "TEARDOWN_S", 5.0)
     ok, errors = gpu_paths._run_pes(_fake_pe, (True,), pes=2, readers=1, heap=1 << 30, timeout=60)
     assert len(ok) == 1 and errors == [{"rank": 0, "error": "PE 0 exited with code -9 (killed at "
                                                             "the deadline)"}]
