@@ -226,7 +226,8 @@ class Region:
         self.nbytes = nbytes
         self.owner = owner
         storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes)
-        self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+        # torch's stubs type from_file as returning _StorageBase, which set_ does not take.
+        self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
         self._populator = _Populator(fd, nbytes) if owner else None
         self._finalizer = weakref.finalize(self, _release, path, fd, owner, self._populator)
 

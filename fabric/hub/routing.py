@@ -51,10 +51,10 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]]
     cut = np.flatnonzero((picks[1:] != picks[:-1]).any(axis=1)
                          | (starts[1:] != stops[:-1])) + 1
     firsts, lasts = np.r_[0, cut], np.r_[cut - 1, len(starts) - 1]
-    kinds, kind_of = _distinct_rows(picks[firsts])
+    kind_rows, kind_of = _distinct_rows(picks[firsts])
     names = [r.worker for r in reps]
     kinds = [([names[i] for i in row[:sources] if i >= 0],
-              [names[i] for i in row[sources:] if i >= 0]) for row in kinds.tolist()]
+              [names[i] for i in row[sources:] if i >= 0]) for row in kind_rows.tolist()]
     read = np.asarray([bool(srcs) for srcs, _ in kinds])[kind_of]
     # The ranges share their kind's lists (the reply is serialised, not changed).
     ranges = [PlanRangeWire(start=a, stop=b, sources=kinds[k][0], wait=kinds[k][1])

@@ -658,6 +658,8 @@ class HubState:
             return
         g.state = GROUP_COMMITTED
         for f, rep in zip(members, reps, strict=True):
+            # A missing fetch gives rep None, and every rep was checked live above.
+            assert f is not None and rep is not None, "checked above: every member has a replica"
             self._index.pop_fetch(f.fetch_id)
             rep.complete = True
             v.reindex(rep)
@@ -1042,7 +1044,7 @@ class HubState:
             f.done = True
             v = self.models[f.model].versions.get(f.version)
             rep = v.replicas.get((f.worker, f.shard)) if v else None
-            if rep is not None and not rep.complete:
+            if v is not None and rep is not None and not rep.complete:
                 self._index.set_status(v, rep, RETRACTING)
 
     def _drop_worker(self, worker: str, why: str) -> None:

@@ -303,12 +303,13 @@ class _ShardReader:
         self.reused_chunks += len(touched) - len(run)
         partly_used = []
         for c, chunk in chunks.items():
+            assert chunk is not None, "every chunk not cached is in run, read just above"
             a, b = max(offset, c * size), min(end, (c + 1) * size)
             out[a - offset:b - offset].copy_(chunk[a - c * size:b - c * size])
             if c in run and (a > c * size or b < min((c + 1) * size, manifest.total_bytes)):
-                partly_used.append(c)
-        for c in partly_used:  # after the copies: caching may evict a chunk used above
-            self.buffers.put((shard, c), chunks[c], size)
+                partly_used.append((c, chunk))
+        for c, chunk in partly_used:  # after the copies: caching may evict a chunk used above
+            self.buffers.put((shard, c), chunk, size)
         self.verify_peak_bytes = max(self.verify_peak_bytes, self.buffers.nbytes)
 
     def _read_chunks(self, source: Source, shard: int, run: range,

@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -61,7 +62,7 @@ class SourceAddress:
         return {"host": self.host, "port": self.port, "host_id": self.host_id}
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> SourceAddress:
+    def from_dict(cls, data: Mapping[str, Any]) -> SourceAddress:
         return cls(host=str(data["host"]), port=int(data["port"]), host_id=str(data["host_id"]))
 
 

@@ -277,11 +277,13 @@ def _receive_map(conn: socket.socket, source: SourceAddress, op: Op, region: str
     return {key: data.get(key) for key in fields}
 
 
+_FieldTypes = Mapping[str, type | tuple[type, ...]]
 _OPTIONAL_PATH = (str, type(None))
 _OPTIONAL_GPU = (dict, type(None))
-_LEASE_FIELDS = {"nbytes": int, "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
-_DESCRIBE_FIELDS = {"nbytes": int, "chunk_size": int, "num_chunks": int, "present": int,
-                    "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
+_LEASE_FIELDS: _FieldTypes = {"nbytes": int, "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
+_DESCRIBE_FIELDS: _FieldTypes = {"nbytes": int, "chunk_size": int, "num_chunks": int,
+                                  "present": int, "shm_path": _OPTIONAL_PATH,
+                                  "gpu": _OPTIONAL_GPU}
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,7 @@ class _DevicePointer:
     """A CUDA byte range torch can wrap (``__cuda_array_interface__`` v3)."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None, "stream": None}
 
@@ -152,7 +153,7 @@ def _wrap(memory: _DevicePointer, device: int, what: str) -> torch.Tensor:
         RuntimeError: torch copied the bytes (releases whose ``as_tensor`` ignores the
             device index of ``__cuda_array_interface__`` memory copy it elsewhere).
     """
-    ptr = memory.__cuda_array_interface__["data"][0]
+    ptr = memory.ptr
     tensor = torch.as_tensor(memory, device=f"cuda:{device}")
     if tensor.data_ptr() != ptr:
         raise RuntimeError(f"torch {torch.__version__} copied {what} to cuda:{device} instead "

@@ -162,7 +162,10 @@ class ReadServer:
                              f"the region {num_chunks}")
         if gpu is not None:
             msgpack.packb(gpu)  # fail here, not in a reader's DESCRIBE
-        data = memoryview(tensor.numpy()) if tensor.device.type == "cpu" else None
+        data: memoryview | None = None
+        if tensor.device.type == "cpu":
+            # numpy's stubs declare ndarray.__buffer__ only for Python 3.12+.
+            data = memoryview(tensor.numpy())  # type: ignore[arg-type]
         exposure = Exposure(name, tensor, data, chunk_size, progress, shm_path,
                             dict(gpu) if gpu is not None else None)
         with self._lock:
@@ -502,4 +505,5 @@ def _host_bytes(region: Exposure, offset: int, nbytes: int) -> memoryview:
     """Bytes ``[offset, offset + nbytes)`` of a region in host memory (GPU: copied)."""
     if region.data is not None:
         return region.data[offset:offset + nbytes]
-    return memoryview(region.tensor[offset:offset + nbytes].cpu().numpy())
+    # numpy's stubs declare ndarray.__buffer__ only for Python 3.12+.
+    return memoryview(region.tensor[offset:offset + nbytes].cpu().numpy())  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import TypedDict
 
 import torch
 
@@ -71,8 +72,14 @@ def _tensor_set(tp: int, layers: int, scale: int, device: torch.device) -> dict[
     return out
 
 
-def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[dict[str, object]]:
-    rows: list[dict[str, object]] = []
+# One result row (its keys are the JSON output's and the table's column names).
+KernelRow = TypedDict("KernelRow", {
+    "kernel": str, "backend": str, "bytes": int, "seconds": float, "GB/s": float,
+    "baseline": str, "baseline GB/s": float | None, "speedup": float | None})
+
+
+def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[KernelRow]:
+    rows: list[KernelRow] = []
     backend = "triton" if device.type == "cuda" else "torch"
 
     def add(name: str, nbytes: int, seconds: float, baseline: str, base_seconds: float) -> None:
