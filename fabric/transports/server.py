@@ -179,8 +179,10 @@ class ReadServer:
         return exposure
 
     def retract(self, which: str | Exposure, *, timeout: float = 30.0) -> bool:
-        """Stop serving `which` (a name: its current exposure; or an `Exposure`, one
-        exposed again since included); wait up to `timeout` s for its reads in flight.
+        """Stop serving `which`; wait up to `timeout` s for its reads in flight.
+
+        Stop serving `which` (a name: its current exposure; or an `Exposure`, one exposed
+        again since included); wait up to `timeout` s for its reads in flight.
 
         New reads are refused at once, reads waiting for chunks of it are answered
         `NOT_FOUND` at once, and readers that pinned it are told to unmap it. Returns
@@ -204,12 +206,16 @@ class ReadServer:
         return done
 
     def regions(self) -> list[str]:
+        """Names of the regions being served (not those retracting)."""
         with self._lock:
             return [n for n, r in self._regions.items() if not r.retracting]
 
     def close(self) -> None:
-        """Stop accepting, tell readers with pins to unmap and wait for them up to
-        `UNPIN_WAIT` s, then drop every connection."""
+        """Stop accepting, unpin readers (waiting a while), then drop every connection.
+
+        Stop accepting, tell readers with pins to unmap and wait for them up to `UNPIN_WAIT`
+        s, then drop every connection.
+        """
         if self._closed.is_set():
             return
         self._closed.set()
@@ -236,8 +242,11 @@ class ReadServer:
     # --- serving ---------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        """Accept until `close`. A failed accept (no file descriptor left, say) is
-        retried: only `close` ends the loop."""
+        """Accept until `close`.
+
+        A failed accept (no file descriptor left, say) is retried: only `close` ends the
+        loop.
+        """
         warned = False
         while not self._closed.is_set():
             try:
@@ -256,8 +265,11 @@ class ReadServer:
             self._admit(conn)
 
     def _admit(self, conn: socket.socket) -> None:
-        """Serve ``conn`` on a thread of its own, or refuse it when the server is full
-        and no connection is idle."""
+        """Serve ``conn`` on a thread of its own, or refuse it when full.
+
+        Serve ``conn`` on a thread of its own, or refuse it when the server is full and no
+        connection is idle.
+        """
         full = len(self._connections) >= self.max_connections and not self._close_longest_idle()
         if not full:
             with self._lock:
@@ -280,9 +292,11 @@ class ReadServer:
             conn.close()
 
     def _close_longest_idle(self) -> bool:
-        """Make room: end the connection that has waited longest for a request, if it
-        has waited `MIN_IDLE_TO_CLOSE` s (its reader no longer reuses it); False if
-        none has."""
+        """Make room: end the connection that has waited longest for a request.
+
+        Make room: end the connection that has waited longest for a request, if it has
+        waited `MIN_IDLE_TO_CLOSE` s (its reader no longer reuses it); False if none has.
+        """
         with self._lock:
             conn = next(iter(self._idle), None)
             if conn is None or time.monotonic() - self._idle[conn] < MIN_IDLE_TO_CLOSE:
@@ -461,8 +475,11 @@ class ReadServer:
     @staticmethod
     def _reply(conn: socket.socket, status: Status, message: str = "",
                payload: bytes | memoryview = b"") -> None:
-        """Send a reply within `SEND_GRACE` + its bytes / `MIN_SEND_RATE` seconds
-        (``socket.timeout``, an OSError, past that: the caller drops the connection)."""
+        """Send a reply within a deadline that grows with its size.
+
+        Send a reply within `SEND_GRACE` + its bytes / `MIN_SEND_RATE` seconds
+        (``socket.timeout``, an OSError, past that: the caller drops the connection).
+        """
         conn.settimeout(SEND_GRACE + len(payload) / MIN_SEND_RATE)
         conn.sendall(_header(status, message, len(payload)))
         if len(payload):
