@@ -47,8 +47,11 @@ def _sync(device: torch.device) -> None:
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    """Median wall time of ``fn`` over ``repeat`` runs after one warm-up, the device
-    synchronised around each."""
+    """Median wall time of ``fn`` over ``repeat`` runs after one warm-up.
+
+    Median wall time of ``fn`` over ``repeat`` runs after one warm-up, the device
+    synchronised around each.
+    """
     fn()
     _sync(device)
     times = []
@@ -79,6 +82,7 @@ KernelRow = TypedDict("KernelRow", {
 
 
 def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[KernelRow]:
+    """Time each kernel and its baseline on `device`: one row per kernel."""
     rows: list[KernelRow] = []
     backend = "triton" if device.type == "cuda" else "torch"
 

@@ -23,6 +23,7 @@ from weightfabric.tools.bench.kernels import _tensor_set, median_seconds
 
 
 def main() -> int:
+    """Sweep the kernels' tile settings and print each as JSON, then the best."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu under "
                         "TRITON_INTERPRET=1 to check this script")
