@@ -19,11 +19,13 @@ STEPS = 3
 
 
 def make_policy() -> nn.Module:
+    """A small policy network, seeded so every process builds the same one."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 16))
 
 
 def trainer(url: str, samples: mp.Queue, done: Event) -> None:
+    """Train the policy on the rollout's samples, publishing each version."""
     policy = make_policy()
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
     with wf.join(url, worker="trainer") as worker:
@@ -43,6 +45,7 @@ def trainer(url: str, samples: mp.Queue, done: Event) -> None:
 
 
 def rollout(url: str, samples: mp.Queue, done: Event) -> None:
+    """Sync to each newer policy, roll it out and send the samples to the trainer."""
     policy = make_policy()  # whatever weights: every fetch overwrites them
     with wf.join(url, worker="rollout-0") as worker:
         store = worker.model("policy")

@@ -121,9 +121,10 @@ def _fallocate(fd: int, lo: int, hi: int, methods: dict[str, bool]) -> None:
 
 
 class _Populator:
-    """Populates a region's pages in order, in a background thread or the caller's;
-    `frontier` is the end of the bytes done so far. The thread holds the mapping
-    alive while it runs; `stop` ends it within one `POPULATE_PIECE` and joins it.
+    """Populates a region's pages in order, in a background thread or the caller's.
+
+    `frontier` is the end of the bytes done so far. The thread holds the mapping alive while
+    it runs; `stop` ends it within one `POPULATE_PIECE` and joins it.
     """
 
     def __init__(self, fd: int, nbytes: int) -> None:
@@ -226,7 +227,8 @@ class Region:
         self.nbytes = nbytes
         self.owner = owner
         storage = torch.UntypedStorage.from_file(str(path), shared=True, nbytes=nbytes)
-        self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)
+        # torch's stubs type from_file as returning _StorageBase, which set_ does not take.
+        self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
         self._populator = _Populator(fd, nbytes) if owner else None
         self._finalizer = weakref.finalize(self, _release, path, fd, owner, self._populator)
 
@@ -326,9 +328,11 @@ class Region:
             populator.run_here(self.tensor)
 
     def populate_range(self, start: int, end: int) -> None:
-        """Populate bytes [`start`, `end`) now, in the caller's thread, unless
-        `populate` already got past them: what a writer ahead of the background
-        thread does before writing there.
+        """Populate bytes [`start`, `end`) now, in the caller's thread.
+
+        Populate bytes [`start`, `end`) now, in the caller's thread, unless `populate`
+        already got past them: what a writer ahead of the background thread does before
+        writing there.
 
         Raises:
             ArenaError: not the owner, closed, or no room in /dev/shm.
@@ -349,7 +353,9 @@ class Region:
         return self._populator.error if self._populator is not None else None
 
     def wait_populated(self, end: int | None = None, *, timeout: float | None = None) -> bool:
-        """Wait until a background `populate` has done bytes [0, `end`) (default: all),
+        """Wait until a background `populate` has done bytes [0, `end`).
+
+        Wait until a background `populate` has done bytes [0, `end`) (default: all),
         stopped, or `timeout` passed; return whether those bytes are populated.
 
         Raises:
@@ -366,11 +372,15 @@ class Region:
 
     @property
     def closed(self) -> bool:
+        """Whether this mapping was closed."""
         return not self._finalizer.alive
 
     def close(self) -> None:
-        """Drop this mapping's file handle; the owner also stops a background
-        `populate` (waiting for its current piece) and unlinks the file."""
+        """Drop this mapping's file handle.
+
+        The owner also stops a background `populate` (waiting for its current piece) and
+        unlinks the file.
+        """
         self._finalizer()
 
     def __enter__(self) -> Region:

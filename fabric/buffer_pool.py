@@ -28,9 +28,13 @@ class BufferRegion(Protocol):
     """What the pool needs of a buffer's memory (`Region`, `DeviceRegion`, `SymmetricBuffer`)."""
 
     @property
-    def tensor(self) -> torch.Tensor: ...
+    def tensor(self) -> torch.Tensor:
+        """The buffer's bytes, a flat uint8 tensor."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Free the buffer's memory."""
+        ...
 
 
 @dataclass(eq=False)
@@ -122,8 +126,11 @@ class BufferPool:
         return next((b for b in self._buffers if b.version == version), None)
 
     def reserve(self, version: int) -> Buffer | None:
-        """A buffer other than the active one that holds ``version`` (kept, e.g. pinned)
-        and is not being released, now reserved for a future; None if there is none."""
+        """Reserve a non-active buffer that holds ``version``, if there is one.
+
+        A buffer other than the active one that holds ``version`` (kept, e.g. pinned) and is
+        not being released, now reserved for a future; None if there is none.
+        """
         for buffer in self._buffers:
             if (version is not None and buffer.version == version
                     and buffer is not self._active and not buffer.releasing):
@@ -132,9 +139,10 @@ class BufferPool:
         return None
 
     def activate(self, buffer: Buffer) -> None:
-        """Make ``buffer`` active (an attach's buffer may hold no version yet). Fetched
-        buffers of older versions lose their reservation: a superseded future must not
-        pin memory.
+        """Make ``buffer`` active (an attach's buffer may hold no version yet).
+
+        Fetched buffers of older versions lose their reservation: a superseded future must
+        not pin memory.
 
         Raises:
             FabricError: ``buffer`` is not in the pool.
@@ -175,18 +183,22 @@ class BufferPool:
     # --- reuse -----------------------------------------------------------------------
 
     def reusable(self) -> list[Buffer]:
-        """Buffers a new version may take, in the order to try them: neither active,
-        reserved nor being released; unused ones first, then the oldest versions (the
-        caller still has to retract those)."""
+        """Buffers a new version may take, in the order to try them.
+
+        Neither active, reserved nor being released; unused ones first, then the oldest
+        versions (the caller still has to retract those).
+        """
         return sorted((b for b in self._buffers
                        if b is not self._active and not b.pending and not b.releasing),
                       key=lambda b: -1 if b.version is None else b.version)
 
     def take(self, reclaim: Callable[[Buffer], bool],
              allocate: Callable[[], BufferRegion]) -> Buffer:
-        """A buffer for a new version: the first of `reusable` that ``reclaim`` frees (it
-        returns True once no reader needs the buffer; it may `remove` it), else a new one
-        over ``allocate()``. The buffer returned holds no version.
+        """A buffer for a new version.
+
+        The first of `reusable` that ``reclaim`` frees (it returns True once no reader needs
+        the buffer; it may `remove` it), else a new one over ``allocate()``. The buffer
+        returned holds no version.
 
         Raises:
             FabricError: nothing could be reclaimed and the pool is full.
@@ -209,8 +221,10 @@ class BufferPool:
         return [b for b in self._buffers if b is not self._active and b.version is None]
 
     def wants_spare(self) -> bool:
-        """True when a prepared spare should be added now: the pool holds fewer than
-        `PREPARED_BUFFERS` buffers and none unused."""
+        """True when a prepared spare should be added now.
+
+        The pool holds fewer than `PREPARED_BUFFERS` buffers and none unused.
+        """
         return len(self._buffers) < min(PREPARED_BUFFERS, self.limit) and not self.unused()
 
 

@@ -1,5 +1,7 @@
-"""Checks of what callers ask the data plane for, made before anything changes:
-version requests (`check_version`) and model names (`check_model_name`)."""
+"""Checks of what callers ask the data plane for, made before anything changes.
+
+Version requests (`check_version`) and model names (`check_model_name`).
+"""
 
 from __future__ import annotations
 

@@ -124,8 +124,11 @@ class SourceInfo:
 
 @dataclass(frozen=True)
 class PlanRange:
-    """Chunks ``start..stop-1``: read from ``sources`` (best first; each has them), or
-    wait on the progress of ``wait`` (partial replicas ranked better, not there yet)."""
+    """Chunks ``start..stop-1``.
+
+    Read from ``sources`` (best first; each has them), or wait on the progress of ``wait``
+    (partial replicas ranked better, not there yet).
+    """
 
     start: int
     stop: int
@@ -148,8 +151,10 @@ class FetchPlan:
 
     @classmethod
     def from_reply(cls, reply: PlanReply, manifest: Manifest | None = None) -> FetchPlan:
-        """Build from the hub's reply to ``begin_fetch`` or ``plan`` (``manifest``: the
-        one the reader kept, for a reply without it).
+        """Build from the hub's reply to ``begin_fetch`` or ``plan``.
+
+        Build from the hub's reply to ``begin_fetch`` or ``plan`` (``manifest``: the one the
+        reader kept, for a reply without it).
 
         Raises:
             ProtocolError: a reply without a manifest and none kept.
@@ -270,8 +275,9 @@ class HubClient:
     # -------------------------------------------------------------- transport
     def request(self, req: Request, reply: type[T], *, timeout: float | None = None,
                 wait_s: float = 0.0, channel: str = "main") -> T:
-        """Send one typed request; returns its reply as ``reply`` (raises the hub's typed
-        error). Arguments as for `call`.
+        """Send one typed request; returns its reply as ``reply`` (raises the hub's typed error).
+
+        Arguments as for `call`.
 
         Raises:
             ProtocolError: the reply does not fit ``reply`` (a hub of another build).
@@ -285,8 +291,9 @@ class HubClient:
 
     def call(self, op: str, args: Body, *, timeout: float | None = None,
              wait_s: float = 0.0, channel: str = "main") -> dict[str, Any]:
-        """Send one request and return the reply body as plain data (raises the hub's
-        typed error). The untyped form of `request`, for tools and tests.
+        """Send one request and return the reply body as plain data (raises the hub's typed error).
+
+        The untyped form of `request`, for tools and tests.
 
         Args:
             timeout: overall deadline in seconds (default: the client's ``timeout``).
@@ -403,10 +410,13 @@ class HubClient:
             self._registrations += 1  # complete: what it holds is restored too
 
     def _registered_since(self, channel: str, registrations: int, *, register: bool) -> bool:
-        """Whether the worker was registered again, with what it holds, since a call that
-        the hub refused for lack of that state was sent (`registrations` was the count
-        then): by another thread (its restore is waited for), or now, when `register`
-        (the hub no longer knows the worker: its lease ran out, e.g. a long pause)."""
+        """Whether the worker was registered again since a refused call was sent.
+
+        Whether the worker was registered again, with what it holds, since a call that the
+        hub refused for lack of that state was sent (`registrations` was the count then): by
+        another thread (its restore is waited for), or now, when `register` (the hub no
+        longer knows the worker: its lease ran out, e.g. a long pause).
+        """
         with self._register_lock:
             if self._registrations != registrations:
                 return True
@@ -416,8 +426,10 @@ class HubClient:
             return register
 
     def heartbeat(self, *, channel: str = "main") -> HeartbeatReply:
-        """Renew the lease now, and claim the versions this client is publishing (a
-        publishing version nobody claims for a lease is retired as orphaned).
+        """Renew the lease now, and claim the versions this client is publishing.
+
+        Renew the lease now, and claim the versions this client is publishing (a publishing
+        version nobody claims for a lease is retired as orphaned).
 
         Returns:
             The hub's news (see `HubState.heartbeat`): ``lost`` sources per fetch,
@@ -468,8 +480,10 @@ class HubClient:
         return v
 
     def commit(self, model: str, version: int) -> str:
-        """Commit this worker's shards; returns ``"committed"`` or ``"publishing"`` (group
-        still waiting for other shards)."""
+        """Commit this worker's shards.
+
+        Returns ``"committed"`` or ``"publishing"`` (group still waiting for other shards).
+        """
         state = self.request(CommitRequest(worker=self._me(), model=model, version=version),
                              PublishStateReply).state
         with self._lock:
@@ -515,7 +529,9 @@ class HubClient:
         return plan
 
     def locate(self, model: str, version: int | str = "latest") -> dict[str, Any]:
-        """Where each shard of a committed version can be read whole, without becoming a
+        """Where each shard of a committed version can be read whole.
+
+        Where each shard of a committed version can be read whole, without becoming a
         replica (see `HubState.locate`); holders ranked for this worker's location.
 
         Returns:
@@ -546,8 +562,11 @@ class HubClient:
 
     def report_progress(self, fetch_id: str, chunks: list[int], *,
                         sources: list[str] | None = None) -> ProgressReply:
-        """Tell the hub these chunks are held and verified; returns ``have``,
-        ``num_chunks`` and ``lost`` (sources that died: replan the chunks you miss)."""
+        """Tell the hub these chunks are held and verified.
+
+        Returns ``have``, ``num_chunks`` and ``lost`` (sources that died: replan the chunks
+        you miss).
+        """
         out = self.request(ReportProgressRequest(worker=self._me(), fetch_id=fetch_id,
                                                  chunks=list(chunks), sources=sources),
                            ProgressReply)
@@ -558,9 +577,11 @@ class HubClient:
         return out
 
     def complete_fetch(self, fetch_id: str, *, wait: float = 0.0) -> CompleteReply:
-        """Become a complete replica. In a group, ``wait`` seconds for the other members;
-        returns ``complete`` (bool) and ``group`` (None, ``"open"``, ``"committed"`` or
-        ``"aborted"``)."""
+        """Become a complete replica.
+
+        In a group, ``wait`` seconds for the other members; returns ``complete`` (bool) and
+        ``group`` (None, ``"open"``, ``"committed"`` or ``"aborted"``).
+        """
         out = self.request(CompleteFetchRequest(worker=self._me(), fetch_id=fetch_id,
                                                 timeout=wait), CompleteReply, wait_s=wait)
         with self._lock:
@@ -618,10 +639,11 @@ class HubClient:
         return state
 
     def drop(self, model: str) -> list[int]:
-        """Let go of everything this worker holds of ``model`` (its memory is going away):
-        the hub drops its replicas and fetches of that model at once, as if the worker
-        were lost (no retention check), and this client forgets them, so no heartbeat or
-        restore after a hub restart registers them again.
+        """Let go of everything this worker holds of ``model`` (its memory is going away).
+
+        The hub drops its replicas and fetches of that model at once, as if the worker were
+        lost (no retention check), and this client forgets them, so no heartbeat or restore
+        after a hub restart registers them again.
 
         Returns:
             The versions whose replica the hub dropped.

@@ -30,8 +30,10 @@ class SourceLostError(TransportError):
 
 
 class ReadRefusedError(TransportError):
-    """The source answered but refused the read: unknown or retracted region,
-    out-of-range bytes, or chunks that did not arrive in time."""
+    """The source answered but refused the read.
+
+    Unknown or retracted region, out-of-range bytes, or chunks that did not arrive in time.
+    """
 
 
 class FetchError(FabricError):
@@ -43,15 +45,20 @@ class WaitTimeoutError(FabricError, TimeoutError):
 
 
 class ReplicationTimeoutError(WaitTimeoutError):
-    """Fewer workers than asked for held a complete replica of the version within the
-    timeout (`ModelStore.wait_replicated`)."""
+    """Too few workers held a complete replica of the version within the timeout.
+
+    Fewer workers than asked for held a complete replica of the version within the timeout
+    (`ModelStore.wait_replicated`).
+    """
 
 
 class TensorSetError(FabricError, ValueError, TypeError):
-    """A tensor set cannot be published or attached: it is empty, a name is empty or not
-    a string, a value is not a tensor, or a tensor has no storage (meta) or is on another
-    device than the store. Also a `ValueError` and a `TypeError`, which these cases raised
-    before."""
+    """A tensor set cannot be published or attached.
+
+    It is empty, a name is empty or not a string, a value is not a tensor, or a tensor has
+    no storage (meta) or is on another device than the store. Also a `ValueError` and a
+    `TypeError`, which these cases raised before.
+    """
 
 
 class HubError(FabricError):

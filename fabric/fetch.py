@@ -70,8 +70,10 @@ class Source:
 
 @dataclass(frozen=True)
 class Assignment:
-    """Chunks to read and the sources that have them, best first. The engine
-    stripes the chunks over the sources of the best `stripe` ranks."""
+    """Chunks to read and the sources that have them, best first.
+
+    The engine stripes the chunks over the sources of the best `stripe` ranks.
+    """
 
     chunks: tuple[int, ...]
     sources: tuple[Source, ...]
@@ -79,6 +81,7 @@ class Assignment:
 
 
 class FetchPlanner(Protocol):
+    """Where a fetch reads its chunks from; told what it got and whom it lost."""
     def plan(self, missing: list[int], failed: set[str]) -> list[Assignment]:
         """Sources for the `missing` chunks, avoiding the workers in `failed`."""
 
@@ -86,9 +89,11 @@ class FetchPlanner(Protocol):
         """Chunks now present and verified here (the reader is a partial replica)."""
 
     def lost(self) -> set[str]:
-        """Workers this fetch reads from that are gone (e.g. the hub dropped them): their
-        reads in flight are abandoned and their chunks re-planned. Optional: a planner
-        without it hears of none."""
+        """Workers this fetch reads from that are gone (e.g. the hub dropped them).
+
+        Their reads in flight are abandoned and their chunks re-planned. Optional: a planner
+        without it hears of none.
+        """
 
 
 @dataclass
@@ -132,9 +137,11 @@ class FetchStats:
 
 
 def verify_rule(verify: bool | None) -> Callable[[Source], bool]:
-    """Whether to check the bytes read from a source against the published checksums:
-    all (True), none (False), or by default (None) only those read from another host
-    (on one host the copy is the transfer, and checksumming costs more than the copy)."""
+    """Whether to check the bytes read from a source against the published checksums.
+
+    All (True), none (False), or by default (None) only those read from another host (on one
+    host the copy is the transfer, and checksumming costs more than the copy).
+    """
     if verify is None:
         here = local_host_id()
         return lambda source: source.address.host_id != here
@@ -311,8 +318,10 @@ class _FetchRun:
         return self.stats
 
     def plan_round(self, missing: list[int]) -> list[_Queued]:
-        """The reads of a new round, for every chunk still `missing`; raises if the
-        rounds or the deadline ran out, or the planner names no source."""
+        """The reads of a new round, for every chunk still `missing`.
+
+        Raises if the rounds or the deadline ran out, or the planner names no source.
+        """
         if self.plans >= self.options.max_rounds:
             raise FetchError(f"gave up after {self.options.max_rounds} re-plans; chunks "
                              f"{_ranges(missing)} still missing")
@@ -336,8 +345,10 @@ class _FetchRun:
             self.inflight[future] = _InFlight(span, source, claim)
 
     def wait_slice(self) -> set[Future[_Read]]:
-        """Wait up to a `WAIT_SLICE` for reads to finish and take them out of `inflight`;
-        raises once the deadline has passed or the fetch is cancelled."""
+        """Wait up to a `WAIT_SLICE` for reads to finish and take them out of `inflight`.
+
+        Raises once the deadline has passed or the fetch is cancelled.
+        """
         left = self.time_left()
         if left <= 0:
             raise FetchError(f"fetch ran past its deadline of {self.options.deadline:g} s "
@@ -351,8 +362,10 @@ class _FetchRun:
         return done
 
     def absorb_lost(self) -> list[int]:
-        """Give up on the sources the planner heard are lost and abandon their reads in
-        flight; returns those reads' chunks (to re-plan)."""
+        """Give up on the sources the planner heard are lost and abandon their reads in flight.
+
+        Returns those reads' chunks (to re-plan).
+        """
         gone = self.lost_news()
         for worker in gone - self.failed.keys():
             self.give_up(worker, "lost: the hub dropped it (its lease ran out, or it dropped "
@@ -369,9 +382,11 @@ class _FetchRun:
         return chunks
 
     def settle(self, read: _Read) -> tuple[list[int], list[int]]:
-        """Take in a finished read: mark and count its good chunks, count its corrupt
-        ones against its source, give up on the source if the read failed. Returns
-        (chunks kept, chunks to read elsewhere)."""
+        """Take in a finished read.
+
+        Mark and count its good chunks, count its corrupt ones against its source, give up
+        on the source if the read failed. Returns (chunks kept, chunks to read elsewhere).
+        """
         worker = read.source.worker
         self.stats.chunks_reread += sum(1 for c in read.span if c in self.attempted)
         self.attempted.update(read.span)
@@ -397,8 +412,11 @@ class _FetchRun:
         return kept, bad
 
     def requeue(self, rests: list[_Queued], retry: list[int]) -> None:
-        """Put the `rests` of partial reads at the front of the queue, and the reads of
-        the `retry` chunks and of those queued for a failed source, re-planned, before them."""
+        """Queue partial reads' rests, and re-planned reads of failed chunks, first.
+
+        Put the `rests` of partial reads at the front of the queue, and the reads of the
+        `retry` chunks and of those queued for a failed source, re-planned, before them.
+        """
         self.queue[:0] = sorted(rests, key=lambda r: r[0][0])
         retry = retry + [c for span, source in self.queue if source.worker in self.failed
                          for c in span]
@@ -409,8 +427,11 @@ class _FetchRun:
             self.queue[:0] = self.replan(sorted(retry))
 
     def replan(self, chunks: list[int]) -> list[_Queued]:
-        """Reads for chunks to read again within a round; none for those the planner
-        cannot place now (the end-of-round plan then raises the proper error)."""
+        """Reads for chunks to read again within a round.
+
+        None for those the planner cannot place now (the end-of-round plan then raises the
+        proper error).
+        """
         try:
             assignments = self.planner.plan(chunks, set(self.failed))
         except FabricError as exc:
@@ -420,10 +441,13 @@ class _FetchRun:
         return self.schedule(assignments, chunks)
 
     def report(self, finished: list[int]) -> None:
-        """Report the chunks verified so far once `report_interval` has passed (also when
-        none just finished: a fetch waiting on a slow or partial source reports what it
-        has within a `WAIT_SLICE`, not only when it ends), then call `on_chunk` if some
-        chunks just finished."""
+        """Report the chunks verified so far once `report_interval` has passed.
+
+        Report the chunks verified so far once `report_interval` has passed (also when none
+        just finished: a fetch waiting on a slow or partial source reports what it has
+        within a `WAIT_SLICE`, not only when it ends), then call `on_chunk` if some chunks
+        just finished.
+        """
         self.unreported.extend(finished)
         if self.unreported and time.monotonic() - self.last_report >= self.options.report_interval:
             self.flush_reports()
@@ -438,16 +462,21 @@ class _FetchRun:
         self.last_report = time.monotonic()
 
     def close(self) -> None:
-        """Abandon the reads still in flight (none of them writes `dest` once this
-        returns) and let the pool go."""
+        """Abandon the reads still in flight and let the pool go.
+
+        Abandon the reads still in flight (none of them writes `dest` once this returns) and
+        let the pool go.
+        """
         self.revoke(list(self.inflight))
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # --- the parts ------------------------------------------------------------------------
 
     def read_span(self, span: tuple[int, ...], source: Source, claim: _Claim) -> _Read:
-        """Read `span` from `source` into `dest` (while `claim` holds) and verify it; a
-        `TransportError` becomes the read's error. Runs on a thread of `pool`."""
+        """Read `span` from `source` into `dest` (while `claim` holds) and verify it.
+
+        A `TransportError` becomes the read's error. Runs on a thread of `pool`.
+        """
         lo = span[0] * self.chunk_size
         hi = min((span[-1] + 1) * self.chunk_size, self.dest.numel())
         via = "?"
@@ -481,8 +510,11 @@ class _FetchRun:
                          chunks_per_read=self.chunks_per_read, inflight=self.options.max_inflight)
 
     def revoke(self, futures: Iterable[Future[_Read]]) -> None:
-        """Abandon these reads: abort them all, wait until none touches `dest` any more,
-        and forget them (their results are never looked at)."""
+        """Abandon these reads.
+
+        Abort them all, wait until none touches `dest` any more, and forget them (their
+        results are never looked at).
+        """
         claims = [self.inflight.pop(f).claim for f in list(futures)]
         for claim in claims:
             claim.abort.abort()
@@ -519,22 +551,29 @@ class _Claim:
 
     @contextmanager
     def held(self) -> Iterator[bool]:
-        """Held while the read touches the destination; yields False once revoked
-        (the read must then not touch it)."""
+        """Held while the read touches the destination.
+
+        Yields False once revoked (the read must then not touch it).
+        """
         with self._lock:
             yield not self.abort.aborted
 
     def wait_released(self) -> None:
-        """Return once the read no longer touches the destination (after `abort`,
-        promptly: its transport's sockets are shut down)."""
+        """Return once the read no longer touches the destination.
+
+        Return once the read no longer touches the destination (after `abort`, promptly: its
+        transport's sockets are shut down).
+        """
         with self._lock:
             pass
 
 
 @dataclass(frozen=True)
 class _Read:
-    """The outcome of one read of consecutive chunks from one source: `span` was read
-    (or failed with `error`); `rest` was asked for too but not granted yet."""
+    """The outcome of one read of consecutive chunks from one source.
+
+    `span` was read (or failed with `error`); `rest` was asked for too but not granted yet.
+    """
 
     span: tuple[int, ...]
     source: Source
@@ -546,8 +585,10 @@ class _Read:
 
 def _no_source_left(missing: list[int], failed: dict[str, str],
                     corrupt_from: dict[int, set[str]]) -> FetchError:
-    """The error for `missing` chunks that no source is left for: which failed their
-    checksum from which sources, and which sources failed and why."""
+    """The error for `missing` chunks that no source is left for.
+
+    Which failed their checksum from which sources, and which sources failed and why.
+    """
     corrupt = sorted(c for c in missing if corrupt_from.get(c))
     rest = [c for c in missing if not corrupt_from.get(c)]
     parts = []

@@ -42,9 +42,10 @@ class HubPlanner:
         self._lost: set[str] = set()  # sources the hub said it dropped, in progress reports
 
     def plan(self, missing: list[int], failed: set[str]) -> list[Assignment]:
-        """Sources for the `missing` chunks, never the workers in `failed`; none when
-        the hub has no other holder (the engine then raises `FetchError` naming the
-        failed sources).
+        """Sources for the `missing` chunks, never the workers in `failed`.
+
+        None when the hub has no other holder (the engine then raises `FetchError` naming
+        the failed sources).
 
         Raises:
             NoSourceError: no live replica holds some chunks and none was excluded
@@ -73,12 +74,16 @@ class HubPlanner:
         return out
 
     def report(self, chunks: list[int]) -> None:
+        """Report verified `chunks` to the hub and note the sources it dropped."""
         out = self.hub.report_progress(self.current.fetch_id, chunks)
         self._lost.update(out.get("lost", ()))
 
     def lost(self) -> set[str]:
-        """Sources of this fetch the hub dropped, as told in progress reports and in this
-        worker's heartbeats (`HubClient.lost`)."""
+        """Sources of this fetch the hub dropped.
+
+        Sources of this fetch the hub dropped, as told in progress reports and in this
+        worker's heartbeats (`HubClient.lost`).
+        """
         return self._lost | self.hub.lost.get(self.current.fetch_id, set())
 
     def _source(self, worker: str) -> Source | None:
@@ -92,8 +97,11 @@ class HubPlanner:
                       region_name(plan.model, plan.version, plan.shard))
 
     def _nearest(self, workers: list[str]) -> list[str]:
-        """The workers of the best locality tier among `workers` (so a reader never
-        stripes a remote partial replica beside a near one)."""
+        """The workers of the best locality tier among `workers`.
+
+        The workers of the best locality tier among `workers` (so a reader never stripes a
+        remote partial replica beside a near one).
+        """
         tiers = {w: locality_tier(self.me, self.current.workers[w].location)
                  for w in workers if w in self.current.workers}
         return [w for w in workers if tiers.get(w) == min(tiers.values())] if tiers else []

@@ -53,8 +53,10 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 # --------------------------------------------------------------------- shared parts
 class ManifestWire(Wire, frozen=True, kw_only=True):
-    """A `Manifest` on the wire (`Manifest.to_wire`): tensors as ``[name, shape, dtype,
-    nbytes, offset]``."""
+    """A `Manifest` on the wire (`Manifest.to_wire`).
+
+    Tensors as ``[name, shape, dtype, nbytes, offset]``.
+    """
 
     tensors: list[tuple[str, list[int], str, int, int]]
     chunk_size: int
@@ -150,8 +152,11 @@ class RegisterReply(Reply, frozen=True, kw_only=True):
 
 
 class HeartbeatReply(Reply, frozen=True, kw_only=True):
-    """News for the worker: ``lost`` sources per fetch (replan those chunks), and
-    ``retired`` versions it holds that left retention (it may retract them)."""
+    """News for the worker.
+
+    ``lost`` sources per fetch (replan those chunks), and ``retired`` versions it holds that
+    left retention (it may retract them).
+    """
 
     lease_s: float
     lost: dict[str, list[str]]
@@ -165,8 +170,7 @@ class DropReply(Reply, frozen=True, kw_only=True):
 
 
 class RestoreReply(Reply, frozen=True, kw_only=True):
-    """How many holdings were restored, and ``[model, version, shard, why]`` of each
-    one refused."""
+    """How many holdings were restored, and ``[model, version, shard, why]`` of each one refused."""
 
     restored: int
     rejected: list[tuple[str, int, int, str]]
@@ -179,8 +183,11 @@ class BeginPublishReply(Reply, frozen=True, kw_only=True):
 
 
 class PublishStateReply(Reply, frozen=True, kw_only=True):
-    """A version's state after ``commit`` (``publishing`` while other shards are
-    missing) or ``abort_publish`` (``retired``)."""
+    """A version's state after ``commit`` or ``abort_publish``.
+
+    A version's state after ``commit`` (``publishing`` while other shards are missing) or
+    ``abort_publish`` (``retired``).
+    """
 
     state: str
 
@@ -278,7 +285,7 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 
 # ----------------------------------------------------------------------- requests
 class PingRequest(Request, frozen=True, kw_only=True):
-    """Is the hub there? (``ping``)"""
+    """Is the hub there (``ping``)?"""
 
     op: ClassVar[str] = "ping"
 
@@ -299,8 +306,11 @@ class RegisterRequest(Request, frozen=True, kw_only=True):
 
 
 class HeartbeatRequest(Request, frozen=True, kw_only=True):
-    """Renew the lease; ``publishing``: the ``(model, version)`` pairs the worker knows it
-    publishes (None: claim all, as older clients did)."""
+    """Renew the lease.
+
+    ``publishing``: the ``(model, version)`` pairs the worker knows it publishes
+    (None: claim all, as older clients did).
+    """
 
     op: ClassVar[str] = "heartbeat"
     worker: str

@@ -38,17 +38,22 @@ class ChunkProgress:
         return all(self._present[first:last + 1])
 
     def present_through(self, first: int, last: int) -> int:
-        """The last chunk of the run of present chunks from `first`, at most `last`
-        (``first - 1`` when `first` is missing)."""
+        """The last chunk of the run of present chunks from `first`, at most `last`.
+
+        The last chunk of the run of present chunks from `first`, at most `last` (``first -
+        1`` when `first` is missing).
+        """
         with self._cond:
             gap = self._present.find(0, first, last + 1)
         return last if gap < 0 else gap - 1
 
     def wait(self, first: int, last: int, timeout: float,
              abort: Callable[[], bool] | None = None, *, stall: float | None = None) -> bool:
-        """Wait until chunks ``first..last`` are present; False on timeout, as soon as
-        ``abort()`` is true after a `wake`, or once no chunk has been marked for
-        ``stall`` seconds (see `idle`)."""
+        """Wait until chunks ``first..last`` are present.
+
+        False on timeout, as soon as ``abort()`` is true after a `wake`, or once no chunk
+        has been marked for ``stall`` seconds (see `idle`).
+        """
         deadline = time.monotonic() + timeout
         with self._cond:
             while not self.has(first, last):
@@ -75,10 +80,12 @@ class ChunkProgress:
 
     @property
     def complete(self) -> bool:
+        """Whether every chunk is present."""
         return self._count == self.num_chunks
 
     @property
     def count(self) -> int:
+        """How many chunks are present."""
         return self._count
 
     def bitmap(self) -> bytes:

@@ -47,9 +47,11 @@ _decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
 @dataclass(frozen=True)
 class Message:
-    """A decoded message. ``tag`` is the session (requests) or the hub epoch (replies);
-    ``name`` is the operation (requests) or the error code (errors); ``body`` is the
-    raw map, for `decode_body`."""
+    """A decoded message.
+
+    ``tag`` is the session (requests) or the hub epoch (replies); ``name`` is the operation
+    (requests) or the error code (errors); ``body`` is the raw map, for `decode_body`.
+    """
 
     kind: int
     req_id: int
@@ -138,8 +140,11 @@ def peek_req_id(data: bytes) -> int:
 
 
 def peek_version(data: bytes) -> int:
-    """Best-effort protocol version of an undecodable message (`PROTOCOL_VERSION` when
-    it names none that an error reply could be written in)."""
+    """Best-effort protocol version of an undecodable message.
+
+    Best-effort protocol version of an undecodable message (`PROTOCOL_VERSION` when it names
+    none that an error reply could be written in).
+    """
     version = _peek(data, 0)
     if isinstance(version, int) and not isinstance(version, bool) and 0 < version < 1 << 16:
         return version

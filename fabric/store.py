@@ -116,8 +116,10 @@ still being read stays exposed, and is not reused, until they end."""
 
 
 class FetchFuture:
-    """A fetch running in the background. `result` switches the store to the new
-    version (in the caller's thread, at a moment the caller chose).
+    """A fetch running in the background.
+
+    `result` switches the store to the new version (in the caller's thread, at a moment the
+    caller chose).
 
     Once the bytes are in, the buffer holding them is reserved for this future: later
     fetches do not reuse it and `release` refuses it, until `result` switches to it or
@@ -228,8 +230,11 @@ class ModelStore:
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        """name -> tensor of the active version (views of arena memory: read only
-        while the version is exposed)."""
+        """Name -> tensor of the active version.
+
+        name -> tensor of the active version (views of arena memory: read only while the
+        version is exposed).
+        """
         active = self.pool.active
         if active is None or self.layout is None:
             raise FabricError(f"model {self.model!r} holds no version yet: attach or fetch first")
@@ -354,9 +359,12 @@ class ModelStore:
 
     def _abort_publish(self, buffer: Buffer, version: int, previous: int | None,
                        exc: BaseException) -> None:
-        """Undo a publish that failed after the hub assigned ``version``: withdraw the
-        exposure, give the buffer back its old state, and abort the version at the hub
-        (which retires it), so no version stays ``publishing`` with nobody to commit it."""
+        """Undo a publish that failed after the hub assigned ``version``.
+
+        Withdraw the exposure, give the buffer back its old state, and abort the version at
+        the hub (which retires it), so no version stays ``publishing`` with nobody to commit
+        it.
+        """
         if buffer.exposed is not None:
             self._drained(buffer, FAILED_DRAIN_S)
         buffer.version = previous
@@ -365,8 +373,10 @@ class ModelStore:
 
     def wait_replicated(self, version: int | None = None, *, replicas: int = 1,
                         timeout: float = 120.0) -> list[str]:
-        """Block until ``replicas`` live workers other than this one hold a complete
-        replica of ``version``; returns them.
+        """Block until ``replicas`` other live workers hold a complete ``version``.
+
+        Block until ``replicas`` live workers other than this one hold a complete replica of
+        ``version``; returns them.
 
         This is how a trainer ends without losing its last version: a version lives
         only as long as some live worker holds it, and a trainer that exits right after
@@ -427,8 +437,10 @@ class ModelStore:
     def fetch(self, version: int | str = "latest", *, verify: bool | None = None,
               options: FetchOptions | None = None,
               on_chunk: Callable[[int, int], None] | None = None) -> FetchStats:
-        """Fetch a version and switch the store's tensors to it (a version the store
-        still holds in another buffer, e.g. pinned, is switched to without a read).
+        """Fetch a version and switch the store's tensors to it.
+
+        Fetch a version and switch the store's tensors to it (a version the store still
+        holds in another buffer, e.g. pinned, is switched to without a read).
 
         Args:
             version: an ``int > 0`` or ``"latest"``.
@@ -456,10 +468,11 @@ class ModelStore:
     def fetch_async(self, version: int | str = "latest", *, verify: bool | None = None,
                     options: FetchOptions | None = None,
                     on_chunk: Callable[[int, int], None] | None = None) -> FetchFuture:
-        """Start `fetch` in the background; the store keeps its current version until
-        the returned future's `result` is called. The buffer the fetch fills stays
-        reserved for the future until then, or until a newer version is active (see
-        `FetchFuture`).
+        """Start `fetch` in the background.
+
+        The store keeps its current version until the returned future's `result` is called.
+        The buffer the fetch fills stays reserved for the future until then, or until a
+        newer version is active (see `FetchFuture`).
 
         Raises:
             BadRequestError: ``version`` is not an ``int > 0`` or ``"latest"``.
@@ -645,8 +658,10 @@ class ModelStore:
             buffer.releasing = False
 
     def close(self, *, tell_hub: bool = True) -> None:
-        """Stop serving every version of this model and free the buffers (stopping
-        any background populate first).
+        """Stop serving every version of this model and free the buffers.
+
+        Stop serving every version of this model and free the buffers (stopping any
+        background populate first).
 
         The hub is told first that this worker holds nothing of the model any more
         (`HubClient.drop`, retention not consulted: the memory is going away), so it
@@ -659,7 +674,8 @@ class ModelStore:
         partial replica) and its `result` raises `FetchError`; one still setting up
         (a hub call, or up to 5 s for a buffer a peer is still reading) ends that step
         first. Queued ones are cancelled too, and their futures' `result` (like that
-        of any fetch not switched to yet) raises `FabricError`."""
+        of any fetch not switched to yet) raises `FabricError`.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -681,20 +697,24 @@ class ModelStore:
     # --- buffers -----------------------------------------------------------------------
 
     def _held(self, version: int) -> Buffer | None:
-        """A buffer other than the active one that holds all of `version` (a fetched or
-        published copy kept, e.g. pinned), reserved for the fetch's future; else None."""
+        """Reserve a non-active buffer that holds all of `version`; else None.
+
+        A buffer other than the active one that holds all of `version` (a fetched or
+        published copy kept, e.g. pinned), reserved for the fetch's future; else None.
+        """
         with self._lock:
             return self.pool.reserve(version)
 
     def _check_open(self) -> None:
-        """Raises:
-            FabricError: the store is closed."""
+        """Raises: FabricError: the store is closed."""
         if self._closed:
             raise FabricError(f"model {self.model!r}: the store is closed; open another "
                               "with worker.model(...)")
 
     def _new_buffer(self) -> Buffer:
-        """A new buffer; in host memory it populates itself in the background (writers:
+        """A new buffer; in host memory it populates itself in the background.
+
+        A new buffer; in host memory it populates itself in the background (writers:
         `_ready`, and a fetch's ``before_write``).
 
         Raises:
@@ -737,8 +757,9 @@ class ModelStore:
         return first
 
     def _ready(self, buffer: Buffer) -> Buffer:
-        """`buffer`, fully populated (the caller finishes what the background has not);
-        a buffer that cannot be populated is freed.
+        """`buffer`, fully populated (the caller finishes what the background has not).
+
+        A buffer that cannot be populated is freed.
 
         Raises:
             ArenaError: no room in /dev/shm for it.
@@ -756,8 +777,11 @@ class ModelStore:
             self.pool.remove(buffer)
 
     def _prepare_spare(self) -> None:
-        """With `prepare_spare`, start populating a spare buffer now, so the next
-        version does not wait for fresh pages; only up to `PREPARED_BUFFERS`."""
+        """With `prepare_spare`, start populating a spare buffer now.
+
+        With `prepare_spare`, start populating a spare buffer now, so the next version does
+        not wait for fresh pages; only up to `PREPARED_BUFFERS`.
+        """
         with self._lock:
             if (not self.prepare_spare or self.layout is None or self._closed
                     or not self.pool.wants_spare()):
@@ -768,8 +792,11 @@ class ModelStore:
                 log.warning("%s: no spare buffer prepared: %s", self.model, exc)
 
     def _drop_spares(self) -> None:
-        """Stop preparing spares and free unused ones (an in-place publisher keeps its
-        tensors in the active buffer and never writes into a spare)."""
+        """Stop preparing spares and free unused ones.
+
+        Stop preparing spares and free unused ones (an in-place publisher keeps its tensors
+        in the active buffer and never writes into a spare).
+        """
         with self._lock:
             self.prepare_spare = False
             if self.nvshmem is not None:
@@ -778,14 +805,19 @@ class ModelStore:
                 self._drop(buffer)
 
     def _spare_buffer(self) -> Buffer:
-        """A buffer that is neither active nor needed by readers, reclaiming the oldest
-        versions whose retract the hub allows, or allocating a new one."""
+        """A buffer that is neither active nor needed by readers.
+
+        A buffer that is neither active nor needed by readers, reclaiming the oldest
+        versions whose retract the hub allows, or allocating a new one.
+        """
         return self.pool.take(self._reclaim, self._new_region)
 
     def _reclaim(self, buffer: Buffer) -> bool:
-        """Whether ``buffer`` (a reuse candidate) can take a new version now: an unused one
-        whose last exposure has no read in flight, or an older version the hub lets this
-        worker retract. A buffer /dev/shm had no room for is dropped instead."""
+        """Whether ``buffer`` (a reuse candidate) can take a new version now.
+
+        An unused one whose last exposure has no read in flight, or an older version the hub
+        lets this worker retract. A buffer /dev/shm had no room for is dropped instead.
+        """
         if buffer.version is None and getattr(buffer.region, "populate_error", None):
             self._drop(buffer)  # /dev/shm had no room for it; try afresh
             return False
@@ -808,8 +840,11 @@ class ModelStore:
 
     def _expose(self, buffer: Buffer, version: int, chunk_size: int,
                 progress: ChunkProgress) -> Exposure:
-        """Serve ``buffer`` as this shard of ``version``; readers on this host reach it
-        without the read server through its shared-memory file or GPU descriptor."""
+        """Serve ``buffer`` as this shard of ``version``.
+
+        Readers on this host reach it without the read server through its shared-memory file
+        or GPU descriptor.
+        """
         region = cast(StoreRegion, buffer.region)
         name = region_name(self.model, version, self.shard)
         if region.path is None:
@@ -827,14 +862,20 @@ class ModelStore:
         return ChunkProgress(-(-self.layout.nbytes // chunk_size), complete=complete)
 
     def _unexpose(self, buffer: Buffer, *, timeout: float = 5.0) -> None:
-        """Forget the buffer's version; it stays `exposed` (not reused, see
-        `_spare_buffer`) while a read of it is still in flight after `timeout`."""
+        """Forget the buffer's version.
+
+        It stays `exposed` (not reused, see `_spare_buffer`) while a read of it is still in
+        flight after `timeout`.
+        """
         self._drained(buffer, timeout)
         self.pool.forget(buffer)
 
     def _drained(self, buffer: Buffer, timeout: float) -> bool:
-        """Retract the buffer's exposure on the read server; True (and no longer
-        exposed) once no read of it is in flight, False if one still is after `timeout`."""
+        """Retract the buffer's exposure on the read server.
+
+        True (and no longer exposed) once no read of it is in flight, False if one still is
+        after `timeout`.
+        """
         if buffer.exposed is not None and not self.server.retract(buffer.exposed,
                                                                   timeout=timeout):
             return False
@@ -842,8 +883,10 @@ class ModelStore:
         return True
 
     def _switch_to(self, buffer: Buffer | None, version: int | None) -> None:
-        """Make `buffer`, which a fetch filled with `version`, the active one (None:
-        the version was active already).
+        """Make `buffer`, which a fetch filled with `version`, the active one.
+
+        Make `buffer`, which a fetch filled with `version`, the active one (None: the
+        version was active already).
 
         Raises:
             FabricError: the store is closed (the buffer was freed with it), the buffer

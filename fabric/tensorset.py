@@ -21,11 +21,14 @@ ALIGNMENT = 256
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The dtype's name without the ``torch.`` prefix, e.g. ``bfloat16``."""
     return str(dtype).removeprefix("torch.")
 
 
 def named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers of a module (its state_dict names), or a mapping,
+    """Parameters and persistent buffers of a module, or a mapping, checked.
+
+    Parameters and persistent buffers of a module (its state_dict names), or a mapping,
     checked by `check_tensor_set`.
 
     Raises:
@@ -43,8 +46,10 @@ def named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torc
 
 
 def check_tensor_set(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``tensors`` if they form a tensor set: one with a layout (a meta-device set has
-    one, for sizing; a store refuses meta tensors when it takes them, `check_has_data`).
+    """``tensors`` if they form a tensor set.
+
+    One with a layout (a meta-device set has one, for sizing; a store refuses meta tensors
+    when it takes them, `check_has_data`).
 
     Raises:
         TensorSetError: the set is empty, a name is not a non-empty string, or a value
@@ -88,6 +93,7 @@ def layout_of(tensors: Mapping[str, torch.Tensor]) -> PackLayout:
 
 
 def check_chunk_size(chunk_size: int) -> int:
+    """`chunk_size`, if it is a positive multiple of `ALIGNMENT` (else ValueError)."""
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % ALIGNMENT:
         raise ValueError(f"chunk_size must be a positive multiple of {ALIGNMENT}, got {chunk_size!r}")
     return chunk_size
@@ -103,8 +109,11 @@ def manifest_of(layout: PackLayout, buffer: torch.Tensor, chunk_size: int) -> Ma
 
 
 def check_compatible(layout: PackLayout, manifest: Manifest, *, model: str, version: int) -> None:
-    """Raise `ManifestMismatchError` naming what differs when the published bytes cannot
-    land in `layout` as they are (names, shapes, dtypes or offsets differ)."""
+    """Raise `ManifestMismatchError` if the published bytes cannot land in `layout`.
+
+    Raise `ManifestMismatchError` naming what differs when the published bytes cannot land
+    in `layout` as they are (names, shapes, dtypes or offsets differ).
+    """
     where = f"{model!r} v{version}"
     theirs = {t.name: t for t in manifest.tensors}
     for slot in layout:
@@ -137,6 +146,6 @@ def layout_from_manifest(manifest: Manifest) -> PackLayout:
 
 
 def views(layout: PackLayout, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-    """name -> tensor viewing its slot of `buffer`."""
+    """Name -> tensor viewing its slot of `buffer`."""
     return {s.name: buffer[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)
             for s in layout}

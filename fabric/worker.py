@@ -117,8 +117,10 @@ class Worker:
 
     def transport_for(self, source: Source, *, symmetric: bool = False,
                       timeout: float | None = None) -> Transport:
-        """The transport for a source's region: `TransportSelector.transport_for` of
-        this worker's `transports`."""
+        """The transport for a source's region.
+
+        `TransportSelector.transport_for` of this worker's `transports`.
+        """
         return self.transports.transport_for(source, symmetric=symmetric, timeout=timeout)
 
     @property

@@ -181,8 +181,10 @@ def _wrap(value: int) -> int:
 
 def chunk_checksums_triton(buffer: torch.Tensor, chunk_size: int, *, first_chunk: int = 0,
                            block: int = DEFAULT_BLOCK, split: int | None = None) -> torch.Tensor:
-    """Triton `chunk_checksums`: grid (chunks, split), each program adding its wrapping
-    partial sum (and part 0 the length term) into the chunk's zeroed result.
+    """Triton `chunk_checksums`.
+
+    Grid (chunks, split), each program adding its wrapping partial sum (and part 0 the
+    length term) into the chunk's zeroed result.
 
     ``split`` programs per chunk (default: one per `PROGRAM_WORDS` words); ``block``
     words per loop step, a power of two >= 4. The result does not depend on either.

@@ -148,10 +148,11 @@ REF_STRIP = 2048
 
 
 def ref_scratch_bytes(rows: int, cols: int) -> int:
-    """Most bytes of temporaries the torch reference allocates for a ``rows x cols``
-    window: per element of a strip a float32 copy and its gathered scale (8 bytes;
-    12 bound them with the scale rows gathered first), plus the int64 row and column
-    scale indices."""
+    """Most bytes of temporaries the torch reference allocates for a ``rows x cols`` window.
+
+    Per element of a strip a float32 copy and its gathered scale (8 bytes; 12 bound them
+    with the scale rows gathered first), plus the int64 row and column scale indices.
+    """
     strip = min(rows, _strip_rows(cols))
     return 12 * strip * cols + 16 * (cols + strip)
 
@@ -162,8 +163,11 @@ def _strip_rows(cols: int) -> int:
 
 
 def dequantize_fp8_segments_ref(segments: Sequence[Fp8Segment]) -> None:
-    """Torch reference: ``dst = (float32(window) * its scales).to(dst.dtype)`` per
-    segment, a strip of rows at a time (`ref_scratch_bytes` bounds its temporaries)."""
+    """Torch reference of the fp8 segment dequantisation.
+
+    Torch reference: ``dst = (float32(window) * its scales).to(dst.dtype)`` per segment, a
+    strip of rows at a time (`ref_scratch_bytes` bounds its temporaries).
+    """
     for s in segments:
         rows, cols = s.dst.shape
         if not rows * cols:

@@ -51,6 +51,7 @@ class Slot:
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         n = 1
         for d in self.shape:
             n *= d
@@ -107,6 +108,7 @@ class PackLayout:
 
     @property
     def names(self) -> list[str]:
+        """The slots' names, in layout order."""
         return [s.name for s in self.slots]
 
     def fingerprint(self) -> str:

@@ -87,7 +87,10 @@ def reshard(plan: ReshardPlan, src_shards: Sequence[torch.Tensor],
 
 def split_tensor(full: torch.Tensor, layout: Layout, *, backend: str | None = None
                  ) -> list[torch.Tensor]:
-    """The shards of a whole (unsharded) tensor under ``layout``, one per rank
-    (2-D, like `reshard`'s destinations; 1-D tensors as ``[n, 1]``)."""
+    """The shards of a whole (unsharded) tensor under ``layout``, one per rank.
+
+    The shards of a whole (unsharded) tensor under ``layout``, one per rank (2-D, like
+    `reshard`'s destinations; 1-D tensors as ``[n, 1]``).
+    """
     whole = dataclasses.replace(layout, tp=1)
     return reshard(plan_reshard(whole, layout, tuple(full.shape)), [full], backend=backend)

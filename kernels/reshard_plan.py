@@ -100,13 +100,16 @@ class Replicated(Layout):
     tp: int = 1
 
     def shard_shape(self, shape, rank):
+        """The whole tensor's rows and columns: every rank holds it."""
         return _shape2(shape)
 
     def pieces(self, shape, rank):
+        """The whole tensor, on rank `rank`."""
         rows, cols = _shape2(shape)
         return [Piece(rank, 0, rows, 0, cols, 0, 0)]
 
     def owned(self, shape):
+        """Rows striped over the ranks."""
         rows, cols = _shape2(shape)
         starts, sizes = _starts(split_sizes(rows, self.tp)), split_sizes(rows, self.tp)
         return [Piece(r, s, s + n, 0, cols, s, 0) for r, (s, n) in enumerate(zip(starts, sizes, strict=True)) if n]
@@ -137,11 +140,13 @@ class Sharded(Layout):
         return list(self.sizes)
 
     def shard_shape(self, shape, rank):
+        """Rows and columns rank `rank` holds (see `Layout.shard_shape`)."""
         rows, cols = _shape2(shape)
         n = self._sizes(shape)[rank]
         return (n, cols) if self.dim == 0 else (rows, n)
 
     def pieces(self, shape, rank):
+        """Where rank `rank`'s shard lies in the full tensor."""
         rows, cols = _shape2(shape)
         sizes = self._sizes(shape)
         s, n = _starts(sizes)[rank], sizes[rank]
@@ -186,10 +191,12 @@ class FusedQKV(Layout):
         return rank // (self.tp // self.num_kv_heads), 1
 
     def shard_shape(self, shape, rank):
+        """Rows and columns rank `rank` holds (see `Layout.shard_shape`)."""
         _, cols = self._check(shape)
         return ((self.num_heads // self.tp + 2 * self._kv_heads(rank)[1]) * self.head_dim, cols)
 
     def pieces(self, shape, rank):
+        """Where rank `rank`'s q, k and v heads lie in the full tensor."""
         _, cols = self._check(shape)
         hd, nq = self.head_dim, self.num_heads // self.tp
         kv0, nkv = self._kv_heads(rank)
@@ -200,6 +207,7 @@ class FusedQKV(Layout):
         return [q, k, v]
 
     def owned(self, shape):
+        """A partition of the tensor; a kv head on several ranks comes from the first."""
         seen: set[tuple[int, int]] = set()
         out = []
         for r in range(self.tp):
@@ -215,12 +223,14 @@ class FusedGateUp(Layout):
     """Rows ``[gate (I) | up (I)]``; rank r holds ``[gate_r | up_r]``, I split like `split_sizes`."""
 
     def shard_shape(self, shape, rank):
+        """Rows and columns rank `rank` holds (see `Layout.shard_shape`)."""
         rows, cols = _shape2(shape)
         if rows % 2:
             raise ValueError(f"FusedGateUp: shape {tuple(shape)} needs an even number of rows")
         return (2 * split_sizes(rows // 2, self.tp)[rank], cols)
 
     def pieces(self, shape, rank):
+        """Where rank `rank`'s gate and up rows lie in the full tensor."""
         rows, cols = _shape2(shape)
         self.shard_shape(shape, rank)
         inter = rows // 2
@@ -251,10 +261,12 @@ class VocabParallel(Layout):
         return -(-padded // self.tp)
 
     def shard_shape(self, shape, rank):
+        """Rows and columns rank `rank` holds (see `Layout.shard_shape`)."""
         rows, cols = _shape2(shape)
         return (self._per_rank(rows), cols)
 
     def pieces(self, shape, rank):
+        """Where rank `rank`'s rows lie in the full tensor."""
         rows, cols = _shape2(shape)
         per = self._per_rank(rows)
         r0, r1 = rank * per, min((rank + 1) * per, rows)

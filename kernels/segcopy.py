@@ -76,8 +76,11 @@ Segment = tuple[torch.Tensor, torch.Tensor]
 
 @triton.jit
 def program_segment(table_ptr, prog_seg_ptr, prog_start_ptr, NCOL: tl.constexpr):
-    """This program's row of a segment table (a pointer) and its first unit (int64),
-    from per-program arrays (`program_map`). Kept for callers of the old layout."""
+    """This program's row of a segment table and its first unit.
+
+    This program's row of a segment table (a pointer) and its first unit (int64), from
+    per-program arrays (`program_map`). Kept for callers of the old layout.
+    """
     pid = tl.program_id(0)
     seg = tl.load(prog_seg_ptr + pid).to(tl.int64)
     return table_ptr + seg * NCOL, tl.load(prog_start_ptr + pid)
@@ -106,8 +109,10 @@ def find_segment(table_ptr, num_segments, NCOL: tl.constexpr):
 @triton.jit
 def _move(base_ptr, row, src_off, dst_off, so, do, r, c, num_rows, length,
           KIND: tl.constexpr, VEC: tl.constexpr, SA: tl.constexpr, DA: tl.constexpr):
-    """Move the units of rows ``r`` x columns ``c`` (row offsets ``so`` / ``do``) with
-    element operation KIND.
+    """Move the units of rows ``r`` x columns ``c`` with element operation KIND.
+
+    Move the units of rows ``r`` x columns ``c`` (row offsets ``so`` / ``do``) with element
+    operation KIND.
 
     VEC == 1: inner strides from the table row. VEC > 1: the inner run is contiguous
     on both sides, run length and row offsets are multiples of VEC and the byte
@@ -287,8 +292,11 @@ def _rows(src: torch.Tensor, dst: torch.Tensor, base_ptr: int, kind: int, block:
 
 def _split_rows(src_off: int, dst_off: int, dims: list[tuple[int, int, int]], kind: int,
                 block: int) -> list[list[int]]:
-    """Table rows for one segment: the widest access its alignment allows, a 1-D
-    segment split into a vector body and a narrower tail."""
+    """Table rows for one segment.
+
+    The widest access its alignment allows, a 1-D segment split into a vector body and a
+    narrower tail.
+    """
     ssize, dsize = _KIND_BYTES[kind]
     (n, sin, din), outer = dims[-1], dims[:-1]
     if sin != 1 or din != 1:  # strided inner dim: one element per lane
@@ -340,8 +348,11 @@ def check_block(block: int) -> None:
 
 def build_table(segments: Sequence[Segment], base: torch.Tensor, kinds: Sequence[int],
                 block: int = DEFAULT_BLOCK) -> torch.Tensor:
-    """The int64 segment table (on CPU) for ``segments`` relative to ``base``, column
-    ``first`` filled with each row's first tile (a prefix sum; the grid is the total)."""
+    """The int64 segment table (on CPU) for ``segments`` relative to ``base``.
+
+    The int64 segment table (on CPU) for ``segments`` relative to ``base``, column ``first``
+    filled with each row's first tile (a prefix sum; the grid is the total).
+    """
     check_block(block)
     rows: list[list[int]] = []
     for (src, dst), kind in zip(segments, kinds, strict=True):
@@ -365,7 +376,8 @@ def num_tiles(table: torch.Tensor) -> int:
 def program_map(numels: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-program (segment id int32, first element int64) for ``numels`` split in blocks.
 
-    No longer used by the kernels here (they search the table); kept for callers."""
+    No longer used by the kernels here (they search the table); kept for callers.
+    """
     blocks = (numels + block - 1) // block
     seg = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
     first = torch.cumsum(blocks, 0) - blocks
@@ -380,8 +392,11 @@ TABLE_CACHE_SIZE = 64
 
 
 def anchor(device: torch.device) -> torch.Tensor:
-    """A 16-byte-aligned allocation on ``device`` that table byte offsets count from,
-    kept for the process's life so that tables can be reused between calls."""
+    """A 16-byte-aligned allocation on ``device`` that table offsets count from.
+
+    A 16-byte-aligned allocation on ``device`` that table byte offsets count from, kept for
+    the process's life so that tables can be reused between calls.
+    """
     a = _ANCHORS.get(device)
     if a is None:
         raw = torch.empty(32, dtype=torch.uint8, device=device)
@@ -394,7 +409,8 @@ def cached_table(key: tuple, build) -> tuple[torch.Tensor, int, int]:
     """``(device table, rows, programs)`` for ``key``, from ``build()`` on a miss.
 
     A table depends only on what the key holds (addresses, shapes, strides, kinds,
-    block), so a hit is exactly what building again would give."""
+    block), so a hit is exactly what building again would give.
+    """
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)

@@ -93,17 +93,18 @@ def _seconds(text: str) -> float:
 
 def _serve(args: argparse.Namespace) -> int:
     from weightfabric.fabric.hub.server import HubServer
+    from weightfabric.fabric.locality import RankSources, rank_by_locality
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        ranking = {}
+        rank_sources: RankSources = rank_by_locality    # HubServer's default
         if args.cluster:
             from weightfabric.fabric.hub.ranking import topology_ranker
 
-            ranking["rank_sources"] = topology_ranker(args.cluster)
+            rank_sources = topology_ranker(args.cluster)
         server = HubServer(f"tcp://{args.host}:{args.port}", state_dir=args.state_dir,
-                           lease_s=args.lease, **ranking)
+                           lease_s=args.lease, rank_sources=rank_sources)
     except (ValueError, HubError) as exc:
         raise BadInput(exc) from exc
     signal.signal(signal.SIGTERM, lambda *_: server.stop(0))

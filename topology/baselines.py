@@ -96,6 +96,7 @@ def _pulls(layout: Layout, dc: str, needs: dict[str, list[Interval]],
 
 
 def star_replanner(layout: Layout, trainer: list[str]):
+    """A replanner for `star`: re-plan from the surviving trainer devices."""
     def replan(holders: dict[str, list[Interval]], missing: dict[str, list[Interval]]):
         alive = [d for d in trainer if d in holders] or list(holders)
         return star(layout, alive, missing)
@@ -103,6 +104,7 @@ def star_replanner(layout: Layout, trainer: list[str]):
 
 
 def chain_replanner(layout: Layout, trainer: list[str]):
+    """A replanner for `chain`: re-plan from the surviving trainer devices."""
     def replan(holders: dict[str, list[Interval]], missing: dict[str, list[Interval]]):
         alive = [d for d in trainer if d in holders] or list(holders)
         return chain(layout, alive, missing)
@@ -110,6 +112,7 @@ def chain_replanner(layout: Layout, trainer: list[str]):
 
 
 def storage_replanner(layout: Layout, trainer: list[str]):
+    """A replanner that pulls the missing bytes from the trainer datacenter's storage."""
     dc = layout.datacenter(trainer[0])
 
     def replan(holders: dict[str, list[Interval]], missing: dict[str, list[Interval]]):

@@ -57,6 +57,7 @@ class Bound:
     elapsed: float     # seconds spent
 
     def to_dict(self) -> dict[str, object]:
+        """The bound's fields as a dict."""
         return dict(self.__dict__)
 
 
@@ -64,27 +65,20 @@ def lower_bound(layout: Layout, sources: Mapping[str, list[Interval]] | list[str
                 needs: Mapping[str, list[Interval]], *, method: str = "auto") -> Bound:
     """Lower bound on the time to give every reader the bytes it needs.
 
-    Parameters
-    ----------
-    layout : Layout
-        The indexed cluster graph.
-    sources : list of devices, or mapping device -> byte ranges
-        Devices holding (some of) the bytes.
-    needs : mapping reader -> byte ranges
-        What each reader needs.
-    method : {"auto", "exact", "classes"}
-        One max-flow per reader on the full graph, or per reader class on a
-        contracted graph (see the module docstring). "auto" picks exact for small
-        inputs.
+    Args:
+        layout (Layout): The indexed cluster graph.
+        sources (list of devices, or mapping device -> byte ranges): Devices holding (some of)
+            the bytes.
+        needs (mapping reader -> byte ranges): What each reader needs.
+        method ({"auto", "exact", "classes"}): One max-flow per reader on the full graph, or per
+            reader class on a contracted graph (see the module docstring). "auto" picks exact
+            for small inputs.
 
-    Returns
-    -------
-    Bound
+    Returns:
+        Bound
 
-    Raises
-    ------
-    ValueError
-        Unknown method, or no readers.
+    Raises:
+        ValueError: Unknown method, or no readers.
     """
     started = time.perf_counter()
     if not needs:
@@ -112,8 +106,10 @@ def _need(ranges: list[Interval]) -> int:
 
 def _reader_bound(h: nx.DiGraph, devices: Callable[[str], bool], reader: str,
                   need: int) -> tuple[float, float, float, str]:
-    """(seconds, max-flow rate, latency term, reader) for one reader on `h`; `devices`
-    tells which vertices can send (see the module docstring)."""
+    """(seconds, max-flow rate, latency term, reader) for one reader on `h`.
+
+    `devices` tells which vertices can send (see the module docstring).
+    """
     residual = edmonds_karp(h, SUPER, reader, capacity="bandwidth")
     rate = residual.graph["flow_value"]
     if rate <= 0:
@@ -165,8 +161,10 @@ def _classes(layout: Layout, holders: list[str], needs: Mapping[str, list[Interv
 
 
 def _contracted(layout: Layout) -> tuple[nx.DiGraph, dict[str, str]]:
-    """Every machine's vertices merged into ``machine:{name}``; capacities summed,
-    the lowest latency kept."""
+    """Every machine's vertices merged into ``machine:{name}``.
+
+    Capacities summed, the lowest latency kept.
+    """
     g = layout.graph
     member = {v: f"machine:{m}" for v, m in layout.machine_of.items()}
     arcs: dict[tuple[str, str], list[float]] = {}

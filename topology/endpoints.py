@@ -34,8 +34,10 @@ def resolve(layout: Layout, names: Iterable[str], what: str) -> list[str]:
 
 
 def _unknown(layout: Layout, name: str, what: str) -> str:
-    """Why `name` is not an endpoint, listing some that are: the devices of its node
-    when the part before '/' is a node, else the nodes."""
+    """Why `name` is not an endpoint, listing some that are.
+
+    The devices of its node when the part before '/' is a node, else the nodes.
+    """
     node = layout.machines.get(name.split("/")[0]) if "/" in name else None
     if node is not None:
         kind, valid = f"the devices of {node.name!r}", node.gpus + [node.host]

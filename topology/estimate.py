@@ -19,8 +19,11 @@ MIN_CHUNK = 1 << 20
 MAX_CHUNK = 256 << 20
 
 def share_rates(graph: nx.DiGraph, transfers: list[Transfer]) -> list[float]:
-    """Each transfer's rate if every arc were shared equally by all transfers on it,
-    capped by the rate of its upstream (a relay cannot forward faster than it gets)."""
+    """Each transfer's rate under equal sharing of every arc, capped by upstream.
+
+    Each transfer's rate if every arc were shared equally by all transfers on it, capped by
+    the rate of its upstream (a relay cannot forward faster than it gets).
+    """
     count: dict[tuple[str, str], int] = defaultdict(int)
     for t in transfers:
         for arc in zip(t.path, t.path[1:], strict=False):
@@ -36,6 +39,7 @@ def share_rates(graph: nx.DiGraph, transfers: list[Transfer]) -> list[float]:
 
 
 def path_latency(graph: nx.DiGraph, path: tuple[str, ...]) -> float:
+    """Sum of the latencies of the arcs along `path`."""
     edges = graph.edges
     return sum(edges[a]["latency"] for a in zip(path, path[1:], strict=False))
 

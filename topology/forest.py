@@ -89,6 +89,7 @@ class ForestBuilder:
         self._senders()
 
     def build(self) -> list[Transfer]:
+        """The transfers of every stripe's tree, upstream first."""
         for s, (lo, hi) in enumerate(self.stripes):
             holders = [d for d, r in self.held.items() if covers(r, lo, hi)]
             if not holders:
@@ -136,10 +137,13 @@ class ForestBuilder:
     def _datacenter(self, s: int, dc: str, machines: list[str],
                     holder_machines: dict[str, list[str]], by_machine: dict[str, list[str]],
                     exports: list[str], entry_slot: dict[str, list[Slot]]) -> None:
-        """Stripe `s` from the holders (or the entry machine) of datacenter `dc` to
-        its reading `machines` and to the entry machines of the child datacenters
-        `exports`, two levels deep: groups (leaves, or the whole datacenter), then
-        the machines of each group (see the module docstring)."""
+        """Stripe `s` from the holders of datacenter `dc` to its readers, two levels deep.
+
+        Stripe `s` from the holders (or the entry machine) of datacenter `dc` to its reading
+        `machines` and to the entry machines of the child datacenters `exports`, two levels
+        deep: groups (leaves, or the whole datacenter), then the machines of each group (see
+        the module docstring).
+        """
         lay = self.layout
         entry: str | None = None  # the machine the parent datacenter feeds
         if dc in entry_slot:
@@ -202,15 +206,20 @@ class ForestBuilder:
         return self._sender(slot.machine, egress, slot.devices, s), egress
 
     def _group(self, machine: str) -> Group:
-        """The group `machine` is placed in: its leaf where the datacenter's leaves are
-        oversubscribed (and placement is leaf-aware), else the whole datacenter."""
+        """The group `machine` is placed in.
+
+        Its leaf where the datacenter's leaves are oversubscribed (and placement is
+        leaf-aware), else the whole datacenter.
+        """
         m = self.layout.machines[machine]
         return (m.datacenter, m.leaf) if self.leafwise.get(m.datacenter) else (m.datacenter, "")
 
     def _senders(self) -> None:
-        """The fan-out quotas: per group, its reading machines (a NIC stream each); per
-        datacenter, its groups, each with the streams its machines have left after
-        serving one another (sum of NICs minus, per stripe, its reading machines - 1)."""
+        """The fan-out quotas: per group, its reading machines (a NIC stream each).
+
+        Per datacenter, its groups, each with the streams its machines have left after
+        serving one another (sum of NICs minus, per stripe, its reading machines - 1).
+        """
         lay = self.layout
         members: dict[Group, set[str]] = defaultdict(set)
         served: dict[Group, int] = defaultdict(int)
@@ -234,9 +243,11 @@ class ForestBuilder:
 
     def _cross(self, s: int, dc: str, groups: dict[Group, list[str]],
                rooted: dict[Group, list[Slot]], exports: int) -> dict[Group, int]:
-        """Streams each group sends to other groups and child datacenters: one per
-        root slot from the groups holding the stripe, the rest by the datacenter's
-        quotas over the others (the holding groups only when those run out)."""
+        """Streams each group sends to other groups and child datacenters.
+
+        One per root slot from the groups holding the stripe, the rest by the datacenter's
+        quotas over the others (the holding groups only when those run out).
+        """
         free = [g for g in groups if g not in rooted]
         demand = self.cross_demand = len(free) + exports
         quota = self.group_quota.setdefault(dc, FanOut([], {}))
@@ -256,10 +267,13 @@ class ForestBuilder:
 
     def _quota(self, s: int, g: Group, members: list[str], cross: int,
                roots: list[Slot] | None) -> dict[str, int]:
-        """Streams each machine of group `g` sends in this stripe: one to every other
-        member and `cross` out of the group, less what the roots (or the head) send.
-        Slack for `FanOut.take`: what the members have beyond this stripe's need, the
-        later stripes' (as many members) and the cross streams the group may still owe."""
+        """Streams each machine of group `g` sends in this stripe.
+
+        One to every other member and `cross` out of the group, less what the roots (or the
+        head) send. Slack for `FanOut.take`: what the members have beyond this stripe's
+        need, the later stripes' (as many members) and the cross streams the group may still
+        owe.
+        """
         demand = len(members) + cross - (sum(x.free for x in roots) if roots else 1)
         if demand <= 0:
             return {}
@@ -272,8 +286,11 @@ class ForestBuilder:
     def _group_tree(groups: dict[Group, list[str]], rooted: dict[Group, list[Slot]],
                     cross: dict[Group, int], exports: list[str]
                     ) -> tuple[list[Group], dict[Group, list[Feed]]]:
-        """Breadth first over the groups: the order to fill them in, and what each
-        group's cross streams feed (other groups, then child datacenters)."""
+        """Breadth first over the groups.
+
+        The order to fill them in, and what each group's cross streams feed (other groups,
+        then child datacenters).
+        """
         free = [g for g in groups if g not in rooted]
         relays = sorted((g for g in free if cross.get(g)), key=lambda g: -cross[g])
         children: list[Feed] = [(GROUP, g) for g in relays] \

@@ -46,18 +46,22 @@ from weightfabric.topology.schema import Cluster, Node
 
 
 def gpu_vertex(node: str, index: int) -> str:
+    """The vertex of GPU `index` of `node`."""
     return f"{node}/gpu{index}"
 
 
 def nic_vertex(node: str, index: int) -> str:
+    """The vertex of NIC `index` of `node`."""
     return f"{node}/nic{index}"
 
 
 def pcie_vertex(node: str, index: int) -> str:
+    """The vertex of PCIe port `index` of `node`."""
     return f"{node}/pcie{index}"
 
 
 def host_vertex(node: str) -> str:
+    """The host vertex of `node`."""
     return f"{node}/host"
 
 
@@ -67,8 +71,11 @@ def _link(g: nx.DiGraph, a: str, b: str, *, bandwidth: float, latency: float, ti
 
 
 def _port_bandwidth(node: Node) -> float:
-    """The PCIe bandwidth of each GPU port of `node` (the schema requires a pcie
-    tier when a node type has GPUs; the loader checks it)."""
+    """The PCIe bandwidth of each GPU port of `node`.
+
+    The PCIe bandwidth of each GPU port of `node` (the schema requires a pcie tier when a
+    node type has GPUs; the loader checks it).
+    """
     t = node.type
     if t.pcie is None:
         raise ValueError(f"node {node.name!r}: node type {t.name!r} has {t.gpus} GPUs "

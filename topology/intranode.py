@@ -36,8 +36,10 @@ class StripeTransfers:
         self.incoming: dict[tuple[str, int], int] = {}  # (device, stripe) -> its feed
 
     def side_plane(self, s: int, lo: int, hi: int, holders: list[str], plane: str) -> bool:
-        """Stripe `s` over the host or the NIC loopback of one machine; False (and
-        nothing added) when that plane does not fit these holders and readers."""
+        """Stripe `s` over the host or the NIC loopback of one machine.
+
+        False (and nothing added) when that plane does not fit these holders and readers.
+        """
         lay = self.layout
         readers = [d for d, r in self.need.items() if intersect(r, lo, hi)]
         if not readers:
@@ -64,8 +66,11 @@ class StripeTransfers:
         return True
 
     def _plane_path(self, plane: str, m: Machine, a: str, b: str) -> tuple[str, ...]:
-        """`a` -> `b` on one machine: up one PCIe port and down the other (`HOST`), or
-        out of `a`'s rail NIC, through the leaf and in through `b`'s (`NIC_LOOP`)."""
+        """`a` -> `b` on one machine.
+
+        Up one PCIe port and down the other (`HOST`), or out of `a`'s rail NIC, through the
+        leaf and in through `b`'s (`NIC_LOOP`).
+        """
         lay = self.layout
         if plane == HOST:
             return dedupe(lay.to_host(a) + tuple(reversed(lay.to_host(b))))
@@ -76,6 +81,7 @@ class StripeTransfers:
                 + tuple(reversed(lay.to_nic(m, b, nic_b))))
 
     def inside(self, s: int, machine: str, devices: list[str], holders: list[str]) -> None:
+        """Give stripe `s` from `holders` to `devices` inside `machine`."""
         m = self.layout.machines[machine]
         if not self.switched(m, devices + holders):  # one chain along NVLink/PCIe
             order = self.chain(holders[0], devices)
@@ -90,6 +96,7 @@ class StripeTransfers:
 
     @staticmethod
     def switched(m: Machine, devices: list[str]) -> bool:
+        """Whether `devices` are GPUs of `m` joined by its NVSwitch."""
         return m.nvswitch is not None and all(d in m.gpus for d in devices)
 
     def chain(self, start: str, devices: list[str]) -> list[str]:
@@ -103,6 +110,7 @@ class StripeTransfers:
         return order
 
     def fan_out(self, s: int, m: Machine, landing: str, others: list[str]) -> None:
+        """Forward stripe `s` from `landing` to `others` on machine `m`."""
         if not others:
             return
         if self.switched(m, others + [landing]):
@@ -116,6 +124,7 @@ class StripeTransfers:
 
     def add(self, s: int, source: str, reader: str, *, egress: int | None = None,
              ingress: int | None = None, path: tuple[str, ...] | None = None) -> None:
+        """Add the transfers of stripe `s` from `source` that `reader` needs."""
         lo, hi = self.stripes[s]
         if path is None:
             path = self.layout.route(source, reader, egress=egress, ingress=ingress)

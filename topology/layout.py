@@ -88,12 +88,15 @@ class Layout:
 
     # --- devices ------------------------------------------------------------------
     def is_device(self, v: str) -> bool:
+        """Whether vertex `v` is a device."""
         return self.kinds.get(v) in DEVICE_KINDS
 
     def machine(self, device: str) -> Machine:
+        """The machine of `device`."""
         return self.machines[self.machine_of[device]]
 
     def datacenter(self, device: str) -> str:
+        """The datacenter of `device`."""
         return self.machine(device).datacenter
 
     def rail_nic(self, device: str) -> str | None:
@@ -156,9 +159,12 @@ class Layout:
 
     def via_spine(self, src: str | None, dst: str | None, dc: str,
                   vertex: str) -> tuple[str, ...] | None:
-        """Route between a device and `vertex` hanging off datacenter `dc`'s spine
-        (a storage service, say): ``src -> ... -> spine -> vertex`` when `src` is
-        given, else ``vertex -> spine -> ... -> dst``."""
+        """Route between a device and `vertex` hanging off datacenter `dc`'s spine.
+
+        Route between a device and `vertex` hanging off datacenter `dc`'s spine (a storage
+        service, say): ``src -> ... -> spine -> vertex`` when `src` is given, else ``vertex
+        -> spine -> ... -> dst``.
+        """
         device = src if src is not None else dst
         if device is None:
             raise ValueError("via_spine: give the source or the destination device")
@@ -179,9 +185,11 @@ class Layout:
         return dedupe(out if src is not None else tuple(reversed(out)))
 
     def to_nic(self, m: Machine, device: str, nic: str) -> tuple[str, ...]:
-        """Vertices from `device` of machine `m` to its `nic`: through the device's
-        PCIe port on the NIC's rail, else over NVLink to the rail's GPU, else through
-        the host."""
+        """Vertices from `device` of machine `m` to its `nic`.
+
+        Through the device's PCIe port on the NIC's rail, else over NVLink to the rail's
+        GPU, else through the host.
+        """
         g = self.graph
         port = m.ports.get(device)
         if port is not None and g.has_edge(port, nic):
@@ -197,6 +205,7 @@ class Layout:
         return dedupe(self.to_host(device) + down + (nic,))
 
     def rail_gpu_of_nic(self, m: Machine, nic: str) -> str | None:
+        """The GPU on NIC `nic`'s rail in `m`, if any."""
         return m.rail_gpu.get(m.nics.index(nic))
 
     def _network(self, ms: Machine, md: Machine) -> tuple[str, ...] | None:

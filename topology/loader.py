@@ -216,8 +216,9 @@ def _address(value: Any) -> str:
 
 
 def check_node_name(name: Any) -> str:
-    """`name` if it can name one node (what ``fabric topo discover --name`` writes):
-    non-empty, without '/' and without the ``{i}`` placeholder of a group.
+    """`name` if it can name one node (what ``fabric topo discover --name`` writes).
+
+    Non-empty, without '/' and without the ``{i}`` placeholder of a group.
 
     Raises:
         ValueError: what is wrong with the name.

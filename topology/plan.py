@@ -56,9 +56,11 @@ class Transfer:
 
     @property
     def nbytes(self) -> int:
+        """Bytes moved."""
         return self.end - self.start
 
     def to_dict(self) -> dict[str, Any]:
+        """The transfer as plain data."""
         return {"reader": self.reader, "source": self.source, "start": self.start,
                 "end": self.end, "stripe": self.stripe, "path": list(self.path),
                 "upstream": self.upstream, "depth": self.depth}
@@ -68,23 +70,16 @@ class Transfer:
 class Plan:
     """A broadcast forest and what the planner expects of it.
 
-    Attributes
-    ----------
-    size, chunk : int
-        Bytes of the version, and the pipelining unit a relay forwards at once.
-    stripes : list of (start, end)
-        The byte ranges each distributed by its own tree.
-    transfers : list of Transfer
-        Every read, upstream first.
-    sources : dict
-        Device -> byte ranges it held when the plan was made.
-    needs : dict
-        Reader -> byte ranges it must receive.
-    predicted : dict
-        Reader -> predicted completion time in seconds (equal-share estimate).
-    planes : list of str
-        The plane each stripe travels on (`TREE`, `HOST` or `NIC_LOOP`; see
-        `topology.planner`); empty means every stripe is a `TREE`.
+    Attributes:
+        size, chunk (int): Bytes of the version, and the pipelining unit a relay forwards at
+            once.
+        stripes (list of (start, end)): The byte ranges each distributed by its own tree.
+        transfers (list of Transfer): Every read, upstream first.
+        sources (dict): Device -> byte ranges it held when the plan was made.
+        needs (dict): Reader -> byte ranges it must receive.
+        predicted (dict): Reader -> predicted completion time in seconds (equal-share estimate).
+        planes (list of str): The plane each stripe travels on (`TREE`, `HOST` or `NIC_LOOP`;
+            see `topology.planner`); empty means every stripe is a `TREE`.
     """
 
     size: int
@@ -99,6 +94,7 @@ class Plan:
 
     @property
     def readers(self) -> list[str]:
+        """The readers, in `needs` order."""
         return list(self.needs)
 
     @property
@@ -111,9 +107,11 @@ class Plan:
         return [t for t in self.transfers if t.reader == reader]
 
     def depth(self) -> int:
+        """Depth of the deepest transfer."""
         return max((t.depth for t in self.transfers), default=0)
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as plain data."""
         return {"size": self.size, "chunk": self.chunk,
                 "stripes": [list(s) for s in self.stripes],
                 "sources": {d: [list(r) for r in rs] for d, rs in self.sources.items()},

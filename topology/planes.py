@@ -16,8 +16,11 @@ from weightfabric.topology.plan import HOST, NIC_LOOP, TREE, Interval, covers
 def cut_stripes(layout: Layout, size: int, need: dict[str, list[Interval]],
              held: dict[str, list[Interval]], weights: dict[str, float] | None = None
              ) -> tuple[list[Interval], list[str]]:
-    """Stripe boundaries and the plane of each stripe (bytes per plane in proportion
-    to `weights`, default the planes' rates)."""
+    """Stripe boundaries and the plane of each stripe.
+
+    Stripe boundaries and the plane of each stripe (bytes per plane in proportion to
+    `weights`, default the planes' rates).
+    """
     machines = {layout.machine_of[d] for d in need}
     k = max((len(layout.machines[m].nics) for m in machines), default=1)
     single = {layout.machine_of[d] for d in list(need) + list(held)}
@@ -34,8 +37,11 @@ def cut_stripes(layout: Layout, size: int, need: dict[str, list[Interval]],
 
 
 def _plane_cuts(size: int, rates: dict[str, float]) -> list[tuple[str, int]]:
-    """(plane, end byte) per plane: bytes in proportion to each plane's rate, so that
-    all planes finish together; planes that would get under one chunk are dropped."""
+    """(plane, end byte) per plane.
+
+    Bytes in proportion to each plane's rate, so that all planes finish together; planes
+    that would get under one chunk are dropped.
+    """
     total = sum(rates.values())
     cuts, end = [], 0
     for plane, rate in rates.items():
@@ -52,36 +58,28 @@ def side_planes(layout: Layout, held: dict[str, list[Interval]],
                 need: dict[str, list[Interval]], size: int) -> dict[str, float]:
     """Per-reader rate of each plane a one-machine broadcast can use in parallel.
 
-    Parameters
-    ----------
-    layout : Layout
-        The indexed cluster.
-    held, need : mapping device -> byte ranges
-        Holders and readers, all on one machine.
-    size : int
-        Bytes of the version.
+    Args:
+        layout (Layout): The indexed cluster.
+        held, need (mapping device -> byte ranges): Holders and readers, all on one machine.
+        size (int): Bytes of the version.
 
-    Returns
-    -------
-    dict
-        ``{TREE: NVLink rate}`` plus, where the graph has them, ``HOST`` (a chain
-        holder -> reader -> reader ... over PCIe through the host's root complex) and
-        ``NIC_LOOP`` (a chain over each GPU's rail NIC and the leaf: GPUDirect RDMA
-        loopback through the switch), each with what the planes before it leave of
-        the links they share (a GPU's PCIe port carries both side planes), and only
-        when that is more than nothing. Only
-        ``{TREE: 1.0}`` when the machine has no NVSwitch joining all of them or no
-        device holds every byte (the planes then bring nothing measurable).
+    Returns:
+        dict: ``{TREE: NVLink rate}`` plus, where the graph has them, ``HOST`` (a chain holder
+            -> reader -> reader ... over PCIe through the host's root complex) and ``NIC_LOOP``
+            (a chain over each GPU's rail NIC and the leaf: GPUDirect RDMA loopback through the
+            switch), each with what the planes before it leave of the links they share (a GPU's
+            PCIe port carries both side planes), and only when that is more than nothing. Only
+            ``{TREE: 1.0}`` when the machine has no NVSwitch joining all of them or no device
+            holds every byte (the planes then bring nothing measurable).
 
-    Notes
-    -----
-    On an NVSwitch machine the NVLink scatter/all-gather gives each reader the NVLink
-    bandwidth B_nv; the host and NIC planes reach every reader over links NVLink does
-    not use, so splitting the bytes in proportion to the rates finishes at
-    ``S / (B_nv + B_host + B_nic)`` instead of ``S / B_nv``. On a DGX H100 the host
-    and NIC planes share each GPU's x16 port, so the host plane takes all 64 GB/s of
-    it and the NIC plane is left out: 450 -> 514 GB/s per GPU. O(readers) edge
-    look-ups.
+    Notes:
+        On an NVSwitch machine the NVLink scatter/all-gather gives each reader the NVLink
+        bandwidth B_nv; the host and NIC planes reach every reader over links NVLink does
+        not use, so splitting the bytes in proportion to the rates finishes at
+        ``S / (B_nv + B_host + B_nic)`` instead of ``S / B_nv``. On a DGX H100 the host
+        and NIC planes share each GPU's x16 port, so the host plane takes all 64 GB/s of
+        it and the NIC plane is left out: 450 -> 514 GB/s per GPU. O(readers) edge
+        look-ups.
     """
     devices = list(need) + list(held)
     m = layout.machine(devices[0])

@@ -103,61 +103,46 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
                    planes: list[str] | None = None, leaf_aware: bool = True) -> Plan:
     """Plan how every reader gets the bytes it needs of a version of `size` bytes.
 
-    Parameters
-    ----------
-    cluster : Cluster, networkx.DiGraph or Layout
-        The cluster (its graph is built), a graph from `Cluster.graph()`, or a
-        `Layout` of one (reuse it when planning repeatedly).
-    size : int
-        Bytes of the version.
-    sources : iterable of names, or mapping name -> byte ranges (None = all)
-        Devices (``node/gpu3``, ``node/host``) or nodes (all their devices) that
-        hold the version. Default: the devices of the YAML's ``trainer`` role.
-    readers : iterable of names
-        Devices or nodes that need all the bytes. Default: the ``rollout`` role's
-        devices that are not sources.
-    needs : mapping reader -> byte ranges
-        Instead of `readers`: what each reader needs (sharded layouts, re-plans).
-    chunk : int
-        Pipelining unit in bytes; default from the pipelining optimum. At least one
-        byte, and large enough that no transfer has more than
-        `topology.simulator.MAX_CHUNKS` (2**20) chunks.
-    stripes : list of (start, end)
-        Stripe boundaries to reuse (a re-plan keeps the original plan's).
-    planes : list of str
-        With `stripes`: the plane of each stripe (`Plan.planes`; default all `TREE`).
-    leaf_aware : bool
-        Group machines by leaf under oversubscribed leaves, each leaf getting each
-        stripe over the spine once (default); False treats a datacenter's machines
-        as one group, in machine order (for comparison).
+    Args:
+        cluster (Cluster, networkx.DiGraph or Layout): The cluster (its graph is built), a graph
+            from `Cluster.graph()`, or a `Layout` of one (reuse it when planning repeatedly).
+        size (int): Bytes of the version.
+        sources (iterable of names, or mapping name -> byte ranges (None = all)): Devices
+            (``node/gpu3``, ``node/host``) or nodes (all their devices) that hold the version.
+            Default: the devices of the YAML's ``trainer`` role.
+        readers (iterable of names): Devices or nodes that need all the bytes. Default: the
+            ``rollout`` role's devices that are not sources.
+        needs (mapping reader -> byte ranges): Instead of `readers`: what each reader needs
+            (sharded layouts, re-plans).
+        chunk (int): Pipelining unit in bytes; default from the pipelining optimum. At least one
+            byte, and large enough that no transfer has more than
+            `topology.simulator.MAX_CHUNKS` (2**20) chunks.
+        stripes (list of (start, end)): Stripe boundaries to reuse (a re-plan keeps the original
+            plan's).
+        planes (list of str): With `stripes`: the plane of each stripe (`Plan.planes`; default
+            all `TREE`).
+        leaf_aware (bool): Group machines by leaf under oversubscribed leaves, each leaf getting
+            each stripe over the spine once (default); False treats a datacenter's machines as
+            one group, in machine order (for comparison).
 
-    Returns
-    -------
-    Plan
-        Transfers (upstream first), stripes, chunk and predicted times per reader.
+    Returns:
+        Plan: Transfers (upstream first), stripes, chunk and predicted times per reader.
 
-    Raises
-    ------
-    EmptyTransferError
-        `size` is not positive, or there are no readers.
-    UnknownDeviceError
-        A name is neither a device nor a node of the cluster.
-    UnreachableReaderError
-        A reader has no route from any holder of some bytes it needs.
-    PlanError
-        Some bytes are held by no source, a reader is also a full source, or `chunk`
-        is not positive or cuts a transfer into more than 2**20 chunks.
+    Raises:
+        EmptyTransferError: `size` is not positive, or there are no readers.
+        UnknownDeviceError: A name is neither a device nor a node of the cluster.
+        UnreachableReaderError: A reader has no route from any holder of some bytes it needs.
+        PlanError: Some bytes are held by no source, a reader is also a full source, or `chunk`
+            is not positive or cuts a transfer into more than 2**20 chunks.
 
-    Notes
-    -----
-    See the module docstring for the algorithm and its complexity.
+    Notes:
+        See the module docstring for the algorithm and its complexity.
 
-    Examples
-    --------
-    >>> from topology import reference_cluster
-    >>> plan = plan_broadcast(reference_cluster("4x-dgx-h100"), 140 * 10**9)
-    >>> len(plan.readers), round(plan.predicted_s, 2)
-    (24, 0.35)
+    Examples:
+        >>> from topology import reference_cluster
+        >>> plan = plan_broadcast(reference_cluster("4x-dgx-h100"), 140 * 10**9)
+        >>> len(plan.readers), round(plan.predicted_s, 2)
+        (24, 0.35)
     """
     started = time.perf_counter()
     layout = _layout(cluster)
@@ -223,27 +208,19 @@ def replan(plan: Plan, cluster: Cluster | nx.DiGraph | Layout, *, lost: Iterable
            have: Mapping[str, list[Interval]] | None = None) -> Plan:
     """Plan the bytes still missing after the devices in `lost` vanished.
 
-    Parameters
-    ----------
-    plan : Plan
-        The plan being executed.
-    cluster : Cluster, networkx.DiGraph or Layout
-        The same cluster.
-    lost : iterable of str
-        Devices that are gone (sources or readers); they neither serve nor need.
-    have : mapping reader -> byte ranges
-        What each reader already holds (default: nothing).
+    Args:
+        plan (Plan): The plan being executed.
+        cluster (Cluster, networkx.DiGraph or Layout): The same cluster.
+        lost (iterable of str): Devices that are gone (sources or readers); they neither serve
+            nor need.
+        have (mapping reader -> byte ranges): What each reader already holds (default: nothing).
 
-    Returns
-    -------
-    Plan
-        Transfers for the missing ranges only, over the surviving holders (original
-        sources and readers that are complete), with the original stripes.
+    Returns:
+        Plan: Transfers for the missing ranges only, over the surviving holders (original
+            sources and readers that are complete), with the original stripes.
 
-    Raises
-    ------
-    PlanError
-        Some missing bytes are held by no surviving source.
+    Raises:
+        PlanError: Some missing bytes are held by no surviving source.
     """
     gone = set(lost)
     have = dict(have or {})

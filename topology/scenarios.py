@@ -47,14 +47,17 @@ class ScenarioResult:
 
     @property
     def speedup(self) -> dict[str, float]:
+        """Each baseline's time divided by ours."""
         return {k: v / self.ours_s if self.ours_s > 0 else float("inf")
                 for k, v in self.baselines.items()}
 
     @property
     def efficiency(self) -> float:
+        """The lower bound divided by our time."""
         return self.lower_bound_s / self.ours_s if self.ours_s > 0 else 1.0
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as plain data."""
         return {"scenario": self.scenario, "readers": self.readers, "ours_s": self.ours_s,
                 "baselines": self.baselines, "speedup": self.speedup,
                 "lower_bound_s": self.lower_bound_s, "efficiency": self.efficiency,
@@ -90,11 +93,9 @@ def run_scenario(cluster: Cluster, name: str, size: int, *,
                  baselines_to_run: tuple[str, ...] = BASELINES) -> ScenarioResult:
     """Run scenario `name` on `cluster` for a version of `size` bytes.
 
-    Raises
-    ------
-    PlanError
-        Unknown scenario, or the cluster cannot host it (e.g. one datacenter for
-        ``cross-dc``).
+    Raises:
+        PlanError: Unknown scenario, or the cluster cannot host it (e.g. one datacenter for
+            ``cross-dc``).
     """
     layout = Layout(cluster.graph())
     trainer, extra, readers = _endpoints(cluster, layout, name)

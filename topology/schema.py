@@ -32,6 +32,7 @@ class LinkSpec:
     latency: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec as YAML data."""
         out: dict[str, Any] = {"bandwidth": format_bandwidth(self.bandwidth)}
         if self.latency:
             out["latency"] = format_latency(self.latency)
@@ -40,13 +41,16 @@ class LinkSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class NvlinkSpec(LinkSpec):
-    """NVLink of each GPU. `groups` lists GPUs joined by NVLink (bridged pairs, say);
-    None means every GPU of the node (or of its `nvlink_domain`) reaches every other
-    through NVSwitch."""
+    """NVLink of each GPU.
+
+    `groups` lists GPUs joined by NVLink (bridged pairs, say); None means every GPU of the
+    node (or of its `nvlink_domain`) reaches every other through NVSwitch.
+    """
 
     groups: tuple[tuple[int, ...], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec as YAML data."""
         out = super().to_dict()
         if self.groups is not None:
             out["groups"] = [list(g) for g in self.groups]
@@ -61,6 +65,7 @@ class GpuSpec:
     memory: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec as YAML data."""
         out: dict[str, Any] = {"model": self.model}
         if self.memory is not None:
             out["memory"] = format_size(self.memory)
@@ -83,6 +88,7 @@ class NicSpec:
     names: tuple[str, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec as YAML data."""
         out: dict[str, Any] = {"count": self.count, "bandwidth": format_bandwidth(self.bandwidth),
                                "kind": self.kind}
         if self.latency:
@@ -108,6 +114,7 @@ class NumaSpec:
     nics: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec as YAML data."""
         out: dict[str, Any] = {}
         if self.gpus:
             out["gpus"] = list(self.gpus)
@@ -130,6 +137,7 @@ class NodeType:
     numa: NumaSpec | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The node type as YAML data."""
         out: dict[str, Any] = {"gpus": self.gpus}
         for key in ("gpu", "nvlink", "pcie", "nics"):
             value = getattr(self, key)
@@ -162,11 +170,13 @@ class NodeGroup:
     nvlink_domain: str | None = None
 
     def names(self) -> list[str]:
+        """The names of the group's nodes."""
         if self.count is None:
             return [self.name]
         return [self.name.replace("{i}", str(i)) for i in range(self.count)]
 
     def to_dict(self) -> dict[str, Any]:
+        """The group as YAML data."""
         out: dict[str, Any] = {"name": self.name, "type": self.type}
         if self.count is not None:
             out["count"] = self.count
@@ -189,6 +199,7 @@ class NetworkSpec:
     nodes_per_leaf: int = 1
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec as YAML data."""
         out: dict[str, Any] = {"oversubscription": self.oversubscription}
         if self.latency:
             out["latency"] = format_latency(self.latency)
@@ -199,11 +210,13 @@ class NetworkSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class Datacenter:
+    """A datacenter: its node groups and network."""
     name: str
     nodes: tuple[NodeGroup, ...]
     network: NetworkSpec = field(default_factory=NetworkSpec)
 
     def to_dict(self) -> dict[str, Any]:
+        """The datacenter as YAML data."""
         out: dict[str, Any] = {"name": self.name}
         if self.network != NetworkSpec():
             out["network"] = self.network.to_dict()
@@ -220,6 +233,7 @@ class WanLink:
     latency: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """The link as YAML data."""
         out: dict[str, Any] = {"between": list(self.between),
                                "bandwidth": format_bandwidth(self.bandwidth)}
         if self.latency:

@@ -54,8 +54,11 @@ Replanner = Callable[[dict[str, list[Interval]], dict[str, list[Interval]]], lis
 
 
 def check_chunk(chunk: float, transfers: Iterable[Transfer]) -> None:
-    """Raise `PlanError` unless `chunk` is at least one byte and cuts no transfer into
-    more than `MAX_CHUNKS` chunks (the message names the smallest chunk that would do)."""
+    """Raise `PlanError` unless `chunk` is valid for every transfer.
+
+    Raise `PlanError` unless `chunk` is at least one byte and cuts no transfer into more
+    than `MAX_CHUNKS` chunks (the message names the smallest chunk that would do).
+    """
     if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) \
             or not math.isfinite(chunk) or chunk < 1:
         raise PlanError(f"the chunk must be a positive, finite number of bytes, got {chunk!r}")
@@ -103,6 +106,7 @@ class SimResult:
 
     @property
     def makespan(self) -> float:
+        """When the last reader completes."""
         return max(self.completion.values(), default=0.0)
 
 
@@ -130,6 +134,7 @@ class Simulator:
 
     # --- flows --------------------------------------------------------------------
     def add(self, transfers: list[Transfer], now: float) -> None:
+        """Start `transfers` at time `now`, after the flows already running."""
         offset = len(self.flows)
         latest: dict[str, list[int]] = defaultdict(list)  # flows still bringing bytes
         for i, f in enumerate(self.flows):
@@ -258,6 +263,7 @@ class Simulator:
 
     # --- main loop ----------------------------------------------------------------
     def run(self, events: list[Vanish | Join]) -> SimResult:
+        """Run the flows, applying `events` at their times, until none is left to run."""
         started = time.perf_counter()
         pending = sorted(events, key=lambda e: e.time)
         t, batches, worst = 0.0, 0, 0.0
@@ -358,8 +364,11 @@ class Simulator:
 
 
 def _capacity(arc: tuple[str, str], data: dict) -> float:
-    """The arc's bandwidth; `PlanError` unless it is positive and finite (max-min filling
-    never ends on a negative capacity and has no fair share of a zero one)."""
+    """The arc's bandwidth.
+
+    `PlanError` unless it is positive and finite (max-min filling never ends on a negative
+    capacity and has no fair share of a zero one).
+    """
     bandwidth = data["bandwidth"]
     if isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and bandwidth > 0:
         return float(bandwidth)
@@ -374,35 +383,25 @@ def simulate(graph: nx.DiGraph, transfers: list[Transfer], *, chunk: int, size: 
              ) -> SimResult:
     """Simulate `transfers` on `graph` at flow level.
 
-    Parameters
-    ----------
-    graph : networkx.DiGraph
-        Arcs with ``bandwidth`` (bytes/s), ``latency`` (s) and ``tier``.
-    transfers : list of Transfer
-        A plan's transfers (upstream first), e.g. `Plan.transfers` or a baseline.
-    chunk : int
-        Pipelining unit: a relay forwards a chunk once it has it all.
-    size : int
-        Bytes of the version (for joins and completeness).
-    holders : dict
-        Devices holding bytes at time 0 (needed by re-plans after events).
-    events : iterable of Vanish or Join
-        External events.
-    replanner : callable (holders, missing) -> list of Transfer
-        Called after an event with the devices holding the whole version and what
-        each affected reader still misses.
+    Args:
+        graph (networkx.DiGraph): Arcs with ``bandwidth`` (bytes/s), ``latency`` (s) and
+            ``tier``.
+        transfers (list of Transfer): A plan's transfers (upstream first), e.g. `Plan.transfers`
+            or a baseline.
+        chunk (int): Pipelining unit: a relay forwards a chunk once it has it all.
+        size (int): Bytes of the version (for joins and completeness).
+        holders (dict): Devices holding bytes at time 0 (needed by re-plans after events).
+        events (iterable of Vanish or Join): External events.
+        replanner (callable (holders, missing) -> list of Transfer): Called after an event with
+            the devices holding the whole version and what each affected reader still misses.
 
-    Returns
-    -------
-    SimResult
+    Returns:
+        SimResult
 
-    Raises
-    ------
-    PlanError
-        `chunk` is not positive, or cuts a transfer into more than `MAX_CHUNKS`
-        chunks; or a link the transfers use has no positive, finite bandwidth.
-    RuntimeError
-        An event needs a re-plan and no replanner was given, or flows stall.
+    Raises:
+        PlanError: `chunk` is not positive, or cuts a transfer into more than `MAX_CHUNKS`
+            chunks; or a link the transfers use has no positive, finite bandwidth.
+        RuntimeError: An event needs a re-plan and no replanner was given, or flows stall.
     """
     transfers = list(transfers)
     check_chunk(chunk, transfers)

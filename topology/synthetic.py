@@ -20,32 +20,24 @@ DGX_H100: dict[str, Any] = {
 def synthetic_cluster(rollout_nodes: list[int], *, trainer_nodes: int = 1,
                       wan: str = "100Gbps", wan_latency: str = "20ms",
                       oversubscription: float = 1.0, nodes_per_leaf: int = 32) -> Cluster:
-    """A cluster of DGX H100 nodes: `trainer_nodes` trainers in the first datacenter,
-    ``rollout_nodes[i]`` rollout nodes in datacenter ``i``, a WAN link from the first
-    datacenter to each other one.
+    """A cluster of DGX H100 nodes.
 
-    Parameters
-    ----------
-    rollout_nodes : list of int
-        Rollout node count per datacenter (``[32]``: one datacenter, 256 GPUs).
-    trainer_nodes : int
-        Trainer nodes, in the first datacenter.
-    wan, wan_latency : str
-        WAN link bandwidth and one-way latency.
-    oversubscription : float
-        Leaf-to-spine oversubscription in every datacenter.
-    nodes_per_leaf : int
-        Nodes under each leaf switch.
+    `trainer_nodes` trainers in the first datacenter, ``rollout_nodes[i]`` rollout nodes in
+    datacenter ``i``, a WAN link from the first datacenter to each other one.
 
-    Returns
-    -------
-    Cluster
-        With roles ``trainer`` and ``rollout`` set.
+    Args:
+        rollout_nodes (list of int): Rollout node count per datacenter (``[32]``: one
+            datacenter, 256 GPUs).
+        trainer_nodes (int): Trainer nodes, in the first datacenter.
+        wan, wan_latency (str): WAN link bandwidth and one-way latency.
+        oversubscription (float): Leaf-to-spine oversubscription in every datacenter.
+        nodes_per_leaf (int): Nodes under each leaf switch.
 
-    Raises
-    ------
-    ValueError
-        No datacenter, or a negative node count.
+    Returns:
+        Cluster: With roles ``trainer`` and ``rollout`` set.
+
+    Raises:
+        ValueError: No datacenter, or a negative node count.
     """
     if not rollout_nodes or min(rollout_nodes) < 0 or trainer_nodes < 1:
         raise ValueError("give at least one datacenter, node counts >= 0, trainer_nodes >= 1")

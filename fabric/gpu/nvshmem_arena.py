@@ -154,16 +154,21 @@ class SymmetricRegion:
 
     @property
     def num_chunks(self) -> int:
+        """Chunks of the buffer (one flag each)."""
         return self.flags.numel()
 
     def flag_buffer(self, chunk: int) -> Any:
+        """Chunk `chunk`'s 8-byte flag, as a buffer the NVSHMEM calls take."""
         return _buffer(self.flags.data_ptr() + 8 * chunk, 8)
 
     def peer_data(self, pe: int) -> torch.Tensor:
-        """PE ``pe``'s copy of the data as a tensor this process can load from directly
-        (same node, NVLink or PCIe peer access): ``nvshmem.core.get_peer_tensor``.
-        Kernels may read it (e.g. `fabric.relayout.direct.run_direct`) once the peer's flags
-        say the chunks are present. This PE's own copy is `data` itself."""
+        """PE ``pe``'s copy of the data as a tensor this process can load from.
+
+        PE ``pe``'s copy of the data as a tensor this process can load from directly (same
+        node, NVLink or PCIe peer access): ``nvshmem.core.get_peer_tensor``. Kernels may
+        read it (e.g. `fabric.relayout.direct.run_direct`) once the peer's flags say the
+        chunks are present. This PE's own copy is `data` itself.
+        """
         import nvshmem.core as nvshmem
 
         with RMA_LOCK, torch.cuda.device(self.data.device):
@@ -188,9 +193,12 @@ class SymmetricRegion:
 
     def wait_peer_chunks(self, pe: int, first: int, last: int, stream: torch.cuda.Stream, *,
                          timeout: float, poll_interval: float = 2e-4) -> bool:
-        """Wait until PE ``pe`` has flagged chunks ``first..last``, polling its flags
-        one-sidedly (`peer_flags`); False on timeout. For readers that load the peer's
-        bytes in kernels (`peer_data`) without a read server's lease."""
+        """Wait until PE ``pe`` has flagged chunks ``first..last``; False on timeout.
+
+        Wait until PE ``pe`` has flagged chunks ``first..last``, polling its flags
+        one-sidedly (`peer_flags`); False on timeout. For readers that load the peer's bytes
+        in kernels (`peer_data`) without a read server's lease.
+        """
         deadline = time.monotonic() + timeout
         while not bool((self.peer_flags(pe, stream)[first:last + 1] != 0).all()):
             if time.monotonic() > deadline:

@@ -28,9 +28,12 @@ _warned = False
 
 
 def ipc_descriptor(tensor: torch.Tensor) -> dict[str, Any] | None:
-    """The CUDA IPC descriptor of a CUDA tensor, or None (with one warning) when it
-    cannot be exported. It names the exporting process (``pid``): CUDA does not open
-    a handle in the process that exported it, so readers there use TCP."""
+    """The CUDA IPC descriptor of a CUDA tensor, or None if it cannot be exported.
+
+    The CUDA IPC descriptor of a CUDA tensor, or None (with one warning) when it cannot be
+    exported. It names the exporting process (``pid``): CUDA does not open a handle in the
+    process that exported it, so readers there use TCP.
+    """
     global _warned
     try:
         from weightfabric.fabric.transports.cuda_ipc import export_tensor
@@ -47,9 +50,12 @@ def ipc_descriptor(tensor: torch.Tensor) -> dict[str, Any] | None:
 
 
 def expandable_segments() -> bool:
-    """Whether the environment sets torch's CUDA allocator to ``expandable_segments``
-    (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``; a setting changed at run
-    time is not seen)."""
+    """Whether torch's CUDA allocator is set to ``expandable_segments``.
+
+    Whether the environment sets torch's CUDA allocator to ``expandable_segments``
+    (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF``; a setting changed at run time is
+    not seen).
+    """
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         for option in os.environ.get(var, "").split(","):
             key, _, value = option.partition(":")

@@ -45,11 +45,13 @@ class MemoryRendezvous:
         self._cond = threading.Condition()
 
     def put(self, key: str, value: bytes) -> None:
+        """Store `value` under `key` and wake the waiters."""
         with self._cond:
             self._values[key] = bytes(value)
             self._cond.notify_all()
 
     def get(self, key: str, timeout: float) -> bytes:
+        """The value under `key`, waiting up to `timeout` s (TimeoutError after)."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while key not in self._values:
@@ -73,9 +75,11 @@ class HubRendezvous:
         self.ttl = ttl
 
     def put(self, key: str, value: bytes) -> None:
+        """Store `value` under `key` at the hub, for `ttl` s."""
         self.client.kv_put(key, value, ttl=self.ttl)
 
     def get(self, key: str, timeout: float) -> bytes:
+        """The value under `key` at the hub, waiting up to `timeout` s (TimeoutError after)."""
         try:
             return self.client.kv_get(key, timeout=timeout)
         except HubTimeoutError as exc:

@@ -52,6 +52,7 @@ class HubIndex:
         self.gc: set[tuple[str, int]] = set()
 
     def add_replica(self, v: VersionRecord, rep: Replica) -> None:
+        """Add `rep` to `v`, replacing the worker's replica of that shard."""
         key = (rep.worker, rep.shard)
         if key in v.replicas:
             self.remove_replica(v, key)
@@ -60,6 +61,7 @@ class HubIndex:
         self.held.setdefault(rep.worker, set()).add((v.model, v.number, rep.shard))
 
     def remove_replica(self, v: VersionRecord, key: tuple[str, int]) -> None:
+        """Remove the replica at `key` from `v` and from the indexes."""
         rep = v.replicas.pop(key)
         v.reindex(rep)
         held = self.held.get(rep.worker)
@@ -72,16 +74,19 @@ class HubIndex:
             self.gc.add((v.model, v.number))
 
     def set_status(self, v: VersionRecord, rep: Replica, status: str) -> None:
+        """Set `rep`'s status; a retracting replica is queued for retract."""
         rep.status = status
         v.reindex(rep)
         if status == RETRACTING:
             self.pending_retracts.add((v.model, v.number, rep.shard, rep.worker))
 
     def add_fetch(self, f: FetchRecord) -> None:
+        """Index the fetch `f`."""
         self.fetches[f.fetch_id] = f
         self.own_fetches.setdefault(f.worker, set()).add(f.fetch_id)
 
     def pop_fetch(self, fetch_id: str) -> FetchRecord | None:
+        """Remove and return the fetch `fetch_id` (None if unknown)."""
         f = self.fetches.pop(fetch_id, None)
         if f is not None:
             self.set_sources(f, set())
@@ -93,6 +98,7 @@ class HubIndex:
         return f
 
     def add_publisher(self, worker: str, v: VersionRecord) -> None:
+        """Record that `worker` publishes `v`."""
         self.publishing.setdefault(worker, set()).add((v.model, v.number))
 
     def unpublish(self, v: VersionRecord) -> None:

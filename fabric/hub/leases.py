@@ -35,6 +35,7 @@ class Leases:
         self.order.move_to_end(worker)
 
     def drop(self, worker: str) -> None:
+        """Stop tracking `worker`'s lease."""
         self.order.pop(worker, None)
 
     def expired(self, workers: dict[str, WorkerRecord], now: float) -> list[str]:

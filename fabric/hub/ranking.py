@@ -101,8 +101,11 @@ class TopologyRanker:
         return not location.datacenter or location.datacenter == self._nodes[node][0]
 
     def bandwidth(self, source: str, reader: str) -> float:
-        """Widest-path bandwidth (bytes/s) from vertex `source` to vertex `reader`
-        (infinite for the same vertex, 0 when there is no path); cached."""
+        """Widest-path bandwidth (bytes/s) from vertex `source` to vertex `reader`.
+
+        Widest-path bandwidth (bytes/s) from vertex `source` to vertex `reader` (infinite
+        for the same vertex, 0 when there is no path); cached.
+        """
         key = (reader, source)
         with self._lock:
             hit = self._cache.get(key)
@@ -117,6 +120,7 @@ class TopologyRanker:
 
     def __call__(self, reader: Location, candidates: Sequence[SourceCandidate]
                  ) -> list[SourceCandidate]:
+        """`candidates` best first for `reader` (see `topology_ranker`)."""
         target = self.vertex(reader)
         if target is None:
             return rank_by_locality(reader, candidates)
@@ -155,42 +159,34 @@ def _widest(g: nx.DiGraph, source: str, target: str) -> float:
 def topology_ranker(cluster: object) -> RankSources:
     """A source ranking for the hub that prefers the widest path to the reader.
 
-    Parameters
-    ----------
-    cluster : Cluster, str or Path, Layout or networkx.DiGraph
-        The cluster (a loaded `topology.schema.Cluster`, the path of its YAML file),
-        a `topology.layout.Layout` of it, or its graph from `Cluster.graph()`.
+    Args:
+        cluster (Cluster, str or Path, Layout or networkx.DiGraph): The cluster (a loaded
+            `topology.schema.Cluster`, the path of its YAML file), a `topology.layout.Layout` of
+            it, or its graph from `Cluster.graph()`.
 
-    Returns
-    -------
-    RankSources
-        ``rank(reader_location, candidates) -> candidates best first``, ordered by
-        (widest-path bandwidth from the candidate to the reader, descending; load;
-        locality tier; complete first; worker id).
+    Returns:
+        RankSources: ``rank(reader_location, candidates) -> candidates best first``, ordered by
+            (widest-path bandwidth from the candidate to the reader, descending; load; locality
+            tier; complete first; worker id).
 
-    Raises
-    ------
-    TypeError
-        `cluster` is none of the accepted kinds.
-    topology.ClusterConfigError
-        The YAML file cannot be read or is invalid.
+    Raises:
+        TypeError: `cluster` is none of the accepted kinds.
+        topology.ClusterConfigError: The YAML file cannot be read or is invalid.
 
-    Notes
-    -----
-    Locations map to graph vertices as described in the module docstring; unknown
-    readers fall back to `rank_by_locality`, unknown candidates go last. Each
-    (reader, source) pair costs one widest-path search, O(E log V), then a cache
-    look-up. Safe to call from several threads.
+    Notes:
+        Locations map to graph vertices as described in the module docstring; unknown
+        readers fall back to `rank_by_locality`, unknown candidates go last. Each
+        (reader, source) pair costs one widest-path search, O(E log V), then a cache
+        look-up. Safe to call from several threads.
 
-    Examples
-    --------
-    >>> from topology import reference_cluster
-    >>> from fabric.locality import Location, SourceCandidate
-    >>> rank = topology_ranker(reference_cluster("two-datacenters"))
-    >>> far = SourceCandidate("t", Location("dc-a", "trainer", "gpu0"), True, 0)
-    >>> near = SourceCandidate("b", Location("dc-b", "b-1", "gpu0"), True, 3)
-    >>> [c.worker for c in rank(Location("dc-b", "b-0", "gpu0"), [far, near])]
-    ['b', 't']
+    Examples:
+        >>> from topology import reference_cluster
+        >>> from fabric.locality import Location, SourceCandidate
+        >>> rank = topology_ranker(reference_cluster("two-datacenters"))
+        >>> far = SourceCandidate("t", Location("dc-a", "trainer", "gpu0"), True, 0)
+        >>> near = SourceCandidate("b", Location("dc-b", "b-1", "gpu0"), True, 3)
+        >>> [c.worker for c in rank(Location("dc-b", "b-0", "gpu0"), [far, near])]
+        ['b', 't']
     """
     return TopologyRanker(_graph(cluster))
 

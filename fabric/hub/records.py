@@ -56,12 +56,14 @@ class Replica:
     retract_delayed: bool = False
 
     def add_chunks(self, chunks: list[int]) -> None:
+        """Mark `chunks` as held."""
         for c in chunks:
             if not self.have[c]:
                 self.have[c] = 1
                 self.count += 1
 
     def fill(self) -> None:
+        """Mark every chunk as held."""
         self.have[:] = b"\x01" * len(self.have)
         self.count = len(self.have)
 
@@ -86,8 +88,11 @@ class VersionRecord:
     """Index: per shard, the workers whose replica is complete and live (`reindex`)."""
 
     def reindex(self, rep: Replica) -> None:
-        """Update `complete_live` after ``rep`` was added or its ``complete``/``status``
-        changed (the hub calls this after every such change)."""
+        """Update `complete_live` after ``rep`` was added or changed.
+
+        Update `complete_live` after ``rep`` was added or its ``complete``/``status``
+        changed (the hub calls this after every such change).
+        """
         workers = self.complete_live.setdefault(rep.shard, set())
         if (rep.complete and rep.status == LIVE
                 and self.replicas.get((rep.worker, rep.shard)) is rep):
@@ -135,8 +140,11 @@ class FetchGroup:
 
 @dataclass
 class RetentionPolicy:
-    """Per-model retention: the last ``keep_last`` committed versions plus pinned ones are
-    retained; a retract may not drop a retained version below ``min_replicas``."""
+    """Per-model retention.
+
+    The last ``keep_last`` committed versions plus pinned ones are retained; a retract may
+    not drop a retained version below ``min_replicas``.
+    """
 
     keep_last: int = 2
     min_replicas: int = 1
@@ -149,6 +157,7 @@ class RetentionPolicy:
             raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas}")
 
     def to_wire(self) -> dict[str, Any]:
+        """The policy as wire data."""
         return {"keep_last": self.keep_last, "min_replicas": self.min_replicas,
                 "pinned": sorted(self.pinned)}
 
@@ -193,6 +202,7 @@ class VersionRanges:
             self._ranges[i][1] = self._ranges.pop(i + 1)[1]
 
     def to_wire(self) -> list[list[int]]:
+        """The ranges as ``[start, stop]`` lists."""
         return [list(r) for r in self._ranges]
 
 

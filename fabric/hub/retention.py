@@ -86,16 +86,17 @@ def settle(index: HubIndex, retire: Callable[[VersionRecord, str], None]) -> Non
             index.set_status(v, r, RETRACTING)
     while index.pending_retracts:
         model, number, shard, worker = key = index.pending_retracts.pop()
-        m = models.get(model)
-        v = m.versions.get(number) if m else None
-        r = v.replicas.get((worker, shard)) if v else None
-        if r is not None and r.status == RETRACTING and key not in index.readers:
-            index.remove_replica(v, (worker, shard))
+        pm = models.get(model)
+        pv = pm.versions.get(number) if pm else None
+        pr = pv.replicas.get((worker, shard)) if pv else None
+        if pv is not None and pr is not None and pr.status == RETRACTING \
+                and key not in index.readers:
+            index.remove_replica(pv, (worker, shard))
     for model, number in index.gc:
-        m = models.get(model)
-        v = m.versions.get(number) if m else None
-        if v is not None and v.state == RETIRED and not v.replicas:
-            del m.versions[number]
+        gm = models.get(model)
+        gv = gm.versions.get(number) if gm else None
+        if gm is not None and gv is not None and gv.state == RETIRED and not gv.replicas:
+            del gm.versions[number]
     index.gc.clear()
 
 

@@ -51,10 +51,10 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]]
     cut = np.flatnonzero((picks[1:] != picks[:-1]).any(axis=1)
                          | (starts[1:] != stops[:-1])) + 1
     firsts, lasts = np.r_[0, cut], np.r_[cut - 1, len(starts) - 1]
-    kinds, kind_of = _distinct_rows(picks[firsts])
+    kind_rows, kind_of = _distinct_rows(picks[firsts])
     names = [r.worker for r in reps]
     kinds = [([names[i] for i in row[:sources] if i >= 0],
-              [names[i] for i in row[sources:] if i >= 0]) for row in kinds.tolist()]
+              [names[i] for i in row[sources:] if i >= 0]) for row in kind_rows.tolist()]
     read = np.asarray([bool(srcs) for srcs, _ in kinds])[kind_of]
     # The ranges share their kind's lists (the reply is serialised, not changed).
     ranges = [PlanRangeWire(start=a, stop=b, sources=kinds[k][0], wait=kinds[k][1])
@@ -67,8 +67,11 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]]
 
 
 def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(rows, axis=0, return_inverse=True)``, by a lexicographic sort
-    (numpy's compares rows as opaque bytes, several times slower here)."""
+    """``np.unique(rows, axis=0, return_inverse=True)``, by a lexicographic sort.
+
+    ``np.unique(rows, axis=0, return_inverse=True)``, by a lexicographic sort (numpy's
+    compares rows as opaque bytes, several times slower here).
+    """
     order = np.lexsort(rows.T[::-1])
     ordered = rows[order]
     first = np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)]
@@ -79,11 +82,13 @@ def _distinct_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _picks(reps: list[Replica], starts: np.ndarray, earlier: list[bool], sources: int
            ) -> np.ndarray:
-    """Per stretch (its first chunk in ``starts``), the indices in ``reps`` of its
-    sources, the first ``sources`` replicas that hold it, best first, then of its
-    waits: up to 2 ``earlier`` replicas ranked above every source that lack it.
-    -1 where there are fewer. Replicas are visited in rank order, each only for the
-    stretches still short of sources."""
+    """Per stretch, the indices in ``reps`` of its sources, then of its waits.
+
+    Per stretch (its first chunk in ``starts``), the indices in ``reps`` of its sources, the
+    first ``sources`` replicas that hold it, best first, then of its waits: up to 2
+    ``earlier`` replicas ranked above every source that lack it. -1 where there are fewer.
+    Replicas are visited in rank order, each only for the stretches still short of sources.
+    """
     picks = np.full((len(starts), sources + 2), -1, np.int32)
     found = np.zeros(len(starts), np.int32)     # sources so far
     waits = np.zeros(len(starts), np.int32)
@@ -107,8 +112,11 @@ def _picks(reps: list[Replica], starts: np.ndarray, earlier: list[bool], sources
 
 def _stretches(reps: list[Replica], need: list[tuple[int, int]]
                ) -> tuple[np.ndarray, np.ndarray]:
-    """``need`` cut at every edge of the partial replicas' bitmaps: the stretches'
-    starts and stops (within a stretch every replica holds all chunks or none)."""
+    """``need`` cut at every edge of the partial replicas' bitmaps.
+
+    The stretches' starts and stops (within a stretch every replica holds all chunks or
+    none).
+    """
     run_starts = np.fromiter((a for a, _ in need), np.int64, len(need))
     run_stops = np.fromiter((b for _, b in need), np.int64, len(need))
     lo, hi = int(run_starts[0]), int(run_stops[-1])
@@ -130,8 +138,11 @@ def _sorted_unique(a: np.ndarray) -> np.ndarray:
 
 
 def _reach(reps: list[Replica], max_sources: int) -> list[Replica]:
-    """The prefix of ranked ``reps`` that `_picks` can reach: it stops by the
-    ``max_sources``-th complete replica (by the first when ``max_sources`` <= 1)."""
+    """The prefix of ranked ``reps`` that `_picks` can reach.
+
+    It stops by the ``max_sources``-th complete replica (by the first when ``max_sources``
+    <= 1).
+    """
     complete = 0
     for i, r in enumerate(reps):
         complete += r.complete
@@ -171,8 +182,11 @@ def holders(v: VersionRecord, shard: int, reader: Location, *, workers: dict[str
 def ranked_replicas(v: VersionRecord, shard: int, reader: Location, *,
                     workers: dict[str, WorkerRecord], load: Counter[str],
                     rank_sources: RankSources, keep: Callable[[Replica], bool]) -> list[Replica]:
-    """The live replicas of ``shard`` on registered workers that ``keep`` accepts,
-    best first for ``reader`` (those ``rank_sources`` leaves out are dropped)."""
+    """The live replicas of ``shard`` that ``keep`` accepts, best first.
+
+    The live replicas of ``shard`` on registered workers that ``keep`` accepts, best first
+    for ``reader`` (those ``rank_sources`` leaves out are dropped).
+    """
     cands = [SourceCandidate(r.worker, workers[r.worker].location, r.complete, load[r.worker])
              for r in v.replicas.values()
              if r.shard == shard and r.status == LIVE and r.worker in workers and keep(r)]

@@ -270,8 +270,10 @@ class HubServer:
         self._send(ident, data)
 
     def _remember(self, key: tuple[str, int], data: bytes) -> None:
-        """Keep a reply for retries of its request; the oldest go first beyond
-        `REPLY_CACHE_SIZE` replies or `REPLY_CACHE_BYTES` bytes."""
+        """Keep a reply for retries of its request.
+
+        The oldest go first beyond `REPLY_CACHE_SIZE` replies or `REPLY_CACHE_BYTES` bytes.
+        """
         self._replies[key] = data
         self._replies_size += len(data)
         while (len(self._replies) > REPLY_CACHE_SIZE

@@ -253,10 +253,11 @@ class HubState:
         return EmptyReply()
 
     def drop(self, model: str, worker: str, *, session: str) -> DropReply:
-        """The worker lets go of everything it holds of ``model`` (its memory is going
-        away): its replicas and fetches of that model go at once, as if it were lost
-        (fetch groups abort, readers learn it, versions it was publishing retire);
-        retention is not consulted.
+        """The worker lets go of everything it holds of ``model`` (its memory is going away).
+
+        Its replicas and fetches of that model go at once, as if it were lost (fetch groups
+        abort, readers learn it, versions it was publishing retire); retention is not
+        consulted.
 
         Returns:
             ``dropped``: the versions whose replica was dropped.
@@ -272,8 +273,10 @@ class HubState:
         return DropReply(dropped=dropped)
 
     def expire(self) -> list[str]:
-        """Drop every worker whose lease ended (and rendezvous keys whose ttl ran out);
-        returns the dropped workers' ids."""
+        """Drop every worker whose lease ended (and rendezvous keys whose ttl ran out).
+
+        Returns the dropped workers' ids.
+        """
         self.kv.expire()
         now = self.lease_clock()
         dead = self._leases.expired(self.workers, now)
@@ -290,10 +293,12 @@ class HubState:
         return dead
 
     def lease_clock(self) -> float:
-        """The time leases and publish claims run on: the clock, less the time the hub
-        was stalled (`forgive_stall`); never earlier than it said before. With
-        ``stall_after``, a reading that comes more than that after the previous one
-        ends a stall first."""
+        """The time leases and publish claims run on.
+
+        The clock, less the time the hub was stalled (`forgive_stall`); never earlier than
+        it said before. With ``stall_after``, a reading that comes more than that after the
+        previous one ends a stall first.
+        """
         if self.stall_after is not None:
             real = time.monotonic()
             if real - self._last_read > self.stall_after:
@@ -303,11 +308,13 @@ class HubState:
         return self._lease_now
 
     def forgive_stall(self, stalled_s: float) -> None:
-        """The hub looked at no lease for ``stalled_s`` s (its process was paused, or
-        one request took that long), so heartbeats may be waiting unread: stop the
-        lease clock for that time, so that nobody is dropped, nor a version retired,
-        for time the hub did not listen. (A hub that stalls over and over keeps dead
-        workers as long.)"""
+        """Stop the lease clock for the ``stalled_s`` s the hub looked at no lease.
+
+        The hub looked at no lease for ``stalled_s`` s (its process was paused, or one
+        request took that long), so heartbeats may be waiting unread: stop the lease clock
+        for that time, so that nobody is dropped, nor a version retired, for time the hub
+        did not listen. (A hub that stalls over and over keeps dead workers as long.)
+        """
         self._stalled += stalled_s
         if self.workers:
             log.warning("hub stalled for %.1f s; leases and publish claims stopped as long",
@@ -648,8 +655,11 @@ class HubState:
         return CompleteReply(complete=g.state == GROUP_COMMITTED, group=g.state)
 
     def _commit_group(self, g: FetchGroup, v: VersionRecord) -> None:
-        """Every member completed: their replicas become complete together, or, if one
-        no longer holds a live replica, the group aborts (all or none)."""
+        """Commit group `g`, every member of which completed.
+
+        Their replicas become complete together, or, if one no longer holds a live replica,
+        the group aborts (all or none).
+        """
         members = [self.fetches.get(fid) for fid in g.members]
         reps = [None if f is None else v.replicas.get((f.worker, f.shard)) for f in members]
         if any(r is None or r.status != LIVE for r in reps):
@@ -658,6 +668,8 @@ class HubState:
             return
         g.state = GROUP_COMMITTED
         for f, rep in zip(members, reps, strict=True):
+            # A missing fetch gives rep None, and every rep was checked live above.
+            assert f is not None and rep is not None, "checked above: every member has a replica"
             self._index.pop_fetch(f.fetch_id)
             rep.complete = True
             v.reindex(rep)
@@ -811,10 +823,12 @@ class HubState:
 
     def locate(self, model: str, version: int | str, *, worker: str | None = None
                ) -> LocateReply:
-        """Where every shard of a committed version can be read whole, for a reader that
-        does not become a replica (it transforms the bytes as it reads them, e.g. to
-        another tensor-parallel layout). Read-only: nothing is recorded, so a holder
-        may retract meanwhile; its read server then refuses, and the reader tries the next.
+        """Where every shard of a committed version can be read whole.
+
+        Where every shard of a committed version can be read whole, for a reader that does
+        not become a replica (it transforms the bytes as it reads them, e.g. to another
+        tensor-parallel layout). Read-only: nothing is recorded, so a holder may retract
+        meanwhile; its read server then refuses, and the reader tries the next.
 
         Returns:
             ``model, version, num_shards, shards`` (each ``manifest, holders``) and
@@ -1042,7 +1056,7 @@ class HubState:
             f.done = True
             v = self.models[f.model].versions.get(f.version)
             rep = v.replicas.get((f.worker, f.shard)) if v else None
-            if rep is not None and not rep.complete:
+            if v is not None and rep is not None and not rep.complete:
                 self._index.set_status(v, rep, RETRACTING)
 
     def _drop_worker(self, worker: str, why: str) -> None:
@@ -1053,9 +1067,12 @@ class HubState:
         self._drop_holdings(worker, why)
 
     def _drop_holdings(self, worker: str, why: str, model: str | None = None) -> list[int]:
-        """The worker lost its replicas and fetches (of ``model``, or all): its fetches
-        end (their groups abort), readers of it learn it, the versions it was publishing
-        retire. Retention is not consulted. Returns the versions whose replica went."""
+        """The worker lost its replicas and fetches (of ``model``, or all).
+
+        Its fetches end (their groups abort), readers of it learn it, the versions it was
+        publishing retire. Retention is not consulted. Returns the versions whose replica
+        went.
+        """
         def mine(name: str) -> bool:
             return model is None or name == model
         for fid in list(self._index.own_fetches.get(worker, ())):
@@ -1096,8 +1113,10 @@ class HubState:
 
 
 def check_manifest_size(manifest: Manifest) -> None:
-    """Refuse a manifest of more than `MAX_CHUNKS` chunks (the hub's work per replica,
-    plan and progress report grows with the chunk count).
+    """Refuse a manifest of more than `MAX_CHUNKS` chunks.
+
+    Refuse a manifest of more than `MAX_CHUNKS` chunks (the hub's work per replica, plan and
+    progress report grows with the chunk count).
 
     Raises:
         ValueError: too many chunks; the message suggests a chunk size that fits.

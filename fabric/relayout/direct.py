@@ -131,6 +131,7 @@ def run_direct(plan: StagingPlan, sources: Mapping[int, torch.Tensor],
         out = views[b.name]
         itemsize = b.dtype.itemsize
         if b.dtype == FP8:  # the band starts on a block row, so its scales start with it
+            assert b.scale_offset is not None, "staging._band sets an fp8 band's scale_offset"
             scales = region[b.scale_offset:b.scale_offset + b.scale_nbytes].view(torch.float32)
             scales = scales.view(-1, -(-b.cols // b.block))
         for s in b.segments:

@@ -205,10 +205,13 @@ class _ChunkBuffers:
         return self._slots[slot, :nbytes]
 
     def put(self, key: tuple[int, int], chunk: torch.Tensor, chunk_size: int) -> None:
-        """Copy ``chunk`` (at most ``chunk_size`` bytes, its manifest's chunk size) into a
-        slot, evicting the least recently used chunk if all are taken. Slots are sized
-        by ``chunk_size``, not by the chunk: a shard's short last chunk cached first
-        does not make the next full one reallocate them."""
+        """Copy ``chunk`` into a slot, evicting the least recently used if all are taken.
+
+        Copy ``chunk`` (at most ``chunk_size`` bytes, its manifest's chunk size) into a
+        slot, evicting the least recently used chunk if all are taken. Slots are sized by
+        ``chunk_size``, not by the chunk: a shard's short last chunk cached first does not
+        make the next full one reallocate them.
+        """
         if self._slots.shape[1] < chunk_size or self._slots.device != chunk.device:
             self._cached.clear()
             self._slots = torch.empty(0, 0, dtype=torch.uint8)
@@ -228,9 +231,10 @@ class _BadChunk(Exception):
 
 
 class _ShardReader:
-    """``read(shard, offset, out)`` over the holders the hub named, best first, moving
-    on to the next holder of a shard when one fails or sends a chunk whose checksum
-    is wrong.
+    """``read(shard, offset, out)`` over the holders the hub named, best first.
+
+    ``read(shard, offset, out)`` over the holders the hub named, best first, moving on to
+    the next holder of a shard when one fails or sends a chunk whose checksum is wrong.
 
     A read from a holder ``verify`` selects covers whole chunks: the chunks the band
     touches that are not cached are read in one request into the scratch of
@@ -303,18 +307,22 @@ class _ShardReader:
         self.reused_chunks += len(touched) - len(run)
         partly_used = []
         for c, chunk in chunks.items():
+            assert chunk is not None, "every chunk not cached is in run, read just above"
             a, b = max(offset, c * size), min(end, (c + 1) * size)
             out[a - offset:b - offset].copy_(chunk[a - c * size:b - c * size])
             if c in run and (a > c * size or b < min((c + 1) * size, manifest.total_bytes)):
-                partly_used.append(c)
-        for c in partly_used:  # after the copies: caching may evict a chunk used above
-            self.buffers.put((shard, c), chunks[c], size)
+                partly_used.append((c, chunk))
+        for c, chunk in partly_used:  # after the copies: caching may evict a chunk used above
+            self.buffers.put((shard, c), chunk, size)
         self.verify_peak_bytes = max(self.verify_peak_bytes, self.buffers.nbytes)
 
     def _read_chunks(self, source: Source, shard: int, run: range,
                      device: torch.device) -> dict[int, torch.Tensor]:
-        """Chunks ``run`` of ``shard``, read in one request into the scratch buffer and
-        checked against the manifest's checksums: chunk -> its bytes (scratch views)."""
+        """Read chunks ``run`` of ``shard`` in one request and check them.
+
+        Chunks ``run`` of ``shard``, read in one request into the scratch buffer and checked
+        against the manifest's checksums: chunk -> its bytes (scratch views).
+        """
         manifest = self.manifests[shard]
         size = manifest.chunk_size
         lo, hi = run[0] * size, min(run[-1] * size + size, manifest.total_bytes)

@@ -110,6 +110,7 @@ class HeldTensor:
 
     @property
     def is_fp8(self) -> bool:
+        """Whether the tensor is held as blockwise fp8."""
         return self.dtype == FP8
 
 
@@ -146,6 +147,7 @@ class Band:
 
     @property
     def rows(self) -> int:
+        """Rows in the band."""
         return self.row1 - self.row0
 
 
@@ -173,8 +175,11 @@ class StagingPlan:
 
     @property
     def staging_nbytes(self) -> int:
-        """The staging buffer `run_staging` needs: the largest band as read (fp8: with its
-        scales), without the dequantising scratch (allocated by the torch path)."""
+        """The staging buffer `run_staging` needs.
+
+        The largest band as read (fp8: with its scales), without the dequantising scratch
+        (allocated by the torch path).
+        """
         return max((_round_up(b.nbytes, _ALIGN) + b.scale_nbytes if b.dtype == FP8 else b.nbytes
                     for b in self.bands), default=0)
 

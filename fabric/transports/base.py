@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -58,10 +59,12 @@ class SourceAddress:
     host_id: str
 
     def to_dict(self) -> dict[str, object]:
+        """The address as plain data (`from_dict` reads it back)."""
         return {"host": self.host, "port": self.port, "host_id": self.host_id}
 
     @classmethod
-    def from_dict(cls, data: dict[str, object]) -> SourceAddress:
+    def from_dict(cls, data: Mapping[str, Any]) -> SourceAddress:
+        """The address `to_dict` gave."""
         return cls(host=str(data["host"]), port=int(data["port"]), host_id=str(data["host_id"]))
 
 
@@ -94,6 +97,7 @@ class ReadAbort:
 
     @property
     def aborted(self) -> bool:
+        """Whether `abort` was called."""
         return self._aborted
 
     def abort(self) -> None:
@@ -112,8 +116,10 @@ class ReadAbort:
             return not self._aborted
 
     def unwatch(self, sock: socket.socket) -> bool:
-        """Stop watching `sock`; True if `abort` came while it was watched (it may be
-        shut down: do not reuse it)."""
+        """Stop watching `sock`.
+
+        True if `abort` came while it was watched (it may be shut down: do not reuse it).
+        """
         with self._lock:
             self._sockets.discard(sock)
             return self._aborted

@@ -71,8 +71,9 @@ class ConnectionPool:
     @contextmanager
     def connection(self, source: SourceAddress,
                    abort: ReadAbort | None = None) -> Iterator[socket.socket]:
-        """A connection to `source`, lent to the caller; with `abort`, watched by it
-        while lent (`ReadAbort`).
+        """A connection to `source`, lent to the caller.
+
+        With `abort`, watched by it while lent (`ReadAbort`).
 
         Raises:
             SourceLostError: the source is unreachable, or `abort` was aborted.
@@ -97,8 +98,10 @@ class ConnectionPool:
             self._idle.setdefault(key, []).append((conn, time.monotonic()))
 
     def _take(self, key: tuple[str, int]) -> socket.socket | None:
-        """The idle connection to ``key`` used last, if any; connections to any source
-        idle longer than `POOL_IDLE_S` are closed on the way."""
+        """The idle connection to ``key`` used last, if any.
+
+        Connections to any source idle longer than `POOL_IDLE_S` are closed on the way.
+        """
         with self._lock:
             now, stale, conn = time.monotonic(), [], None
             for k, idle in list(self._idle.items()):
@@ -115,6 +118,7 @@ class ConnectionPool:
         return conn
 
     def close(self) -> None:
+        """Close every idle connection."""
         with self._lock:
             conns = [c for idle in self._idle.values() for c, _ in idle]
             self._idle.clear()
@@ -123,9 +127,10 @@ class ConnectionPool:
 
 
 def _connect(key: tuple[str, int], abort: ReadAbort | None) -> socket.socket:
-    """`socket.create_connection`, with each socket watched by `abort` before it
-    connects (so an abort also ends a connect that hangs); the one returned stays
-    watched.
+    """`socket.create_connection`, with each socket watched by `abort`.
+
+    `socket.create_connection`, with each socket watched by `abort` before it connects (so
+    an abort also ends a connect that hangs); the one returned stays watched.
 
     Raises:
         SourceLostError: no address of `key` could be reached, or `abort` was aborted.
@@ -162,8 +167,9 @@ def _watch(conn: socket.socket, abort: ReadAbort | None, key: tuple[str, int]) -
 def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, offset: int = 0,
             nbytes: int = 0, timeout: float, prefix: bool = False) -> int:
     """Send one request and read the reply header; return the payload length.
-    ``prefix`` asks for the present prefix of the range (`Flag.PREFIX`). The reply
-    header must arrive within ``timeout + REPLY_SLACK``.
+
+    ``prefix`` asks for the present prefix of the range (`Flag.PREFIX`). The reply header
+    must arrive within ``timeout + REPLY_SLACK``.
 
     Raises:
         ValueError: an argument is out of range (nothing was sent).
@@ -256,8 +262,10 @@ def receive_payload(conn: socket.socket, source: SourceAddress, op: Op, region: 
 
 def _receive_map(conn: socket.socket, source: SourceAddress, op: Op, region: str, nbytes: int,
                  fields: Mapping[str, type | tuple[type, ...]]) -> dict[str, Any]:
-    """The `fields` of the reply's payload, a msgpack map of `nbytes`, each of its
-    type (a field that may be None may be missing); as `receive_payload`.
+    """The `fields` of the reply's payload, a msgpack map, type-checked.
+
+    The `fields` of the reply's payload, a msgpack map of `nbytes`, each of its type (a
+    field that may be None may be missing); as `receive_payload`.
 
     Raises:
         TransportError: the payload is not such a map.
@@ -277,17 +285,22 @@ def _receive_map(conn: socket.socket, source: SourceAddress, op: Op, region: str
     return {key: data.get(key) for key in fields}
 
 
+_FieldTypes = Mapping[str, type | tuple[type, ...]]
 _OPTIONAL_PATH = (str, type(None))
 _OPTIONAL_GPU = (dict, type(None))
-_LEASE_FIELDS = {"nbytes": int, "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
-_DESCRIBE_FIELDS = {"nbytes": int, "chunk_size": int, "num_chunks": int, "present": int,
-                    "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
+_LEASE_FIELDS: _FieldTypes = {"nbytes": int, "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
+_DESCRIBE_FIELDS: _FieldTypes = {"nbytes": int, "chunk_size": int, "num_chunks": int,
+                                  "present": int, "shm_path": _OPTIONAL_PATH,
+                                  "gpu": _OPTIONAL_GPU}
 
 
 @dataclass(frozen=True)
 class Lease:
-    """Where a leased region's bytes can be copied from by the reader itself, and how
-    many bytes from the requested offset the lease covers."""
+    """Where a leased region's bytes can be copied from, and how many.
+
+    Where a leased region's bytes can be copied from by the reader itself, and how many
+    bytes from the requested offset the lease covers.
+    """
 
     shm_path: str | None
     gpu: dict[str, Any] | None
@@ -296,9 +309,11 @@ class Lease:
 
 def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: int, nbytes: int,
           timeout: float, prefix: bool = False) -> Lease:
-    """LEASE: wait until the bytes are present (with ``prefix``: the first chunk, and
-    the lease covers the present prefix) and hold them as a read in flight until
-    ``END``; returns where the reader may copy them from.
+    """LEASE: wait until the bytes are present and hold them as a read in flight.
+
+    LEASE: wait until the bytes are present (with ``prefix``: the first chunk, and the lease
+    covers the present prefix) and hold them as a read in flight until ``END``; returns
+    where the reader may copy them from.
 
     Raises:
         ValueError, SourceLostError, ReadRefusedError: as `request`.
@@ -315,10 +330,11 @@ def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: in
 @contextmanager
 def under_lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: int,
                 nbytes: int, timeout: float, prefix: bool = False) -> Iterator[Lease]:
-    """`lease`, then ``END`` when the block ends. The block's bytes are whole only if
-    the block returns: an ``END`` that is not acknowledged (the holder dropped the
-    lease, e.g. after `server.LEASE_HOLD`, and may have reused the memory) raises
-    `SourceLostError`; when the block raises, its error is kept.
+    """`lease`, then ``END`` when the block ends.
+
+    The block's bytes are whole only if the block returns: an ``END`` that is not
+    acknowledged (the holder dropped the lease, e.g. after `server.LEASE_HOLD`, and may have
+    reused the memory) raises `SourceLostError`; when the block raises, its error is kept.
 
     Raises:
         as `lease`; SourceLostError: the lease was not held to the end.
@@ -335,8 +351,10 @@ def under_lease(conn: socket.socket, source: SourceAddress, region: str, *, offs
 
 
 def pin(source: SourceAddress, region: str, *, timeout: float) -> socket.socket:
-    """PIN `region` at `source` on a new connection, which keeps the region's memory
-    referenced by the holder until it is closed (see `Op.PIN`); returns it.
+    """PIN `region` at `source` on a new connection; returns it.
+
+    PIN `region` at `source` on a new connection, which keeps the region's memory referenced
+    by the holder until it is closed (see `Op.PIN`); returns it.
 
     Raises:
         SourceLostError: the source is unreachable or did not answer in time.
@@ -360,30 +378,37 @@ def check_grant(granted: int, asked: int, prefix: bool) -> int:
 
 
 def describe(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> RegionInfo:
+    """DESCRIBE: what the holder says about `region`."""
     with pool.connection(source) as conn:
         n = request(conn, source, Op.DESCRIBE, region, timeout=timeout)
         return RegionInfo(**_receive_map(conn, source, Op.DESCRIBE, region, n, _DESCRIBE_FIELDS))
 
 
 def bitmap(pool: ConnectionPool, source: SourceAddress, region: str, timeout: float) -> bytes:
+    """BITMAP: the holder's chunk bitmap of `region`, one byte per chunk."""
     with pool.connection(source) as conn:
         n = request(conn, source, Op.BITMAP, region, timeout=timeout)
         return receive_payload(conn, source, Op.BITMAP, region, n)
 
 
 class ServerTransport(Transport):
-    """Base of the transports whose sources run a `ReadServer`: it holds the pooled
-    connections and answers `describe` and `progress` through them. Subclasses
-    implement `read` (and extend `close` when they hold more)."""
+    """Base of the transports whose sources run a `ReadServer`.
+
+    It holds the pooled connections and answers `describe` and `progress` through them.
+    Subclasses implement `read` (and extend `close` when they hold more).
+    """
 
     def __init__(self) -> None:
         self._pool = ConnectionPool()
 
     def describe(self, source: SourceAddress, region: str, *, timeout: float) -> RegionInfo:
+        """What the holder says about `region` (DESCRIBE)."""
         return describe(self._pool, source, region, timeout)
 
     def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
+        """The holder's chunk bitmap of `region` (BITMAP)."""
         return bitmap(self._pool, source, region, timeout)
 
     def close(self) -> None:
+        """Close the pooled connections."""
         self._pool.close()

@@ -54,6 +54,7 @@ class IpcHandle:
         object.__setattr__(self, "device_uuid", normalise_uuid(self.device_uuid))
 
     def to_dict(self) -> dict[str, Any]:
+        """The descriptor as plain data."""
         return {"kind": "cuda_ipc", "handle": self.handle, "offset": self.offset,
                 "nbytes": self.nbytes, "device_uuid": self.device_uuid}
 
@@ -69,10 +70,12 @@ class IpcHandle:
             raise ValueError(f"malformed CUDA IPC descriptor: {exc}") from None
 
     def pack(self) -> bytes:
+        """The descriptor as msgpack bytes (`unpack` reads them)."""
         return msgpack.packb(self.to_dict())
 
     @classmethod
     def unpack(cls, raw: bytes) -> IpcHandle:
+        """The descriptor `pack` gave (ValueError if malformed)."""
         try:
             data = msgpack.unpackb(raw)
         except Exception as exc:  # noqa: BLE001 - any decoding failure is malformed input
@@ -141,6 +144,7 @@ class _DevicePointer:
     """A CUDA byte range torch can wrap (``__cuda_array_interface__`` v3)."""
 
     def __init__(self, ptr: int, nbytes: int) -> None:
+        self.ptr = ptr
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None, "stream": None}
 
@@ -152,7 +156,7 @@ def _wrap(memory: _DevicePointer, device: int, what: str) -> torch.Tensor:
         RuntimeError: torch copied the bytes (releases whose ``as_tensor`` ignores the
             device index of ``__cuda_array_interface__`` memory copy it elsewhere).
     """
-    ptr = memory.__cuda_array_interface__["data"][0]
+    ptr = memory.ptr
     tensor = torch.as_tensor(memory, device=f"cuda:{device}")
     if tensor.data_ptr() != ptr:
         raise RuntimeError(f"torch {torch.__version__} copied {what} to cuda:{device} instead "
@@ -161,9 +165,11 @@ def _wrap(memory: _DevicePointer, device: int, what: str) -> torch.Tensor:
 
 
 class _DeviceMemory(_DevicePointer):
-    """A ``cudaMalloc`` allocation, freed with its last reference: torch keeps the
-    object of a tensor made from ``__cuda_array_interface__`` while the tensor's
-    storage lives, so that is when the last view of it is gone."""
+    """A ``cudaMalloc`` allocation, freed with its last reference.
+
+    Torch keeps the object of a tensor made from ``__cuda_array_interface__`` while the
+    tensor's storage lives, so that is when the last view of it is gone.
+    """
 
     def __init__(self, ptr: int, nbytes: int, device: int) -> None:
         super().__init__(ptr, nbytes)
@@ -178,9 +184,11 @@ class _DeviceMemory(_DevicePointer):
 
 
 def allocate(nbytes: int, device: torch.device | str) -> torch.Tensor:
-    """``nbytes`` of GPU memory from ``cudaMalloc``, outside torch's caching allocator,
-    as a flat uint8 tensor: memory `export_tensor` covers whatever torch's allocator
-    is set to. Freed when the last tensor over it is gone.
+    """``nbytes`` of GPU memory from ``cudaMalloc``, as a flat uint8 tensor.
+
+    ``nbytes`` of GPU memory from ``cudaMalloc``, outside torch's caching allocator, as a
+    flat uint8 tensor: memory `export_tensor` covers whatever torch's allocator is set to.
+    Freed when the last tensor over it is gone.
 
     Raises:
         RuntimeError: ``cudaMalloc`` failed (out of memory after emptying torch's
@@ -219,10 +227,12 @@ def open_handle(h: IpcHandle) -> _Mapping:
 
 
 def view(mapping: _Mapping, offset: int, nbytes: int, device: int | None = None) -> torch.Tensor:
-    """A uint8 CUDA tensor over ``nbytes`` at ``offset`` of a mapped allocation, labelled
-    with ``device`` (default: the GPU the memory is on, where the handle was opened).
-    Another GPU's kernels can load it only with peer access from that GPU to the
-    memory's, which opening the handle on the memory's own GPU does not enable.
+    """A uint8 CUDA tensor over ``nbytes`` at ``offset`` of a mapped allocation.
+
+    A uint8 CUDA tensor over ``nbytes`` at ``offset`` of a mapped allocation, labelled with
+    ``device`` (default: the GPU the memory is on, where the handle was opened). Another
+    GPU's kernels can load it only with peer access from that GPU to the memory's, which
+    opening the handle on the memory's own GPU does not enable.
 
     Raises:
         RuntimeError: torch copied the bytes instead of labelling them (releases
@@ -235,6 +245,7 @@ def view(mapping: _Mapping, offset: int, nbytes: int, device: int | None = None)
 
 
 def close_mapping(mapping: _Mapping) -> None:
+    """Close a mapped IPC handle on its device."""
     from cuda.bindings import runtime
 
     with _on_device(mapping.device):
@@ -242,8 +253,10 @@ def close_mapping(mapping: _Mapping) -> None:
 
 
 class CudaIpcTransport(client.ServerTransport):
-    """Reader side over CUDA IPC; sources are `ReadServer`s on this node exposing GPU
-    regions with an `IpcHandle` as their ``gpu`` descriptor.
+    """Reader side over CUDA IPC.
+
+    Sources are `ReadServer`s on this node exposing GPU regions with an `IpcHandle` as their
+    ``gpu`` descriptor.
 
     Every read takes a lease, whose answer carries the handle (so a holder that
     moved the region to another allocation is followed), maps the allocation once
@@ -275,14 +288,16 @@ class CudaIpcTransport(client.ServerTransport):
     def leased(self, source: SourceAddress, region: str, offset: int, nbytes: int, *,
                timeout: float, device: int | None = None, prefix: bool = False,
                abort: ReadAbort | None = None) -> Iterator[torch.Tensor]:
-        """Bytes ``[offset, offset + nbytes)`` of a holder's GPU region, mapped into this
+        """Bytes of a holder's GPU region, mapped here as a CUDA tensor under a lease.
+
+        Bytes ``[offset, offset + nbytes)`` of a holder's GPU region, mapped into this
         process as a uint8 CUDA tensor, under a lease: valid inside the block, and the
         holder's retract waits for it. Kernels may read it directly (e.g.
         `fabric.relayout.direct.run_direct`); synchronise them before the block ends.
-        ``device`` labels the tensor for a kernel on another GPU of this process
-        (default: the GPU the bytes are on; see `view` for what that takes). With
-        ``prefix`` the tensor covers the present prefix of the range, and ``abort`` cuts
-        the wait for the lease short (see `Transport.read`).
+        ``device`` labels the tensor for a kernel on another GPU of this process (default:
+        the GPU the bytes are on; see `view` for what that takes). With ``prefix`` the
+        tensor covers the present prefix of the range, and ``abort`` cuts the wait for the
+        lease short (see `Transport.read`).
 
         Raises:
             ReadRefusedError: not present in time, out of range, or not IPC-exported.
@@ -302,6 +317,7 @@ class CudaIpcTransport(client.ServerTransport):
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
+        """Copy bytes from the holder's GPU memory into `out` (see `Transport.read`)."""
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
         with self.leased(source, region, offset, out.numel(), timeout=timeout,
@@ -315,6 +331,7 @@ class CudaIpcTransport(client.ServerTransport):
             return src.numel()
 
     def close(self) -> None:
+        """Close the connections and unmap every mapping."""
         super().close()
         self._mappings.close()
 

@@ -71,6 +71,7 @@ class NvshmemTransport(client.ServerTransport):
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
+        """Copy bytes from a PE's symmetric buffer into `out` (see `Transport.read`)."""
         import nvshmem.core as nvshmem
 
         if out.dtype != torch.uint8 or not out.is_contiguous() or out.device.type != "cuda":

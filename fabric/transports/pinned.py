@@ -42,8 +42,10 @@ class _Entry(Generic[M]):
 
 
 class PinnedMappings(Generic[M]):
-    """Open mappings keyed by what they map (e.g. an IPC handle), at most
-    `capacity` of them idle, each with its pin connection.
+    """Open mappings keyed by what they map, at most `capacity` of them idle.
+
+    Open mappings keyed by what they map (e.g. an IPC handle), at most `capacity` of them
+    idle, each with its pin connection.
 
     Args:
         unmap: closes a mapping (errors are logged; the pin is released anyway).
@@ -61,9 +63,11 @@ class PinnedMappings(Generic[M]):
     @contextmanager
     def use(self, key: bytes, source: SourceAddress, region: str, open_mapping: Callable[[], M],
             *, timeout: float) -> Iterator[M]:
-        """The open mapping under `key`; without one, pins `region` at `source` and
-        calls `open_mapping`. The caller must hold a lease on `region` meanwhile,
-        so the region cannot be gone before the pin is in place.
+        """The open mapping under `key`.
+
+        Without one, pins `region` at `source` and calls `open_mapping`. The caller must
+        hold a lease on `region` meanwhile, so the region cannot be gone before the pin is
+        in place.
 
         Raises:
             SourceLostError, ReadRefusedError: the pin failed (as `client.pin`).
@@ -130,8 +134,11 @@ class PinnedMappings(Generic[M]):
             entry.pin.close()
 
     def _watch(self) -> None:
-        """Until nothing is mapped: mark mappings whose holder sent its notice (or
-        went away) stale, and drop those no read uses."""
+        """Until nothing is mapped.
+
+        Mark mappings whose holder sent its notice (or went away) stale, and drop those no
+        read uses.
+        """
         while True:
             with self._lock:
                 if self._closed or not self._entries:

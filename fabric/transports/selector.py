@@ -74,8 +74,10 @@ class TransportSelector:
 
     def transport_for(self, source: Source, *, symmetric: bool = False,
                       timeout: float | None = None) -> Transport:
-        """The transport for a source's region (see `choose_transport`): on this host it
-        asks the source once whether the region is in GPU memory, and remembers.
+        """The transport for a source's region (see `choose_transport`).
+
+        On this host it asks the source once whether the region is in GPU memory, and
+        remembers.
 
         Args:
             symmetric: the destination is this PE's symmetric memory, so a region in

@@ -162,7 +162,10 @@ class ReadServer:
                              f"the region {num_chunks}")
         if gpu is not None:
             msgpack.packb(gpu)  # fail here, not in a reader's DESCRIBE
-        data = memoryview(tensor.numpy()) if tensor.device.type == "cpu" else None
+        data: memoryview | None = None
+        if tensor.device.type == "cpu":
+            # numpy's stubs declare ndarray.__buffer__ only for Python 3.12+.
+            data = memoryview(tensor.numpy())  # type: ignore[arg-type]
         exposure = Exposure(name, tensor, data, chunk_size, progress, shm_path,
                             dict(gpu) if gpu is not None else None)
         with self._lock:
@@ -176,8 +179,10 @@ class ReadServer:
         return exposure
 
     def retract(self, which: str | Exposure, *, timeout: float = 30.0) -> bool:
-        """Stop serving `which` (a name: its current exposure; or an `Exposure`, one
-        exposed again since included); wait up to `timeout` s for its reads in flight.
+        """Stop serving `which`; wait up to `timeout` s for its reads in flight.
+
+        Stop serving `which` (a name: its current exposure; or an `Exposure`, one exposed
+        again since included); wait up to `timeout` s for its reads in flight.
 
         New reads are refused at once, reads waiting for chunks of it are answered
         `NOT_FOUND` at once, and readers that pinned it are told to unmap it. Returns
@@ -201,12 +206,16 @@ class ReadServer:
         return done
 
     def regions(self) -> list[str]:
+        """Names of the regions being served (not those retracting)."""
         with self._lock:
             return [n for n, r in self._regions.items() if not r.retracting]
 
     def close(self) -> None:
-        """Stop accepting, tell readers with pins to unmap and wait for them up to
-        `UNPIN_WAIT` s, then drop every connection."""
+        """Stop accepting, unpin readers (waiting a while), then drop every connection.
+
+        Stop accepting, tell readers with pins to unmap and wait for them up to `UNPIN_WAIT`
+        s, then drop every connection.
+        """
         if self._closed.is_set():
             return
         self._closed.set()
@@ -233,8 +242,11 @@ class ReadServer:
     # --- serving ---------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
-        """Accept until `close`. A failed accept (no file descriptor left, say) is
-        retried: only `close` ends the loop."""
+        """Accept until `close`.
+
+        A failed accept (no file descriptor left, say) is retried: only `close` ends the
+        loop.
+        """
         warned = False
         while not self._closed.is_set():
             try:
@@ -253,8 +265,11 @@ class ReadServer:
             self._admit(conn)
 
     def _admit(self, conn: socket.socket) -> None:
-        """Serve ``conn`` on a thread of its own, or refuse it when the server is full
-        and no connection is idle."""
+        """Serve ``conn`` on a thread of its own, or refuse it when full.
+
+        Serve ``conn`` on a thread of its own, or refuse it when the server is full and no
+        connection is idle.
+        """
         full = len(self._connections) >= self.max_connections and not self._close_longest_idle()
         if not full:
             with self._lock:
@@ -277,9 +292,11 @@ class ReadServer:
             conn.close()
 
     def _close_longest_idle(self) -> bool:
-        """Make room: end the connection that has waited longest for a request, if it
-        has waited `MIN_IDLE_TO_CLOSE` s (its reader no longer reuses it); False if
-        none has."""
+        """Make room: end the connection that has waited longest for a request.
+
+        Make room: end the connection that has waited longest for a request, if it has
+        waited `MIN_IDLE_TO_CLOSE` s (its reader no longer reuses it); False if none has.
+        """
         with self._lock:
             conn = next(iter(self._idle), None)
             if conn is None or time.monotonic() - self._idle[conn] < MIN_IDLE_TO_CLOSE:
@@ -458,8 +475,11 @@ class ReadServer:
     @staticmethod
     def _reply(conn: socket.socket, status: Status, message: str = "",
                payload: bytes | memoryview = b"") -> None:
-        """Send a reply within `SEND_GRACE` + its bytes / `MIN_SEND_RATE` seconds
-        (``socket.timeout``, an OSError, past that: the caller drops the connection)."""
+        """Send a reply within a deadline that grows with its size.
+
+        Send a reply within `SEND_GRACE` + its bytes / `MIN_SEND_RATE` seconds
+        (``socket.timeout``, an OSError, past that: the caller drops the connection).
+        """
         conn.settimeout(SEND_GRACE + len(payload) / MIN_SEND_RATE)
         conn.sendall(_header(status, message, len(payload)))
         if len(payload):
@@ -502,4 +522,5 @@ def _host_bytes(region: Exposure, offset: int, nbytes: int) -> memoryview:
     """Bytes ``[offset, offset + nbytes)`` of a region in host memory (GPU: copied)."""
     if region.data is not None:
         return region.data[offset:offset + nbytes]
-    return memoryview(region.tensor[offset:offset + nbytes].cpu().numpy())
+    # numpy's stubs declare ndarray.__buffer__ only for Python 3.12+.
+    return memoryview(region.tensor[offset:offset + nbytes].cpu().numpy())  # type: ignore[arg-type]

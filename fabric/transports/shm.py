@@ -55,6 +55,7 @@ class ShmTransport(client.ServerTransport):
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
+        """Copy bytes from the holder's /dev/shm region into `out` (see `Transport.read`)."""
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
         with (self._pool.connection(source, abort) as conn,
@@ -68,6 +69,7 @@ class ShmTransport(client.ServerTransport):
         return granted.nbytes
 
     def close(self) -> None:
+        """Close the connections and unmap every region."""
         super().close()
         with self._lock:
             maps = list(self._maps.values())

@@ -26,10 +26,12 @@ class TcpTransport(client.ServerTransport):
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
+        """Read bytes from the holder over TCP into `out` (see `Transport.read`)."""
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
         host = out if out.device.type == "cpu" else self._pinned(out.numel())
-        view = memoryview(host.numpy()).cast("B")
+        # numpy's stubs declare ndarray.__buffer__ only for Python 3.12+.
+        view = memoryview(host.numpy()).cast("B")  # type: ignore[arg-type]
         with self._pool.connection(source, abort) as conn:
             n = client.request(conn, source, Op.READ, region, offset=offset, nbytes=len(view),
                                timeout=timeout, prefix=prefix)

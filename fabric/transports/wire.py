@@ -54,6 +54,7 @@ MAX_NAME = 1024
 
 
 class Op(enum.IntEnum):
+    """Request operations."""
     READ = 1
     LEASE = 2
     END = 3
@@ -63,10 +64,12 @@ class Op(enum.IntEnum):
 
 
 class Flag(enum.IntFlag):
+    """Request flags."""
     PREFIX = 1         # grant the present prefix of the range (see above)
 
 
 class Status(enum.IntEnum):
+    """Reply statuses."""
     OK = 0
     NOT_FOUND = 1      # unknown or retracted region
     OUT_OF_RANGE = 2
@@ -82,9 +85,11 @@ def recv_exact(sock: socket.socket, nbytes: int, deadline: float | None = None) 
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
-    """Fill `view` from the socket; ConnectionError if the peer closes first. With
-    `deadline` (a `time.monotonic` time), TimeoutError once it passed: the socket's
-    timeout is set to the time left before each receive."""
+    """Fill `view` from the socket; ConnectionError if the peer closes first.
+
+    With `deadline` (a `time.monotonic` time), TimeoutError once it passed: the socket's
+    timeout is set to the time left before each receive.
+    """
     got = 0
     while got < len(view):
         try:

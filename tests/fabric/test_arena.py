@@ -1,5 +1,8 @@
-"""CPU arenas: /dev/shm regions, views, cleanup of files of dead workers, and
-population of pages ahead of writes."""
+"""CPU arenas: /dev/shm regions, views, cleanup, and population of pages.
+
+CPU arenas: /dev/shm regions, views, cleanup of files of dead workers, and population of
+pages ahead of writes.
+"""
 
 import errno
 import os
@@ -125,8 +128,10 @@ def tmpfs():
 
 
 def slow_populate(monkeypatch, seconds: float) -> None:
-    """Make every step of a background populate take `seconds` longer (to act while
-    one runs); writers' own `populate_range` calls keep their speed."""
+    """Make every step of a background populate take `seconds` longer (to act while one runs).
+
+    Writers' own `populate_range` calls keep their speed.
+    """
     real = arena._populate_range
 
     def slow(*args, **kwargs):

@@ -1,5 +1,8 @@
-"""BufferPool through its public surface: which buffer a new version takes, what stays
-reserved, and that a buffer holding no known version never becomes active."""
+"""BufferPool through its public surface.
+
+Which buffer a new version takes, what stays reserved, and that a buffer holding no known
+version never becomes active.
+"""
 
 from __future__ import annotations
 

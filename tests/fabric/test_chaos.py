@@ -1,6 +1,7 @@
-"""Chaos test of the CPU data plane: random, seeded schedules of publishes, fetches,
-kills, joins, retracts and corruption across worker processes, checked against the
-contracts (docs/design.md).
+r"""Chaos test of the CPU data plane.
+
+Random, seeded schedules of publishes, fetches, kills, joins, retracts and corruption across
+worker processes, checked against the contracts (docs/design.md).
 
 Per seed: an in-process hub (short leases), a trainer and a few rollouts, each a
 `tests/fabric_process.py` process, spread over two pretend hosts
@@ -38,7 +39,7 @@ interleaving. A failure names its seed and the schedule so far, with what each
 command answered and when; ``-s`` prints the schedule of passing runs too.
 Replay or soak::
 
-    WEIGHTFABRIC_CHAOS_SEED=7 WEIGHTFABRIC_CHAOS_ROUNDS=20 \\
+    WEIGHTFABRIC_CHAOS_SEED=7 WEIGHTFABRIC_CHAOS_ROUNDS=20 \
         python -m pytest -q tests/fabric/test_chaos.py
 """
 
@@ -148,9 +149,11 @@ class Chaos:
             raise self.fail(why)
 
     def dropped(self, worker: str, why: str) -> None:
-        """The hub dropped a worker (called from the hub's thread, see `HubNews`). On a
-        loaded machine even the trainer can miss its heartbeats for a lease: until it
-        registers again, nothing it holds can be fetched, as contract 4 says."""
+        """The hub dropped a worker (called from the hub's thread, see `HubNews`).
+
+        On a loaded machine even the trainer can miss its heartbeats for a lease: until it
+        registers again, nothing it holds can be fetched, as contract 4 says.
+        """
         self.note(f"hub dropped {worker}: {why}")
         if worker == self.trainer.proc.name and why.startswith("lease"):
             self.trainer_lapses.append(time.monotonic())
@@ -193,9 +196,11 @@ class Chaos:
         m.proc.send(op, **args)
 
     def collect(self, m: Member) -> dict[str, Any]:
-        """The reply to `m`'s pending command, checked: within the bound, an error only
-        of a fabric type and only where allowed, a fetch of the version asked for and
-        bit-exact."""
+        """The reply to `m`'s pending command, checked.
+
+        Within the bound, an error only of a fabric type and only where allowed, a fetch of
+        the version asked for and bit-exact.
+        """
         p = m.pending
         assert p is not None
         left = REPLY_BOUND - (time.monotonic() - p.sent)
@@ -229,8 +234,11 @@ class Chaos:
         return reply
 
     def must_succeed(self, p: Pending) -> bool:
-        """A fetch of a version the trainer served all along must succeed (the latest,
-        or an older one it did not retract, even mid-fetch)."""
+        """A fetch of a version the trainer served all along must succeed.
+
+        A fetch of a version the trainer served all along must succeed (the latest, or an
+        older one it did not retract, even mid-fetch).
+        """
         return (p.must_succeed and not self.trainer_lapsed_since(p.sent)
                 and (p.expect == self.versions[-1] or p.expect in self.trainer_holds))
 
@@ -310,8 +318,10 @@ class Chaos:
         self.tainted.add(version)
 
     def start_fetch(self, m: Member, latest: int, previous: int | None) -> None:
-        """`m` fetches the latest version, or the previous one (still retained); in the
-        background (`fetch_async`) half the time, so it takes commands meanwhile."""
+        """`m` fetches the latest version, or the previous one (still retained).
+
+        In the background (`fetch_async`) half the time, so it takes commands meanwhile.
+        """
         target: int | str = "latest"
         if previous is not None and previous not in m.corrupted and self.rng.random() < 0.4:
             target = previous
@@ -343,8 +353,11 @@ class Chaos:
                       key=lambda a: a[0])
 
     def pause_one(self) -> None:
-        """SIGSTOP a rollout, SIGCONT it later: a frozen reader or holder, whose lease
-        may run out meanwhile (then the hub drops it, and it registers again)."""
+        """SIGSTOP a rollout, SIGCONT it later.
+
+        A frozen reader or holder, whose lease may run out meanwhile (then the hub drops it,
+        and it registers again).
+        """
         ready = [m for m in self.rollouts if m.joined and not m.paused]
         if not ready:
             return
@@ -357,8 +370,10 @@ class Chaos:
         self.later(seconds, lambda: self.resume(m))
 
     def stall_hub(self) -> None:
-        """The hub's loop reads no request for a while (as if its process were paused):
-        heartbeats queue up unread, which must not cost anyone its lease."""
+        """The hub's loop reads no request for a while (as if its process were paused).
+
+        Heartbeats queue up unread, which must not cost anyone its lease.
+        """
         self.hub_stall = self.rng.choice(PAUSES)
         self.note(f"hub stalls for {self.hub_stall} s")
 
@@ -382,8 +397,11 @@ class Chaos:
             self.spawn_rollout()
 
     def retract_trainer(self) -> None:
-        """The trainer retracts an older version it serves (the previous one is then
-        no longer sure to be fetchable) and, once done, overwrites its memory."""
+        """The trainer retracts an older version it serves, then overwrites its memory.
+
+        The trainer retracts an older version it serves (the previous one is then no longer
+        sure to be fetchable) and, once done, overwrites its memory.
+        """
         old = sorted(v for v in self.trainer_holds if v != self.versions[-1])
         if old and self.trainer.pending is None:
             version = self.rng.choice(old)
@@ -397,9 +415,12 @@ class Chaos:
         return self.rng.choice(idle) if idle else None
 
     def retract_rollout(self) -> None:
-        """An idle rollout retracts an older version it serves, then overwrites that
-        memory, or retracts the latest (its tensors' or the one it is fetching), or
-        releases the previous one."""
+        """An idle rollout retracts or releases a version, or overwrites its memory.
+
+        An idle rollout retracts an older version it serves, then overwrites that memory, or
+        retracts the latest (its tensors' or the one it is fetching), or releases the
+        previous one.
+        """
         m = self.idle_rollout()
         if m is None:
             return
@@ -414,8 +435,11 @@ class Chaos:
             self.send(m, "retract", version=version, wait=RETRACT_WAIT, scribble=True)
 
     def reopen_one(self) -> None:
-        """An idle rollout closes its store (cancelling its fetch_async) and opens a
-        new one, which knows nothing (its first fetch learns the layout from the hub)."""
+        """An idle rollout closes its store and opens a new one.
+
+        An idle rollout closes its store (cancelling its fetch_async) and opens a new one,
+        which knows nothing (its first fetch learns the layout from the hub).
+        """
         m = self.idle_rollout()
         if m is None:
             return
@@ -425,8 +449,11 @@ class Chaos:
         self.send(m, "reopen")
 
     def settle(self, latest: int) -> None:
-        """Every live rollout fetches the latest version, which must work bit-exactly
-        (again, once the hub names it latest, where the trainer's lease ran out)."""
+        """Every live rollout fetches the latest version, which must work bit-exactly.
+
+        Every live rollout fetches the latest version, which must work bit-exactly (again,
+        once the hub names it latest, where the trainer's lease ran out).
+        """
         todo = list(self.rollouts)
         verify = {m.proc.name: self.rng.choice([None, True]) for m in todo}
         for _ in range(3):
@@ -485,8 +512,10 @@ class HubNews(logging.Handler):
 
 
 def run_seed(seed: int, rounds: int = ROUNDS) -> Chaos:
-    """One seeded run, all processes cleaned up after (whatever happens); its schedule
-    is printed (pytest shows it with ``-s``, or ``-rP``)."""
+    """One seeded run, all processes cleaned up after (whatever happens).
+
+    Its schedule is printed (pytest shows it with ``-s``, or ``-rP``).
+    """
     with running_cluster(lease_s=LEASE_S, limit=60 + 40 * rounds) as (hub, spawn):
         chaos = Chaos(seed, rounds, hub, spawn)
         news = HubNews(chaos)

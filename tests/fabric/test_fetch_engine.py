@@ -162,7 +162,7 @@ def test_chunks_already_present_are_kept(tcp):
 
 
 def test_reader_pipelines_from_a_partial_replica(tcp):
-    """origin -> A -> B: B reads from A while A is still fetching."""
+    """Origin -> A -> B: B reads from A while A is still fetching."""
     origin, src_origin = serve("origin", data())
     a_bytes = torch.zeros(NBYTES, dtype=torch.uint8)
     a_progress = ChunkProgress(NUM_CHUNKS)
@@ -204,9 +204,12 @@ def test_progress_callback_and_reports(tcp):
 
 @hard_timeout(30)
 def test_chunks_read_are_reported_while_the_fetch_waits_on_a_partial_source(tcp):
-    """A reader stuck waiting on a partial source still reports the chunks it has, so
-    the planner's view of its replica (and other readers' plans) does not lag behind
-    for as long as the wait lasts."""
+    """A reader waiting on a partial source still reports the chunks it has.
+
+    A reader stuck waiting on a partial source still reports the chunks it has, so the
+    planner's view of its replica (and other readers' plans) does not lag behind for as long
+    as the wait lasts.
+    """
     held = ChunkProgress(NUM_CHUNKS)
     for chunk in range(5):
         held.mark(chunk)
@@ -231,8 +234,11 @@ def test_chunks_read_are_reported_while_the_fetch_waits_on_a_partial_source(tcp)
 
 
 def test_chunks_queued_for_a_source_that_failed_are_replanned_not_an_error(tcp):
-    """One in flight at a time: the dead source fails its first read, and every other
-    chunk queued for it must go back to the planner (not end the fetch)."""
+    """One in flight at a time.
+
+    The dead source fails its first read, and every other chunk queued for it must go back
+    to the planner (not end the fetch).
+    """
     good, src_good = serve("good", data())
     dead, src_dead = serve("dead", data())
     dead.close()
@@ -245,8 +251,11 @@ def test_chunks_queued_for_a_source_that_failed_are_replanned_not_an_error(tcp):
 
 
 class CountingTransport:
-    """Wraps a transport and records each read's (offset, bytes asked, bytes granted)
-    and the timeout it was given."""
+    """Wraps a transport and records each read's sizes and timeout.
+
+    Wraps a transport and records each read's (offset, bytes asked, bytes granted) and the
+    timeout it was given.
+    """
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -277,8 +286,10 @@ def test_chunks_a_source_holds_are_read_in_spans(tcp):
 
 
 def test_a_partial_source_grants_the_chunks_it_has_and_the_rest_is_asked_again(tcp):
-    """A reads from a partial replica holding chunks 0-5 (one span asked for all 11):
-    it gets those 6 at once, then the rest as the holder marks them."""
+    """A reads from a partial replica holding chunks 0-5 (one span asked for all 11).
+
+    It gets those 6 at once, then the rest as the holder marks them.
+    """
     partial = data().clone()
     partial[6 * CHUNK:] = 0
     progress = ChunkProgress(NUM_CHUNKS)
@@ -312,8 +323,11 @@ def test_a_partial_source_grants_the_chunks_it_has_and_the_rest_is_asked_again(t
 
 
 def test_spans_are_shared_between_reads_in_flight_and_stripe_sources(tcp):
-    """With room for 64 chunks per read, 11 chunks over 4 reads in flight are cut in
-    spans of 3 (so the reads run in parallel), alternating between the two sources."""
+    """11 chunks over 4 reads in flight are cut in spans of 3.
+
+    With room for 64 chunks per read, 11 chunks over 4 reads in flight are cut in spans of 3
+    (so the reads run in parallel), alternating between the two sources.
+    """
     a, src_a = serve("a", data())
     b, src_b = serve("b", data())
     counting = CountingTransport(tcp)
@@ -351,8 +365,11 @@ WORKERS = ("a", "b", "c")
 
 @st.composite
 def schedules(draw):
-    """Missing chunks, assignments over them (overlapping, possibly without sources),
-    chunks some workers sent corrupted, and the read limits."""
+    """Missing chunks, assignments over them, corrupt chunks and read limits.
+
+    Missing chunks, assignments over them (overlapping, possibly without sources), chunks
+    some workers sent corrupted, and the read limits.
+    """
     total = draw(st.integers(1, 40))
     missing = sorted(draw(st.sets(st.integers(0, total - 1), min_size=1)))
     sources = {w: Source(w, SourceAddress("127.0.0.1", 1, "h"), "v") for w in WORKERS}
@@ -396,10 +413,13 @@ def stalled(worker: str):
 
 
 class LateSource:
-    """A source that reads each request and answers it with `fill` bytes only once
-    `answer` is set (a holder that froze, then woke up). `reached` is set when a first
-    read has asked; `answered` once every read that asked before `answer` is answered
-    (`late_reads` of them: a read abandoned before it connected never asks)."""
+    """A source that answers reads with `fill` bytes only once `answer` is set.
+
+    A source that reads each request and answers it with `fill` bytes only once `answer` is
+    set (a holder that froze, then woke up). `reached` is set when a first read has asked;
+    `answered` once every read that asked before `answer` is answered (`late_reads` of them:
+    a read abandoned before it connected never asks).
+    """
 
     def __init__(self, worker: str, fill: int) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -446,8 +466,11 @@ class LateSource:
 
 @pytest.mark.parametrize("kind", ["stalled partial", "late"])
 def test_a_fetch_raises_at_its_deadline_without_waiting_out_its_reads(tcp, kind):
-    """Reads in flight at the deadline are abandoned: the fetch does not wait for them
-    (read_timeout 5 s), and a late answer never lands in the destination."""
+    """Reads in flight at the deadline are abandoned.
+
+    The fetch does not wait for them (read_timeout 5 s), and a late answer never lands in
+    the destination.
+    """
     holder, source = stalled("a") if kind == "stalled partial" else (LateSource("a", 0xAB), None)
     source = source or holder.source
     dest = torch.zeros(NBYTES, dtype=torch.uint8)
@@ -479,9 +502,11 @@ class LostPlanner(StaticPlanner):
 
 
 def test_a_source_reported_lost_is_left_at_once_and_never_writes_again(tcp):
-    """The planner hears that "a" (a partial replica the reads wait on) is lost: its
-    reads are abandoned and re-planned on "b" without waiting out read_timeout, and
-    "a" waking up later with wrong bytes does not touch the destination."""
+    """The planner hears that "a" (a partial replica the reads wait on) is lost.
+
+    Its reads are abandoned and re-planned on "b" without waiting out read_timeout, and "a"
+    waking up later with wrong bytes does not touch the destination.
+    """
     late = LateSource("a", 0xEE)
     b, src_b = serve("b", data())
     planner = LostPlanner([late.source, src_b], stripe=1)  # every read goes to "a"
@@ -506,9 +531,11 @@ def test_a_source_reported_lost_is_left_at_once_and_never_writes_again(tcp):
 
 
 def test_reads_left_while_asking_a_lost_source_what_it_is_do_not_hold_up_the_rest(tcp):
-    """Choosing a transport may ask the source first (a same-host lookup): with "a" hung
-    there, its reads are left when it is reported lost, and the re-planned reads of "b"
-    do not wait for the threads still stuck asking."""
+    """Choosing a transport may ask the source first (a same-host lookup).
+
+    With "a" hung there, its reads are left when it is reported lost, and the re-planned
+    reads of "b" do not wait for the threads still stuck asking.
+    """
     b, src_b = serve("b", data())
     hung = Source("a", SourceAddress("127.0.0.1", 1, "elsewhere"), "v1")
     answer = threading.Event()
@@ -550,8 +577,10 @@ class SwitchingPlanner(LostPlanner):
 @pytest.mark.parametrize("kind", ["lost", "dead"])
 def test_chunks_of_a_failed_read_are_replanned_while_another_read_is_stalled(tcp, kind):
     """Reads stripe over "a" and "c", a partial replica still waiting for its chunks.
-    When "a" is reported lost (its reads hang) or is dead (its reads fail), its chunks
-    are read from "b" at once, while the reads of "c" still wait (read_timeout 10 s)."""
+
+    When "a" is reported lost (its reads hang) or is dead (its reads fail), its chunks are
+    read from "b" at once, while the reads of "c" still wait (read_timeout 10 s).
+    """
     a, src_a = stalled("a")
     if kind == "dead":
         a.close()
@@ -593,8 +622,11 @@ def test_chunks_of_a_failed_read_are_replanned_while_another_read_is_stalled(tcp
 
 
 def test_a_replan_that_fails_within_a_round_is_tried_again_after_it(tcp):
-    """The planner refuses every re-plan: the dead source's chunks wait for the end of
-    the round (the good source's reads finish), whose plan raises the planner's error."""
+    """The planner refuses every re-plan.
+
+    The dead source's chunks wait for the end of the round (the good source's reads finish),
+    whose plan raises the planner's error.
+    """
     dead, src_dead = serve("dead", data())
     dead.close()
     good, src_good = serve("good", data())
@@ -617,8 +649,10 @@ def test_a_replan_that_fails_within_a_round_is_tried_again_after_it(tcp):
 
 
 def test_a_partial_source_that_does_not_get_the_chunk_in_time_is_replaced(tcp):
-    """NOT_READY from a partial replica the reads wait on fails it for this fetch:
-    the chunks are re-planned on a source that has them."""
+    """NOT_READY from a partial replica the reads wait on fails it for this fetch.
+
+    The chunks are re-planned on a source that has them.
+    """
     a, src_a = stalled("a")
     b, src_b = serve("b", data())
     with hard_timeout(30):
@@ -651,8 +685,11 @@ def test_a_cancelled_fetch_stops_within_a_wait_slice(tcp):
 
 
 class RecordingPlanner(LostPlanner):
-    """A `LostPlanner` that records each plan's (missing, failed) and, with `lose_after`,
-    hears that worker `lose` is lost once those chunks have been reported."""
+    """A `LostPlanner` that records each plan and can hear a worker is lost.
+
+    A `LostPlanner` that records each plan's (missing, failed) and, with `lose_after`, hears
+    that worker `lose` is lost once those chunks have been reported.
+    """
 
     def __init__(self, sources: list[Source], stripe: int | None = None, *,
                  lose: str = "", lose_after: frozenset[int] = frozenset()) -> None:
@@ -671,10 +708,13 @@ class RecordingPlanner(LostPlanner):
 
 
 def test_a_replan_after_a_lost_source_keeps_the_chunks_already_read(tcp, caplog):
-    """"a", a partial replica, grants chunks 0-4 of the one span asked for, and the read
-    of the rest waits on it. Once 0-4 are reported, the planner hears "a" is lost: the
-    waiting read is abandoned (not waited out: read_timeout 60 s) and only chunks 5-10
-    are re-planned, without "a"; 0-4 stay, counted as read from "a", none re-read."""
+    """A partial source lost mid-wait: only its missing chunks are re-planned.
+
+    "a", a partial replica, grants chunks 0-4 of the one span asked for, and the read of the
+    rest waits on it. Once 0-4 are reported, the planner hears "a" is lost: the waiting read
+    is abandoned (not waited out: read_timeout 60 s) and only chunks 5-10 are re-planned,
+    without "a"; 0-4 stay, counted as read from "a", none re-read.
+    """
     held = ChunkProgress(NUM_CHUNKS)
     for chunk in range(5):
         held.mark(chunk)
@@ -704,9 +744,11 @@ def corrupt_at(worker: str, flipped_byte: int):
 
 
 def test_a_corrupt_chunk_counts_against_its_source_for_that_chunk_only(tcp):
-    """Chunk 3 is corrupt on "bad1" and "bad2": its re-read avoids every source that
-    sent it wrong ("bad1", then "bad2" too) though the planner names them first, and
-    neither is failed: "bad1" still serves every other chunk."""
+    """Chunk 3 is corrupt on "bad1" and "bad2".
+
+    Its re-read avoids every source that sent it wrong ("bad1", then "bad2" too) though the
+    planner names them first, and neither is failed: "bad1" still serves every other chunk.
+    """
     bad1, src_bad1 = corrupt_at("bad1", 3 * CHUNK + 7)
     bad2, src_bad2 = corrupt_at("bad2", 3 * CHUNK + 9)
     good, src_good = serve("good", data())
@@ -753,8 +795,11 @@ def test_each_read_waits_at_most_its_timeout_and_what_is_left_of_the_deadline(
 
 
 def test_on_chunk_is_called_once_per_batch_after_the_batch_is_reported(tcp):
-    """One read in flight, so each read that finishes is a batch: it is reported (every
-    time, with report_interval 0), then `on_chunk` hears the count of chunks present."""
+    """One read in flight, so each read that finishes is a batch.
+
+    It is reported (every time, with report_interval 0), then `on_chunk` hears the count of
+    chunks present.
+    """
     a, src_a = serve("a", data())
     events: list[tuple] = []
 
@@ -774,8 +819,11 @@ def test_on_chunk_is_called_once_per_batch_after_the_batch_is_reported(tcp):
 
 
 def test_a_fetch_out_of_rounds_names_the_chunks_still_missing(tcp):
-    """One planner call allowed: the dead source's spans (0-2, 6-8 of four spans striped
-    over two sources) cannot be re-planned, and the next round gives up."""
+    """One planner call allowed.
+
+    The dead source's spans (0-2, 6-8 of four spans striped over two sources) cannot be
+    re-planned, and the next round gives up.
+    """
     dead, src_dead = serve("dead", data())
     dead.close()
     good, src_good = serve("good", data())

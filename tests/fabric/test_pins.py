@@ -2,7 +2,8 @@
 
 The server side is the real `ReadServer`; `PinnedMappings` runs with mapping
 functions that only record what they were asked, since mapping GPU memory needs a
-GPU (tests/fabric/gpu/test_gpu_ipc.py does that on one)."""
+GPU (tests/fabric/gpu/test_gpu_ipc.py does that on one).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,8 @@
-"""A `ReadServer` facing peers that misbehave: every wait on a peer is bounded, and
-no peer can stop the server from serving the others (docs/design.md, liveness)."""
+"""A `ReadServer` facing peers that misbehave.
+
+Every wait on a peer is bounded, and no peer can stop the server from serving the others
+(docs/design.md, liveness).
+"""
 
 import errno
 import math

@@ -1,6 +1,8 @@
-"""Readers with another tensor-parallel layout fetch a sharded version through the fabric:
-TP2 publishers, TP1 and TP4 readers, fp8 stored and bf16 wanted, a holder that fails,
-a holder that sends corrupted bytes (verified against the chunk checksums)."""
+"""Readers with another tensor-parallel layout fetch a sharded version through the fabric.
+
+TP2 publishers, TP1 and TP4 readers, fp8 stored and bf16 wanted, a holder that fails, a
+holder that sends corrupted bytes (verified against the chunk checksums).
+"""
 
 from __future__ import annotations
 
@@ -68,8 +70,11 @@ def publisher_tensors(full: dict[str, torch.Tensor], rank: int, block: int = 128
 
 def expected(full: dict[str, torch.Tensor], tp: int, rank: int, block: int = 128
              ) -> dict[str, torch.Tensor]:
-    """What reader ``rank`` of ``tp`` must hold: its shard of the logical tensors, with
-    w8 dequantised from the publishers' fp8 shards (quantised in blocks of ``block``)."""
+    """What reader ``rank`` of ``tp`` must hold.
+
+    Its shard of the logical tensors, with w8 dequantised from the publishers' fp8 shards
+    (quantised in blocks of ``block``).
+    """
     w8 = torch.cat([dequantize_fp8_ref(*quantize_fp8_ref(s.float(), block),
                                        dtype=torch.bfloat16, block=block)
                     for s in split_tensor(full["w8"], layouts(2)["w8"][1], backend="torch")])
@@ -132,8 +137,11 @@ def test_a_holder_that_stops_serving_is_skipped_for_another_of_its_shard(publish
 
 
 def test_fp8_scales_must_match_the_block_the_reader_names(workers):
-    """Publishers quantised in blocks of 64: a reader assuming the default 128 (or
-    scales stored in another dtype) is refused, one naming block 64 gets exact bytes."""
+    """Publishers quantised in blocks of 64.
+
+    A reader assuming the default 128 (or scales stored in another dtype) is refused, one
+    naming block 64 gets exact bytes.
+    """
     full = full_tensors()
     trainers = [workers.join(f"trainer-{r}") for r in range(2)]
     for r in range(2):
@@ -183,10 +191,12 @@ def test_locate_names_every_shards_holders_and_refuses_what_is_not_committed(pub
 
 @dataclass
 class Tap:
-    """Installed as a worker's ``transport_for``: reads through its transports, records
-    every read as (worker, region, offset, nbytes), and flips one byte of each read from
-    the worker ``corrupt``. The reader asks for a transport just before each read, one
-    read at a time."""
+    """Installed as a worker's ``transport_for``.
+
+    Reads through its transports, records every read as (worker, region, offset, nbytes),
+    and flips one byte of each read from the worker ``corrupt``. The reader asks for a
+    transport just before each read, one read at a time.
+    """
 
     choose: object
     corrupt: str | None = None
@@ -251,8 +261,10 @@ def test_corrupted_bytes_from_the_only_holder_fail_the_fetch_naming_the_chunk(pu
 
 @pytest.mark.parametrize("verify", [False, None])
 def test_unverified_reads_let_corrupted_bytes_through(published, monkeypatch, verify):
-    """verify=False, and by default for holders on this host: the checksums are what
-    catches the corruption above."""
+    """verify=False, and by default for holders on this host.
+
+    The checksums are what catches the corruption above.
+    """
     hub, full, _, _ = published
     with wf.join(hub.url, worker="reader") as reader:
         tapped(reader, monkeypatch, corrupt="trainer-1")
@@ -294,8 +306,11 @@ def test_a_chunk_shared_by_neighbouring_bands_is_read_once(published, monkeypatc
 
 
 def test_a_kept_reader_fetches_each_new_version_in_the_same_buffers(published):
-    """The chunks cached for v1's bands must not serve v2's, and the staging and
-    verification buffers of v1 are reused for v2 (same layout, so same sizes)."""
+    """v1's cached chunks do not serve v2, and v1's buffers are reused for v2.
+
+    The chunks cached for v1's bands must not serve v2's, and the staging and verification
+    buffers of v1 are reused for v2 (same layout, so same sizes).
+    """
     hub, full, version, trainers = published
     with wf.join(hub.url, worker="reader") as reader:
         kept = ReshardReader(reader, "policy", spec(1), rank=0, budget=64 << 10, verify=True)
@@ -354,9 +369,12 @@ def test_a_kept_readers_unverified_fetch_reports_the_verification_memory_it_stil
 
 
 def test_one_resharding_reader_republishes_its_layout_for_the_others_to_fetch(published):
-    """The fan-out recipe of docs/gpu.md: resharding readers hold no replica, so one
-    reader per wanted layout publishes what it read under its own model name, and the
-    other readers of that layout fetch it layout-matched (through the fabric's trees)."""
+    """The fan-out recipe of docs/gpu.md.
+
+    Resharding readers hold no replica, so one reader per wanted layout publishes what it
+    read under its own model name, and the other readers of that layout fetch it
+    layout-matched (through the fabric's trees).
+    """
     hub, full, _, _ = published
     want = expected(full, 1, 0)
     with wf.join(hub.url, worker="rollout-0") as first, \

@@ -1,6 +1,9 @@
-"""The rollout loop's guard rails: `sync` fetches each new version once, a trainer's
-ending call keeps its last version alive, a publish that fails after the hub assigned
-a number aborts it, and bad versions, names and tensor sets are typed errors."""
+"""The rollout loop's guard rails.
+
+`sync` fetches each new version once, a trainer's ending call keeps its last version alive,
+a publish that fails after the hub assigned a number aborts it, and bad versions, names and
+tensor sets are typed errors.
+"""
 
 from __future__ import annotations
 
@@ -81,8 +84,11 @@ def test_sync_fetches_each_new_version_exactly_once(cluster):
 
 
 def test_a_publish_the_read_server_refuses_is_aborted_at_the_hub(cluster, monkeypatch):
-    """The hub assigned v1, then the read server refused the region: v1 retires at once
-    (not when the still-live publisher's lease runs out), and the store publishes on."""
+    """The hub assigned v1, then the read server refused the region.
+
+    Version 1 retires at once (not when the still-live publisher's lease runs out), and the store
+    publishes on.
+    """
     server, join = cluster
     worker = join("trainer")
     store = worker.model("m", chunk_size=CHUNK)
@@ -162,8 +168,11 @@ def test_wait_replicated_refuses_bad_arguments_and_times_out_with_the_holders(cl
 
 
 def test_a_trainer_that_ends_with_wait_replicated_leaves_its_last_version_fetchable():
-    """The trainer publishes, asks to wait for one other replica, a rollout fetches, the
-    trainer's wait returns and it exits: a reader that joins later still gets the version."""
+    """A reader that joins after the trainer exits still gets the version.
+
+    The trainer publishes, asks to wait for one other replica, a rollout fetches, the
+    trainer's wait returns and it exits: a reader that joins later still gets the version.
+    """
     with running_cluster(lease_s=LEASE_S, limit=120) as (_, spawn):
         trainer, rollout = spawn("trainer", fork=True), spawn("rollout", fork=True)
         version = trainer.ask("publish", seed=3, mb=2)["version"]

@@ -288,11 +288,14 @@ BF16, F32, F16 = torch.bfloat16, torch.float32, torch.float16
 
 def holding(m: int, *, fp8: dict[str, torch.dtype], stored: dict[str, torch.dtype],
             wanted: dict[str, torch.dtype], seed: int = 0):
-    """A TP-m holder of the model: names in ``fp8`` quantised (read back as that dtype), the
-    rest stored as ``stored`` (default bf16) and read as ``wanted`` (default: stored).
+    """A TP-m holder of the model.
+
+    Names in ``fp8`` quantised (read back as that dtype), the rest stored as ``stored``
+    (default bf16) and read as ``wanted`` (default: stored).
 
     Returns the holder, held tensors, the reader dtype per name and the full tensors a
-    reader must reconstruct (gathered from the holder's shards with torch ops)."""
+    reader must reconstruct (gathered from the holder's shards with torch ops).
+    """
     holder = Holder(m)
     held, out_dtypes, fulls = [], {}, {}
     for name, full in model(seed, F32).items():

@@ -1,5 +1,7 @@
-"""ModelStore in one process: switching versions, in-place publish, bad input, and
-buffers populated ahead of writes."""
+"""ModelStore in one process.
+
+Switching versions, in-place publish, bad input, and buffers populated ahead of writes.
+"""
 
 import contextlib
 import errno
@@ -168,8 +170,11 @@ def test_fetching_a_version_the_store_still_holds_switches_back_to_it(hub):
 
 
 def read_in_flight(worker, name: str, peer_timeout: float) -> threading.Thread:
-    """A peer's read of `name` on `worker`'s server, waiting there (at most
-    `peer_timeout` s) for a chunk that never comes; returns once it is in flight."""
+    """A peer's read on `worker`'s server, waiting for a chunk that never comes.
+
+    A peer's read of `name` on `worker`'s server, waiting there (at most `peer_timeout` s)
+    for a chunk that never comes; returns once it is in flight.
+    """
     peer = TcpTransport()
 
     def read() -> None:
@@ -315,9 +320,12 @@ BAD_VERSIONS = [None, 0, -1, "1", 1.0, True, "", "Latest"]
 
 @pytest.mark.parametrize("holding", [False, True], ids=["fresh", "holding-v1"])
 def test_a_fetch_of_anything_but_a_positive_int_or_latest_changes_nothing(hub, holding):
-    """Only ``int > 0`` or ``"latest"``: anything else is a `BadRequestError` from
-    `fetch` and `fetch_async` themselves, before the store changes (``fetch(None)`` used
-    to switch a store holding v1 to its empty spare, leaving ``version`` None)."""
+    """Only ``int > 0`` or ``"latest"``.
+
+    Anything else is a `BadRequestError` from `fetch` and `fetch_async` themselves, before
+    the store changes (``fetch(None)`` used to switch a store holding v1 to its empty spare,
+    leaving ``version`` None).
+    """
     trainer, rollout = hub("trainer"), hub("rollout")
     source = net(seed=1)
     v1 = trainer.model("m", chunk_size=CHUNK).publish(source)
@@ -390,8 +398,11 @@ NEAR, FAR = {"datacenter": "a", "node": "n1"}, {"datacenter": "b", "node": "o"}
 
 
 def begin_stalled_fetch(worker, version: int) -> None:
-    """`worker` (alive) begins fetching `version` of "m" and exposes its partial replica,
-    which never gets a chunk; the hub tells later readers near it to wait on it."""
+    """`worker` exposes a partial replica of `version` that never gets a chunk.
+
+    `worker` (alive) begins fetching `version` of "m" and exposes its partial replica, which
+    never gets a chunk; the hub tells later readers near it to wait on it.
+    """
     manifest = worker.hub.begin_fetch("m", version).manifest
     worker.server.expose(region_name("m", version),
                          torch.zeros(manifest.total_bytes, dtype=torch.uint8),
@@ -433,9 +444,11 @@ def test_a_partial_replica_that_stalls_is_left_after_its_stall_timeout_not_the_r
 
 
 def test_a_fetch_asks_a_frozen_holder_on_its_host_only_within_its_read_timeout(hub):
-    """A partial replica on this host whose read server accepts but never answers: the
-    reader's question (is the region in GPU memory?) gives up after the fetch's read
-    timeout, not the hub call timeout, and the fetch reads from the origin."""
+    """A partial replica on this host whose read server accepts but never answers.
+
+    The reader's question (is the region in GPU memory?) gives up after the fetch's read
+    timeout, not the hub call timeout, and the fetch reads from the origin.
+    """
     _, version, store = origin_and_reader(hub)
     silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
     address = SourceAddress("127.0.0.1", silent.getsockname()[1], local_host_id())
@@ -467,9 +480,12 @@ def test_closing_a_store_cancels_its_running_fetch(hub):
 
 
 def test_a_failed_fetch_leaves_a_peer_copying_from_it_and_the_version_is_fetched_again(hub):
-    """A peer still copies a chunk of the reader's partial replica (a lease it keeps)
-    when the fetch fails: the fetch raises after `FAILED_DRAIN_S`, not when the peer is
-    done, and fetching the version again exposes it anew while the peer finishes."""
+    """A failed fetch raises after `FAILED_DRAIN_S` while a peer still copies.
+
+    A peer still copies a chunk of the reader's partial replica (a lease it keeps) when the
+    fetch fails: the fetch raises after `FAILED_DRAIN_S`, not when the peer is done, and
+    fetching the version again exposes it anew while the peer finishes.
+    """
     source, version, store = origin_and_reader(hub)
     model = net(seed=9)
     store.attach(model)
@@ -498,10 +514,13 @@ def test_a_failed_fetch_leaves_a_peer_copying_from_it_and_the_version_is_fetched
 
 
 def test_a_failed_fetch_that_a_peer_planned_to_read_from_is_fetched_again(hub):
-    """A peer's fetch names the reader among its sources when the reader's fetch fails:
-    the hub keeps the abandoned partial replica (retracting) until that peer's fetch
-    ends, and fetching the version again must not wait for that (found by
-    tests/fabric/test_chaos.py: it raised InvalidStateError "already holds ... (retracting)")."""
+    """A peer's fetch names the reader among its sources when the reader's fetch fails.
+
+    The hub keeps the abandoned partial replica (retracting) until that peer's fetch ends,
+    and fetching the version again must not wait for that (found by
+    tests/fabric/test_chaos.py: it raised InvalidStateError "already holds ...
+    (retracting)").
+    """
     source, version, store = origin_and_reader(hub)
     model = net(seed=9)
     store.attach(model)

@@ -1,5 +1,8 @@
-"""How a store is wired: no import path from `fabric.store` to `fabric.worker`, a store
-built from its collaborators alone, and the transport selector's descriptor cache."""
+"""How a store is wired.
+
+No import path from `fabric.store` to `fabric.worker`, a store built from its collaborators
+alone, and the transport selector's descriptor cache.
+"""
 
 from __future__ import annotations
 
@@ -31,9 +34,12 @@ def module_file(name: str) -> Path | None:
 
 
 def imports(name: str, *, typing: bool) -> set[str]:
-    """The weightfabric modules ``name`` imports (lazy imports in functions too; those
-    under ``if TYPE_CHECKING:`` only with ``typing``), with their parent packages but the
-    root (whose ``__init__`` is the public API and imports everything)."""
+    """The weightfabric modules ``name`` imports, with their parent packages.
+
+    The weightfabric modules ``name`` imports (lazy imports in functions too; those under
+    ``if TYPE_CHECKING:`` only with ``typing``), with their parent packages but the root
+    (whose ``__init__`` is the public API and imports everything).
+    """
     path = module_file(name)
     assert path is not None, name
     tree = ast.parse(path.read_text())

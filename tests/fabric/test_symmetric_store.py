@@ -93,8 +93,10 @@ class Opener:
 
 @pytest.fixture
 def pes(workers):
-    """(worker, runtime, store opener) per PE, on the shared ``hub``; closes the stores,
-    then (the ``workers`` fixture) the workers, then the hub."""
+    """(worker, runtime, store opener) per PE, on the shared ``hub``.
+
+    Closes the stores, then (the ``workers`` fixture) the workers, then the hub.
+    """
     made: list[tuple[wf.Worker, list[ModelStore]]] = []
 
     def pe(name: str, *, buffers: int = 2, chunk_size: int = CHUNK):
@@ -148,8 +150,10 @@ def test_buffers_are_allocated_together_in_attach_and_freed_together_in_close(pe
 
 
 def published(pes, **reader: int) -> tuple[ModelStore, ModelStore, RecordingRuntime, int]:
-    """A trainer and a reader (opened with ``reader``'s options), both attached; the
-    trainer has published one version. Returns (trainer, reader, reader's runtime, v)."""
+    """A trainer and a reader (opened with ``reader``'s options), both attached.
+
+    The trainer has published one version. Returns (trainer, reader, reader's runtime, v).
+    """
     t, r, rt_r, v, _ = published_by(pes, **reader)
     return t, r, rt_r, v
 

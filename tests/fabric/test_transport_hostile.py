@@ -1,7 +1,9 @@
-"""The reader side against a hostile or broken source: every bad reply ends the read
-with a `TransportError` naming the source and op, within a bounded time and without
-allocating what the reply claims; bad arguments raise `ValueError` before anything
-is sent; a source that trickles its bytes is failed over."""
+"""The reader side against a hostile or broken source.
+
+Every bad reply ends the read with a `TransportError` naming the source and op, within a
+bounded time and without allocating what the reply claims; bad arguments raise `ValueError`
+before anything is sent; a source that trickles its bytes is failed over.
+"""
 
 from __future__ import annotations
 
@@ -175,8 +177,10 @@ def test_lease_of_a_file_shorter_than_the_grant_loses_the_source(tmp_path: Path)
 
 @pytest.mark.parametrize("phase, every", [("payload", 1.25), ("header", 2.0)])
 def test_trickling_source_is_lost_by_the_read_deadline(phase: str, every: float) -> None:
-    """A byte every 1.25 s (2 s) never trips the socket's per-recv timeout (3 s):
-    before, the read took 10 s (48 s) and succeeded."""
+    """A byte every 1.25 s (2 s) never trips the socket's per-recv timeout (3 s).
+
+    Before, the read took 10 s (48 s) and succeeded.
+    """
     def answer(conn: socket.socket, op: Op, nbytes: int) -> None:
         if phase == "payload":
             conn.sendall(reply(payload_len=nbytes))

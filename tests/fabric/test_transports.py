@@ -1,5 +1,8 @@
-"""CPU transports against a holder in another process: tcp and shm, partial
-replicas, retract waiting for reads in flight, a holder killed mid-read."""
+"""CPU transports against a holder in another process.
+
+TCP and shm, partial replicas, retract waiting for reads in flight, a holder killed
+mid-read.
+"""
 
 import threading
 import time
@@ -32,8 +35,10 @@ CHUNK = 1024 * 1024
 
 
 class Holder:
-    """A holder process (role ``holder`` of `procs`, tests/holder_process.py); `close`
-    kills it and removes its /dev/shm region whatever happened."""
+    """A holder process (role ``holder`` of `procs`, tests/holder_process.py).
+
+    `close` kills it and removes its /dev/shm region whatever happened.
+    """
 
     def __init__(self, *, partial: bool = False) -> None:
         self.child = Child("holder", NBYTES, CHUNK, *(["--partial"] if partial else []))
@@ -134,8 +139,11 @@ def test_missing_chunks_time_out_with_a_clear_error(partial_holder, transport):
 
 
 def test_an_aborted_read_ends_at_once_and_later_reads_still_work(partial_holder, transport):
-    """A read waiting on a partial replica is cut short by its `ReadAbort` (how a fetch
-    leaves a source); a read with that abort fails at once, and one without it works."""
+    """A read waiting on a partial replica is cut short by its `ReadAbort`.
+
+    A read waiting on a partial replica is cut short by its `ReadAbort` (how a fetch leaves
+    a source); a read with that abort fails at once, and one without it works.
+    """
     abort = ReadAbort()
     with hard_timeout(30):
         threading.Timer(0.2, abort.abort).start()
@@ -241,8 +249,11 @@ def test_a_name_being_retracted_can_be_exposed_again_and_each_exposure_drains_on
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
 def test_retract_answers_reads_waiting_for_chunks_at_once(kind):
-    """A read blocked on a partial replica's missing chunk learns of a retract at once
-    (NOT_FOUND: the reader moves to another source), and retract does not wait for it."""
+    """A read blocked on a missing chunk learns of a retract at once.
+
+    A read blocked on a partial replica's missing chunk learns of a retract at once
+    (NOT_FOUND: the reader moves to another source), and retract does not wait for it.
+    """
     with ReadServer() as server:
         server.expose("v1", pattern(4 * CHUNK), chunk_size=CHUNK,
                       progress=ChunkProgress(4))
@@ -274,9 +285,12 @@ def test_retract_answers_reads_waiting_for_chunks_at_once(kind):
 
 
 def test_a_read_waiting_on_a_stalled_partial_region_is_answered_before_its_timeout():
-    """A partial region that gets no chunk for the server's ``stall_timeout`` answers
-    reads of its missing chunks NOT_READY ("stalled") then, not at the read's own
-    timeout; one that keeps getting chunks, even slower than that in total, does not."""
+    """A partial region that gets no chunk answers NOT_READY after `stall_timeout`.
+
+    A partial region that gets no chunk for the server's ``stall_timeout`` answers reads of
+    its missing chunks NOT_READY ("stalled") then, not at the read's own timeout; one that
+    keeps getting chunks, even slower than that in total, does not.
+    """
     with ReadServer(stall_timeout=0.4) as server:
         tcp = TcpTransport()
         try:

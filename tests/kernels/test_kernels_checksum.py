@@ -89,9 +89,11 @@ def test_a_slice_verifies_on_its_own_with_first_chunk(backend):
 @pytest.mark.parametrize("lead", [0, 4, 8, 12])
 @pytest.mark.parametrize("chunk", [36, 1028, 4096])
 def test_triton_at_every_word_alignment_and_chunk_edge(monkeypatch, lead, chunk):
-    """The kernel reads whole 16-byte blocks and tiles aligned in the buffer's space:
-    a buffer starting 4, 8 or 12 bytes into a block, chunks ending mid-tile, and a
-    chunk split over many programs (partial sums added atomically) still match."""
+    """The kernel reads whole 16-byte blocks and tiles aligned in the buffer's space.
+
+    A buffer starting 4, 8 or 12 bytes into a block, chunks ending mid-tile, and a chunk
+    split over many programs (partial sums added atomically) still match.
+    """
     monkeypatch.setattr(checksum, "PROGRAM_WORDS", 64)
     raw = _buf(4 * 600 + 16, seed=lead)
     b = raw[lead:lead + 4 * 599 - 8]

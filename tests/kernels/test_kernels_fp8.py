@@ -35,8 +35,11 @@ def test_quantize_matches_torch_bit_exact(shape, dtype, block):
 
 
 def test_a_tile_whose_scale_underflows_takes_scale_1_in_both_backends():
-    """amax / 448 is 0 in float32 for amax below ~3e-43: such a tile is scaled by 1 (its
-    values round to 0), never by 0, which would make NaN codes of finite input."""
+    """A tile's amax / 448 is 0 in float32 for amax below ~3e-43.
+
+    Such a tile is scaled by 1 (its values round to 0), never by 0, which would make NaN
+    codes of finite input.
+    """
     x = torch.zeros(16, 32)
     x[0, 0], x[0, 17] = 1e-43, 1.0  # the second tile is ordinary
     q, s = quantize_fp8(x, block=16, backend="triton")

@@ -1,5 +1,8 @@
-"""Smoke run of `fabric bench fetch`'s code path (small: 2 readers, 16 MB), and the
-host-id override the cross-datacenter benchmark relies on."""
+"""Smoke run of `fabric bench fetch`'s code path, and the host-id override.
+
+Smoke run of `fabric bench fetch`'s code path (small: 2 readers, 16 MB), and the host-id
+override the cross-datacenter benchmark relies on.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Smoke run of `fabric bench reshard` (one small layer): bit-exact both ways, and
-verification reads whole chunks and checks them."""
+"""Smoke run of `fabric bench reshard` (one small layer).
+
+Bit-exact both ways, and verification reads whole chunks and checks them.
+"""
 
 from __future__ import annotations
 

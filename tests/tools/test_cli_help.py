@@ -1,5 +1,7 @@
-"""Every `fabric` command's --help says what it does, documents each option, shows an
-example; bad options exit 2 before anything runs."""
+"""Every `fabric` command's --help says what it does, documents each option, shows an example.
+
+Bad options exit 2 before anything runs.
+"""
 
 from __future__ import annotations
 

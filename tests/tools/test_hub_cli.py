@@ -108,9 +108,12 @@ def test_status_table_shows_long_model_and_worker_names_whole(width) -> None:
 
 
 def test_status_piped_into_head_exits_quietly(hub, workers) -> None:
-    """`fabric hub status URL | head -1`: the reader closes the pipe after one line; the
-    command stops with exit 141 (128 + SIGPIPE, as a shell reports for any program
-    killed by it) and no traceback, for the table and for --json."""
+    """`fabric hub status URL | head -1`.
+
+    The reader closes the pipe after one line; the command stops with exit 141 (128 +
+    SIGPIPE, as a shell reports for any program killed by it) and no traceback, for the
+    table and for --json.
+    """
     t = workers.connect("trainer", timeout=5)
     for i in range(400):  # some 100 KB of table: more than a pipe holds (64 KiB)
         name = f"model-{i:03d}-" + "x" * 60

@@ -1,5 +1,7 @@
-"""Discovery of the local machine: nvidia-smi parsers on captured real output, /sys
-readers on fake trees, a fake NVML, the CPU-only path, this machine, and the CLI.
+"""Discovery of the local machine.
+
+The nvidia-smi parsers on captured real output, /sys readers on fake trees, a fake NVML, the
+CPU-only path, this machine, and the CLI.
 
 Fixtures in tests/fixtures/discover/, each the verbatim output of a real machine
 (the command's output only, without the shell prompt around it):

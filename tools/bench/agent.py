@@ -93,7 +93,9 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(memoryview(tensors[name].reshape(-1).view(torch.uint8).cpu().numpy()))
+        raw = tensors[name].reshape(-1).view(torch.uint8).cpu().numpy()
+        # numpy's stubs declare ndarray.__buffer__ only for Python 3.12+.
+        h.update(memoryview(raw))  # type: ignore[arg-type]
     return h.hexdigest()
 
 
@@ -144,6 +146,7 @@ class Agent:
                     t.reshape(-1).view(torch.uint8).add_(1)
             tensors = self._tensors
             version = self.store.publish(tensors)
+            assert self.store.layout is not None, "a publish sets the store's layout"
             return {"version": version, "bytes": self.store.layout.nbytes,
                     "tensor_bytes": [t.numel() * t.element_size() for t in tensors.values()]}
         if op == "fetch":

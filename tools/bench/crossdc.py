@@ -32,7 +32,14 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TaskID,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
@@ -254,7 +261,7 @@ def _run(args: argparse.Namespace) -> int:
         with Progress(*columns, console=console, transient=True,
                       disable=not console.is_terminal) as progress:
             phase = progress.add_task("", total=None)
-            bars: dict[str, int] = {}
+            bars: dict[str, TaskID] = {}
 
             def on_progress(name: str, done: int, total: int) -> None:
                 if name not in bars:

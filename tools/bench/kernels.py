@@ -16,6 +16,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import TypedDict
 
 import torch
 
@@ -46,8 +47,11 @@ def _sync(device: torch.device) -> None:
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    """Median wall time of ``fn`` over ``repeat`` runs after one warm-up, the device
-    synchronised around each."""
+    """Median wall time of ``fn`` over ``repeat`` runs after one warm-up.
+
+    Median wall time of ``fn`` over ``repeat`` runs after one warm-up, the device
+    synchronised around each.
+    """
     fn()
     _sync(device)
     times = []
@@ -71,8 +75,15 @@ def _tensor_set(tp: int, layers: int, scale: int, device: torch.device) -> dict[
     return out
 
 
-def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[dict[str, object]]:
-    rows: list[dict[str, object]] = []
+# One result row (its keys are the JSON output's and the table's column names).
+KernelRow = TypedDict("KernelRow", {
+    "kernel": str, "backend": str, "bytes": int, "seconds": float, "GB/s": float,
+    "baseline": str, "baseline GB/s": float | None, "speedup": float | None})
+
+
+def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[KernelRow]:
+    """Time each kernel and its baseline on `device`: one row per kernel."""
+    rows: list[KernelRow] = []
     backend = "triton" if device.type == "cuda" else "torch"
 
     def add(name: str, nbytes: int, seconds: float, baseline: str, base_seconds: float) -> None:

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     from weightfabric.tools.plan_cmd import plan_summary
 
     out: dict[str, object] = {"size": SIZE}
-    refs = {}
+    refs: dict[str, dict[str, object]] = {}
     for name in reference_clusters():
         cluster = reference_cluster(name)
         layout = Layout(cluster.graph())

@@ -107,6 +107,9 @@ class DecoderLayer(nn.Module):
 class TinyLlama(nn.Module):
     """Decoder-only transformer with Llama's parameter names."""
 
+    rope_cos: torch.Tensor      # buffers, registered in __init__
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: TinyLlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -189,8 +189,10 @@ class Demo:
             record.expected.append(name)
             self.joined = {"worker": name, "version": v}
         for name in record.expected:
-            event = self._wait(lambda e, n=name: e["kind"] == "rollout" and e["worker"] == n
-                               and e["version"] == v)
+            def rollout_of(e: dict[str, Any], n: str = name) -> bool:
+                return e["kind"] == "rollout" and e["worker"] == n and e["version"] == v
+
+            event = self._wait(rollout_of)
             record.fetches[name] = {**event["stats"], "stall_seconds": event["stall"]}
             record.logits_match[name] = bool(np.array_equal(event["logits"], record.trainer_logits))
             stats = event["stats"]

@@ -71,6 +71,7 @@ def trainer_main(cfg: RoleConfig, commands: Any, events: Any) -> None:
             with torch.no_grad():
                 logits = model(probe)
             version = store.publish(snapshot=False)
+            assert store.layout is not None, "a publish sets the store's layout"
             events.put({"kind": "published", "version": version, "logits": logits.numpy(),
                         "time": time.time(), "bytes": store.layout.nbytes})
             state = store.retract(version, wait=cfg.lease_timeout, delay=True)

@@ -23,6 +23,7 @@ from weightfabric.tools.bench.kernels import _tensor_set, median_seconds
 
 
 def main() -> int:
+    """Sweep the kernels' tile settings and print each as JSON, then the best."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu under "
                         "TRITON_INTERPRET=1 to check this script")
@@ -42,7 +43,7 @@ def main() -> int:
     t_copy = median_seconds(lambda: b.copy_(a), device, 10)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(json.dumps({"device": name, "copy_GBps": 2 * nbytes / t_copy / 1e9}))
-    best: dict[str, tuple[float, dict[str, int]]] = {}
+    best: dict[str, tuple[float, dict[str, object]]] = {}
     want = pack_ref(ts, lay, torch.zeros_like(buf)).clone()
     for block, sub, warps in itertools.product((2048, 8192), (512, 1024, 2048), (4, 8)):
         segcopy.SUB_BLOCK, segcopy.NUM_WARPS = sub, warps
@@ -53,11 +54,12 @@ def main() -> int:
                               "error": "bytes differ from pack_ref"}), flush=True)
             continue
         t = median_seconds(lambda: pack(ts, lay, out=buf, block=block, backend="triton"), device, 10)  # noqa: B023
-        row = {"kernel": "pack", "block": block, "sub": sub, "warps": warps,
-               "GBps": 2 * nbytes / t / 1e9, "vs_copy": t_copy / t}
+        vs_copy = t_copy / t
+        row: dict[str, object] = {"kernel": "pack", "block": block, "sub": sub, "warps": warps,
+                                  "GBps": 2 * nbytes / t / 1e9, "vs_copy": vs_copy}
         print(json.dumps(row), flush=True)
-        if row["vs_copy"] > best.get("pack", (0.0, {}))[0]:
-            best["pack"] = (row["vs_copy"], row)
+        if vs_copy > best.get("pack", (0.0, {}))[0]:
+            best["pack"] = (vs_copy, row)
     words = buf[:nbytes // 4 * 4]
     expected = chunk_checksums_ref(words, 4 << 20)
     for block, program_words, warps in itertools.product((1024, 2048, 4096), (16384, 65536),
@@ -69,11 +71,12 @@ def main() -> int:
             continue
         t = median_seconds(lambda: chunk_checksums_triton(words, 4 << 20, block=block),  # noqa: B023
                            device, 10)
+        vs_copy = t_copy / 2 / t
         row = {"kernel": "checksum", "block": block, "program_words": program_words,
-               "warps": warps, "GBps": nbytes / t / 1e9, "vs_copy": t_copy / 2 / t}
+               "warps": warps, "GBps": nbytes / t / 1e9, "vs_copy": vs_copy}
         print(json.dumps(row), flush=True)
-        if row["vs_copy"] > best.get("checksum", (0.0, {}))[0]:
-            best["checksum"] = (row["vs_copy"], row)
+        if vs_copy > best.get("checksum", (0.0, {}))[0]:
+            best["checksum"] = (vs_copy, row)
     print(json.dumps({"best": {k: v[1] for k, v in best.items()}}))
     return 0
 

@@ -1,5 +1,7 @@
-"""Discovery of the local machine: `discover()` reads GPUs, NVLink, PCIe, NUMA, NICs and
-host memory and returns a validated one-node `Cluster` (what `fabric topo discover` writes).
+"""Discovery of the local machine.
+
+`discover()` reads GPUs, NVLink, PCIe, NUMA, NICs and host memory and returns a validated
+one-node `Cluster` (what `fabric topo discover` writes).
 
 Sources, in order of preference: NVML (``pynvml`` from nvidia-ml-py) when it imports
 and initialises; otherwise ``nvidia-smi --query-gpu`` and ``nvidia-smi topo -m``;

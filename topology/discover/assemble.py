@@ -99,31 +99,27 @@ def discover(*, name: str | None = None, sys_root: Path = Path("/"), run: Runner
              nvml: Any = _AUTO, today: _dt.date | None = None) -> Discovered:
     """Describe this machine as a one-node cluster.
 
-    Parameters
-    ----------
-    name : the node's name; default this host's short name.
-    sys_root : where ``sys/`` and ``proc/`` are read (tests point it at a fake tree).
-    run : runs a command and returns its stdout (tests replay captured nvidia-smi output).
-    nvml : an NVML module (``pynvml``) or stand-in; default ``pynvml`` when installed;
-        None skips NVML.
-    today : date written in the YAML header; default today.
+    Args:
+        name (the node's name; default this host's short name.)
+        sys_root (where ``sys/`` and ``proc/`` are read (tests point it at a fake tree).)
+        run (runs a command and returns its stdout (tests replay captured nvidia-smi output).)
+        nvml (an NVML module (``pynvml``) or stand-in; default ``pynvml`` when installed;): None
+            skips NVML.
+        today (date written in the YAML header; default today.)
 
-    Returns
-    -------
-    Discovered
-        ``cluster`` (validated by the loader: one datacenter ``local`` holding the node),
-        ``notes`` (what was assumed), ``sources`` (NVML, nvidia-smi or CPU-only, /sys).
+    Returns:
+        Discovered: ``cluster`` (validated by the loader: one datacenter ``local`` holding the
+            node), ``notes`` (what was assumed), ``sources`` (NVML, nvidia-smi or CPU-only,
+            /sys).
 
-    Raises
-    ------
-    ClusterConfigError
-        `name` cannot name a node (empty, with '/', or with an ``{i}`` placeholder).
+    Raises:
+        ClusterConfigError: `name` cannot name a node (empty, with '/', or with an ``{i}``
+            placeholder).
 
-    Notes
-    -----
-    GPUs come from NVML when it imports and initialises, else from nvidia-smi, else
-    the node is CPU-only (``gpus: 0``); so is a node whose GPUs, as read, do not make
-    a valid description (a note says why). Bandwidth tables: `topology.discover.base`.
+    Notes:
+        GPUs come from NVML when it imports and initialises, else from nvidia-smi, else
+        the node is CPU-only (``gpus: 0``); so is a node whose GPUs, as read, do not make
+        a valid description (a note says why). Bandwidth tables: `topology.discover.base`.
     """
     node_name = name if name is not None else socket.gethostname().split(".")[0] or "localhost"
     try:
@@ -198,8 +194,11 @@ def _rail_note(nics: NicSpec, gpu_nics: list[list[str]]) -> str:
 
 
 def _complete_from_sys(gpu: GpuInfo, sys_root: Path) -> GpuInfo:
-    """Fill NUMA node and PCIe link from /sys where the probe left them out (a PCIe
-    generation or width that cannot be, such as 0, counts as left out)."""
+    """Fill NUMA node and PCIe link from /sys where the probe left them out.
+
+    Fill NUMA node and PCIe link from /sys where the probe left them out (a PCIe generation
+    or width that cannot be, such as 0, counts as left out).
+    """
     gpu = replace(gpu, pcie_gen=_within(gpu.pcie_gen, PCIE_MAX_GEN),
                   pcie_width=_within(gpu.pcie_width, PCIE_MAX_WIDTH))
     try:
@@ -342,8 +341,11 @@ def _nvlink_spec(nvlink: NvlinkLinks | None, gpus: list[GpuInfo],
 
 
 def _symmetric(pairs: Sequence[Sequence[int]], notes: list[str]) -> list[list[int]]:
-    """Links usable both ways: ``min(pairs[i][j], pairs[j][i])``, noting the pairs that
-    differ (``nvidia-smi topo -m`` showing NV4 one way and SYS back, say)."""
+    """Links usable both ways.
+
+    ``min(pairs[i][j], pairs[j][i])``, noting the pairs that differ (``nvidia-smi topo -m``
+    showing NV4 one way and SYS back, say).
+    """
     n = len(pairs)
     both = [[min(pairs[i][j], pairs[j][i]) if j < len(pairs[i]) and i < len(pairs[j]) else 0
              for j in range(n)] for i in range(n)]

@@ -192,8 +192,11 @@ def _columns(row: list[str]) -> list[str]:
 
 
 def _bus_id(value: str | None, bad: list[str]) -> str | None:
-    """`value` when it is a PCI bus id, else None, adding it to `bad` (``0000:1A:00``
-    lacks the function)."""
+    """`value` when it is a PCI bus id, else None, adding it to `bad`.
+
+    `value` when it is a PCI bus id, else None, adding it to `bad` (``0000:1A:00`` lacks the
+    function).
+    """
     try:
         return value if value is None or normalize_bus_id(value) else None
     except ValueError:
@@ -247,8 +250,10 @@ def nvlink_from_counts(counts: list[list[int]], gpus: list[GpuInfo]) -> NvlinkLi
 
 
 def probe_smi(run: Runner, notes: list[str]) -> GpuProbe | None:
-    """GPUs, NVLink and NUMA affinity from nvidia-smi; None (and a note) when it is
-    missing or fails."""
+    """GPUs, NVLink and NUMA affinity from nvidia-smi.
+
+    None (and a note) when it is missing or fails.
+    """
     text, failure = None, ""
     for fields in (QUERY_FIELDS, QUERY_FIELDS[:-1]):  # old drivers lack compute_cap
         try:

@@ -48,8 +48,11 @@ def pci_numa_node(sys_root: Path, bdf: str) -> int | None:
 
 
 def pci_link(sys_root: Path, bdf: str) -> tuple[int, int] | None:
-    """(generation, width) of the fastest link PCI device `bdf` supports, or None
-    (also for a width of 0)."""
+    """(generation, width) of the fastest link PCI device `bdf` supports, or None.
+
+    (generation, width) of the fastest link PCI device `bdf` supports, or None (also for a
+    width of 0).
+    """
     device = sys_root / "sys" / "bus" / "pci" / "devices" / bdf
     speed, width = _read(device / "max_link_speed"), _read(device / "max_link_width")
     match = re.match(r"(\d+(?:\.\d+)?)\s*GT/s", speed or "")

@@ -42,20 +42,15 @@ __all__ = ["MAX_FULL_NODES", "SHOWN_PER_GROUP", "draw_cluster", "draw_plan"]
 def draw_cluster(cluster: Cluster, path: str | Path, *, title: str | None = None) -> None:
     """Draw `cluster` to a PNG file.
 
-    Parameters
-    ----------
-    cluster
-        The cluster to draw, as `topology.load_cluster` returns it.
-    path
-        The PNG file to write (overwritten).
-    title
-        Heading of the picture; the cluster's name by default.
+    Args:
+        cluster: The cluster to draw, as `topology.load_cluster` returns it.
+        path: The PNG file to write (overwritten).
+        title: Heading of the picture; the cluster's name by default.
 
-    Notes
-    -----
-    Uses matplotlib's Agg canvas directly and never pyplot, so it changes no global
-    state and needs no display. Work is bounded by the number of datacenters and node
-    groups, not nodes: a 10,000-GPU cluster draws in about a second.
+    Notes:
+        Uses matplotlib's Agg canvas directly and never pyplot, so it changes no global
+        state and needs no display. Work is bounded by the number of datacenters and node
+        groups, not nodes: a 10,000-GPU cluster draws in about a second.
     """
     fig = Figure(dpi=DPI)
     painter = Painter(fig)

@@ -20,27 +20,18 @@ Rect = tuple[float, float, float, float]  # left, top, width, height
 class Anchors:
     """Positions of what a plan overlay draws on.
 
-    Attributes
-    ----------
-    devices : dict
-        GPU vertex -> (its square, its colour); host vertex of a node without GPUs
-        -> (its grey box, colour).
-    nics : dict
-        NIC vertex -> its mark.
-    links : dict
-        Link -> the segments drawn for it: a GPU's stretch of its NVLink bar, its
-        PCIe port (a stem under the GPU), the port's line on to a NIC, a WAN line.
-    wan_ends : dict
-        (gateway, other gateway) -> where their WAN line leaves the first one's
-        datacenter.
-    cells : dict
-        Node drawn -> its box.
-    folded : dict
-        Node not drawn -> the "+N more" box standing for it.
-    networks : dict
-        Datacenter -> its network bar.
-    datacenters : list
-        The datacenters' boxes.
+    Attributes:
+        devices (dict): GPU vertex -> (its square, its colour); host vertex of a node without
+            GPUs -> (its grey box, colour).
+        nics (dict): NIC vertex -> its mark.
+        links (dict): Link -> the segments drawn for it: a GPU's stretch of its NVLink bar, its
+            PCIe port (a stem under the GPU), the port's line on to a NIC, a WAN line.
+        wan_ends (dict): (gateway, other gateway) -> where their WAN line leaves the first one's
+            datacenter.
+        cells (dict): Node drawn -> its box.
+        folded (dict): Node not drawn -> the "+N more" box standing for it.
+        networks (dict): Datacenter -> its network bar.
+        datacenters (list): The datacenters' boxes.
     """
 
     devices: dict[str, tuple[Rect, str]] = field(default_factory=dict)
@@ -53,6 +44,7 @@ class Anchors:
     datacenters: list[Rect] = field(default_factory=list)
 
     def add_link(self, u: str, v: str, *segments: Segment) -> None:
+        """Add `segments` to the link between `u` and `v`."""
         self.links.setdefault(link(u, v), []).extend(segments)
 
     def box(self, node: str) -> Rect | None:
@@ -61,6 +53,7 @@ class Anchors:
 
 
 def centre(rect: Rect) -> Point:
+    """The centre of `rect`."""
     x, y, w, h = rect
     return x + w / 2, y + h / 2
 

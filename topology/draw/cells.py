@@ -27,10 +27,12 @@ class Cell:
 
 
 def group_size(group: NodeGroup) -> int:
+    """How many nodes `group` stands for."""
     return group.count if group.count is not None else 1
 
 
 def node_name(group: NodeGroup, i: int) -> str:
+    """The name of node `i` of `group`."""
     return group.name.replace("{i}", str(i)) if group.count is not None else group.name
 
 

@@ -7,14 +7,17 @@ from weightfabric.topology.units import human_bandwidth
 
 
 def cpu_label(t: NodeType) -> str:
+    """The label of a node type without GPUs."""
     return "CPU only" + (f" · {size_text(t.host_memory)} memory" if t.host_memory else "")
 
 
 def plural(n: int, word: str) -> str:
+    """``n word``, with the word in the plural unless n is 1."""
     return f"{n:,} {word}{'s' * (n != 1)}"
 
 
 def network_label(dc: Datacenter) -> str:
+    """The label of a datacenter's network."""
     net = dc.network
     parts = ["leaf/spine network"]
     if net.oversubscription == 1:
@@ -29,6 +32,7 @@ def network_label(dc: Datacenter) -> str:
 
 
 def wan_label(bandwidth: float, latency: float) -> list[str]:
+    """The lines of a WAN link's label."""
     lines = ["WAN", nic_bandwidth(bandwidth)]
     if latency:
         lines.append(latency_text(latency))
@@ -45,6 +49,7 @@ def nic_bandwidth(bytes_per_s: float) -> str:
 
 
 def latency_text(seconds: float) -> str:
+    """`seconds` in s, ms or µs (empty for 0)."""
     if not seconds:
         return ""
     for name, factor in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
@@ -54,6 +59,7 @@ def latency_text(seconds: float) -> str:
 
 
 def size_text(nbytes: float) -> str:
+    """`nbytes` in TB, GB, MB or B."""
     for name, factor in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
         if nbytes >= factor:
             return f"{nbytes / factor:.3g} {name}"

@@ -80,8 +80,10 @@ class Layout:
     # -- whole picture -------------------------------------------------------------
 
     def draw(self, title: str, notes: tuple[str, ...] = ()) -> tuple[float, float]:
-        """Draw everything, with `notes` as lines under the title; return the figure's
-        (width, height) in inches."""
+        """Draw everything, with `notes` as lines under the title.
+
+        Return the figure's (width, height) in inches.
+        """
         p, cluster = self.p, self.cluster
         totals = [dc_totals(cluster, dc) for dc in cluster.datacenters]
         nodes, gpus, nics = (sum(t[i] for t in totals) for i in range(3))

@@ -78,6 +78,7 @@ class Table:
         self.rows: list[tuple[str, ...]] = []
 
     def add(self, swatch: str, *texts: str) -> None:
+        """Add a row: a swatch kind, then its texts."""
         self.rows.append((swatch, *texts))
 
     def _widths(self) -> list[float]:
@@ -86,11 +87,13 @@ class Table:
                 for i, col in enumerate(cols)]
 
     def size(self) -> tuple[float, float]:
+        """Width and height of the table, in inches."""
         widths = self._widths()
         return (self.SWATCH_W + 0.1 + sum(widths) + self.COL_GAP * (len(widths) - 1),
                 self.ROW_H * (len(self.rows) + 1))
 
     def draw(self, x: float, y: float) -> None:
+        """Draw the table with its top left corner at (`x`, `y`)."""
         widths = self._widths()
         for r, row in enumerate([self.heading, *self.rows]):
             cy = y + self.ROW_H * (r + 0.5)

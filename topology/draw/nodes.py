@@ -125,8 +125,11 @@ class NodeDrawer:
 
     def _nvlink_anchors(self, cell: Cell, t: NodeType, gpus: list[tuple[float, float]],
                         y: float) -> None:
-        """Record each NVLink link on the bar: a GPU's stretch of it to the NVSwitch,
-        or the stretch between the two GPUs of a link within ``nvlink.groups``."""
+        """Record each NVLink link on the bar.
+
+        A GPU's stretch of it to the NVSwitch, or the stretch between the two GPUs of a link
+        within ``nvlink.groups``.
+        """
         assert t.nvlink is not None
         name = cell.label
         if t.nvlink.groups is None:
@@ -174,9 +177,11 @@ class NodeDrawer:
 
     def _rail_anchors(self, name: str, lines: dict[tuple[int, int], Segment],
                       mid_y: float) -> None:
-        """Record the PCIe links of the line from GPU j to NIC k: a stem straight down
-        from the GPU to `mid_y` is its port (shared by host and NIC traffic), the rest
-        of the way the port's link to the NIC."""
+        """Record the PCIe links of the line from GPU j to NIC k.
+
+        A stem straight down from the GPU to `mid_y` is its port (shared by host and NIC
+        traffic), the rest of the way the port's link to the NIC.
+        """
         for (j, k), ((x0, y0), end) in lines.items():
             port = pcie_vertex(name, j)
             if link(gpu_vertex(name, j), port) not in self.anchors.links:  # one stem per port

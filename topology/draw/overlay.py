@@ -59,18 +59,12 @@ def draw_plan(cluster: Cluster, plan: Plan, path: str | Path, *, title: str | No
               notes: tuple[str, ...] = (), graph: nx.DiGraph | None = None) -> None:
     """Draw `plan` over the picture of `cluster` to a PNG file.
 
-    Parameters
-    ----------
-    cluster, plan
-        The cluster and a plan of a broadcast on it (`topology.planner`).
-    path
-        The PNG file to write (overwritten).
-    title
-        Heading; by default the cluster, the size and the predicted time.
-    notes
-        Lines under the heading, after the cluster's counts and the plan's.
-    graph
-        ``cluster.graph()``, if already built.
+    Args:
+        cluster, plan: The cluster and a plan of a broadcast on it (`topology.planner`).
+        path: The PNG file to write (overwritten).
+        title: Heading; by default the cluster, the size and the predicted time.
+        notes: Lines under the heading, after the cluster's counts and the plan's.
+        graph: ``cluster.graph()``, if already built.
     """
     graph = graph if graph is not None else cluster.graph()
     fig = Figure(dpi=DPI)
@@ -125,6 +119,7 @@ def line_width(nbytes: float, size: int, full: float = FULL_W) -> float:
 
 
 def stripe_colour(stripe: int) -> str:
+    """The colour of stripe `stripe`."""
     return STRIPE_COLOURS[stripe % len(STRIPE_COLOURS)]
 
 
@@ -187,8 +182,10 @@ class _Overlay:
             self.p.box(x, y, w, h, face=NETWORK, radius=0.08, z=5.55)
 
     def _endpoints(self) -> None:
-        """Sources in black, readers in their own colour; where a device is not drawn,
-        its node's box (or "+N more" box) outlined."""
+        """Sources in black, readers in their own colour.
+
+        Where a device is not drawn, its node's box (or "+N more" box) outlined.
+        """
         outlined: set[Rect] = set()
         for devices, colour in ((self.plan.sources, SOURCE), (self.plan.needs, None)):
             for device in devices:
@@ -211,8 +208,10 @@ class _Overlay:
                        z=5.8, bend=bend)
 
     def _placed_legs(self, legs: Counter[Leg]) -> Counter[tuple[Point, Point, int]]:
-        """The legs between the points the picture shows their ends at, summed; legs
-        between nodes folded into "+N more" boxes left out."""
+        """The legs between the points the picture shows their ends at, summed.
+
+        Legs between nodes folded into "+N more" boxes left out.
+        """
         folded = {(x + w / 2, y + h) for x, y, w, h in set(self.a.folded.values())}
         out: Counter[tuple[Point, Point, int]] = Counter()
         for (a, b, stripe), nbytes in legs.items():
@@ -232,8 +231,7 @@ class _Overlay:
     # -- legend --------------------------------------------------------------------
 
     def legend(self, x: float, y: float) -> tuple[float, float]:
-        """Draw the plan's legend with its top-left corner at (x, y); return its
-        (width, bottom)."""
+        """Draw the plan's legend with its top-left corner at (x, y); return its (width, bottom)."""
         table = Table(self.p, ("", "plan", ""), swatch=self._swatch)
         size = self.plan.size
         table.add("source", "source",

@@ -25,6 +25,7 @@ class Painter:
         self._dpi = fig.dpi
 
     def width(self, text: str, size: float, *, bold: bool = False) -> float:
+        """Width of `text` at font `size`, in inches."""
         prop = FontProperties(size=size, weight="bold" if bold else "normal")
         w, _, _ = self._renderer.get_text_width_height_descent(text, prop, ismath=False)
         return w / self._dpi
@@ -40,32 +41,41 @@ class Painter:
     def text(self, x: float, y: float, text: str, size: float, *, bold: bool = False,
              color: str = INK, ha: str = "left", va: str = "top", z: float = 6,
              **kwargs: Any) -> None:
-        """Draw `text` at (x, y); `kwargs` are more matplotlib Text properties
-        (linespacing, bbox, ...), as loosely typed as matplotlib's own stubs."""
+        """Draw `text` at (x, y).
+
+        `kwargs` are more matplotlib Text properties (linespacing, bbox, ...), as loosely
+        typed as matplotlib's own stubs.
+        """
         self.ax.text(x, y, text, fontsize=size, fontweight="bold" if bold else "normal",
                      color=color, ha=ha, va=va, zorder=z, parse_math=False, **kwargs)
 
     def box(self, x: float, y: float, w: float, h: float, *, face: str, edge: str = "none",
             lw: float = 1.0, radius: float = 0.06, ls: str = "-", z: float = 1) -> None:
+        """Draw a rounded box."""
         self.ax.add_patch(FancyBboxPatch(
             (x, y), w, h, boxstyle=f"round,pad=0,rounding_size={radius}", facecolor=face,
             edgecolor=edge, linewidth=lw, linestyle=ls, zorder=z))
 
     def rect(self, x: float, y: float, w: float, h: float, *, face: str,
              edge: str = "none", lw: float = 0.8, alpha: float = 1.0, z: float = 4) -> None:
+        """Draw a rectangle."""
         self.ax.add_patch(Rectangle((x, y), w, h, facecolor=face, edgecolor=edge,
                                     linewidth=lw, alpha=alpha, zorder=z))
 
     def lines(self, segments: list[tuple[tuple[float, float], tuple[float, float]]], *,
               color: str, lw: float, z: float, alpha: float = 1.0) -> None:
+        """Draw line `segments`."""
         if segments:
             self.ax.add_collection(LineCollection(segments, colors=color, linewidths=lw,
                                                   alpha=alpha, zorder=z, capstyle="butt"))
 
     def arc(self, a: tuple[float, float], b: tuple[float, float], *, color: str, lw: float,
             z: float, bend: float = 0.25) -> None:
-        """A curved line from `a` to `b` with an arrowhead at `b`, bending downwards by
-        `bend` times its length (upwards if negative)."""
+        """A curved line from `a` to `b` with an arrowhead at `b`.
+
+        A curved line from `a` to `b` with an arrowhead at `b`, bending downwards by `bend`
+        times its length (upwards if negative).
+        """
         style = f"-|>,head_length={2 + lw:.2g},head_width={1 + lw / 2:.2g}"
         rad = bend if b[0] >= a[0] else -bend  # y grows downwards: > 0 is below the chord
         self.ax.add_patch(FancyArrowPatch(a, b, connectionstyle=f"arc3,rad={rad}",

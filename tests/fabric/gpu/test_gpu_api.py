@@ -1,6 +1,9 @@
-"""The nvshmem4py, cuda.core and cuda-bindings calls the GPU code makes, checked against
-the installed wheels: names, argument names, what comes back. They import without a
-GPU, so a version that renames or reshapes something fails here, not on a lent GPU."""
+"""The GPU libraries' calls the GPU code makes, checked against the wheels.
+
+The nvshmem4py, cuda.core and cuda-bindings calls the GPU code makes, checked against the
+installed wheels: names, argument names, what comes back. They import without a GPU, so a
+version that renames or reshapes something fails here, not on a lent GPU.
+"""
 
 from __future__ import annotations
 

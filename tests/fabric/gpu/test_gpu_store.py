@@ -1,5 +1,8 @@
-"""Model stores on a GPU: publish and fetch GPU buffers through the fabric (skipped
-without CUDA, with the probe's reason)."""
+"""Model stores on a GPU.
+
+Publish and fetch GPU buffers through the fabric (skipped without CUDA, with the probe's
+reason).
+"""
 
 from __future__ import annotations
 

@@ -21,8 +21,11 @@ def reference_route(v: VersionRecord, shard: int, reader: str, need: list[int], 
                     banned: set[str], workers: dict[str, WorkerRecord], load: Counter[str],
                     rank_sources: RankSources, max_sources: int
                     ) -> tuple[list[dict[str, Any]], set[str], list[int]]:
-    """The oracle: `route` as it was, one chunk and one ranked replica at a time (the
-    replicas ranked as `route` ranks them: that part did not change)."""
+    """The oracle: `route` as it was, one chunk and one ranked replica at a time.
+
+    The oracle: `route` as it was, one chunk and one ranked replica at a time (the replicas
+    ranked as `route` ranks them: that part did not change).
+    """
     reps = ranked_replicas(v, shard, workers[reader].location, workers=workers, load=load,
                            rank_sources=rank_sources,
                            keep=lambda r: r.worker != reader and r.worker not in banned)
@@ -56,8 +59,7 @@ def reference_route(v: VersionRecord, shard: int, reader: str, need: list[int], 
 
 
 def bitmaps(n: int) -> st.SearchStrategy[bytearray]:
-    """Empty, full, a prefix, runs of random lengths, full but for a few holes, or
-    scattered bits."""
+    """Empty, full, a prefix, runs of random lengths, full but for a few holes, or scattered bits."""
     runs = st.tuples(st.booleans(), st.lists(st.integers(1, 12), max_size=n)).map(
         lambda t: bytearray(b"".join(bytes([(i + t[0]) % 2]) * k for i, k in enumerate(t[1]))
                             .ljust(n, b"\x00")[:n]))
@@ -78,8 +80,11 @@ def shuffled_ranking(keys: dict[str, int], dropped: set[str]) -> RankSources:
 
 @st.composite
 def scenarios(draw):
-    """A version's replicas of shard 0 (and of shard 1), the reader's among them, and a
-    route call's arguments."""
+    """A version's replicas of shard 0 (and 1) and a route call's arguments.
+
+    A version's replicas of shard 0 (and of shard 1), the reader's among them, and a route
+    call's arguments.
+    """
     n = draw(st.one_of(st.integers(1, 8), st.integers(1, 300)))
     names = [f"w{i}" for i in range(draw(st.sampled_from([*range(3, 9), 2, 1, 0])))]
     place = st.builds(Location, st.sampled_from(["a", "b", ""]), st.sampled_from(["n0", "n1", ""]))
@@ -126,7 +131,7 @@ def test_route_matches_the_per_chunk_algorithm(case):
 
 
 def test_route_large_shard_names_one_range_per_change():
-    """r's edge at 700 changes no pick (p and q are the two sources there): one range."""
+    """Replica r's edge at 700 changes no pick (p and q are the two sources there): one range."""
     n = 1 << 16
     workers = {w: WorkerRecord(w, "s", Location("dc", w), {}, 0.0) for w in "tpqr"}
     workers[READER] = WorkerRecord(READER, "s", Location("dc", READER), {}, 0.0)

@@ -59,8 +59,10 @@ class HubMachine(RuleBasedStateMachine):
         self.hub.heartbeat(w, session=w, publishing=mine)
 
     def _note_retired(self) -> None:
-        """Record retired versions; a version that vanished was retired (only retired,
-        unheld versions are forgotten)."""
+        """Record retired versions.
+
+        A version that vanished was retired (only retired, unheld versions are forgotten).
+        """
         now = {(m.name, n) for m in self.hub.models.values() for n in m.versions}
         self.retired_ever |= self.seen - now
         self.retired_ever |= {(m.name, n) for m in self.hub.models.values()
@@ -68,8 +70,11 @@ class HubMachine(RuleBasedStateMachine):
         self.seen = now
 
     def _holdings(self, w: str, old: HubState) -> list[Holding]:
-        """What worker ``w``'s client would restore: every live replica it holds (retired
-        versions included: a holder may not have heard), except versions it never knew."""
+        """What worker ``w``'s client would restore.
+
+        Every live replica it holds (retired versions included: a holder may not have
+        heard), except versions it never knew.
+        """
         out = []
         for m in old.models.values():
             for v in m.versions.values():
@@ -133,8 +138,10 @@ class HubMachine(RuleBasedStateMachine):
           comes_back=st.booleans())
     def advance_clock(self, dt: float, victim: str | None, comes_back: bool) -> None:
         """Every worker but ``victim`` heartbeats, then time passes: the victim may expire.
+
         If it does and ``comes_back`` (a long pause, not a crash), it re-registers and
-        restores what it held, as its client would."""
+        restores what it held, as its client would.
+        """
         self.before = None
         for w in sorted(set(self.hub.workers) - {victim}):
             self._heartbeat(w)
@@ -149,16 +156,22 @@ class HubMachine(RuleBasedStateMachine):
 
     @rule(dt=st.floats(0, 3 * LEASE))
     def hub_stalls(self, dt: float) -> None:
-        """The hub reads no request for ``dt`` (its server forgives that much): nobody
-        is dropped, and orphans wait that much longer (their time is the lease clock)."""
+        """The hub reads no request for ``dt`` (its server forgives that much).
+
+        Nobody is dropped, and orphans wait that much longer (their time is the lease
+        clock).
+        """
         self.clock.advance(dt)
         self.hub.forgive_stall(dt)
         assert self.hub.expire() == []
 
     @rule(m=st.sampled_from(MODELS), w=st.sampled_from(WORKERS))
     def publish_reply_lost(self, m: str, w: str) -> None:
-        """begin_publish runs but its reply never reaches the client (e.g. a request
-        retried across a hub restart): the version must end retired, never stuck."""
+        """begin_publish runs but its reply never reaches the client.
+
+        begin_publish runs but its reply never reaches the client (e.g. a request retried
+        across a hub restart): the version must end retired, never stuck.
+        """
         self._guarded()
         try:
             v = self.hub.begin_publish(m, w, small_manifest(2, tag=m), session=w)["version"]
@@ -392,9 +405,11 @@ TestHubStateMachine = HubMachine.TestCase
 
 
 def test_a_delayed_retract_ends_the_workers_own_fetch_of_the_version():
-    """w1 holds the only copy of shard 0 (so its retract is delayed) and is fetching
-    shard 1: the retract ends that fetch, which used to outlive its replica (KeyError
-    in plan and complete_fetch once the partial replica was dropped)."""
+    """w1 holds the only copy of shard 0 (so its retract is delayed) and is fetching shard 1.
+
+    The retract ends that fetch, which used to outlive its replica (KeyError in plan and
+    complete_fetch once the partial replica was dropped).
+    """
     hub = HubState(clock=FakeClock(), lease_s=LEASE)
     for w in ("w0", "w1"):
         hub.register(w, session=w)
