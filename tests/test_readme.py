@@ -43,8 +43,11 @@ def test_the_readme_has_the_snippets_these_tests_run():
 
 
 def test_the_trainer_exits_and_its_last_version_lives_on_in_the_rollout(hub, tmp_path):
-    """The lifetime rule: after the trainer's `wait_replicated` and exit, a late reader
-    still fetches the last version, from the rollout."""
+    """The lifetime rule: the last version outlives the trainer.
+
+    After the trainer's `wait_replicated` and exit, a late reader still fetches the
+    last version, from the rollout.
+    """
     rollout = subprocess.Popen([sys.executable, _write(tmp_path, "rollout.py")], env=_env(hub),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

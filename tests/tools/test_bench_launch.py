@@ -9,8 +9,11 @@ from weightfabric.tools.bench.launch import Agent
 
 
 def test_an_agent_inherits_the_callers_pythonpath(tmp_path: Path, monkeypatch):
-    """Its children once ran with PYTHONPATH set to the repository alone, so packages
-    carried to a GPU machine in /tmp/site (pyzmq) were missing there."""
+    """An agent sees the caller's PYTHONPATH.
+
+    Its children once ran with PYTHONPATH set to the repository alone, so packages
+    carried to a GPU machine in /tmp/site (pyzmq) were missing there.
+    """
     marker = tmp_path / "imported"
     (tmp_path / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     old = os.environ.get("PYTHONPATH")
