@@ -76,7 +76,7 @@ class HubPlanner:
     def report(self, chunks: list[int]) -> None:
         """Report verified `chunks` to the hub and note the sources it dropped."""
         out = self.hub.report_progress(self.current.fetch_id, chunks)
-        self._lost.update(out.get("lost", ()))
+        self._lost.update(out.lost)
 
     def lost(self) -> set[str]:
         """Sources of this fetch the hub dropped.

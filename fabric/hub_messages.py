@@ -28,20 +28,7 @@ HoldingState = Literal["publishing", "committed"]
 
 
 class Wire(msgspec.Struct, frozen=True, kw_only=True):
-    """Base of every struct in a reply.
-
-    ``reply["field"]`` and ``reply.get("field")`` read a field as the dict replies of
-    protocol version 1 did (for callers written against those; use attributes).
-    """
-
-    def __getitem__(self, key: str) -> Any:
-        if key not in self.__struct_fields__:
-            raise KeyError(key)
-        return getattr(self, key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The field ``key``, or ``default`` when there is none."""
-        return getattr(self, key) if key in self.__struct_fields__ else default
+    """Base of every struct in a reply: fields are read as attributes."""
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,

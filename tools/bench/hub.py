@@ -144,7 +144,7 @@ def bench_plans(num_readers: int, num_chunks: int) -> dict:
     state = HubState(lease_s=3600)
     manifest = Manifest((TensorSpec("w", (num_chunks,), "uint8", num_chunks, 0),), 1)
     state.register("trainer", session="t", location=Location("dc0", "n0"))
-    v = state.begin_publish("m", "trainer", manifest, session="t")["version"]
+    v = state.begin_publish("m", "trainer", manifest, session="t").version
     state.commit("m", v, "trainer", session="t")
     times = []
     for i in range(num_readers):
