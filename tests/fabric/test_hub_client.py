@@ -238,14 +238,14 @@ def test_group_fetch_is_all_or_nothing(clients) -> None:
     assert p0.version == p1.version == v
     assert r0.complete_fetch(p0.fetch_id) == CompleteReply(complete=False, group="open")
     assert t.status()["models"]["policy"]["versions"][0]["full"] == 1   # not yet
-    assert r1.complete_fetch(p1.fetch_id)["group"] == "committed"
+    assert r1.complete_fetch(p1.fetch_id).group == "committed"
     assert t.status()["models"]["policy"]["versions"][0]["full"] == 3
     a0, a1 = clients("a0"), clients("a1")
     f0 = a0.begin_fetch("policy", group="g3", group_size=2)
     f1 = a1.begin_fetch("policy", group="g3", group_size=2)
     a0.complete_fetch(f0.fetch_id)
     a1.release(f1.fetch_id)
-    assert a0.group_status("policy", "g3")["state"] == "aborted"
+    assert a0.group_status("policy", "g3").state == "aborted"
     assert t.status()["models"]["policy"]["versions"][0]["full"] == 3
     with pytest.raises(GroupAbortedError):
         clients("a2").begin_fetch("policy", group="g3", group_size=2)
@@ -259,15 +259,15 @@ def test_group_member_retracting_after_completing_aborts_the_group(hub, clients)
     r0, r1 = clients("r0"), clients("r1")
     f0 = r0.begin_fetch("policy", v, shard=0, group="g", group_size=2)
     f1 = r1.begin_fetch("policy", v, shard=1, group="g", group_size=2)
-    assert r0.complete_fetch(f0.fetch_id)["group"] == "open"
+    assert r0.complete_fetch(f0.fetch_id).group == "open"
     assert r0.retract("policy", v, wait=1) == "done"         # gives up before the others
     g = r1.group_status("policy", "g")
-    assert g["state"] == "aborted" and "retracted" in g["reason"]
+    assert g.state == "aborted" and "retracted" in g.reason
     with pytest.raises(UnknownFetchError):
         r1.complete_fetch(f1.fetch_id)
     assert t.status()["models"]["policy"]["versions"][0]["full"] == 2   # the publisher's
     again = r1.begin_fetch("policy", v, shard=1)                # r1 may start over alone
-    assert r1.complete_fetch(again.fetch_id)["complete"]
+    assert r1.complete_fetch(again.fetch_id).complete
 
 
 def test_a_reader_forgets_the_news_of_fetches_it_completed_or_released(hub, clock,
@@ -321,7 +321,7 @@ def test_a_released_fetch_a_peer_still_names_can_be_begun_again(hub, clients) ->
     again = r1.begin_fetch("policy", v)
     assert again.fetch_id != first.fetch_id
     r1.report_progress(again.fetch_id, again.chunks())
-    assert r1.complete_fetch(again.fetch_id)["complete"]
+    assert r1.complete_fetch(again.fetch_id).complete
 
 
 def test_a_worker_whose_lease_ran_out_registers_again_at_its_next_call(hub, clock,
@@ -339,7 +339,7 @@ def test_a_worker_whose_lease_ran_out_registers_again_at_its_next_call(hub, cloc
     clock.advance(11)                       # again, mid-fetch
     t.heartbeat()
     r.report_progress(plan.fetch_id, plan.chunks())   # the fetch was restored with r
-    assert r.complete_fetch(plan.fetch_id)["complete"]
+    assert r.complete_fetch(plan.fetch_id).complete
     assert {w["worker"] for w in r.status()["workers"]} >= {"trainer", "r"}
 
 
@@ -410,7 +410,7 @@ def test_a_call_racing_the_heartbeats_registration_waits_for_its_restore(hub, cl
     try:
         assert restoring.wait(5)            # registered again, its fetch not restored yet
         out = r.report_progress(plan.fetch_id, plan.chunks())
-        assert out["have"] == out["num_chunks"]
+        assert out.have == out.num_chunks
     finally:
         heartbeat.join(10)
 
@@ -441,14 +441,14 @@ def test_drop_lets_go_of_one_model_at_once_ignoring_retention() -> None:
     hub = wf.HubState(clock=FakeClock(), lease_s=10.0)
     for w in ("w", "x", "r"):
         hub.register(w, session=w)
-    v1 = hub.begin_publish("m", "w", small_manifest(), session="w")["version"]
+    v1 = hub.begin_publish("m", "w", small_manifest(), session="w").version
     hub.commit("m", v1, "w", session="w")             # only replica of the latest: retained
-    v2 = hub.begin_publish("m", "w", small_manifest(), session="w")["version"]  # publishing
-    v3 = hub.begin_publish("m", "x", small_manifest(), session="x")["version"]
+    v2 = hub.begin_publish("m", "w", small_manifest(), session="w").version  # publishing
+    v3 = hub.begin_publish("m", "x", small_manifest(), session="x").version
     hub.commit("m", v3, "x", session="x")
     hub.begin_fetch("m", v3, "w", session="w", fetch_id="fw")      # w's fetch in flight
     hub.begin_fetch("m", v1, "r", session="r", fetch_id="fr")      # r reads from w
-    keep = hub.begin_publish("other", "w", small_manifest(), session="w")["version"]
+    keep = hub.begin_publish("other", "w", small_manifest(), session="w").version
     hub.commit("other", keep, "w", session="w")
     assert hub.drop("m", "w", session="w") == DropReply(dropped=[v1, v2, v3])
     hub._check_indexes()

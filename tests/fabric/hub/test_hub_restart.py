@@ -52,7 +52,7 @@ def test_publish_whose_reply_was_lost_is_retired_after_a_lease() -> None:
 def test_old_style_heartbeat_still_claims_every_version_it_publishes() -> None:
     state = wf.HubState(lease_s=LEASE, clock=(clock := OffsetClock()))
     state.register("w", session="s")
-    v = state.begin_publish("m", "w", small_manifest(), session="s")["version"]
+    v = state.begin_publish("m", "w", small_manifest(), session="s").version
     for _ in range(3):
         clock.advance(LEASE / 2)
         state.heartbeat("w", session="s")                     # no `publishing` list
@@ -185,8 +185,8 @@ def test_fetch_group_is_not_resumed_after_a_restart(tmp_path: Path) -> None:
         assert full[v] == 2                         # only the publisher's two shards
         n0 = r0.begin_fetch("policy", v, shard=0, group="g2", group_size=2)
         n1 = r1.begin_fetch("policy", v, shard=1, group="g2", group_size=2)
-        assert r0.complete_fetch(n0.fetch_id)["group"] == "open"
-        assert r1.complete_fetch(n1.fetch_id)["group"] == "committed"
+        assert r0.complete_fetch(n0.fetch_id).group == "open"
+        assert r1.complete_fetch(n1.fetch_id).group == "committed"
         for c in (p, r0, r1):
             c.close()
     finally:

@@ -46,7 +46,7 @@ class HubMachine(RuleBasedStateMachine):
         for i, w in enumerate(WORKERS):
             self.hub.register(w, session=w, location=LOCATIONS[i % len(LOCATIONS)])
         for m in MODELS:
-            v = self.hub.begin_publish(m, "w0", small_manifest(3, tag=m), session="w0")["version"]
+            v = self.hub.begin_publish(m, "w0", small_manifest(3, tag=m), session="w0").version
             self.hub.commit(m, v, "w0", session="w0")
             self.issued[m].append(v)
 
@@ -109,16 +109,16 @@ class HubMachine(RuleBasedStateMachine):
         self.before = self._counts()
 
     def _check_plan(self, plan: dict, reader: str) -> None:
-        v = self.hub.models[plan["model"]].versions[plan["version"]]
-        for rng in plan["ranges"]:
-            assert rng["sources"], "a range without sources"
-            for w in rng["sources"]:
+        v = self.hub.models[plan.model].versions[plan.version]
+        for rng in plan.ranges:
+            assert rng.sources, "a range without sources"
+            for w in rng.sources:
                 assert w != reader and w in self.hub.workers
-                rep = v.replicas[(w, plan["shard"])]
+                rep = v.replicas[(w, plan.shard)]
                 assert rep.status == LIVE
-                for c in range(rng["start"], rng["stop"]):
+                for c in range(rng.start, rng.stop):
                     assert rep.complete or rep.have[c], f"{w} named for chunk {c} it lacks"
-            for w in rng["wait"]:
+            for w in rng.wait:
                 assert w != reader and w in self.hub.workers
 
     # ------------------------------------------------------------------ rules
@@ -174,7 +174,7 @@ class HubMachine(RuleBasedStateMachine):
         """
         self._guarded()
         try:
-            v = self.hub.begin_publish(m, w, small_manifest(2, tag=m), session=w)["version"]
+            v = self.hub.begin_publish(m, w, small_manifest(2, tag=m), session=w).version
         except HubError:
             return
         self.issued[m].append(v)
@@ -194,13 +194,13 @@ class HubMachine(RuleBasedStateMachine):
     def publish(self, m: str, w: str, commit: bool, chunks: int) -> None:
         self._guarded()
         try:
-            v = self.hub.begin_publish(m, w, small_manifest(chunks, tag=m), session=w)["version"]
+            v = self.hub.begin_publish(m, w, small_manifest(chunks, tag=m), session=w).version
         except HubError:
             return
         assert all(v > old for old in self.issued[m]), "version reused or not monotonic"
         self.issued[m].append(v)
         if commit:
-            assert self.hub.commit(m, v, w, session=w)["state"] == COMMITTED
+            assert self.hub.commit(m, v, w, session=w).state == COMMITTED
 
     @rule(m=st.sampled_from(MODELS), ws=st.lists(st.sampled_from(WORKERS), min_size=2,
                                                    max_size=2, unique=True),
@@ -213,14 +213,14 @@ class HubMachine(RuleBasedStateMachine):
             for shard, w in enumerate(ws):
                 versions.append(self.hub.begin_publish(m, w, small_manifest(2, tag=f"{m}{shard}"),
                                                        session=w, shard=shard, num_shards=2,
-                                                       group=key)["version"])
+                                                       group=key).version)
         except HubError:
             return
         assert len(set(versions)) == 1
         assert all(versions[0] > old for old in self.issued[m])
         self.issued[m].append(versions[0])
         for i, w in enumerate(ws[:commits]):
-            state = self.hub.commit(m, versions[0], w, session=w)["state"]
+            state = self.hub.commit(m, versions[0], w, session=w).state
             assert state == (COMMITTED if i == 1 else "publishing")
 
     @rule(data=st.data(), m=st.sampled_from(MODELS), w=st.sampled_from(WORKERS),
@@ -248,7 +248,7 @@ class HubMachine(RuleBasedStateMachine):
                 continue
             self._check_plan(plan, w)
             self.group_members.setdefault((m, key), []).append(
-                (m, plan["version"], w, shard))
+                (m, plan.version, w, shard))
 
     @rule(data=st.data())
     def progress(self, data) -> None:
@@ -278,7 +278,7 @@ class HubMachine(RuleBasedStateMachine):
             self.hub.release(f.fetch_id, f.worker, session=f.worker)
             return
         out = self.hub.complete_fetch(f.fetch_id, f.worker, session=f.worker)
-        if out["group"] == "committed":
+        if out.group == "committed":
             for m, v, w, s in self.group_members.get((f.model, f.group), []):
                 assert self.hub.models[m].versions[v].replicas[(w, s)].complete
 
@@ -415,7 +415,7 @@ def test_a_delayed_retract_ends_the_workers_own_fetch_of_the_version():
         hub.register(w, session=w)
     for shard, w in enumerate(("w1", "w0")):
         v = hub.begin_publish("m", w, small_manifest(2, tag=f"m{shard}"), session=w,
-                              shard=shard, num_shards=2, group="g")["version"]
+                              shard=shard, num_shards=2, group="g").version
     for w in ("w1", "w0"):
         hub.commit("m", v, w, session=w)
     for shard, w in enumerate(("w0", "w1")):
@@ -433,14 +433,14 @@ def test_an_aborted_publish_retires_its_version_at_once_and_only_for_its_publish
     hub = HubState(clock=FakeClock(), lease_s=LEASE)
     for w in ("w0", "w1"):
         hub.register(w, session=w)
-    v = hub.begin_publish("m", "w0", small_manifest(2), session="w0")["version"]
+    v = hub.begin_publish("m", "w0", small_manifest(2), session="w0").version
     with pytest.raises(InvalidStateError, match="did not begin publishing"):
         hub.abort_publish("m", v, "w1", session="w1")
     assert hub.abort_publish("m", v, "w0", session="w0", reason="bad name") == PublishStateReply(state=RETIRED)
     assert hub.latest("m") is None
     assert "bad name" in hub.models["m"].retired_log[v]
     assert hub.abort_publish("m", v, "w0", session="w0") == PublishStateReply(state=RETIRED)  # a retry
-    done = hub.begin_publish("m", "w0", small_manifest(2), session="w0")["version"]
+    done = hub.begin_publish("m", "w0", small_manifest(2), session="w0").version
     hub.commit("m", done, "w0", session="w0")
     with pytest.raises(InvalidStateError, match="retract it instead"):
         hub.abort_publish("m", done, "w0", session="w0")
