@@ -120,6 +120,7 @@ class ReadServer:
         self._pins: dict[socket.socket, list[Exposure]] = {}  # pin connection -> what it keeps
         self._unpinned = threading.Condition(self._lock)
         self._notice_lock = threading.Lock()  # one writer on pin connections at a time
+        self._told: set[socket.socket] = set()  # pin connections sent their one notice
         self.bytes_served = 0
         self._thread = threading.Thread(target=self._accept_loop, name="wf-read-server",
                                         daemon=True)
@@ -438,13 +439,15 @@ class ReadServer:
                     return
                 self._reply(conn, Status.OK)
                 if any(e.retracting for e in pinned) or self._closed.is_set():
-                    _send_notice(conn)
+                    self._tell(conn)
             conn.settimeout(None)  # a pin lasts as long as the reader maps the region
             while conn.recv(64):  # nothing more is expected: wait for the reader to close
                 pass
         except OSError:
             pass
         finally:  # also when the OK could not be sent: the pin must not outlive conn
+            with self._notice_lock:
+                self._told.discard(conn)
             with self._lock:
                 if self._pins.pop(conn, None) is not None:
                     self._unpinned.notify_all()
@@ -455,7 +458,17 @@ class ReadServer:
             with self._lock:
                 conns = [conn for conn, pinned in self._pins.items() if which(pinned)]
             for conn in conns:
-                _send_notice(conn)
+                self._tell(conn)
+
+    def _tell(self, conn: socket.socket) -> None:
+        """Send `conn` its unmap notice, once (under `_notice_lock`).
+
+        A region retracted and then its server closed, or a pin answered while `close`
+        began, would otherwise tell the same reader twice.
+        """
+        if conn not in self._told:
+            self._told.add(conn)
+            _send_notice(conn)
 
     def _begin(self, name: str) -> Exposure | None:
         with self._lock:

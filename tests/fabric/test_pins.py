@@ -117,6 +117,22 @@ def test_closing_the_server_asks_pinned_readers_to_unmap_and_waits_for_them(monk
         silent.close()
 
 
+def test_a_reader_is_told_to_unmap_once_though_retract_and_close_both_tell(monkeypatch):
+    """One notice per pin: the region's retract tells the reader; the server's close
+    that follows (or a close racing the pin's answer) does not tell it again."""
+    monkeypatch.setattr(server_module, "UNPIN_WAIT", 0.3)
+    server = ReadServer()
+    exposed(server, "w")
+    silent = client.pin(server.address, "w", timeout=5)
+    try:
+        assert server.retract("w", timeout=5)
+        server.close()
+        assert notice(silent)[0] == Status.NOT_FOUND
+        assert silent.recv(1) == b""  # no second notice: the connection just ends
+    finally:
+        silent.close()
+
+
 class Reader:
     """`PinnedMappings` of `holder`'s regions with map functions that record calls."""
 
