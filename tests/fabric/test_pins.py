@@ -118,8 +118,11 @@ def test_closing_the_server_asks_pinned_readers_to_unmap_and_waits_for_them(monk
 
 
 def test_a_reader_is_told_to_unmap_once_though_retract_and_close_both_tell(monkeypatch):
-    """One notice per pin: the region's retract tells the reader; the server's close
-    that follows (or a close racing the pin's answer) does not tell it again."""
+    """One notice per pin.
+
+    The region's retract tells the reader; the server's close that follows (or a
+    close racing the pin's answer) does not tell it again.
+    """
     monkeypatch.setattr(server_module, "UNPIN_WAIT", 0.3)
     server = ReadServer()
     exposed(server, "w")
