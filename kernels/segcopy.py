@@ -75,18 +75,6 @@ Segment = tuple[torch.Tensor, torch.Tensor]
 
 
 @triton.jit
-def program_segment(table_ptr, prog_seg_ptr, prog_start_ptr, NCOL: tl.constexpr):
-    """This program's row of a segment table and its first unit.
-
-    This program's row of a segment table (a pointer) and its first unit (int64), from
-    per-program arrays (`program_map`). Kept for callers of the old layout.
-    """
-    pid = tl.program_id(0)
-    seg = tl.load(prog_seg_ptr + pid).to(tl.int64)
-    return table_ptr + seg * NCOL, tl.load(prog_start_ptr + pid)
-
-
-@triton.jit
 def find_segment(table_ptr, num_segments, NCOL: tl.constexpr):
     """(row pointer, tile within the segment) of this program.
 
@@ -371,18 +359,6 @@ def num_tiles(table: torch.Tensor) -> int:
         return 0
     last = table[-1].tolist()
     return last[0] + -(-last[4] // last[8]) * last[9]
-
-
-def program_map(numels: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-program (segment id int32, first element int64) for ``numels`` split in blocks.
-
-    No longer used by the kernels here (they search the table); kept for callers.
-    """
-    blocks = (numels + block - 1) // block
-    seg = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
-    first = torch.cumsum(blocks, 0) - blocks
-    start = (torch.arange(len(seg), dtype=torch.int64) - first.repeat_interleave(blocks)) * block
-    return seg, start
 
 
 _ANCHORS: dict[torch.device, torch.Tensor] = {}
