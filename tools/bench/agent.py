@@ -1,6 +1,6 @@
 """A benchmark child process: a hub or a fabric worker, driven by JSON lines.
 
-Run as ``python -m tools.bench.agent`` (the benchmarks start it through
+Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it through
 `tools.bench.launch`, possibly inside a network namespace). It prints
 ``{"ready": true}``, then answers each command line with one JSON line:
 
