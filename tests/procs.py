@@ -260,8 +260,9 @@ class Proc(Child):
 
 
 @contextmanager
-def children(limit: int = 300) -> Iterator[Callable[..., Child]]:
-    """Hand out children (``spawn(role, *args, **Child options)``) for `limit` s.
+def children(limit: int = 300, make: Callable[..., Child] = Child
+             ) -> Iterator[Callable[..., Child]]:
+    """Hand out children (``spawn(*args, **options)`` of `make`, `Child` by default) for `limit` s.
 
     The test must end within `limit` s; then every child is closed (killed if it does
     not exit, and all of them if the test failed) and the /dev/shm files of the
@@ -269,8 +270,8 @@ def children(limit: int = 300) -> Iterator[Callable[..., Child]]:
     """
     started: list[Child] = []
 
-    def spawn(role: str, *args: object, wait: bool = True, **kwargs: Any) -> Child:
-        started.append(Child(role, *args, wait=False, **kwargs))  # cleaned up if it fails
+    def spawn(*args: Any, wait: bool = True, **kwargs: Any) -> Child:
+        started.append(make(*args, wait=False, **kwargs))  # cleaned up if it fails
         if wait:
             started[-1].wait_ready()
         return started[-1]
@@ -407,18 +408,14 @@ def running_cluster(*, lease_s: float = 2.0, limit: int = 300
     hub = wf.serve("tcp://127.0.0.1:0", lease_s=lease_s)
     procs: list[Proc] = []
 
-    def spawn(name: str, *, wait: bool = True, **kw: Any) -> Proc:
-        procs.append(Proc(hub.url, name, wait=False, **kw))  # killed in `finally` if it fails
-        if wait:
-            procs[-1].wait_ready()
+    def make(name: str, **kw: Any) -> Proc:
+        procs.append(Proc(hub.url, name, **kw))
         return procs[-1]
 
     try:
-        with hard_timeout(limit):  # the whole test, whatever happens
+        with children(limit, make) as spawn:
             yield hub, spawn
     finally:
-        for p in procs:
-            p.close()
         hub.stop()
         remove_stale_regions()
     leftovers = arena_files_of({p.pid for p in procs})
