@@ -33,9 +33,9 @@ PROGRAM_WORDS = 65536
 """Words (256 KiB) each program of a chunk covers by default: a chunk is split over
 ``ceil(chunk_words / PROGRAM_WORDS)`` programs, so a few large chunks still fill the GPU."""
 MAX_SPLIT = 65535
-NUM_WARPS: int | None = 8
-"""Warps per program (None: 8 for blocks of 2048 words or more, else 4). 1024-word blocks,
-64 Ki words per program and 8 warps were the fastest on an H200 (`tools/gpu/tune_kernels.py`)."""
+NUM_WARPS = 8
+"""Warps per program. 1024-word blocks, 64 Ki words per program and 8 warps were the
+fastest on an H200 (`tools/gpu/tune_kernels.py`)."""
 
 
 @triton.jit
@@ -212,7 +212,7 @@ def chunk_checksums_triton(buffer: torch.Tensor, chunk_size: int, *, first_chunk
         _checksum_kernel[(num_chunks, split)](
             aligned, out, buffer.numel() // 4, chunk_words, first_chunk * chunk_words, lead, span,
             block * (K1 % 2**64) % 2**64, BLOCK=block,
-            num_warps=NUM_WARPS or (8 if block >= 2048 else 4))
+            num_warps=NUM_WARPS)
     return out
 
 
