@@ -116,11 +116,15 @@ bench2() {
     mps_off
 }
 
-quick() {  # the step limits add up to 500 s; logs come back as $OUT/logs.tgz
+packed() {  # the one-call phases: every log in one archive, $OUT/logs.tgz (8 files come back)
     PACK=1
     LOGS=/tmp/weightfabric-gpu-logs
     export CUDA_MPS_LOG_DIRECTORY="$LOGS/mps"
     mkdir -p "$LOGS"
+}
+
+quick() {  # the step limits add up to 500 s; logs come back as $OUT/logs.tgz
+    packed
     step nvidia-smi 20 nvidia-smi
     step topo-m 20 nvidia-smi topo -m
     step versions 30 python3 -c "$VERSIONS"
@@ -138,10 +142,7 @@ quick() {  # the step limits add up to 500 s; logs come back as $OUT/logs.tgz
 }
 
 quickbench() {  # the step limits add up to 330 s; logs come back as $OUT/logs.tgz
-    PACK=1
-    LOGS=/tmp/weightfabric-gpu-logs
-    export CUDA_MPS_LOG_DIRECTORY="$LOGS/mps"
-    mkdir -p "$LOGS"
+    packed
     step fetch-cuda-64MiB 80 "${FABRIC[@]}" bench fetch --device cuda --readers 1 \
         --size 2GB --chunk-size 64MiB --max-inflight 8 --versions 2 --json
     step fetch-cuda-16MiB-reads-256MiB 60 "${FABRIC[@]}" bench fetch --device cuda \
@@ -156,9 +157,7 @@ quickbench() {  # the step limits add up to 330 s; logs come back as $OUT/logs.t
 }
 
 recheck() {  # after kernel changes: the step limits add up to 330 s
-    PACK=1
-    LOGS=/tmp/weightfabric-gpu-logs
-    mkdir -p "$LOGS"
+    packed
     step versions 30 python3 -c "$VERSIONS"
     step gpu-tests 120 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
         --timeout=60 tests/fabric/gpu
@@ -170,9 +169,7 @@ recheck() {  # after kernel changes: the step limits add up to 330 s
 
 tune() {  # launch settings of the segment copy and checksum kernels (each checked against
           # its torch reference), then the bench: 170 s
-    PACK=1
-    LOGS=/tmp/weightfabric-gpu-logs
-    mkdir -p "$LOGS"
+    packed
     step tune-kernels 130 env TRITON_INTERPRET=0 python3 tools/gpu/tune_kernels.py
     step kernels-cuda 40 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json --repeat 5
 }
