@@ -63,7 +63,8 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeat: int) 
     return statistics.median(times)
 
 
-def _tensor_set(tp: int, layers: int, scale: int, device: torch.device) -> dict[str, torch.Tensor]:
+def tensor_set(tp: int, layers: int, scale: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """One TP rank's bf16 share of ``layers`` Llama-3-70B-shaped layers, shapes divided by ``scale``."""
     h, inter, kvh, hd, heads = 8192 // scale, 28672 // scale, 8, 128 // scale, 64
     out: dict[str, torch.Tensor] = {}
     for i in range(layers):
@@ -92,7 +93,7 @@ def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[K
                      "baseline": baseline, "baseline GB/s": nbytes / base_seconds / 1e9,
                      "speedup": base_seconds / seconds})
 
-    ts = _tensor_set(8, layers, scale, device)
+    ts = tensor_set(8, layers, scale, device)
     lay = plan_layout(ts)
     nbytes = sum(t.numel() * t.element_size() for t in ts.values())
     buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)

@@ -19,7 +19,7 @@ import torch
 
 from weightfabric.kernels import checksum, pack, pack_ref, plan_layout, segcopy
 from weightfabric.kernels.checksum import chunk_checksums_ref, chunk_checksums_triton
-from weightfabric.tools.bench.kernels import _tensor_set, median_seconds
+from weightfabric.tools.bench.kernels import median_seconds, tensor_set
 
 
 def main() -> int:
@@ -34,7 +34,7 @@ def main() -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("tune_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
-    ts = _tensor_set(8, args.layers, args.scale, device)
+    ts = tensor_set(8, args.layers, args.scale, device)
     lay = plan_layout(ts)
     nbytes = sum(t.numel() * t.element_size() for t in ts.values())
     buf = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
