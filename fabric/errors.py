@@ -127,6 +127,19 @@ class ManifestMismatchError(HubError):
     code = "manifest_mismatch"
 
 
+class LayoutMismatchError(ManifestMismatchError):
+    """An engine layout does not fit the published version; raised before any byte moves.
+
+    The message names the tensor and the rule that do not fit.
+    """
+
+    code = "layout_mismatch"
+
+
+class LayoutError(FabricError, ValueError):
+    """An engine layout is malformed (a bad split, a duplicate target, a rank out of range)."""
+
+
 class InvalidStateError(HubError):
     """The operation does not fit the current state (e.g. commit of a committed version)."""
 
@@ -184,6 +197,8 @@ __all__ = [
     "HubTimeoutError",
     "HubUnavailableError",
     "InvalidStateError",
+    "LayoutError",
+    "LayoutMismatchError",
     "ManifestMismatchError",
     "NoSourceError",
     "ProtocolError",
