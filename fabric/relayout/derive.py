@@ -1,0 +1,246 @@
+"""Derive one engine rank's tensors from the publishers' shards of a version.
+
+`EngineLayout.bind` says which block of which published tensor every target
+tensor is made of (`Piece`s). Here each piece becomes byte reads of the shards
+that hold it: a published tensor is whole in one shard, or (an FSDP2/DTensor
+publisher) split along one dimension over the version's shards, each shard
+holding ``[start, start + local)`` of it (`Manifest.sharding`). A block of a
+row-major shard is ``rows`` runs of ``row_bytes`` bytes, ``row_stride`` apart:
+one contiguous read when whole rows are wanted, else the span of those rows
+(reads of column blocks, such as a row-parallel ``o_proj`` shard, read whole
+rows). Rows are read in bands of at most ``budget`` bytes into one reused staging
+buffer, and each band is copied (cast on the way) where the target wants it.
+
+fp8 targets are assembled in their ``stage_dtype`` first (a temporary the size of
+the tensor), then quantised blockwise (`kernels.quantize_fp8`: Triton on CUDA,
+its torch reference on CPU) into the target and its scales. Padding rows (vocab
+padding) are zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from weightfabric.fabric.errors import LayoutMismatchError
+from weightfabric.fabric.manifest import Manifest
+from weightfabric.fabric.relayout.rules import (
+    BoundLayout,
+    Piece,
+    Published,
+    TargetTensor,
+    assemble,
+    quantize_stack,
+)
+
+ReadFn = Callable[[int, int, torch.Tensor], None]
+"""``read(shard, byte_offset, out)``: fill ``out`` (contiguous uint8) from that shard."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a manifest names (``bfloat16`` -> ``torch.bfloat16``).
+
+    Raises:
+        LayoutMismatchError: not a torch dtype.
+    """
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise LayoutMismatchError(f"the version stores a tensor as {name!r}, not a torch dtype")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Held:
+    """Where a slice of a published tensor lives: shard, byte offset, local shape.
+
+    The shard holds ``[start, start + local_shape[dim])`` along ``dim`` of the logical
+    tensor (``dim`` None: the whole tensor).
+    """
+
+    shard: int
+    offset: int
+    local_shape: tuple[int, ...]
+    dim: int | None = None
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    """The tensors of a version as its shards' manifests describe them."""
+
+    tensors: dict[str, Published]
+    held: dict[str, tuple[Held, ...]]
+    aliases: dict[str, str]
+
+    @classmethod
+    def of(cls, manifests: list[Manifest]) -> PublishedVersion:
+        """Logical shapes, dtypes and holding shards of every published tensor.
+
+        A tensor in several shards without sharding is replicated: it is read from the
+        first shard that holds it.
+
+        Raises:
+            LayoutMismatchError: the shards disagree on a tensor's dtype or logical shape.
+        """
+        tensors: dict[str, Published] = {}
+        held: dict[str, list[Held]] = {}
+        aliases: dict[str, str] = {}
+        for k, m in enumerate(manifests):
+            aliases.update(m.alias_map())
+            for spec in m.tensors:
+                s = m.sharding_of(spec.name)
+                shape = s.global_shape if s is not None else spec.shape
+                p = Published(tuple(shape), torch_dtype(spec.dtype))
+                if tensors.setdefault(spec.name, p) != p:
+                    raise LayoutMismatchError(f"tensor {spec.name!r} is {tensors[spec.name]} in "
+                                              f"one shard and {p} in shard {k}")
+                h = Held(k, spec.offset, tuple(spec.shape), s.dim if s else None,
+                         s.start if s else 0)
+                if s is not None or not held.get(spec.name):
+                    held.setdefault(spec.name, []).append(h)
+        return cls(tensors, {n: tuple(h) for n, h in held.items()}, aliases)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One block of one shard: ``rows`` runs of ``row_bytes``, ``stride`` bytes apart."""
+
+    shard: int
+    offset: int
+    rows: int
+    row_bytes: int
+    stride: int
+    dtype: torch.dtype
+    piece: Piece
+    row: int        # where the block lands, relative to the piece's destination
+    col: int
+
+
+def _box(p: Piece, ndim: int) -> list[tuple[int, int]]:
+    """The piece's block of the logical tensor as one range per dim."""
+    box = [] if p.index is None else [(p.index, p.index + 1)]
+    box.append(p.rows)
+    if p.cols is not None:
+        box.append(p.cols)
+    assert len(box) == ndim, (p, ndim)
+    return box
+
+
+def _reads(p: Piece, published: PublishedVersion) -> list[_Read]:
+    """The reads of shards that fill piece ``p``."""
+    dtype = published.tensors[p.source].dtype
+    size = torch.empty((), dtype=dtype).element_size()
+    box = _box(p, len(published.tensors[p.source].shape))
+    out = []
+    for h in published.held[p.source]:
+        local = list(box)
+        if h.dim is not None:
+            a, b = box[h.dim]
+            a, b = max(a, h.start), min(b, h.start + h.local_shape[h.dim])
+            if a >= b:
+                continue
+            local[h.dim] = (a - h.start, b - h.start)
+        shape = h.local_shape
+        if len(shape) == 1:           # [n] as n rows of one element
+            (r0, r1), = local
+            out.append(_Read(h.shard, h.offset + r0 * size, r1 - r0, size, size, dtype, p,
+                             r0 - (box[0][0] - (h.start if h.dim == 0 else 0)), 0))
+            continue
+        rows_dim = len(shape) - 2     # [E, R, C] or [R, C]
+        (r0, r1), (c0, c1) = local[rows_dim], local[rows_dim + 1]
+        first = (local[0][0] * shape[1] if len(shape) == 3 else 0) + r0
+        cols = shape[-1]
+        gr0 = r0 + (h.start if h.dim == rows_dim else 0)
+        gc0 = c0 + (h.start if h.dim == rows_dim + 1 else 0)
+        out.append(_Read(h.shard, h.offset + (first * cols + c0) * size, r1 - r0,
+                         (c1 - c0) * size, cols * size, dtype, p,
+                         gr0 - box[rows_dim][0], gc0 - box[rows_dim + 1][0]))
+    return out
+
+
+@dataclass
+class DeriveStats:
+    """What a derivation read: bytes (including the column gaps of strided blocks) and reads."""
+
+    bytes: int = 0
+    reads: int = 0
+    staging_bytes: int = 0
+
+
+def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
+           dst: Mapping[str, torch.Tensor], *, budget: int = 64 << 20,
+           staging: torch.Tensor | None = None) -> DeriveStats:
+    """Fill ``dst`` (this rank's tensors of ``bound``) from reads of the version's shards.
+
+    Args:
+        bound: the layout bound to this version and rank.
+        published: the version's tensors (`PublishedVersion.of` its manifests).
+        read: reads bytes of a shard (`ReadFn`).
+        dst: name -> tensor of `BoundLayout.tensor_specs` (fp8 scales included).
+        budget: staging bytes per read (a row wider than this is read whole).
+        staging: a uint8 buffer to reuse (grown if too small).
+
+    Raises:
+        LayoutMismatchError: ``dst`` lacks a target or has another shape or dtype.
+        FetchError, TransportError: from ``read``.
+    """
+    for name, (shape, dtype) in bound.tensor_specs().items():
+        t = dst.get(name)
+        if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+            got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
+            raise LayoutMismatchError(f"layout {bound.layout.name!r} rank {bound.rank}: "
+                                      f"target {name!r} must be {shape} {dtype}, got {got}")
+    stats = DeriveStats()
+    device = next(iter(dst.values())).device
+    for target in bound.targets:
+        out = dst[target.name]
+        stage = (torch.zeros(target.shape, dtype=target.stage_dtype, device=device)
+                 if target.scale is not None else out)
+        if target.padded and target.scale is None:
+            out.zero_()
+        for piece in target.pieces:
+            for r in _reads(piece, published):
+                staging = _read_bands(r, read, stage, staging, budget, stats, device)
+        if target.scale is not None:
+            _quantize_into(target, stage, dst)
+    stats.staging_bytes = staging.numel() if staging is not None else 0
+    return stats
+
+
+def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: torch.Tensor | None,
+                budget: int, stats: DeriveStats, device: torch.device) -> torch.Tensor:
+    """Read ``r`` in bands of rows into ``staging`` and place them; returns the buffer."""
+    band = max(1, budget // r.stride) if r.row_bytes < r.stride else max(1, budget // r.row_bytes)
+    size = torch.empty((), dtype=r.dtype).element_size()
+    for first in range(0, r.rows, band):
+        rows = min(band, r.rows - first)
+        if r.row_bytes == r.stride:            # whole rows: one contiguous run
+            nbytes = rows * r.row_bytes
+        else:
+            nbytes = (rows - 1) * r.stride + r.row_bytes
+        want = rows * r.stride
+        if staging is None or staging.numel() < want or staging.device != device:
+            staging = torch.empty(want, dtype=torch.uint8, device=device)
+        read(r.shard, r.offset + first * r.stride, staging[:nbytes])
+        stats.bytes += nbytes
+        stats.reads += 1
+        typed = staging[:want].view(r.dtype)
+        block = torch.as_strided(typed, (rows, r.row_bytes // size), (r.stride // size, 1))
+        p = r.piece
+        sub = Piece(p.target, p.source, p.index, (0, rows), None, p.entry,
+                    p.row + r.row + first, p.col + r.col)
+        assemble(stage, sub, block)
+    assert staging is not None
+    return staging
+
+
+def _quantize_into(target: TargetTensor, stage: torch.Tensor, dst: Mapping[str, torch.Tensor]) -> None:
+    assert target.scale is not None and target.fp8_block is not None
+    q, s = quantize_stack(stage, target.fp8_block)
+    dst[target.name].copy_(q)
+    dst[target.scale[0]].copy_(s)
+
+
+__all__ = ["DeriveStats", "Held", "PublishedVersion", "ReadFn", "derive", "torch_dtype"]
