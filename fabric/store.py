@@ -82,6 +82,7 @@ from weightfabric.fabric.fetch import (
 )
 from weightfabric.fabric.fetch_planner import HubPlanner
 from weightfabric.fabric.gpu.region import DeviceRegion, SymmetricBuffer
+from weightfabric.fabric.manifest import Manifest
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.regions import region_name
 from weightfabric.fabric.tensorset import (
@@ -479,11 +480,56 @@ class ModelStore:
             FabricError: the store is closed (the fetch's own errors come from `result`).
         """
         version = check_version(version)
+        return self.submit(functools.partial(self._fetch, version, verify,
+                                             options or FetchOptions(), on_chunk))
+
+    def submit(self, job: Callable[[], tuple[Buffer | None, FetchStats]]) -> FetchFuture:
+        """Run ``job`` on the store's fetch thread; its future switches to the buffer it returns.
+
+        The building block of `fetch_async` and of readers that make a version in other
+        ways (`fabric.relayout.replica.LayoutStore`): ``job`` returns a buffer it reserved
+        (``pending``) and filled, or None when the version is active already.
+
+        Raises:
+            FabricError: the store is closed.
+        """
         with self._lock:
             self._check_open()
-            inner = self._fetcher.submit(self._fetch, version, verify,
-                                         options or FetchOptions(), on_chunk)
+            inner = self._fetcher.submit(job)
         return FetchFuture(self, inner)
+
+    def produce(self, version: int, fill: Callable[[dict[str, torch.Tensor]], object],
+                announce: Callable[[Manifest], object]) -> Buffer:
+        """Make ``version`` here: fill a spare buffer, expose it whole, announce it.
+
+        For versions computed rather than read (a derived layout): the spare buffer is
+        exposed as a partial replica while ``fill`` writes its tensors (name -> views of
+        the buffer in the store's layout), then as complete, and ``announce`` gets the
+        manifest with the checksums of what was made (to commit it at the hub). The
+        buffer comes back reserved for a `FetchFuture` (see `submit`). If ``fill`` or
+        ``announce`` raises, the exposure is withdrawn and the error propagates.
+
+        Raises:
+            FabricError: the store has no layout yet, or is closed.
+        """
+        if self.layout is None:
+            raise FabricError(f"model {self.model!r}: produce needs the store's layout")
+        layout = self.layout
+        buffer, progress = self._expose_spare(version, self.chunk_size)
+        try:
+            self._ready(buffer)  # the background populate must not write under fill
+            fill(views(layout, buffer.region.tensor))
+            manifest = manifest_of(layout, buffer.region.tensor, self.chunk_size)
+            for chunk in range(manifest.num_chunks):
+                progress.mark(chunk)
+            with self._lock:
+                buffer.pending = True
+            announce(manifest)
+        except BaseException:
+            buffer.pending = False
+            self._unexpose(buffer, timeout=FAILED_DRAIN_S)
+            raise
+        return buffer
 
     def sync(self, *, timeout: float = 30.0, verify: bool | None = None,
              options: FetchOptions | None = None,

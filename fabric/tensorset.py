@@ -101,11 +101,16 @@ def check_chunk_size(chunk_size: int) -> int:
 
 def manifest_of(layout: PackLayout, buffer: torch.Tensor, chunk_size: int) -> Manifest:
     """The manifest of `buffer` (laid out by `layout`) with per-chunk checksums."""
-    data = buffer[:layout.nbytes]
-    checksums = chunk_checksums(data, chunk_size).tolist()
+    checksums = chunk_checksums(buffer[:layout.nbytes], chunk_size).tolist()
+    return layout_manifest(layout, chunk_size, tuple(checksums))
+
+
+def layout_manifest(layout: PackLayout, chunk_size: int,
+                    checksums: tuple[int, ...] = ()) -> Manifest:
+    """The manifest of bytes laid out by ``layout`` (without checksums: not made yet)."""
     specs = tuple(TensorSpec(s.name, s.shape, dtype_name(s.dtype), s.nbytes, s.offset)
                   for s in layout)
-    return Manifest(specs, chunk_size, tuple(checksums), layout.nbytes)
+    return Manifest(specs, chunk_size, checksums, layout.nbytes)
 
 
 def check_compatible(layout: PackLayout, manifest: Manifest, *, model: str, version: int) -> None:

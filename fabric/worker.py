@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,8 @@ from weightfabric.fabric.transports.server import STALL_TIMEOUT
 
 if TYPE_CHECKING:
     from weightfabric.fabric.gpu.nvshmem_arena import NvshmemRuntime
+    from weightfabric.fabric.relayout.replica import LayoutStore
+    from weightfabric.fabric.relayout.rules import EngineLayout
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,29 @@ class Worker:
                                  f"not {chunk_size} on {device} as shard {shard} of {num_shards} "
                                  f"(symmetric={symmetric})")
             return store
+
+    def layout_model(self, name: str, layout: EngineLayout, *, rank: int,
+                     device: torch.device | str = "cpu", **options: Any) -> LayoutStore:
+        """Model ``name`` in an inference engine's layout, for engine rank ``rank``.
+
+        The reader's versions are derived from the published ones by ``layout`` (fused,
+        split over the engine's ranks, cast or quantised), and kept as replicas that
+        later readers of the same layout and rank copy (`fabric.relayout.replica`)::
+
+            layout = vllm_layout(config, tp=2)
+            store = worker.layout_model("policy", layout, rank=tp_rank, device="cuda")
+            store.sync(timeout=600)            # the newest version, in the engine's layout
+            engine_params = store.tensors
+
+        Args:
+            options: more `LayoutStore` arguments (``budget``, ``derive_wait``, ...).
+
+        Raises:
+            LayoutError: ``rank`` is not a rank of the layout.
+        """
+        from weightfabric.fabric.relayout.replica import LayoutStore
+
+        return LayoutStore(self, name, layout, rank=rank, device=device, **options)
 
     def transport_for(self, source: Source, *, symmetric: bool = False,
                       timeout: float | None = None) -> Transport:

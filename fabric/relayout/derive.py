@@ -169,9 +169,28 @@ class DeriveStats:
     staging_bytes: int = 0
 
 
+class Staging:
+    """One uint8 buffer reused read after read (and derivation after derivation)."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        """Its size now."""
+        return self._buffer.numel()
+
+    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """At least ``nbytes`` bytes on ``device`` (the old buffer is freed before growing)."""
+        if self._buffer.numel() < nbytes or self._buffer.device != device:
+            self._buffer = torch.empty(0, dtype=torch.uint8)
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._buffer
+
+
 def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
            dst: Mapping[str, torch.Tensor], *, budget: int = 64 << 20,
-           staging: torch.Tensor | None = None) -> DeriveStats:
+           staging: Staging | None = None) -> DeriveStats:
     """Fill ``dst`` (this rank's tensors of ``bound``) from reads of the version's shards.
 
     Args:
@@ -180,7 +199,7 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
         read: reads bytes of a shard (`ReadFn`).
         dst: name -> tensor of `BoundLayout.tensor_specs` (fp8 scales included).
         budget: staging bytes per read (a row wider than this is read whole).
-        staging: a uint8 buffer to reuse (grown if too small).
+        staging: the buffer to reuse (default: a new one).
 
     Raises:
         LayoutMismatchError: ``dst`` lacks a target or has another shape or dtype.
@@ -192,7 +211,7 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
             got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
             raise LayoutMismatchError(f"layout {bound.layout.name!r} rank {bound.rank}: "
                                       f"target {name!r} must be {shape} {dtype}, got {got}")
-    stats = DeriveStats()
+    stats, staging = DeriveStats(), staging or Staging()
     device = next(iter(dst.values())).device
     for target in bound.targets:
         out = dst[target.name]
@@ -202,16 +221,16 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
             out.zero_()
         for piece in target.pieces:
             for r in _reads(piece, published):
-                staging = _read_bands(r, read, stage, staging, budget, stats, device)
+                _read_bands(r, read, stage, staging, budget, stats, device)
         if target.scale is not None:
             _quantize_into(target, stage, dst)
-    stats.staging_bytes = staging.numel() if staging is not None else 0
+    stats.staging_bytes = staging.nbytes
     return stats
 
 
-def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: torch.Tensor | None,
-                budget: int, stats: DeriveStats, device: torch.device) -> torch.Tensor:
-    """Read ``r`` in bands of rows into ``staging`` and place them; returns the buffer."""
+def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: Staging, budget: int,
+                stats: DeriveStats, device: torch.device) -> None:
+    """Read ``r`` in bands of rows through ``staging`` and place them."""
     band = max(1, budget // r.stride) if r.row_bytes < r.stride else max(1, budget // r.row_bytes)
     size = torch.empty((), dtype=r.dtype).element_size()
     for first in range(0, r.rows, band):
@@ -221,19 +240,16 @@ def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: torch.Tens
         else:
             nbytes = (rows - 1) * r.stride + r.row_bytes
         want = rows * r.stride
-        if staging is None or staging.numel() < want or staging.device != device:
-            staging = torch.empty(want, dtype=torch.uint8, device=device)
-        read(r.shard, r.offset + first * r.stride, staging[:nbytes])
+        buffer = staging.get(want, device)
+        read(r.shard, r.offset + first * r.stride, buffer[:nbytes])
         stats.bytes += nbytes
         stats.reads += 1
-        typed = staging[:want].view(r.dtype)
+        typed = buffer[:want].view(r.dtype)
         block = torch.as_strided(typed, (rows, r.row_bytes // size), (r.stride // size, 1))
         p = r.piece
         sub = Piece(p.target, p.source, p.index, (0, rows), None, p.entry,
                     p.row + r.row + first, p.col + r.col)
         assemble(stage, sub, block)
-    assert staging is not None
-    return staging
 
 
 def _quantize_into(target: TargetTensor, stage: torch.Tensor, dst: Mapping[str, torch.Tensor]) -> None:
@@ -243,4 +259,4 @@ def _quantize_into(target: TargetTensor, stage: torch.Tensor, dst: Mapping[str, 
     dst[target.scale[0]].copy_(s)
 
 
-__all__ = ["DeriveStats", "Held", "PublishedVersion", "ReadFn", "derive", "torch_dtype"]
+__all__ = ["DeriveStats", "Held", "PublishedVersion", "ReadFn", "Staging", "derive", "torch_dtype"]

@@ -1,0 +1,267 @@
+"""`LayoutStore`: an engine rank's weights in an engine layout, kept as a derived replica.
+
+A rollout engine rank opens ``worker.layout_model("policy", layout, rank=r)`` and
+fetches versions of ``policy`` in its own layout (`EngineLayout`: fused, split
+over its tensor/expert-parallel ranks, cast or quantised). For each version N:
+
+1. If some worker already holds N in this layout and rank (the hub's derived model
+   ``policy@<layout key>.r<rank>``, `EngineLayout.derived_model`), the bytes are
+   fetched from it like any replica: striped over the holders, chunk-pipelined with
+   other readers, verified by the checksums the deriving reader published.
+2. Otherwise this reader asks the hub to derive N (`HubClient.begin_derive`): one
+   reader per layout and rank derives, the others wait for it and then copy (a
+   deriver that dies or fails is forgotten by the hub, and the next reader derives).
+   Deriving reads just the blocks of the published shards this rank needs
+   (`fabric.relayout.derive`), checks the layout against the version first (a
+   `LayoutMismatchError` before any byte moves), fills a spare buffer, computes the
+   checksums of what it made and commits it as N of the derived model.
+
+Either way the new version lands in a spare buffer and the store switches to it at
+`FetchFuture.result` (double-buffered, like `ModelStore.fetch`); a version already
+held is not read again. Leases, retract, retention and pins work per layout through
+the derived model's `ModelStore` (`LayoutStore.store`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from weightfabric.fabric.checks import check_version
+from weightfabric.fabric.errors import (
+    FetchError,
+    LayoutError,
+    ManifestMismatchError,
+    NoSourceError,
+    UnknownModelError,
+    UnknownVersionError,
+    WaitTimeoutError,
+)
+from weightfabric.fabric.fetch import FetchOptions, FetchStats, verify_rule
+from weightfabric.fabric.manifest import Manifest
+from weightfabric.fabric.relayout.derive import PublishedVersion, Staging, derive
+from weightfabric.fabric.relayout.reader import _ChunkBuffers, _ShardReader
+from weightfabric.fabric.relayout.rules import BoundLayout, EngineLayout
+from weightfabric.fabric.store import FetchFuture, ModelStore
+from weightfabric.fabric.tensorset import ALIGNMENT, layout_manifest
+from weightfabric.kernels import plan_layout
+
+if TYPE_CHECKING:
+    from weightfabric.fabric.buffer_pool import Buffer
+    from weightfabric.fabric.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LayoutFetchStats(FetchStats):
+    """`FetchStats` of a layout fetch; ``derived``: this reader derived the version.
+
+    When derived, ``bytes`` and ``sources`` count the reads of the published shards;
+    otherwise they count the copy from the layout's other replicas.
+    """
+
+    derived: bool = False
+
+    def to_dict(self) -> dict[str, object]:
+        """Every field, as plain data (for JSON)."""
+        return {**super().to_dict(), "derived": self.derived}
+
+
+class LayoutStore:
+    """Versions of a model in one engine layout, for one rank. Get it with `Worker.layout_model`.
+
+    Args:
+        worker: the reader's worker.
+        model: the published model's name.
+        layout: the engine layout.
+        rank: this reader's rank in the layout (``ep_rank * tp + tp_rank``).
+        device: where the tensors live (``"cpu"`` or a CUDA device).
+        budget: staging bytes per read while deriving.
+        derive_wait: seconds to wait for another reader deriving the same version.
+        timeout: per read while deriving.
+        chunk_size: chunks of the derived versions this reader publishes.
+    """
+
+    def __init__(self, worker: Worker, model: str, layout: EngineLayout, *, rank: int,
+                 device: torch.device | str = "cpu", budget: int = 64 << 20,
+                 derive_wait: float = 600.0, timeout: float = 30.0,
+                 chunk_size: int | None = None) -> None:
+        if not 0 <= rank < layout.ranks:
+            raise LayoutError(f"layout {layout.name!r} has {layout.ranks} ranks; rank {rank} "
+                              "is outside")
+        self.worker, self.model, self.layout, self.rank = worker, model, layout, rank
+        self.budget, self.derive_wait, self.timeout = budget, derive_wait, timeout
+        self.name = layout.derived_model(model, rank)
+        """The hub's name of this layout and rank's derived replicas."""
+        kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
+        self.store: ModelStore = worker.model(self.name, device=device, **kwargs)
+        """The derived model's store: its buffers, exposure, retract and release."""
+        self._chunks = _ChunkBuffers()
+        self._staging = Staging()
+
+    # ---------------------------------------------------------------- state
+    @property
+    def version(self) -> int | None:
+        """The version the tensors hold now (None before the first one)."""
+        return self.store.version
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Name -> tensor of the active version, in the engine layout."""
+        return self.store.tensors
+
+    def attach(self, tensors: nn.Module | Mapping[str, torch.Tensor]) -> None:
+        """Move the engine's own tensors (this rank's, in the layout) into the store, once.
+
+        Afterwards they are views of the active buffer and every fetch switches them to
+        the new version (see `ModelStore.attach`).
+        """
+        self.store.attach(tensors)
+
+    # ---------------------------------------------------------------- fetch
+    def fetch(self, version: int | str = "latest", *, verify: bool | None = None,
+              options: FetchOptions | None = None) -> LayoutFetchStats:
+        """Fetch ``version`` in this layout and switch the tensors to it.
+
+        Args:
+            version: an ``int > 0`` or ``"latest"`` (the published model's numbers).
+            verify: check chunk checksums: all (True), none (False), or by default only
+                bytes read from other hosts (for derived copies and for derivation reads).
+            options: the copy's fetch options (`ModelStore.fetch`).
+
+        Raises:
+            BadRequestError: ``version`` is not an ``int > 0`` or ``"latest"``.
+            LayoutMismatchError: the layout does not fit the version (nothing moved).
+            UnknownModelError, UnknownVersionError, NoSourceError: from the hub.
+            FetchError: bytes could not be read from any holder.
+            WaitTimeoutError: another reader derived it for longer than ``derive_wait``.
+        """
+        stats = self.fetch_async(version, verify=verify, options=options).result()
+        assert isinstance(stats, LayoutFetchStats)
+        return stats
+
+    def fetch_async(self, version: int | str = "latest", *, verify: bool | None = None,
+                    options: FetchOptions | None = None) -> FetchFuture:
+        """Start `fetch` in the background; `FetchFuture.result` switches to the version."""
+        version = check_version(version)
+        return self.store.submit(lambda: self._fetch(version, verify, options or FetchOptions()))
+
+    def sync(self, *, timeout: float = 30.0, verify: bool | None = None,
+             options: FetchOptions | None = None) -> LayoutFetchStats:
+        """Wait for a version of the model newer than the one held, fetch it, switch.
+
+        Raises:
+            WaitTimeoutError: none newer within ``timeout``; and what `fetch` raises.
+        """
+        newer = self.worker.hub.wait_version(self.model, after=self.version or 0,
+                                             timeout=timeout)
+        return self.fetch(newer, verify=verify, options=options)
+
+    def close(self) -> None:
+        """Close the derived model's store (its replicas leave the hub)."""
+        self.store.close()
+
+    # ---------------------------------------------------------------- internals
+    def _fetch(self, version: int | str, verify: bool | None, options: FetchOptions
+               ) -> tuple[Buffer | None, LayoutFetchStats]:
+        hub = self.worker.hub
+        number = hub.latest(self.model) if version == "latest" else version
+        if number is None:
+            raise UnknownVersionError(f"{self.model!r} has no committed version yet")
+        assert isinstance(number, int)
+        if number == self.store.version:
+            return None, LayoutFetchStats(version=number)
+        held = self.store._held(number)
+        if held is not None:
+            return held, LayoutFetchStats(version=number)
+        end, pause = time.monotonic() + self.derive_wait, 0.02
+        while True:
+            copied = self._copy(number, verify, options)
+            if copied is not None:
+                return copied
+            where = hub.locate(self.model, number)
+            manifests = [Manifest.from_wire(s["manifest"]) for s in where["shards"]]
+            published = PublishedVersion.of(manifests)
+            bound = self.layout.bind(published.tensors, self.rank, aliases=published.aliases)
+            self._set_layout(bound)
+            assert self.store.layout is not None
+            reply = hub.begin_derive(self.name, number,
+                                     layout_manifest(self.store.layout, self.store.chunk_size))
+            if reply.action == "derive":
+                return self._derive(number, bound, published, where, manifests, verify)
+            if reply.action == "wait":
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise WaitTimeoutError(
+                        f"{self.name!r} v{number}: {reply.by} has been deriving it for more "
+                        f"than {self.derive_wait:g} s (raise derive_wait)")
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.5)
+
+    def _copy(self, number: int, verify: bool | None, options: FetchOptions
+              ) -> tuple[Buffer | None, LayoutFetchStats] | None:
+        """Fetch ``number`` from the layout's replicas, if some worker holds it; else None."""
+        try:
+            self.worker.hub.locate(self.name, number)
+        except (NoSourceError, UnknownModelError, UnknownVersionError) as exc:
+            log.debug("%s v%d: no replica to copy (%s)", self.name, number, exc)
+            return None
+        try:
+            buffer, stats = self.store._fetch(number, verify, options, None)
+        except (FetchError, NoSourceError, UnknownVersionError) as exc:
+            log.warning("%s v%d: copying from its replicas failed (%s); deriving it", self.name,
+                        number, exc)
+            return None
+        return buffer, LayoutFetchStats(**vars(stats))
+
+    def _set_layout(self, bound: BoundLayout) -> None:
+        layout = plan_layout(bound.tensor_specs(), alignment=ALIGNMENT)
+        if self.store.layout is None:
+            self.store.layout = layout
+        elif self.store.layout != layout:
+            raise ManifestMismatchError(
+                f"{self.name!r}: this version's tensors in layout {self.layout.name!r} differ "
+                "from the ones this store holds (the published shapes changed); open a new "
+                "LayoutStore")
+
+    def _derive(self, number: int, bound: BoundLayout, published: PublishedVersion,
+                where: dict, manifests: list[Manifest], verify: bool | None
+                ) -> tuple[Buffer, LayoutFetchStats]:
+        hub, start = self.worker.hub, time.monotonic()
+        reader = _ShardReader(self.worker, where, manifests, verify=verify_rule(verify),
+                              timeout=self.timeout, buffers=self._chunks)
+
+        def fill(dst: dict[str, torch.Tensor]) -> None:
+            stats = derive(bound, published, reader, dst, budget=self.budget,
+                           staging=self._staging)
+            log.debug("%s v%d derived: %d bytes in %d reads", self.name, number, stats.bytes,
+                      stats.reads)
+
+        def announce(manifest: Manifest) -> None:
+            hub.commit(self.name, number, checksums=list(manifest.checksums))
+
+        try:
+            buffer = self.store.produce(number, fill, announce)
+        except BaseException as exc:
+            try:
+                hub.abort_publish(self.name, number, reason=f"{type(exc).__name__}: {exc}"[:200])
+            except Exception as abort_exc:  # the deriver's error matters more
+                log.warning("%s v%d: abort after a failed derive failed: %s", self.name, number,
+                            abort_exc)
+            raise
+        stats = LayoutFetchStats(version=number, bytes=reader.fetched_bytes,
+                                 seconds=time.monotonic() - start, sources=dict(reader.sources),
+                                 failed_sources=list(reader.failed), derived=True)
+        log.info("derived %s v%d for %s rank %d: %d bytes in %.3f s", self.model, number,
+                 self.layout.name, self.rank, stats.bytes, stats.seconds)
+        return buffer, stats
+
+
+__all__ = ["LayoutFetchStats", "LayoutStore"]
