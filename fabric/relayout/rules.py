@@ -20,7 +20,10 @@ tensors it is made of, as a list of `Rule`s:
   ``cat_dim``; or, with several entries, one such concatenation per entry stacked
   along a new first dim (MoE experts), the entries cut by ``ep``; stored as
   ``dtype``, or as float8_e4m3fn with float32 block scales (``fp8_block``) in a
-  second tensor named ``target`` with ``scale_suffix``.
+  second tensor named ``target`` with ``scale_suffix``. The split takes the rank's
+  tensor-parallel index and ``ep`` its expert-parallel index (rank = ep_rank * tp +
+  tp_rank); a ``flat`` rule cuts by the rank itself over all tp x ep ranks (vLLM's
+  MoE layers, which fold tensor and data parallelism into one group).
 
 `EngineLayout.bind` checks the layout against the published tensors' names,
 shapes and dtypes (a typed error names the tensor and the rule that does not fit,
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -173,6 +177,10 @@ class Rule:
         fp8_block: quantise to float8_e4m3fn in blocks of this edge, with float32
             scales in the tensor ``target`` + `EngineLayout.scale_suffix`.
         stack: stack the entries even if there is one (a stack of one expert).
+        flat: ``split`` and ``ep`` divide over all ``tp * ep`` ranks of the layout and
+            take the rank itself (``ep_rank * tp + tp_rank``), not its tensor- and
+            expert-parallel indices: vLLM's fused MoE layers, whose group spans the
+            data-parallel engines' tensor-parallel ranks.
     """
 
     target: str
@@ -183,6 +191,7 @@ class Rule:
     dtype: torch.dtype | None = None
     fp8_block: int | None = None
     stack: bool = False
+    flat: bool = False
 
     def __post_init__(self) -> None:
         if not self.target or not self.entries or not all(self.entries):
@@ -192,7 +201,10 @@ class Rule:
         if self.ep is not None and (len(self.entries) < 2 and self.ep.parts > 1):
             raise LayoutError(f"rule {self.target!r}: ep splits stacked entries; it has one")
         if self.fp8_block is not None:
-            check_block(self.fp8_block, f"rule {self.target!r}")
+            try:
+                check_block(self.fp8_block, f"rule {self.target!r}")
+            except ValueError as exc:
+                raise LayoutError(str(exc)) from None
 
     @property
     def stacked(self) -> bool:
@@ -294,6 +306,9 @@ class EngineLayout:
         ranks: how many ranks the layout has (tp x ep); `bind` takes one of them.
         tp, ep: the tensor- and expert-parallel degrees (rank = ep_rank * tp + tp_rank).
         scale_suffix: fp8 targets' scales are named ``target + scale_suffix``.
+        expects: (name, shape) of published tensors the layout was written for; `bind`
+            rejects a version whose tensor of that name has another shape (rules alone
+            name tensors, and would fit a model of other sizes). Empty: no check.
     """
 
     name: str
@@ -301,6 +316,7 @@ class EngineLayout:
     tp: int = 1
     ep: int = 1
     scale_suffix: str = "_scale_inv"
+    expects: tuple[tuple[str, tuple[int, ...]], ...] = ()
     key: str = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -308,11 +324,13 @@ class EngineLayout:
             raise LayoutError(f"layout name {self.name!r}: give a non-empty name without @ or /")
         if self.tp < 1 or self.ep < 1:
             raise LayoutError(f"layout {self.name!r}: tp and ep must be >= 1")
-        targets = [r.target for r in self.rules]
-        scales = [r.target + self.scale_suffix for r in self.rules if r.fp8_block is not None]
-        dup = {n for n in targets + scales if (targets + scales).count(n) > 1}
+        names = Counter(r.target for r in self.rules)
+        names.update(r.target + self.scale_suffix for r in self.rules if r.fp8_block is not None)
+        dup = [n for n, k in names.items() if k > 1]
         if dup:
             raise LayoutError(f"layout {self.name!r}: target names appear twice: {sorted(dup)}")
+        for r in self.rules:
+            self._check_parts(r)
         object.__setattr__(self, "key", f"{self.name}-{self._digest()}")
 
     @property
@@ -320,10 +338,35 @@ class EngineLayout:
         """Ranks of the layout: tp x ep."""
         return self.tp * self.ep
 
+    def _check_parts(self, r: Rule) -> None:
+        """A rule's splits divide over the layout's ranks: tp and ep (a flat rule: all)."""
+        for what, s, parts in (("split", r.split, self.ranks if r.flat else self.tp),
+                               ("ep", r.ep, self.ranks if r.flat else self.ep)):
+            if s is not None and s.parts != parts:
+                kind = "flat rule: tp x ep" if r.flat else ("tp" if what == "split" else "ep")
+                raise LayoutError(f"layout {self.name!r}: {r.describe()}: its {what} is over "
+                                  f"{s.parts} ranks; the layout has {parts} ({kind})")
+
     def _digest(self) -> str:
-        body = json.dumps([self.tp, self.ep, self.scale_suffix,
-                           [_rule_wire(r) for r in self.rules]], separators=(",", ":"))
+        wire: list[object] = [self.tp, self.ep, self.scale_suffix,
+                              [_rule_wire(r) for r in self.rules]]
+        if self.expects:  # keys of layouts without expectations unchanged
+            wire.append([[n, list(s)] for n, s in self.expects])
+        body = json.dumps(wire, separators=(",", ":"))
         return hashlib.sha256(body.encode()).hexdigest()[:10]
+
+    def _check_expects(self, published: Mapping[str, Published],
+                       aliases: Mapping[str, str]) -> None:
+        for name, shape in self.expects:
+            p = published.get(aliases.get(name, name))
+            if p is None or tuple(p.shape) == tuple(shape):
+                continue
+            rule = next((r for r in self.rules for e in r.entries for t in e if t.name == name),
+                        None)
+            which = f"{rule.describe()}: " if rule is not None else ""
+            raise LayoutMismatchError(f"layout {self.name!r}: {which}{name!r} is "
+                                      f"{tuple(p.shape)} in the version; the layout was "
+                                      f"written for {tuple(shape)} (another model's config?)")
 
     def derived_model(self, model: str, rank: int) -> str:
         """The hub's name for rank ``rank``'s derived replicas of ``model`` in this layout."""
@@ -347,7 +390,9 @@ class EngineLayout:
             raise LayoutError(f"layout {self.name!r} has {self.ranks} ranks; rank {rank} is outside")
         tp_rank, ep_rank = rank % self.tp, rank // self.tp
         aliases = dict(aliases or {})
-        targets = tuple(_bind_rule(r, published, aliases, tp_rank, ep_rank, self.scale_suffix)
+        self._check_expects(published, aliases)
+        targets = tuple(_bind_rule(r, published, aliases, rank if r.flat else tp_rank,
+                                   rank if r.flat else ep_rank, self.scale_suffix)
                         for r in self.rules)
         return BoundLayout(self, rank, targets)
 
@@ -356,8 +401,9 @@ def _rule_wire(r: Rule) -> list[object]:
     def split(s: Split | None) -> object:
         return None if s is None else [s.dim, s.parts, s.style, s.unit, s.replicate, s.pad_to,
                                        list(s.sizes or ())]
-    return [r.target, [[[t.name, t.index, list(t.rows or ())] for t in e] for e in r.entries],
+    wire = [r.target, [[[t.name, t.index, list(t.rows or ())] for t in e] for e in r.entries],
             r.cat_dim, split(r.split), split(r.ep), str(r.dtype), r.fp8_block, r.stacked]
+    return wire + ["flat"] if r.flat else wire  # keys of layouts without flat rules unchanged
 
 
 def _term_shape(term: Term, p: Published, rule: Rule) -> tuple[int, ...]:
@@ -402,10 +448,10 @@ def _bind_rule(rule: Rule, published: Mapping[str, Published], aliases: Mapping[
         dtypes |= kinds
         pieces += [Piece(p.target, p.source, p.index, p.rows, p.cols,
                          k if rule.stacked else None, p.row, p.col) for p in entry_pieces]
-    assert shape is not None or rule.stacked
+    if shape is None:  # this rank holds none of the entries: a stack of 0 of entry 0's shape
+        shape, _, _, dtypes = _bind_entry(rule, rule.entries[0], published, aliases, tp_rank)
     if rule.stacked:
-        shape = (len(entries), *(shape or (0,)))
-    assert shape is not None
+        shape = (len(entries), *shape)
     if len(dtypes) > 1:
         raise LayoutMismatchError(f"{rule.describe()}: its tensors are published as "
                                   f"{sorted(map(str, dtypes))}; give them one dtype")
@@ -552,7 +598,8 @@ def identity_layout(shapes: Mapping[str, Sequence[int]], *, name: str = "identit
             return Rule(n, tuple((Term(n, index=i),) for i in range(shape[0])), dtype=dtype,
                         stack=True)
         return Rule(n, ((Term(n),),), dtype=dtype)
-    return EngineLayout(name, tuple(rule(n, s) for n, s in shapes.items()))
+    return EngineLayout(name, tuple(rule(n, s) for n, s in shapes.items()),
+                        expects=tuple((n, tuple(s)) for n, s in shapes.items()))
 
 
 __all__ = ["BoundLayout", "EngineLayout", "Piece", "Published", "Rule", "Split", "TargetTensor",
