@@ -10,6 +10,8 @@ a hub tracks which workers hold which version, and readers pull from them::
     store.attach(model)                 # rollout: parameters move into the arena once
     stats = store.sync(timeout=600)     # wait for a newer version and fetch it
     v = store.publish(model)            # trainer: expose a new version and commit it
+    engine = worker.layout_model("policy", wf.vllm_layout(config, tp=2), rank=tp_rank)
+    engine.sync(timeout=600)            # the same versions in an inference engine's layout
 
 Subpackages: `weightfabric.fabric` (the library), `weightfabric.kernels` (Triton
 kernels), `weightfabric.topology` (cluster YAML, planner, simulator) and
@@ -31,6 +33,8 @@ from weightfabric.fabric.errors import (
     HubTimeoutError,
     HubUnavailableError,
     InvalidStateError,
+    LayoutError,
+    LayoutMismatchError,
     ManifestMismatchError,
     NoSourceError,
     ProtocolError,
@@ -50,6 +54,9 @@ from weightfabric.fabric.errors import (
 from weightfabric.fabric.fetch import FetchOptions, FetchStats
 from weightfabric.fabric.locality import Location, SourceCandidate, rank_by_locality
 from weightfabric.fabric.manifest import Manifest, TensorSpec
+from weightfabric.fabric.relayout.engines import hf_layout, vllm_layout
+from weightfabric.fabric.relayout.replica import LayoutFetchStats, LayoutStore
+from weightfabric.fabric.relayout.rules import EngineLayout, Rule, Split, Term
 from weightfabric.fabric.store import FetchFuture, ModelStore
 from weightfabric.fabric.worker import Worker, join
 
@@ -63,6 +70,7 @@ __all__ = [
     "BadRequestError",
     "ClusterConfigError",
     "DuplicateWorkerError",
+    "EngineLayout",
     "FabricError",
     "FetchError",
     "FetchFuture",
@@ -77,6 +85,10 @@ __all__ = [
     "HubTimeoutError",
     "HubUnavailableError",
     "InvalidStateError",
+    "LayoutError",
+    "LayoutFetchStats",
+    "LayoutMismatchError",
+    "LayoutStore",
     "Location",
     "Manifest",
     "ManifestMismatchError",
@@ -87,11 +99,14 @@ __all__ = [
     "ReadRefusedError",
     "ReplicationTimeoutError",
     "RetentionError",
+    "Rule",
     "SourceCandidate",
     "SourceInfo",
     "SourceLostError",
+    "Split",
     "TensorSetError",
     "TensorSpec",
+    "Term",
     "TransportError",
     "UnknownFetchError",
     "UnknownModelError",
@@ -101,9 +116,11 @@ __all__ = [
     "WaitTimeoutError",
     "Worker",
     "connect",
+    "hf_layout",
     "join",
     "rank_by_locality",
     "serve",
+    "vllm_layout",
     "__version__",
 ]
 

@@ -1,0 +1,119 @@
+"""`LayoutStore`: readers in an engine layout derive a version once, then copy each other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightfabric.fabric.errors import LayoutMismatchError
+from weightfabric.fabric.relayout.rules import (
+    EngineLayout,
+    Rule,
+    Split,
+    Term,
+    derive_reference,
+)
+
+CHUNK = 4096
+FP8 = torch.float8_e4m3fn
+
+
+def _layout(tp: int = 2, fp8: bool = False) -> EngineLayout:
+    block = 16 if fp8 else None
+    return EngineLayout(f"test-tp{tp}{'-fp8' if fp8 else ''}", (
+        Rule("qkv_proj.weight", ((Term("q_proj.weight"), Term("k_proj.weight"),
+                                  Term("v_proj.weight")),),
+             split=Split(0, tp, unit=16, replicate=True), dtype=torch.bfloat16,
+             fp8_block=block),
+        Rule("o_proj.weight", ((Term("o_proj.weight"),),), split=Split(1, tp),
+             dtype=torch.bfloat16, fp8_block=block),
+        Rule("embed.weight", ((Term("embed.weight"),),), split=Split(0, tp, pad_to=64),
+             dtype=torch.bfloat16),
+        Rule("norm.weight", ((Term("norm.weight"),),)),
+    ), tp=tp)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q_proj.weight": (64, 64), "k_proj.weight": (16, 64), "v_proj.weight": (16, 64),
+              "o_proj.weight": (64, 64), "embed.weight": (100, 64), "norm.weight": (64,)}
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def _check(store, layout, weights, rank):
+    want = derive_reference(layout, weights, rank)
+    got = store.tensors
+    assert set(got) == set(want)
+    for name, w in want.items():
+        assert got[name].dtype == w.dtype, name
+        assert torch.equal(_bits(got[name]), _bits(w)), name
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_first_reader_derives_and_the_next_copies_from_it(workers, fp8):
+    trainer = workers.join("trainer")
+    weights = _weights(1)
+    v = trainer.model("policy", chunk_size=CHUNK).publish(weights)
+    layout = _layout(fp8=fp8)
+    a = workers.join("a").layout_model("policy", layout, rank=0, chunk_size=CHUNK)
+    first = a.fetch()
+    assert (first.version, first.derived) == (v, True)
+    assert set(first.sources) == {"trainer"}
+    _check(a, layout, weights, 0)
+
+    b = workers.join("b").layout_model("policy", layout, rank=0, chunk_size=CHUNK)
+    second = b.fetch(v)
+    assert not second.derived
+    assert set(second.sources) == {"a"}, second.sources
+    _check(b, layout, weights, 0)
+
+    c = workers.join("c").layout_model("policy", layout, rank=1, chunk_size=CHUNK)
+    assert c.fetch(v).derived                 # another rank: its own derived replicas
+    _check(c, layout, weights, 1)
+
+    again = a.fetch(v)                        # held: nothing moves
+    assert again.bytes == 0 and again.version == v
+
+
+def test_next_version_double_buffers_and_switches_at_result(workers):
+    trainer = workers.join("trainer")
+    store = trainer.model("policy", chunk_size=CHUNK)
+    layout = _layout()
+    reader = workers.join("r").layout_model("policy", layout, rank=1, chunk_size=CHUNK)
+    w1, w2 = _weights(1), _weights(2)
+    store.publish(w1)
+    reader.fetch()
+    v2 = store.publish(w2)
+    future = reader.fetch_async(v2)
+    stats = future.result()
+    assert stats.version == v2 == reader.version
+    _check(reader, layout, w2, 1)
+
+
+def test_a_layout_that_does_not_fit_fails_before_any_read(workers):
+    trainer = workers.join("trainer")
+    weights = _weights(1)
+    weights["k_proj.weight"] = weights["k_proj.weight"][:8]      # not whole heads
+    trainer.model("policy", chunk_size=CHUNK).publish(weights)
+    reader = workers.join("r").layout_model("policy", _layout(), rank=0, chunk_size=CHUNK)
+    with pytest.raises(LayoutMismatchError, match="k_proj.weight"):
+        reader.fetch()
+    assert reader.version is None
+
+
+def test_a_reader_derives_again_when_the_derived_replicas_are_gone(workers):
+    trainer = workers.join("trainer")
+    weights = _weights(3)
+    v = trainer.model("policy", chunk_size=CHUNK).publish(weights)
+    layout = _layout()
+    first = workers.join("a")
+    assert first.layout_model("policy", layout, rank=0, chunk_size=CHUNK).fetch(v).derived
+    first.close()
+    b = workers.join("b").layout_model("policy", layout, rank=0, chunk_size=CHUNK)
+    stats = b.fetch(v)
+    assert stats.derived and set(stats.sources) == {"trainer"}
+    _check(b, layout, weights, 0)
