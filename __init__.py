@@ -49,7 +49,7 @@ from weightfabric.fabric.errors import (
 )
 from weightfabric.fabric.fetch import FetchOptions, FetchStats
 from weightfabric.fabric.locality import Location, SourceCandidate, rank_by_locality
-from weightfabric.fabric.manifest import Manifest, TensorSpec
+from weightfabric.fabric.manifest import Manifest, ShardedTensor, TensorSpec
 from weightfabric.fabric.store import FetchFuture, ModelStore
 from weightfabric.fabric.worker import Worker, join
 
@@ -87,6 +87,7 @@ __all__ = [
     "ReadRefusedError",
     "ReplicationTimeoutError",
     "RetentionError",
+    "ShardedTensor",
     "SourceCandidate",
     "SourceInfo",
     "SourceLostError",
