@@ -53,7 +53,7 @@ from weightfabric.fabric.errors import (
 )
 from weightfabric.fabric.fetch import FetchOptions, FetchStats
 from weightfabric.fabric.locality import Location, SourceCandidate, rank_by_locality
-from weightfabric.fabric.manifest import Manifest, TensorSpec
+from weightfabric.fabric.manifest import Manifest, ShardedTensor, TensorSpec
 from weightfabric.fabric.relayout.engines import hf_layout, vllm_layout
 from weightfabric.fabric.relayout.replica import LayoutFetchStats, LayoutStore
 from weightfabric.fabric.relayout.rules import EngineLayout, Rule, Split, Term
@@ -100,6 +100,7 @@ __all__ = [
     "ReplicationTimeoutError",
     "RetentionError",
     "Rule",
+    "ShardedTensor",
     "SourceCandidate",
     "SourceInfo",
     "SourceLostError",

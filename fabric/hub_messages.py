@@ -42,13 +42,17 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 class ManifestWire(Wire, frozen=True, kw_only=True):
     """A `Manifest` on the wire (`Manifest.to_wire`).
 
-    Tensors as ``[name, shape, dtype, nbytes, offset]``.
+    Tensors as ``[name, shape, dtype, nbytes, offset]``; ``sharding`` as
+    ``[name, dim, global_shape, start]`` and ``aliases`` as ``[alias, published name]``
+    (both empty for most models).
     """
 
     tensors: list[tuple[str, list[int], str, int, int]]
     chunk_size: int
     checksums: list[int] = msgspec.field(default_factory=list)
     total_bytes: int = -1
+    sharding: list[tuple[str, int, list[int], int]] = msgspec.field(default_factory=list)
+    aliases: list[tuple[str, str]] = msgspec.field(default_factory=list)
 
     @classmethod
     def of(cls, manifest: Manifest) -> ManifestWire:
@@ -56,7 +60,10 @@ class ManifestWire(Wire, frozen=True, kw_only=True):
         return cls(tensors=[(t.name, list(t.shape), t.dtype, t.nbytes, t.offset)
                             for t in manifest.tensors],
                    chunk_size=manifest.chunk_size, checksums=list(manifest.checksums),
-                   total_bytes=manifest.total_bytes)
+                   total_bytes=manifest.total_bytes,
+                   sharding=[(s.name, s.dim, list(s.global_shape), s.start)
+                             for s in manifest.sharding],
+                   aliases=list(manifest.aliases))
 
     def manifest(self) -> Manifest:
         """The `Manifest` this describes.
@@ -66,7 +73,8 @@ class ManifestWire(Wire, frozen=True, kw_only=True):
         """
         return Manifest.from_wire({"tensors": self.tensors, "chunk_size": self.chunk_size,
                                    "checksums": self.checksums,
-                                   "total_bytes": self.total_bytes})
+                                   "total_bytes": self.total_bytes,
+                                   "sharding": self.sharding, "aliases": self.aliases})
 
 
 class Holding(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,

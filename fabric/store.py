@@ -62,6 +62,7 @@ from weightfabric.fabric.arena import Region
 from weightfabric.fabric.buffer_pool import MAX_BUFFERS, PREPARED_BUFFERS, Buffer, BufferPool
 from weightfabric.fabric.checks import check_model_name, check_version
 from weightfabric.fabric.client import HubClient
+from weightfabric.fabric.dtensors import is_dtensor, local_shards
 from weightfabric.fabric.errors import (
     ArenaError,
     BadRequestError,
@@ -82,17 +83,19 @@ from weightfabric.fabric.fetch import (
 )
 from weightfabric.fabric.fetch_planner import HubPlanner
 from weightfabric.fabric.gpu.region import DeviceRegion, SymmetricBuffer
-from weightfabric.fabric.manifest import Manifest
+from weightfabric.fabric.manifest import Manifest, ShardedTensor
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.regions import region_name
 from weightfabric.fabric.tensorset import (
+    PreparedSet,
     check_chunk_size,
     check_compatible,
     check_has_data,
     layout_from_manifest,
-    layout_of,
     manifest_of,
     named_tensors,
+    normalize_names,
+    prepare,
     views,
 )
 from weightfabric.fabric.transports.selector import TransportSelector
@@ -205,6 +208,12 @@ class ModelStore:
         docstring); False allocates buffers only when a version needs one. GPU stores
         never prepare one: GPU memory has no page faults to hide."""
         self.layout: PackLayout | None = None
+        self.aliases: dict[str, str] = {}
+        """Alias -> published name: tensors of this store's versions that share a published
+        tensor's bytes (tied weights), laid out once; `tensors` includes them."""
+        self.sharding: tuple[ShardedTensor, ...] = ()
+        """The tensors of this shard that are slices of larger logical ones (a DTensor
+        publisher's `Shard(d)` tensors; a reader's last fetched manifest's)."""
         self.pool = BufferPool(model)
         """The store's buffers (read it; the store changes it under its lock)."""
         self._published: int | None = None  # the last version this store published
@@ -239,40 +248,56 @@ class ModelStore:
         active = self.pool.active
         if active is None or self.layout is None:
             raise FabricError(f"model {self.model!r} holds no version yet: attach or fetch first")
-        return views(self.layout, active.region.tensor)
+        return views(self.layout, active.region.tensor, self.aliases)
 
     # --- attach ----------------------------------------------------------------------
 
-    def attach(self, obj: nn.Module | Mapping[str, torch.Tensor]) -> None:
+    def attach(self, obj: nn.Module | Mapping[str, torch.Tensor], *,
+               normalize_names: bool = True) -> None:
         """Move a model's parameters and persistent buffers into arena memory, once.
 
         Afterwards the module's tensors are views of the active buffer: `fetch`
         switches them to each new version without a staging copy, and a trainer can
-        `publish(snapshot=False)` them in place.
+        `publish(snapshot=False)` them in place. Tied tensors (sharing storage) are laid
+        out once and stay tied: both names view the same bytes.
 
         If the store already holds a version (fetched before attaching), the module
         takes that version's values.
+
+        Args:
+            obj: a module or name -> tensor.
+            normalize_names: strip wrapper components from the names, as `publish` does
+                (`tensorset.normalize_name`), so a wrapped and a plain module match.
 
         Raises:
             FabricError: already attached.
             ManifestMismatchError: the tensors do not fit the version the store holds.
             TensorSetError: not a module or a mapping of tensors on the store's device
-                (or empty, an empty name, a meta tensor).
+                (or empty, an empty name, a meta tensor, two names equal once
+                normalized, a DTensor).
         """
-        tensors = self._on_device(named_tensors(obj))
+        tensors = self._named(obj, normalize_names)
+        for name, t in tensors.items():
+            if is_dtensor(t):
+                raise TensorSetError(
+                    f"tensor {name!r} is a DTensor: attach moves plain tensors into the arena; "
+                    "publish a DTensor (FSDP2) model as a snapshot with publish(model), or "
+                    "attach a module of plain tensors")
+        prepared = prepare(self._on_device(tensors))
         with self._lock:
             if self._attached is not None:
                 raise FabricError(f"model {self.model!r} is already attached to this worker")
-            layout = layout_of(tensors)
-            if self.layout is not None and layout != self.layout:
+            if self.layout is not None and (prepared.layout, dict(prepared.aliases)) != (
+                    self.layout, self.aliases):
                 raise ManifestMismatchError(
                     f"model {self.model!r}: the tensors to attach are laid out differently from "
-                    f"v{self.version}, which this store holds (names, shapes or dtypes differ)")
-            self.layout = layout
+                    f"v{self.version}, which this store holds (names, shapes, dtypes or tied "
+                    "tensors differ)")
+            self.layout, self.aliases = prepared.layout, dict(prepared.aliases)
             buffer = self.pool.active
             if buffer is None:  # keep the module's values; else it takes the version held
                 buffer = self._allocate_symmetric() if self.nvshmem else self._ready(self._new_buffer())
-                pack({n: t.detach() for n, t in tensors.items()}, layout, out=buffer.region.tensor)
+                self._pack(prepared, buffer)
             self._attached = tensors
             self._activate(buffer)
 
@@ -280,12 +305,29 @@ class ModelStore:
 
     def publish(self, obj: nn.Module | Mapping[str, torch.Tensor] | None = None, *,
                 snapshot: bool = True, hold: bool = False, group: str | None = None,
-                timeout: float = 120.0) -> int:
+                timeout: float = 120.0, dtype: torch.dtype | None = None,
+                normalize_names: bool = True) -> int:
         """Publish a new version; returns its number.
 
         A publish that fails here after the hub assigned the number (the read server
         refused the region, the commit failed) aborts that version at the hub, which
         retires it at once, and raises.
+
+        What is published:
+
+        - names lose wrapper components (``_orig_mod.``, a leading ``module.``,
+          ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``; see
+          `tensorset.normalize_name`), unless ``normalize_names=False``;
+        - tensors sharing storage (tied weights) are published once; the manifest lists
+          the others as aliases (`Manifest.aliases`);
+        - a DTensor (an FSDP2 module's parameters) on a 1-D mesh is published as this
+          rank's local shard, without a copy but the pack: ``Shard(d)`` ones with a
+          `ShardedTensor` in the manifest (`Manifest.sharding`), ``Replicate()`` ones
+          whole. The store must be ``worker.model(name, shard=rank, num_shards=world)``,
+          and every rank passes the same ``group``;
+        - with ``dtype``, float32 / bfloat16 / float16 tensors are stored in ``dtype``
+          (cast while packing; fp8 and integer tensors keep theirs). The store's layout
+          holds the cast dtypes: later publishes must cast the same way.
 
         Args:
             obj: the tensors (a module or name -> tensor); default: the attached ones.
@@ -300,38 +342,44 @@ class ModelStore:
                 publisher passes for this version (e.g. ``f"step-{step}"``); they get the
                 same version number, committed once every shard is.
             timeout: bound on `hold`.
+            dtype: store floating-point tensors in this dtype (float32, bfloat16 or
+                float16); only with ``snapshot``.
+            normalize_names: strip wrapper components from the names (the default).
 
         Raises:
-            FabricError: in-place publish of tensors that are not attached, `hold`
-                timed out (the version stays exposed), or no ``group`` with several shards.
+            FabricError: in-place publish of tensors that are not attached (or with a
+                ``dtype``), `hold` timed out (the version stays exposed), no ``group``
+                with several shards, or a layout (names, shapes, dtypes, ties, slices)
+                other than the store's.
             TensorSetError: not a module or mapping of tensors (or an empty one, an empty
-                name, a meta tensor, a tensor on another device).
+                name, a meta tensor, a tensor on another device, two names equal once
+                normalized), a DTensor that cannot be published or whose mesh does not
+                match the store's shards, or a cast packing cannot do.
             HubError: the hub refused (e.g. unreachable).
         """
         if self.num_shards > 1 and group is None:
             raise FabricError(f"model {self.model!r} has {self.num_shards} shards: pass the same "
                               "publish group key from every shard's publisher")
+        if dtype is not None and not snapshot:
+            raise FabricError("publish(snapshot=False) exposes the attached tensors as they are; "
+                              "dtype= casts into a copy: use snapshot=True")
         with self._lock:
             if snapshot:
-                tensors = (self._on_device(named_tensors(obj)) if obj is not None
-                           else self._require_attached())
-                layout = layout_of(tensors)
-                if self.layout is None:
-                    self.layout = layout
-                elif layout != self.layout:
-                    raise FabricError(f"model {self.model!r}: this tensor set's layout differs "
-                                      "from the one this store holds; use another model name")
+                prepared = (self._prepare(obj, dtype, normalize_names) if obj is not None
+                            else prepare(self._require_attached(), dtype=dtype))
+                self._adopt(prepared)
                 buffer = self._ready(self._spare_buffer())
-                pack({n: t.detach() for n, t in tensors.items()}, layout, out=buffer.region.tensor)
+                self._pack(prepared, buffer)
             else:
-                self._check_in_place(obj)
+                self._check_in_place(obj, normalize_names)
                 self._drop_spares()
                 buffer = self._require_active()
                 if buffer.exposed is not None:
                     raise FabricError(f"the attached tensors are still exposed as v{buffer.version};"
                                       " retract that version before publishing them again")
             assert self.layout is not None
-            manifest = manifest_of(self.layout, buffer.region.tensor, self.chunk_size)
+            manifest = manifest_of(self.layout, buffer.region.tensor, self.chunk_size,
+                                   sharding=self.sharding, aliases=tuple(self.aliases.items()))
             version = self.hub.begin_publish(self.model, manifest, shard=self.shard,
                                              num_shards=self.num_shards, group=group)
             previous = buffer.version
@@ -588,8 +636,11 @@ class ModelStore:
             with self._lock:
                 if self.layout is None:
                     self.layout = layout_from_manifest(manifest)
+                    self.aliases = manifest.alias_map()
                 else:
-                    check_compatible(self.layout, manifest, model=self.model, version=plan.version)
+                    check_compatible(self.layout, manifest, model=self.model, version=plan.version,
+                                     aliases=self.aliases)
+                self.sharding = manifest.sharding
                 if self.nvshmem is not None and manifest.chunk_size != self.chunk_size:
                     raise ManifestMismatchError(
                         f"model {self.model!r} v{plan.version} was published in chunks of "
@@ -955,9 +1006,43 @@ class ModelStore:
     def _point_attached(self, buffer: Buffer) -> None:
         """Point the attached tensors at the now active ``buffer``; top up the spare."""
         if self._attached is not None and self.layout is not None:
-            for name, view in views(self.layout, buffer.region.tensor).items():
-                self._attached[name].data = view
+            new = views(self.layout, buffer.region.tensor, self.aliases)
+            for name, tensor in self._attached.items():
+                tensor.data = new[name]
         self._prepare_spare()
+
+    def _named(self, obj: nn.Module | Mapping[str, torch.Tensor],
+               normalize: bool) -> dict[str, torch.Tensor]:
+        """`named_tensors` of ``obj``, names normalized unless ``normalize`` is False."""
+        tensors = named_tensors(obj)
+        return normalize_names(tensors) if normalize else tensors
+
+    def _prepare(self, obj: nn.Module | Mapping[str, torch.Tensor], dtype: torch.dtype | None,
+                 normalize: bool) -> PreparedSet:
+        """``obj`` ready to pack: names, DTensors' local shards, aliases, casts (`publish`)."""
+        tensors, sharding = local_shards(self._named(obj, normalize), model=self.model,
+                                         shard=self.shard, num_shards=self.num_shards)
+        return prepare(self._on_device(tensors), dtype=dtype, sharding=sharding)
+
+    def _adopt(self, prepared: PreparedSet) -> None:
+        """Make ``prepared``'s layout the store's, or check it is the store's.
+
+        Raises:
+            FabricError: the store holds another layout (or other ties or slices).
+        """
+        mine = (prepared.layout, dict(prepared.aliases), prepared.sharding)
+        if self.layout is None:
+            self.layout, self.aliases, self.sharding = mine
+        elif mine != (self.layout, self.aliases, self.sharding):
+            raise FabricError(f"model {self.model!r}: this tensor set's layout differs from the "
+                              "one this store holds (names, shapes, dtypes, tied tensors or "
+                              "shard slices); use another model name")
+
+    @staticmethod
+    def _pack(prepared: PreparedSet, buffer: Buffer) -> None:
+        """Pack the published tensors of ``prepared`` into ``buffer`` (casting as laid out)."""
+        pack({n: t.detach() for n, t in prepared.published.items()}, prepared.layout,
+             out=buffer.region.tensor)
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` if they have data on the store's device.
@@ -983,10 +1068,11 @@ class ModelStore:
         assert active is not None, "attached stores always have an active buffer"
         return active
 
-    def _check_in_place(self, obj: nn.Module | Mapping[str, torch.Tensor] | None) -> None:
+    def _check_in_place(self, obj: nn.Module | Mapping[str, torch.Tensor] | None,
+                        normalize: bool) -> None:
         attached = self._require_attached()
         if obj is not None:
-            given = named_tensors(obj)
+            given = self._named(obj, normalize)
             if set(given) != set(attached) or any(
                     given[n].data_ptr() != attached[n].data_ptr() for n in given):
                 raise FabricError("publish(snapshot=False) exposes attached tensors in place; "

@@ -77,10 +77,13 @@ def _view(buffer: torch.Tensor, s: Slot) -> torch.Tensor:
 
 def pack_ref(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
              buffer: torch.Tensor) -> torch.Tensor:
-    """Torch reference of `pack`: each tensor cast, made contiguous, its bytes copied."""
+    """Torch reference of `pack`: a ``copy_`` per tensor into its buffer view.
+
+    The copy casts and follows the source's strides as it goes: no temporary, whatever
+    the tensor's dtype or layout.
+    """
     for s in layout:
-        data = tensors[s.name].to(s.dtype).contiguous().reshape(-1).view(torch.uint8)
-        buffer[s.offset:s.offset + s.nbytes].copy_(data)
+        _view(buffer, s).copy_(tensors[s.name])
     return buffer
 
 

@@ -60,6 +60,7 @@ ROLES: dict[str, str] = {
     "publisher": "hub_child:publisher",  # hub clients: publish, read, hold versions
     "reader": "hub_child:reader",
     "hub-holder": "hub_child:holder",
+    "fsdp-trainer": "fsdp_process:role",  # an FSDP2 rank (gloo) publishing its shards
 }
 """Role name -> ``module:function`` (modules in tests/)."""
 

@@ -120,6 +120,8 @@ def held_tensors(manifests: list[Manifest], tensors: Mapping[str, Resharding], *
                  scale_suffix: str = ".scale") -> list[HeldTensor]:
     """`HeldTensor`s of ``tensors`` from the shards' manifests (offsets, stored dtypes).
 
+    A name a shard publishes as an alias (tied weights) reads its published tensor's bytes.
+
     Raises:
         ManifestMismatchError: a tensor (or an fp8 tensor's scales) is missing from a
             shard, or its stored shape is not what the held layout gives that shard.
@@ -132,9 +134,10 @@ def held_tensors(manifests: list[Manifest], tensors: Mapping[str, Resharding], *
                                         f"version has {len(manifests)} shards")
         offsets, scales, dtypes = [], [], set()
         for k, lay in enumerate(layouts):
-            if name not in lay.names:
+            stored = manifests[k].alias_map().get(name, name)  # a tied tensor's bytes
+            if stored not in lay.names:
                 raise ManifestMismatchError(f"shard {k} has no tensor {name!r}")
-            slot = lay[name]
+            slot = lay[stored]
             want = r.held.shard_shape(r.shape, k)
             if tuple(slot.shape) not in (want, want[:1] if want[1:] == (1,) else want):
                 raise ManifestMismatchError(f"tensor {name!r} is {tuple(slot.shape)} in shard {k}; "
@@ -142,7 +145,7 @@ def held_tensors(manifests: list[Manifest], tensors: Mapping[str, Resharding], *
             offsets.append(slot.offset)
             dtypes.add(slot.dtype)
             if slot.dtype == FP8:
-                scale = name + scale_suffix
+                scale = stored + scale_suffix
                 if scale not in lay.names:
                     raise ManifestMismatchError(f"fp8 tensor {name!r} has no scales {scale!r} "
                                                 f"in shard {k}")
