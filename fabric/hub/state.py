@@ -446,7 +446,7 @@ class HubState:
             raise InvalidStateError(f"{worker!r} did not begin publishing {model!r} v{version}")
         if v.state == PUBLISHING:
             self._retire(v, f"publisher {worker} aborted: {reason or 'no reason given'}")
-            self._touch()
+            self._settle()      # a version without replicas goes now
         elif v.state != RETIRED:
             raise InvalidStateError(f"{model!r} v{version} is {v.state}, not publishing: "
                                     "retract it instead")

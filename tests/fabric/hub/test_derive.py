@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import random
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +15,13 @@ import weightfabric as wf
 from weightfabric.fabric.errors import (
     BadRequestError,
     GroupAbortedError,
+    HubError,
     ManifestMismatchError,
     UnknownFetchError,
     UnknownModelError,
     UnknownVersionError,
 )
-from weightfabric.fabric.hub.records import COMMITTED, PUBLISHING, RETIRED
+from weightfabric.fabric.hub.records import COMMITTED, PUBLISHING, RETIRED, ModelRecord
 from weightfabric.fabric.hub.state import HubState, derived_base
 from weightfabric.fabric.hub_messages import DeriveReply, Holding, ManifestWire
 from weightfabric.fabric.manifest import Manifest
@@ -358,3 +362,48 @@ def test_a_derived_version_retired_before_a_hub_restart_is_restored(tmp_path: Pa
         a.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_derives_keep_indexes_and_one_deriver(seed: int) -> None:
+    """Derive, commit, abort, fetch, retract, retention and deaths in random order."""
+    rng = random.Random(seed)
+    names = ["a", "b", "c", "d"]
+    h = Hub(*names)
+    h.s.set_retention(BASE, keep_last=10)
+    bases = [h.publish() for _ in range(3)]
+    fids = itertools.count()
+    for _ in range(150):
+        w, n = rng.choice(names), rng.choice(bases)
+        if w not in h.s.workers:
+            h.s.register(w, session=w)
+        op = rng.randrange(8)
+        with contextlib.suppress(HubError):
+            if op == 0:
+                h.s.begin_derive(D, n, w, LAYOUT, session=w)
+            elif op == 1:
+                h.s.commit(D, n, w, session=w, checksums=rng.choice([SUMS, None]))
+            elif op == 2:
+                h.s.abort_publish(D, n, w, session=w)
+            elif op == 3:
+                fid = f"f{next(fids)}"
+                h.s.begin_fetch(D, n, w, session=w, fetch_id=fid)
+                if rng.random() < 0.5:
+                    h.s.complete_fetch(fid, w, session=w)
+            elif op == 4:
+                h.s.retract(D, n, w, session=w, delay=rng.random() < 0.5)
+            elif op == 5:
+                h.s.set_retention(D, keep_last=rng.randint(1, 3))
+            elif op == 6:
+                h.clock.advance(LEASE / 3)
+                for alive in rng.sample(["t", *names], 4):
+                    if alive in h.s.workers:
+                        h.s.heartbeat(alive, session=alive)
+            else:
+                h.s.drop(D, w, session=w)
+        h.s._check_indexes()
+        for v in h.s.models.get(D, ModelRecord(D)).versions.values():
+            if v.state == PUBLISHING:
+                assert len(v.publishers) == 1 and next(iter(v.publishers))[0] in h.s.workers
+        h.s.expire()
+        h.s._check_indexes()
