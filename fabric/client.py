@@ -23,7 +23,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import msgspec
@@ -41,12 +41,14 @@ from weightfabric.fabric.errors import (
 )
 from weightfabric.fabric.hub_messages import (
     AbortPublishRequest,
+    BeginDeriveRequest,
     BeginFetchRequest,
     BeginPublishReply,
     BeginPublishRequest,
     CommitRequest,
     CompleteFetchRequest,
     CompleteReply,
+    DeriveReply,
     DropReply,
     DropRequest,
     EmptyReply,
@@ -479,17 +481,49 @@ class HubClient:
                                                          "publishing", publisher=True)
         return v
 
-    def commit(self, model: str, version: int) -> str:
+    def begin_derive(self, model: str, version: int, manifest: Manifest) -> DeriveReply:
+        """Derive ``version`` of ``model`` (``base@layout``) from the base's, or learn who does.
+
+        On ``"derive"`` this worker publishes the derived bytes as version ``version``
+        (heartbeats claim it): fill its region, then `commit` with the checksums (or
+        `abort_publish`). On ``"wait"`` ``by`` derives it: ask again later (a deriver that
+        dies or aborts leaves it to the next caller). On ``"fetch"``: `begin_fetch` it.
+
+        Args:
+            manifest: the derived bytes' layout, normally without checksums.
+
+        Raises:
+            BadRequestError, UnknownModelError, UnknownVersionError, ManifestMismatchError:
+                see `HubState.begin_derive`.
+        """
+        out = self.request(BeginDeriveRequest(worker=self._me(), model=model, version=version,
+                                              manifest=ManifestWire.of(manifest)), DeriveReply)
+        if out.action == "derive":
+            with self._lock:
+                self._holdings[(model, version, 0)] = _Holding(model, version, 0, 1, manifest,
+                                                               "publishing", publisher=True)
+        return out
+
+    def commit(self, model: str, version: int, checksums: list[int] | None = None) -> str:
         """Commit this worker's shards.
 
+        Args:
+            checksums: a derived version's (`begin_derive` without them): one per chunk.
+
         Returns ``"committed"`` or ``"publishing"`` (group still waiting for other shards).
+
+        Raises:
+            BadRequestError: ``checksums`` for a version that is not derived, or not one
+                per chunk.
         """
-        state = self.request(CommitRequest(worker=self._me(), model=model, version=version),
-                             PublishStateReply).state
+        state = self.request(CommitRequest(worker=self._me(), model=model, version=version,
+                                           checksums=checksums), PublishStateReply).state
         with self._lock:
             for h in self._holdings.values():
                 if h.model == model and h.version == version and h.publisher:
                     h.complete, h.state = True, state
+                    if checksums is not None:     # what a restore must send from now on
+                        h.manifest = replace(h.manifest, checksums=tuple(checksums))
         return state
 
     def abort_publish(self, model: str, version: int, *, reason: str = "") -> None:

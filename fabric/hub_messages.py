@@ -177,6 +177,18 @@ class BeginPublishReply(Reply, frozen=True, kw_only=True):
     version: int
 
 
+class DeriveReply(Reply, frozen=True, kw_only=True):
+    """What to do about a derived version (``begin_derive``).
+
+    ``derive``: this worker derives it (then commits, or aborts); ``wait``: ``by`` derives
+    it now (None: its deriver has a lease to come back after a hub restart), ask again
+    later; ``fetch``: it is committed, fetch it like any version.
+    """
+
+    action: Literal["derive", "wait", "fetch"]
+    by: str | None
+
+
 class PublishStateReply(Reply, frozen=True, kw_only=True):
     """A version's state after ``commit`` or ``abort_publish``.
 
@@ -347,13 +359,31 @@ class BeginPublishRequest(Request, frozen=True, kw_only=True):
     group: str | None = None
 
 
+class BeginDeriveRequest(Request, frozen=True, kw_only=True):
+    """Derive version ``version`` of ``model`` (``base@layout``) from the base's, or learn who does.
+
+    ``manifest``: the derived bytes' layout, normally without checksums (`CommitRequest`
+    brings them).
+    """
+
+    op: ClassVar[str] = "begin_derive"
+    worker: str
+    model: str
+    version: int
+    manifest: ManifestWire
+
+
 class CommitRequest(Request, frozen=True, kw_only=True):
-    """Commit the worker's shards of a publishing version."""
+    """Commit the worker's shards of a publishing version.
+
+    ``checksums``: a derived version's, one per chunk, when its manifest had none.
+    """
 
     op: ClassVar[str] = "commit"
     worker: str
     model: str
     version: int
+    checksums: list[int] | None = None
 
 
 class AbortPublishRequest(Request, frozen=True, kw_only=True):
@@ -517,6 +547,7 @@ _PAIRS: tuple[tuple[type[Request], ReplyType], ...] = (
     (DropRequest, DropReply),
     (RestoreRequest, RestoreReply),
     (BeginPublishRequest, BeginPublishReply),
+    (BeginDeriveRequest, DeriveReply),
     (CommitRequest, PublishStateReply),
     (AbortPublishRequest, PublishStateReply),
     (BeginFetchRequest, PlanReply),
@@ -540,9 +571,9 @@ OPERATIONS: dict[str, tuple[type[Request], ReplyType]] = {req.op: (req, reply)
                                                           for req, reply in _PAIRS}
 
 __all__ = [
-    "OPERATIONS", "AbortPublishRequest", "BeginFetchRequest", "BeginPublishReply",
-    "BeginPublishRequest", "CommitRequest", "CompleteFetchRequest", "CompleteReply",
-    "DropReply", "DropRequest", "EmptyReply", "Endpoints", "ErrorBody", "GroupStatusReply",
+    "OPERATIONS", "AbortPublishRequest", "BeginDeriveRequest", "BeginFetchRequest",
+    "BeginPublishReply", "BeginPublishRequest", "CommitRequest", "CompleteFetchRequest",
+    "CompleteReply", "DeriveReply", "DropReply", "DropRequest", "EmptyReply", "Endpoints", "ErrorBody", "GroupStatusReply",
     "GroupStatusRequest", "HeartbeatReply", "HeartbeatRequest", "Holder", "Holding",
     "HoldingState", "KvGetReply", "KvGetRequest", "KvPutReply", "KvPutRequest",
     "LatestRequest", "LocateReply", "LocateRequest", "LocateShard", "LocationWire",

@@ -20,6 +20,7 @@ from weightfabric.fabric.errors import BadRequestError
 from weightfabric.fabric.hub.state import HubState, check_manifest_size
 from weightfabric.fabric.hub_messages import (
     AbortPublishRequest,
+    BeginDeriveRequest,
     BeginFetchRequest,
     BeginPublishRequest,
     CommitRequest,
@@ -133,7 +134,12 @@ def op_begin_publish(s: HubState, session: str, a: BeginPublishRequest) -> Answe
 
 
 def op_commit(s: HubState, session: str, a: CommitRequest) -> Answer:
-    return s.commit(a.model, a.version, a.worker, session=session)
+    return s.commit(a.model, a.version, a.worker, session=session, checksums=a.checksums)
+
+
+def op_begin_derive(s: HubState, session: str, a: BeginDeriveRequest) -> Answer:
+    return s.begin_derive(a.model, a.version, a.worker, parse_manifest(a.manifest),
+                          session=session)
 
 
 def op_abort_publish(s: HubState, session: str, a: AbortPublishRequest) -> Answer:
@@ -267,6 +273,7 @@ OPS: dict[str, Op[Any]] = {op.request.op: op for op in (
     _op(DropRequest, op_drop),
     _op(RestoreRequest, op_restore),
     _op(BeginPublishRequest, op_begin_publish),
+    _op(BeginDeriveRequest, op_begin_derive),
     _op(CommitRequest, op_commit),
     _op(AbortPublishRequest, op_abort_publish),
     _op(BeginFetchRequest, op_begin_fetch),

@@ -6,10 +6,13 @@ I/O or enforces rules (that is `HubState`'s job).
 Version lifecycle::
 
     begin_publish ──> PUBLISHING ──(every shard committed)──> COMMITTED
-                          │                                      │
+    (begin_derive)        │                                      │
      (a publisher lost, its group aborted,             (out of retention)
       or no publisher claimed it for a lease)                    │
                           └──────────────> RETIRED <─────────────┘
+
+A derived version (``base@layout``) that is retired may be derived again: a new
+record replaces it (`HubState.begin_derive`).
 
 Replica lifecycle: ``live`` (routable; a partial one only for the chunks it has)
 ──retract──> ``retracting`` (not routable; removed once no fetch in flight may

@@ -2,7 +2,9 @@
 
 `HubState` holds per model the versions (numbers assigned here, monotonic and
 never reused), their manifests and replicas, the fetches in flight and the
-retention policy; its methods are the hub's operations. The server
+retention policy; its methods are the hub's operations. A derived model
+(``base@layout``, `begin_derive`) is the exception: its numbers are its base's,
+and a retired one may be derived again. The server
 (`fabric.hub.server`) only decodes requests, calls these methods and parks
 long-polls; tests drive this class directly.
 
@@ -14,7 +16,8 @@ plan's sources), `fabric.hub.kv` (rendezvous store), `fabric.hub.status`
 
 Invariants (checked by ``tests/fabric/hub/test_hub_state_machine.py`` after every step):
 
-* version numbers of a model only grow and are never handed out twice;
+* version numbers of a model only grow and are never handed out twice (derived models
+  take their base's numbers instead);
 * `latest` is a committed version whose every shard has a live, complete,
   routable replica held by a worker with a valid lease;
 * a plan names only live workers' routable replicas that have the chunk
@@ -22,7 +25,8 @@ Invariants (checked by ``tests/fabric/hub/test_hub_state_machine.py`` after ever
 * a retract never drops a retained version below ``min_replicas``;
 * a fetch group's replicas all become complete together, or none do;
 * a publishing version nobody claims for a lease is retired (orphaned), and a retired
-  version never becomes publishing or committed again (lease loss, hub restart);
+  version never becomes publishing or committed again (lease loss, hub restart), but
+  for a derived version derived again (`begin_derive`, or restored by a holder);
 * every index (by worker, by replica, lease order) equals a full scan (`_check_indexes`;
   the indexes live in `fabric.hub.index`, leases and publish claims in `fabric.hub.leases`).
 
@@ -87,6 +91,7 @@ from weightfabric.fabric.hub.status import status_snapshot
 from weightfabric.fabric.hub_messages import (
     BeginPublishReply,
     CompleteReply,
+    DeriveReply,
     DropReply,
     EmptyReply,
     Endpoints,
@@ -333,11 +338,15 @@ class HubState:
             The ``version`` number.
 
         Raises:
+            BadRequestError: a name with ``@`` (a derived layout: `begin_derive`).
             ManifestMismatchError: another publisher of this shard sent another manifest.
             InvalidStateError: the group's version is no longer publishing, or the shard
                 numbers do not fit.
         """
         self._worker(worker, session)
+        if "@" in model:
+            raise BadRequestError(f"cannot publish {model!r}: names with @ are derived layouts; "
+                                  "use begin_derive")
         _check_shard(shard, num_shards)
         check_manifest_size(manifest)
         m = self.models.setdefault(model, ModelRecord(model))
@@ -359,22 +368,31 @@ class HubState:
             m.versions[number] = v
             if group is not None:
                 m.publish_groups[group] = number
-        self._set_manifest(v, shard, manifest)
-        v.publishers[(worker, shard)] = False
-        self._index.add_publisher(worker, v)
-        self._leases.claim(v)
-        self._index.add_replica(v, Replica(worker, shard, bytearray(manifest.num_chunks)))
+        self._add_publisher(v, worker, shard, manifest)
         log.info("begin publish model=%s version=%d shard=%d worker=%s", model, v.number, shard,
                  worker)
         self._touch()
         return BeginPublishReply(version=v.number)
 
-    def commit(self, model: str, version: int, worker: str, *, session: str
-               ) -> PublishStateReply:
+    def _add_publisher(self, v: VersionRecord, worker: str, shard: int,
+                       manifest: Manifest) -> None:
+        """``worker`` publishes ``shard`` of ``v``: its manifest, claim and (empty) replica."""
+        self._set_manifest(v, shard, manifest)
+        v.publishers[(worker, shard)] = False
+        self._index.add_publisher(worker, v)
+        self._leases.claim(v)
+        self._index.add_replica(v, Replica(worker, shard, bytearray(manifest.num_chunks)))
+
+    def commit(self, model: str, version: int, worker: str, *, session: str,
+               checksums: list[int] | None = None) -> PublishStateReply:
         """Commit the worker's shards of a publishing version.
 
         The version becomes committed (and may become `latest`) once every shard has a
         committed publisher; until then its state stays ``publishing``.
+
+        Args:
+            checksums: for a derived version (`begin_derive`) begun without checksums: one
+                per chunk, computed while deriving; its manifest gets them.
 
         Returns:
             ``state``: ``"publishing"`` or ``"committed"``.
@@ -382,6 +400,8 @@ class HubState:
         Raises:
             InvalidStateError: the worker is not a publisher of this version.
             GroupAbortedError: the version was retired (a publisher of the group was lost).
+            BadRequestError: ``checksums`` for a version that is not derived, or whose
+                manifest has checksums already, or not one per chunk.
         """
         self._worker(worker, session)
         v = self._version(model, version)
@@ -391,6 +411,8 @@ class HubState:
         mine = [k for k in v.publishers if k[0] == worker]
         if not mine:
             raise InvalidStateError(f"{worker!r} did not begin publishing {model!r} v{version}")
+        if checksums is not None:
+            self._add_checksums(v, checksums)
         if v.state == PUBLISHING:
             self._leases.claim(v)
         for key in mine:
@@ -424,7 +446,7 @@ class HubState:
             raise InvalidStateError(f"{worker!r} did not begin publishing {model!r} v{version}")
         if v.state == PUBLISHING:
             self._retire(v, f"publisher {worker} aborted: {reason or 'no reason given'}")
-            self._touch()
+            self._settle()      # a version without replicas goes now
         elif v.state != RETIRED:
             raise InvalidStateError(f"{model!r} v{version} is {v.state}, not publishing: "
                                     "retract it instead")
@@ -446,6 +468,137 @@ class HubState:
         self._index.dirty_models.add(v.model)
         self.durable_generation += 1
         log.info("committed model=%s version=%d worker=%s", v.model, v.number, worker)
+
+    # ------------------------------------------------------------------ derive
+    def begin_derive(self, model: str, version: int, worker: str, manifest: Manifest, *,
+                     session: str) -> DeriveReply:
+        """Derive version ``version`` of ``model`` (``base@layout``), or learn who does.
+
+        A derived version holds the base model's version ``version`` converted to a layout
+        the name encodes; its number is the base's (not assigned here) and one worker at a
+        time derives it. The deriver publishes it as a one-shard version (publish claim,
+        `commit` with the checksums it computed, `abort_publish`); a deriver that dies or
+        aborts leaves it retired, and the next caller derives it again.
+
+        Returns:
+            ``action``: ``"derive"`` (absent or retired: this worker derives it now; again
+            for the worker already deriving it), ``"wait"`` (``by`` derives it, or None: a
+            deriver may come back after a hub restart; ask again later), ``"fetch"``
+            (committed: fetch it like any version).
+
+        Raises:
+            BadRequestError: ``model`` is not ``base@layout``, or ``version`` < 1.
+            UnknownModelError, UnknownVersionError: the base version is not committed.
+            ManifestMismatchError: ``manifest`` lays the bytes out otherwise than the
+                version's deriver did.
+            ValueError: a manifest over `MAX_CHUNKS` chunks.
+        """
+        self._worker(worker, session)
+        base = derived_base(model)
+        if base is None:
+            raise BadRequestError(f"{model!r} is not a derived model name: derived model names "
+                                  "are base@layout (e.g. 'policy@vllm-tp2.r1')")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise BadRequestError(f"version must be an int >= 1, got {version!r}")
+        self._check_base(base, version)
+        check_manifest_size(manifest)
+        m = self.models.setdefault(model, ModelRecord(model))
+        v = m.versions.get(version)
+        if v is not None and v.state != RETIRED:
+            return self._derive_answer(v, worker, manifest)
+        if v is not None:
+            self._forget_version(v)
+        v = VersionRecord(model, version, 1)
+        m.versions[version] = v
+        m.retired_log.pop(version, None)
+        self.next_versions[model] = max(self.next_versions.get(model, 1), version + 1)
+        self.seen.setdefault(model, VersionRanges()).add(version)
+        self.durable_generation += 1
+        self._add_publisher(v, worker, 0, manifest)
+        log.info("begin derive model=%s version=%d worker=%s", model, version, worker)
+        self._settle()
+        return DeriveReply(action="derive", by=None)
+
+    def _derive_answer(self, v: VersionRecord, worker: str, manifest: Manifest) -> DeriveReply:
+        """`begin_derive`'s answer for a derived version that is publishing or committed.
+
+        Raises:
+            ManifestMismatchError: ``manifest`` lays the bytes out otherwise than ``v``.
+        """
+        _check_layout(v, manifest)
+        if v.state == COMMITTED:
+            return DeriveReply(action="fetch", by=None)
+        deriver = next((w for w, _ in v.publishers), None)
+        if deriver != worker:
+            return DeriveReply(action="wait", by=deriver)
+        self._leases.claim(v)           # its deriver asks again: idempotent
+        return DeriveReply(action="derive", by=None)
+
+    def _check_base(self, base: str, number: int) -> None:
+        """Refuse to derive from a base version that is not committed.
+
+        Raises:
+            UnknownModelError, UnknownVersionError: no such base model, or its version
+                ``number`` is absent, publishing or retired.
+        """
+        if base not in self.models:
+            known = ", ".join(sorted(n for n in self.models if "@" not in n))
+            raise UnknownModelError(f"no base model {base!r} on this hub to derive from "
+                                    f"(known: {known or 'none'})")
+        v = self.models[base].versions.get(number)
+        if v is None or v.state != COMMITTED:
+            raise UnknownVersionError(
+                f"base model {base!r} v{number} is {v.state if v else 'absent'}, not committed; "
+                "derive only from a committed version")
+
+    def _forget_version(self, v: VersionRecord) -> None:
+        """Remove retired ``v`` now, with its replicas and fetches, to reuse its number.
+
+        Its fetches end (their groups abort) and its remaining holders' replicas go (the
+        bytes of a derived version are the same whoever derives them again).
+        """
+        for fid in [fid for w, _ in v.replicas for fid in self._index.own_fetches.get(w, ())]:
+            f = self.fetches.get(fid)
+            if f is not None and (f.model, f.version) == (v.model, v.number):
+                self._end_fetch(f, keep_replica=False, reason=f"{v.model!r} v{v.number} is "
+                                                              "derived again")
+        for key in list(v.replicas):
+            self._index.remove_replica(v, key)
+        self._index.gc.discard((v.model, v.number))
+        del self.models[v.model].versions[v.number]
+
+    def _add_checksums(self, v: VersionRecord, checksums: list[int]) -> None:
+        """Give derived version ``v`` the checksums its deriver computed (`commit`).
+
+        Raises:
+            BadRequestError: ``v`` is not derived, its manifest had checksums (other ones,
+                or ``v`` is still publishing), or they are not one int per chunk.
+            InvalidStateError: ``v`` has no manifest (restored without its deriver).
+        """
+        if derived_base(v.model) is None:
+            raise BadRequestError(f"checksums at commit are only for derived versions "
+                                  f"(begin_derive); {v.model!r} carries them in its manifest")
+        manifest = v.manifests.get(0)
+        if manifest is None:
+            raise InvalidStateError(f"{v.model!r} v{v.number} has no manifest here")
+        bad = [c for c in checksums if isinstance(c, bool) or not isinstance(c, int)
+               or not -(1 << 63) <= c < 1 << 64]
+        if bad:
+            raise BadRequestError(f"checksums must be 64-bit ints, got {bad[:4]}")
+        new = tuple(checksums)
+        if manifest.checksums:
+            if v.state == COMMITTED and manifest.checksums == new:
+                return          # a commit retried after its reply was lost
+            raise BadRequestError(f"{v.model!r} v{v.number} was begun with checksums in its "
+                                  "manifest; commit it without checksums")
+        if v.state != PUBLISHING:
+            raise BadRequestError(f"{v.model!r} v{v.number} is {v.state} without checksums; "
+                                  "they can only come with its first commit")
+        if len(new) != manifest.num_chunks:
+            raise BadRequestError(f"{len(new)} checksums for {v.model!r} v{v.number}, whose "
+                                  f"manifest has {manifest.num_chunks} chunks: one per chunk")
+        v.manifests[0] = Manifest(manifest.tensors, manifest.chunk_size, new,
+                                  manifest.total_bytes)
 
     # ------------------------------------------------------------------- fetch
     def begin_fetch(self, model: str, version: int | str, worker: str, *, session: str,
@@ -901,13 +1054,16 @@ class HubState:
         if h.group is not None and not h.complete:
             raise InvalidStateError(f"it was fetched in fetch group {h.group!r}, and fetch "
                                     "groups do not survive a hub restart; begin a new group")
+        derived = derived_base(model) is not None
+        if derived and num_shards != 1:
+            raise InvalidStateError(f"a derived version has 1 shard, holder says {num_shards}")
         m = self.models.setdefault(model, ModelRecord(model))
         if number >= self.next_versions.get(model, 1):
             self.next_versions[model] = number + 1
             self.durable_generation += 1
         v = m.versions.get(number)
         seen = self.seen.setdefault(model, VersionRanges())
-        if v is None and number in seen:
+        if v is None and number in seen and not derived:
             # Retired earlier (in this run, or before a restart with a state dir): it stays
             # retired; the holder hears so in its heartbeat news and may retract.
             v = VersionRecord(model, number, num_shards, state=RETIRED, retire_reason=(
@@ -917,12 +1073,17 @@ class HubState:
             state = COMMITTED if h.state == COMMITTED else PUBLISHING
             v = VersionRecord(model, number, num_shards, state=state)
             m.versions[number] = v
+            m.retired_log.pop(number, None)     # a derived version derived again
             seen.add(number)
             self.durable_generation += 1
             if state == PUBLISHING:
                 self._leases.claim(v)
         if v.num_shards != num_shards:
             raise InvalidStateError(f"v{number} has {v.num_shards} shards, holder says {num_shards}")
+        if (derived and h.publisher and v.state == PUBLISHING
+                and any(w != worker for w, _ in v.publishers)):
+            raise InvalidStateError(f"v{number} is derived again by another worker now; "
+                                    "begin_derive to learn whether to fetch it")
         if v.state == PUBLISHING and h.state == COMMITTED:
             v.state = COMMITTED
             self._index.unpublish(v)
@@ -1148,6 +1309,44 @@ def parse_holding(h: Holding) -> Manifest:
     return manifest
 
 
+def derived_base(model: str) -> str | None:
+    """The base model of a derived model name (``"policy@vllm-tp2.r1"`` -> ``"policy"``).
+
+    None for a plain name (no ``@``).
+
+    Raises:
+        BadRequestError: a derived name with an empty base or layout.
+    """
+    base, at, layout = model.partition("@")
+    if not at:
+        return None
+    if not base or not layout:
+        raise BadRequestError(f"bad derived model name {model!r}: derived model names are "
+                              "base@layout, both parts non-empty")
+    return base
+
+
+def _check_layout(v: VersionRecord, manifest: Manifest) -> None:
+    """Refuse a manifest that lays a derived version's bytes out otherwise than its own.
+
+    Checksums are compared only where both have them (a deriver computes them late).
+
+    Raises:
+        ManifestMismatchError: tensors, chunking, size or checksums differ.
+    """
+    own = v.manifests.get(0)
+    if own is None:
+        return
+    same = ((own.tensors, own.chunk_size, own.total_bytes)
+            == (manifest.tensors, manifest.chunk_size, manifest.total_bytes))
+    if same and (not own.checksums or not manifest.checksums
+                 or own.checksums == manifest.checksums):
+        return
+    raise ManifestMismatchError(
+        f"{v.model!r} v{v.number} is derived with manifest {own.fingerprint}, this one is "
+        f"{manifest.fingerprint}: the layout key must name the layout")
+
+
 def _policy_reply(policy: RetentionPolicy) -> PolicyReply:
     return PolicyReply(keep_last=policy.keep_last, min_replicas=policy.min_replicas,
                        pinned=sorted(policy.pinned))
@@ -1172,4 +1371,4 @@ def _fmt_chunks(chunks: list[int]) -> str:
 
 
 __all__ = ["DEFAULT_LEASE_S", "MAX_CHUNKS", "MAX_KV_KEY", "MAX_KV_KEYS", "MAX_KV_VALUE",
-           "HubState", "check_manifest_size", "parse_holding"]
+           "HubState", "check_manifest_size", "derived_base", "parse_holding"]
