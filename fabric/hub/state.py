@@ -481,8 +481,8 @@ class HubState:
         aborts leaves it retired, and the next caller derives it again.
 
         Returns:
-            ``action``: ``"derive"`` (absent or retired: this worker derives it now; again
-            for the worker already deriving it), ``"wait"`` (``by`` derives it, or None: a
+            ``action``: ``"derive"`` (absent, retired, or committed with no live holder
+            left: this worker derives it now; again for the worker already deriving it), ``"wait"`` (``by`` derives it, or None: a
             deriver may come back after a hub restart; ask again later), ``"fetch"``
             (committed: fetch it like any version).
 
@@ -504,6 +504,10 @@ class HubState:
         check_manifest_size(manifest)
         m = self.models.setdefault(model, ModelRecord(model))
         v = m.versions.get(version)
+        if v is not None and v.state == COMMITTED and not any(
+                r.complete and r.status == LIVE and r.worker in self.workers
+                for r in v.replicas.values()):
+            self._retire(v, "no live holder left: derived again")  # its holders all left
         if v is not None and v.state != RETIRED:
             return self._derive_answer(v, worker, manifest)
         if v is not None:

@@ -196,14 +196,14 @@ class LayoutStore:
                                      layout_manifest(self.store.layout, self.store.chunk_size))
             if reply.action == "derive":
                 return self._derive(number, bound, published, where, manifests, verify)
-            if reply.action == "wait":
-                left = end - time.monotonic()
-                if left <= 0:
-                    raise WaitTimeoutError(
-                        f"{self.name!r} v{number}: {reply.by} has been deriving it for more "
-                        f"than {self.derive_wait:g} s (raise derive_wait)")
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.5)
+            left = end - time.monotonic()   # "wait" for the deriver, or "fetch" once more
+            if left <= 0:
+                raise WaitTimeoutError(
+                    f"{self.name!r} v{number}: neither derived nor copied within "
+                    f"{self.derive_wait:g} s (last: {reply.action}"
+                    f"{' on ' + reply.by if reply.by else ''}); raise derive_wait")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.5)
 
     def _copy(self, number: int, verify: bool | None, options: FetchOptions
               ) -> tuple[Buffer | None, LayoutFetchStats] | None:
