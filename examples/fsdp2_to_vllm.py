@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -76,7 +76,7 @@ def trainer(rank: int, world: int, url: str, init: str, config: dict[str, Any],
                 optimizer.step()
                 optimizer.zero_grad()
             # versions live as long as a live worker holds them: stay until the rollouts are done
-            worker.hub.wait_version("rollouts-done", timeout=300)
+            wait_key(worker.hub, "release", timeout=300)
     finally:
         dist.destroy_process_group()
 
@@ -96,16 +96,18 @@ def rollout(engine: int, tp_rank: int, url: str, config: dict[str, Any], tp: int
                 results.put((engine, tp_rank, stats.version, stats.derived, dict(stats.sources),
                              {n: t.clone() for n, t in store.tensors.items()}))
             # ... generate with store.tensors (the engine's own parameters after attach) ...
-        results_done(worker, f"{engine}-{tp_rank}", steps)
+        worker.hub.kv_put(f"done-{engine}-{tp_rank}", b"1")   # tell the launcher
+        # a rollout that leaves takes its replicas along: stay while the others may copy them
+        wait_key(worker.hub, "release", timeout=300)
 
 
-def results_done(worker: wf.Worker, name: str, steps: int) -> None:
-    """Tell the hub this rollout is done (a key the main process waits for)."""
-    worker.hub.kv_put(f"done-{name}", str(steps).encode())
-
-
-def _free_file(tmp: str) -> str:
-    return os.path.join(tmp, "rendezvous")
+def wait_key(hub: wf.HubClient, key: str, *, timeout: float) -> None:
+    """Wait until some process puts ``key`` in the hub's key-value store."""
+    end = time.monotonic() + timeout
+    while hub.kv_get(key) is None:
+        if time.monotonic() > end:
+            raise TimeoutError(f"nobody put {key!r} within {timeout:g} s")
+        time.sleep(0.05)
 
 
 def run(config: dict[str, Any] = CONFIG, *, engines: int = 2, tp: int = 2, steps: int = STEPS,
@@ -119,20 +121,24 @@ def run(config: dict[str, Any] = CONFIG, *, engines: int = 2, tp: int = 2, steps
     ctx = mp.get_context("spawn")
     fulls, results = (ctx.Queue(), ctx.Queue()) if check else (None, None)
     with wf.serve("tcp://127.0.0.1:0") as hub, tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=trainer, args=(r, 2, hub.url, _free_file(tmp), config, steps,
-                                                   fulls)) for r in range(2)]
+        init = os.path.join(tmp, "rendezvous")
+        procs = [ctx.Process(target=trainer, args=(r, 2, hub.url, init, config, steps, fulls))
+                 for r in range(2)]
         procs += [ctx.Process(target=rollout, args=(e, r, hub.url, config, tp, steps, results))
                   for e in range(engines) for r in range(tp)]
         for p in procs:
             p.start()
         try:
             with wf.connect(hub.url) as client:
-                got = _gather(client, engines * tp, steps, fulls, results, timeout) if check else None
-                _wait_done(client, engines, tp, timeout)
-                if check is not None and got is not None:
-                    check(hub.url, *got)
-                hub.state.kv_put("release", b"1")
-                _release_trainers(hub)
+                if check is not None:
+                    versions = dict(fulls.get(timeout=timeout) for _ in range(steps))
+                    rows = [results.get(timeout=timeout) for _ in range(engines * tp * steps)]
+                for e in range(engines):
+                    for r in range(tp):
+                        wait_key(client, f"done-{e}-{r}", timeout=timeout)
+                if check is not None:
+                    check(hub.url, versions, rows)
+                client.kv_put("release", b"1")
             for p in procs:
                 p.join(timeout)
                 if p.exitcode != 0:
@@ -144,33 +150,8 @@ def run(config: dict[str, Any] = CONFIG, *, engines: int = 2, tp: int = 2, steps
                     p.join(10)
 
 
-def _gather(client: wf.HubClient, readers: int, steps: int, fulls: Any, results: Any,
-            timeout: float) -> tuple[dict[int, dict[str, torch.Tensor]], list[Any]]:
-    versions = dict(fulls.get(timeout=timeout) for _ in range(steps))
-    rows = [results.get(timeout=timeout) for _ in range(readers * steps)]
-    return versions, rows
-
-
-def _wait_done(client: wf.HubClient, engines: int, tp: int, timeout: float) -> None:
-    import time
-
-    end = time.monotonic() + timeout
-    names = [f"done-{e}-{r}" for e in range(engines) for r in range(tp)]
-    while not all(client.kv_get(n) is not None for n in names):
-        if time.monotonic() > end:
-            raise TimeoutError("rollouts did not finish in time")
-        time.sleep(0.05)
-
-
-def _release_trainers(hub: Any) -> None:
-    """Commit a version of the marker model ``rollouts-done`` the trainers wait for."""
-    with wf.join(hub.url, worker="coordinator") as worker:
-        worker.model("rollouts-done").publish({"done": torch.ones(1)})
-
-
 def main() -> int:
     """Run the example once with the default config."""
-    socket.setdefaulttimeout(None)
     run()
     print("all rollouts held every version in vLLM's TP=2 layout", flush=True)
     return 0

@@ -33,6 +33,9 @@ Prints ``{"ready": true}`` once joined, then answers one JSON line per command:
   every chunk of the buffer holding V (default: the active version), if any.
 - ``{"op": "held"}`` -> ``{"active": V, "buffers": [...]}``: the store's versions.
 - ``{"op": "served"}`` -> ``{"bytes": N}``: bytes this worker served.
+- ``{"op": "layout_fetch", "model": M, "config": C, "tp": T, "rank": R, "version": V}``
+  -> ``{"version", "derived", "sources"}``: `Worker.layout_model` in `wf.vllm_layout`
+  ``(C, tp=T)``, fetched (the store is kept, so its derived replicas stay served).
 - ``{"op": "exit"}``.
 
 Errors come back as ``{"error": "TypeName", "message": ..., "fabric": bool}``
@@ -173,6 +176,7 @@ class Session:
         self.expected: dict[str, torch.Tensor] | None = None
         self.future: FetchFuture | None = None
         self.future_cmd: dict[str, Any] = {}
+        self.layouts: list[Any] = []
 
     def run(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """The reply to one command: its result, or the error it raised."""
@@ -272,6 +276,15 @@ class Session:
     def op_served(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Bytes this worker has served."""
         return {"bytes": self.worker.bytes_served}
+
+    def op_layout_fetch(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Fetch a version of ``model`` in `vllm_layout` ``(config, tp=...)``, rank ``rank``."""
+        layout = wf.vllm_layout(cmd["config"], tp=cmd["tp"])
+        store = self.worker.layout_model(cmd["model"], layout, rank=cmd["rank"],
+                                         chunk_size=cmd.get("chunk_size", CHUNK))
+        self.layouts.append(store)  # kept: its replicas live as long as this worker
+        stats = store.fetch(cmd.get("version", "latest"))
+        return {"version": stats.version, "derived": stats.derived, "sources": stats.sources}
 
 
 def role(argv: list[str], commands: Iterator[dict[str, Any]],
