@@ -230,9 +230,19 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
 
 def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: Staging, budget: int,
                 stats: DeriveStats, device: torch.device) -> None:
-    """Read ``r`` in bands of rows through ``staging`` and place them."""
-    band = max(1, budget // r.stride) if r.row_bytes < r.stride else max(1, budget // r.row_bytes)
+    """Read ``r`` in bands of rows through ``staging`` and place them.
+
+    A block of whole source rows that lands as one contiguous run of the target, in
+    the same dtype, is read straight into the target instead (no staging copy).
+    """
     size = torch.empty((), dtype=r.dtype).element_size()
+    direct = _direct_destination(r, stage, size)
+    if direct is not None:
+        read(r.shard, r.offset, direct)
+        stats.bytes += direct.numel()
+        stats.reads += 1
+        return
+    band = max(1, budget // r.stride) if r.row_bytes < r.stride else max(1, budget // r.row_bytes)
     for first in range(0, r.rows, band):
         rows = min(band, r.rows - first)
         if r.row_bytes == r.stride:            # whole rows: one contiguous run
@@ -250,6 +260,25 @@ def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: Staging, b
         sub = Piece(p.target, p.source, p.index, (0, rows), None, p.entry,
                     p.row + r.row + first, p.col + r.col)
         assemble(stage, sub, block)
+
+
+def _direct_destination(r: _Read, stage: torch.Tensor, size: int) -> torch.Tensor | None:
+    """The target's bytes ``r`` fills, if they are one contiguous run of its dtype; else None."""
+    if r.dtype != stage.dtype or r.row_bytes != r.stride:
+        return None
+    p = r.piece
+    dst = stage[p.entry] if p.entry is not None else stage
+    row = p.row + r.row
+    if dst.dim() == 1:
+        view = dst[row:row + r.rows]
+    else:
+        cols = r.row_bytes // size
+        if p.col + r.col != 0 or cols != dst.shape[1]:
+            return None
+        view = dst[row:row + r.rows]
+    if not view.is_contiguous():
+        return None
+    return view.reshape(-1).view(torch.uint8)
 
 
 def _quantize_into(target: TargetTensor, stage: torch.Tensor, dst: Mapping[str, torch.Tensor]) -> None:

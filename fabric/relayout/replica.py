@@ -24,6 +24,7 @@ the derived model's `ModelStore` (`LayoutStore.store`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -183,7 +184,7 @@ class LayoutStore:
             return held, LayoutFetchStats(version=number)
         end, pause = time.monotonic() + self.derive_wait, 0.02
         while True:
-            copied = self._copy(number, verify, options)
+            copied, copy_failed = self._copy(number, verify, options)
             if copied is not None:
                 return copied
             where = hub.locate(self.model, number)
@@ -194,32 +195,41 @@ class LayoutStore:
             assert self.store.layout is not None
             reply = hub.begin_derive(self.name, number,
                                      layout_manifest(self.store.layout, self.store.chunk_size))
-            if reply.action == "derive":
-                return self._derive(number, bound, published, where, manifests, verify)
-            left = end - time.monotonic()   # "wait" for the deriver, or "fetch" once more
+            if reply.action == "derive" or (reply.action == "fetch" and copy_failed):
+                # a holder the hub still lists could not be read: derive without registering
+                register = reply.action == "derive"
+                return self._derive(number, bound, published, where, manifests, verify,
+                                    register=register)
+            left = end - time.monotonic()   # "wait" for the deriver
             if left <= 0:
                 raise WaitTimeoutError(
-                    f"{self.name!r} v{number}: neither derived nor copied within "
-                    f"{self.derive_wait:g} s (last: {reply.action}"
-                    f"{' on ' + reply.by if reply.by else ''}); raise derive_wait")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.5)
+                    f"{self.name!r} v{number}: {reply.by or 'another reader'} has been "
+                    f"deriving it for more than {self.derive_wait:g} s; raise derive_wait")
+            if reply.action == "wait":      # the hub answers once the deriver commits
+                with contextlib.suppress(WaitTimeoutError):
+                    hub.wait_version(self.name, after=number - 1, timeout=min(left, 1.0))
+            else:                           # committed meanwhile: copy it
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.5)
 
     def _copy(self, number: int, verify: bool | None, options: FetchOptions
-              ) -> tuple[Buffer | None, LayoutFetchStats] | None:
-        """Fetch ``number`` from the layout's replicas, if some worker holds it; else None."""
+              ) -> tuple[tuple[Buffer | None, LayoutFetchStats] | None, bool]:
+        """Fetch ``number`` from the layout's replicas if some worker holds it.
+
+        Returns the fetch's result (or None) and whether a copy was tried and failed.
+        """
         try:
             self.worker.hub.locate(self.name, number)
         except (NoSourceError, UnknownModelError, UnknownVersionError) as exc:
             log.debug("%s v%d: no replica to copy (%s)", self.name, number, exc)
-            return None
+            return None, False
         try:
             buffer, stats = self.store._fetch(number, verify, options, None)
         except (FetchError, NoSourceError, UnknownVersionError) as exc:
             log.warning("%s v%d: copying from its replicas failed (%s); deriving it", self.name,
                         number, exc)
-            return None
-        return buffer, LayoutFetchStats(**vars(stats))
+            return None, True
+        return (buffer, LayoutFetchStats(**vars(stats))), False
 
     def _set_layout(self, bound: BoundLayout) -> None:
         layout = plan_layout(bound.tensor_specs(), alignment=ALIGNMENT)
@@ -232,8 +242,9 @@ class LayoutStore:
                 "LayoutStore")
 
     def _derive(self, number: int, bound: BoundLayout, published: PublishedVersion,
-                where: dict, manifests: list[Manifest], verify: bool | None
-                ) -> tuple[Buffer, LayoutFetchStats]:
+                where: dict, manifests: list[Manifest], verify: bool | None, *,
+                register: bool) -> tuple[Buffer, LayoutFetchStats]:
+        """Derive ``number`` into a spare buffer; with ``register``, commit it at the hub."""
         hub, start = self.worker.hub, time.monotonic()
         reader = _ShardReader(self.worker, where, manifests, verify=verify_rule(verify),
                               timeout=self.timeout, buffers=self._chunks)
@@ -245,11 +256,14 @@ class LayoutStore:
                       stats.reads)
 
         def announce(manifest: Manifest) -> None:
-            hub.commit(self.name, number, checksums=list(manifest.checksums))
+            if register:
+                hub.commit(self.name, number, checksums=list(manifest.checksums))
 
         try:
             buffer = self.store.produce(number, fill, announce)
         except BaseException as exc:
+            if not register:
+                raise
             try:
                 hub.abort_publish(self.name, number, reason=f"{type(exc).__name__}: {exc}"[:200])
             except Exception as abort_exc:  # the deriver's error matters more

@@ -7,11 +7,13 @@ it into vLLM's layout (fused qkv and gate_up, row- and column-parallel splits,
 vocab padding) at the same time: per rank, one reader derives the version from
 the trainer's shards and the other copies the derived replica. Then, in the same
 run, every reader fetches the same bytes as a plain same-layout fetch (trainer
-shard = its TP rank), and finally an fp8 (128 x 128 block) layout.
+shard = its TP rank). This runs twice: version 1 warms the buffers up (an RL loop's
+steady state keeps them), version 2 is measured. Finally each reader fetches
+version 2 in an fp8 (128 x 128 block) layout.
 
 Reported (JSON keys): ``bytes`` (S, the published size), ``readers``,
 ``trainer_egress_bytes`` (bytes the trainer ranks served during the layout
-fetches) and its ratio to S, ``resharded_gbps`` (per reader: its layout's bytes /
+fetches of version 2) and its ratio to S, ``resharded_gbps`` (per reader: its layout's bytes /
 fetch time, median), ``plain_fetch_gbps`` (median) and the ratio, ``sources`` (per
 reader: worker -> bytes), ``derived`` (which readers derived), ``verified`` (every
 reader bit-exact against a reference conversion of the model) and
@@ -231,14 +233,18 @@ def _trainer(args: dict[str, Any]) -> dict[str, Any]:
         fully_shard(model)
         with wf.join(args["url"], worker=f"trainer-{rank}") as worker:
             store = worker.model(MODEL, shard=rank, num_shards=TP)
-            version = store.publish(model, group="step-1", dtype=torch.bfloat16)
-            nbytes = store.layout.nbytes if store.layout is not None else 0
-            worker.hub.kv_put(f"published-{rank}", str(version).encode())
-            _barrier(worker.hub, "layouts-done", ENGINES * TP, timeout=600)
+            store.publish(model, group="step-1", dtype=torch.bfloat16)   # v1: the warm-up
+            _barrier(worker.hub, "warm-done", ENGINES * TP)
+            with torch.no_grad():       # a "training step" the readers can redo exactly
+                for p in model.parameters():
+                    p.mul_(0.5)
             served = worker.bytes_served
-            _barrier(worker.hub, "all-done", ENGINES * TP, timeout=600)
-            return {"role": "trainer", "rank": rank, "bytes": nbytes,
-                    "served_layouts": served, "served_total": worker.bytes_served}
+            store.publish(model, group="step-2", dtype=torch.bfloat16)   # v2: measured
+            nbytes = store.layout.nbytes if store.layout is not None else 0
+            _barrier(worker.hub, "layouts-done", ENGINES * TP)
+            served = worker.bytes_served - served
+            _barrier(worker.hub, "all-done", ENGINES * TP)
+            return {"role": "trainer", "rank": rank, "bytes": nbytes, "served_layouts": served}
     finally:
         dist.destroy_process_group()
 
@@ -253,29 +259,38 @@ def _reader(args: dict[str, Any]) -> dict[str, Any]:
     engine, rank = args["engine"], args["rank"]
     index = engine * TP + rank
     name = f"engine{engine}-tp{rank}"
-    reference = {n: t.detach().to(torch.bfloat16) for n, t in _build(args["config"])
-                 .state_dict().items()}
+    weights = {n: t.detach() for n, t in _build(args["config"]).state_dict().items()}
     layout = vllm_layout(args["config"], tp=TP)
     fp8 = vllm_layout(args["config"], tp=TP, fp8_block=FP8_BLOCK)
     with wf.join(args["url"], worker=name) as worker:
         hub = worker.hub
-        version = hub.wait_version(MODEL, after=0, timeout=300)
         store = worker.layout_model(MODEL, layout, rank=rank)
-        start = time.monotonic()
-        stats = store.fetch(version)
-        seconds = time.monotonic() - start
-        layout_bytes = sum(t.numel() * t.element_size() for t in store.tensors.values())
-        exact = _equal(store.tensors, derive_reference(layout, reference, rank))
-        hub.kv_put(f"layouts-done-{index}", b"1")
-        _barrier(hub, "layouts-done", ENGINES * TP)
         plain = worker.model(MODEL, shard=rank, num_shards=TP)
-        plain_stats = plain.fetch(version)
+        timed: dict[str, Any] = {}
+        for version in (1, 2):   # v1 warms the buffers up; v2 is measured
+            hub.wait_version(MODEL, after=version - 1, timeout=300)
+            start = time.monotonic()
+            stats = store.fetch(version)
+            timed["layout_s"] = time.monotonic() - start
+            timed["stats"] = stats
+            reference = {n: (t * 0.5 ** (version - 1)).to(torch.bfloat16)
+                         for n, t in weights.items()}
+            exact = _equal(store.tensors, derive_reference(layout, reference, rank))
+            if version == 1:
+                plain.fetch(version)
+            phase = "warm-done" if version == 1 else "layouts-done"
+            hub.kv_put(f"{phase}-{index}", b"1")
+            _barrier(hub, phase, ENGINES * TP)
+        plain_stats = plain.fetch(2)   # after the trainer counted its layout egress
+        layout_bytes = sum(t.numel() * t.element_size() for t in store.tensors.values())
         fp8_store = worker.layout_model(MODEL, fp8, rank=rank)
-        fp8_store.fetch(version)
+        fp8_store.fetch(2)
         fp8_exact = _equal(fp8_store.tensors, derive_reference(fp8, reference, rank))
         hub.kv_put(f"all-done-{index}", b"1")
         _barrier(hub, "all-done", ENGINES * TP)
-        return {"role": "reader", "name": name, "layout_gbps": layout_bytes / seconds / 1e9,
+        stats = timed["stats"]
+        return {"role": "reader", "name": name,
+                "layout_gbps": layout_bytes / timed["layout_s"] / 1e9,
                 "layout_bytes": layout_bytes, "plain_gbps": plain_stats.gbps,
                 "sources": stats.sources, "derived": stats.derived, "exact": exact,
                 "fp8_exact": fp8_exact}
