@@ -38,7 +38,7 @@ def _env(hub) -> dict[str, str]:
 
 def test_the_readme_has_the_snippets_these_tests_run():
     names = set(snippets())
-    assert {"trainer.py", "rollout.py", "reshard.py"} <= names
+    assert {"trainer.py", "rollout.py", "engine_layout.py"} <= names
     assert len(names) == len(SNIPPET.findall((ROOT / "README.md").read_text()))
 
 
