@@ -171,7 +171,7 @@ _CACHED_CHUNKS = 4
 """Verified chunks kept for later bands (LRU)."""
 
 
-class _ChunkBuffers:
+class ChunkBuffers:
     """The memory verified reads reuse, band after band and fetch after fetch.
 
     ``scratch`` receives a run of whole chunks (grown to the largest run); `_CACHED_CHUNKS`
@@ -187,6 +187,7 @@ class _ChunkBuffers:
 
     @property
     def nbytes(self) -> int:
+        """The memory held: scratch and cache slots."""
         return self._scratch.numel() + self._slots.numel()
 
     def clear(self) -> None:
@@ -194,6 +195,7 @@ class _ChunkBuffers:
         self._cached.clear()
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """``nbytes`` of scratch on ``device`` (grown, never shrunk)."""
         if self._scratch.numel() < nbytes or self._scratch.device != device:
             self._scratch = torch.empty(0, dtype=torch.uint8)  # free the old one first
             self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -233,7 +235,7 @@ class _BadChunk(Exception):
     """A holder sent a chunk whose checksum is not the published one."""
 
 
-class _ShardReader:
+class ShardReader:
     """``read(shard, offset, out)`` over the holders the hub named, best first.
 
     ``read(shard, offset, out)`` over the holders the hub named, best first, moving on to
@@ -250,7 +252,7 @@ class _ShardReader:
 
     def __init__(self, worker: Worker, where: dict, manifests: list[Manifest], *,
                  verify: Callable[[Source], bool], timeout: float,
-                 buffers: _ChunkBuffers) -> None:
+                 buffers: ChunkBuffers) -> None:
         self.worker, self.manifests, self.verify, self.timeout = worker, manifests, verify, timeout
         self.model, self.version = where["model"], where["version"]
         self.holders = [list(s["holders"]) for s in where["shards"]]
@@ -265,6 +267,11 @@ class _ShardReader:
         self.verify_peak_bytes = buffers.nbytes
 
     def __call__(self, shard: int, offset: int, out: torch.Tensor) -> None:
+        """Fill ``out`` with the bytes at ``offset`` of ``shard``, from its best holder left.
+
+        Raises:
+            FetchError: no holder of the shard could serve them.
+        """
         errors = []
         for holder in self.holders[shard]:
             if holder in self.failed or holder not in self.addresses:
@@ -373,7 +380,7 @@ class ReshardReader:
         self.budget, self.scale_suffix, self.timeout = budget, scale_suffix, timeout
         self._verify = verify_rule(verify)
         self._staging = torch.empty(0, dtype=torch.uint8)
-        self._chunks = _ChunkBuffers()
+        self._chunks = ChunkBuffers()
 
     def fetch(self, dst: Mapping[str, torch.Tensor], version: int | str = "latest", *,
               wanted_dtypes: Mapping[str, torch.dtype] | None = None) -> ReshardStats:
@@ -412,7 +419,7 @@ class ReshardReader:
         wanted = [WantedTensor(name=n, layout=r.wanted, dtype=dtypes.get(n, dst[n].dtype))
                   for n, r in self.tensors.items()]
         plan: StagingPlan = plan_staging(held, wanted, rank=self.rank, budget=self.budget)
-        read = _ShardReader(self.worker, where, manifests, verify=self._verify,
+        read = ShardReader(self.worker, where, manifests, verify=self._verify,
                             timeout=self.timeout, buffers=self._chunks)
         staged = run_staging(plan, read, dst, staging=self._staging_for(plan, dst))
         stats = ReshardStats(version=where["version"], seconds=time.monotonic() - start,

@@ -47,10 +47,10 @@ from weightfabric.fabric.errors import (
 from weightfabric.fabric.fetch import FetchOptions, FetchStats, verify_rule
 from weightfabric.fabric.manifest import Manifest
 from weightfabric.fabric.relayout.derive import PublishedVersion, Staging, derive
-from weightfabric.fabric.relayout.reader import _ChunkBuffers, _ShardReader
+from weightfabric.fabric.relayout.reader import ChunkBuffers, ShardReader
 from weightfabric.fabric.relayout.rules import BoundLayout, EngineLayout
 from weightfabric.fabric.store import FetchFuture, ModelStore
-from weightfabric.fabric.tensorset import ALIGNMENT, layout_manifest
+from weightfabric.fabric.tensorset import ALIGNMENT, DEFAULT_CHUNK_SIZE, layout_manifest
 from weightfabric.kernels import plan_layout
 
 if TYPE_CHECKING:
@@ -101,10 +101,10 @@ class LayoutStore:
         self.budget, self.derive_wait, self.timeout = budget, derive_wait, timeout
         self.name = layout.derived_model(model, rank)
         """The hub's name of this layout and rank's derived replicas."""
-        kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
-        self.store: ModelStore = worker.model(self.name, device=device, **kwargs)
+        self.store: ModelStore = worker.model(self.name, device=device,
+                                              chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
         """The derived model's store: its buffers, exposure, retract and release."""
-        self._chunks = _ChunkBuffers()
+        self._chunks = ChunkBuffers()
         self._staging = Staging()
 
     # ---------------------------------------------------------------- state
@@ -246,7 +246,7 @@ class LayoutStore:
                 register: bool) -> tuple[Buffer, LayoutFetchStats]:
         """Derive ``number`` into a spare buffer; with ``register``, commit it at the hub."""
         hub, start = self.worker.hub, time.monotonic()
-        reader = _ShardReader(self.worker, where, manifests, verify=verify_rule(verify),
+        reader = ShardReader(self.worker, where, manifests, verify=verify_rule(verify),
                               timeout=self.timeout, buffers=self._chunks)
 
         def fill(dst: dict[str, torch.Tensor]) -> None:

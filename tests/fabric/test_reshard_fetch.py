@@ -333,9 +333,9 @@ def test_a_kept_reader_fetches_each_new_version_in_the_same_buffers(published):
 
 
 def test_the_chunk_cache_keeps_the_most_recently_used_chunks_in_its_slots():
-    from weightfabric.fabric.relayout.reader import _CACHED_CHUNKS, _ChunkBuffers
+    from weightfabric.fabric.relayout.reader import _CACHED_CHUNKS, ChunkBuffers
 
-    buffers = _ChunkBuffers()
+    buffers = ChunkBuffers()
     chunk = {c: torch.full((8,), c, dtype=torch.uint8) for c in range(_CACHED_CHUNKS + 2)}
     buffers.put((0, _CACHED_CHUNKS), chunk[_CACHED_CHUNKS][:5], 8)  # a shorter last chunk
     slots = buffers._slots.data_ptr()
