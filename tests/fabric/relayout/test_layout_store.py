@@ -117,3 +117,17 @@ def test_a_reader_derives_again_when_the_derived_replicas_are_gone(workers):
     stats = b.fetch(v)
     assert stats.derived and set(stats.sources) == {"trainer"}
     _check(b, layout, weights, 0)
+
+
+def test_a_trainer_publishes_straight_into_a_layout_and_readers_copy_it(workers):
+    """The trainer derives its own version for a layout rank; readers never read its plain bytes."""
+    trainer = workers.join("trainer")
+    weights = _weights(4)
+    v = trainer.model("policy", chunk_size=CHUNK).publish(weights)
+    layout = _layout()
+    own = trainer.layout_model("policy", layout, rank=1, chunk_size=CHUNK)
+    assert own.fetch(v).derived                       # derived in the trainer's process
+    reader = workers.join("r").layout_model("policy", layout, rank=1, chunk_size=CHUNK)
+    stats = reader.fetch(v)
+    assert not stats.derived and set(stats.sources) == {"trainer"}
+    _check(reader, layout, weights, 1)
