@@ -547,13 +547,14 @@ class ModelStore:
         return FetchFuture(self, inner)
 
     def produce(self, version: int, fill: Callable[[dict[str, torch.Tensor]], object],
-                announce: Callable[[Manifest], object]) -> Buffer:
+                announce: Callable[[Manifest], object] | None) -> Buffer:
         """Make ``version`` here: fill a spare buffer, expose it whole, announce it.
 
         For versions computed rather than read (a derived layout): the spare buffer is
         exposed as a partial replica while ``fill`` writes its tensors (name -> views of
         the buffer in the store's layout), then as complete, and ``announce`` gets the
-        manifest with the checksums of what was made (to commit it at the hub). The
+        manifest with the checksums of what was made (to commit it at the hub). With
+        ``announce=None`` the version is kept private: not exposed, no checksums. The
         buffer comes back reserved for a `FetchFuture` (see `submit`). If ``fill`` or
         ``announce`` raises, the exposure is withdrawn and the error propagates.
 
@@ -563,16 +564,23 @@ class ModelStore:
         if self.layout is None:
             raise FabricError(f"model {self.model!r}: produce needs the store's layout")
         layout = self.layout
-        buffer, progress = self._expose_spare(version, self.chunk_size)
+        progress: ChunkProgress | None = None
+        if announce is not None:
+            buffer, progress = self._expose_spare(version, self.chunk_size)
+        else:
+            with self._lock:
+                buffer = self._spare_buffer()
+                buffer.version = version
         try:
             self._ready(buffer)  # the background populate must not write under fill
             fill(views(layout, buffer.region.tensor))
-            manifest = manifest_of(layout, buffer.region.tensor, self.chunk_size)
-            for chunk in range(manifest.num_chunks):
-                progress.mark(chunk)
             with self._lock:
                 buffer.pending = True
-            announce(manifest)
+            if announce is not None and progress is not None:
+                manifest = manifest_of(layout, buffer.region.tensor, self.chunk_size)
+                for chunk in range(manifest.num_chunks):
+                    progress.mark(chunk)
+                announce(manifest)
         except BaseException:
             buffer.pending = False
             self._unexpose(buffer, timeout=FAILED_DRAIN_S)

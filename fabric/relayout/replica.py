@@ -244,7 +244,10 @@ class LayoutStore:
     def _derive(self, number: int, bound: BoundLayout, published: PublishedVersion,
                 where: dict, manifests: list[Manifest], verify: bool | None, *,
                 register: bool) -> tuple[Buffer, LayoutFetchStats]:
-        """Derive ``number`` into a spare buffer; with ``register``, commit it at the hub."""
+        """Derive ``number`` into a spare buffer; with ``register``, expose and commit it.
+
+        Unregistered (a holder the hub lists could not be read), the version stays private.
+        """
         hub, start = self.worker.hub, time.monotonic()
         reader = ShardReader(self.worker, where, manifests, verify=verify_rule(verify),
                               timeout=self.timeout, buffers=self._chunks)
@@ -256,11 +259,10 @@ class LayoutStore:
                       stats.reads)
 
         def announce(manifest: Manifest) -> None:
-            if register:
-                hub.commit(self.name, number, checksums=list(manifest.checksums))
+            hub.commit(self.name, number, checksums=list(manifest.checksums))
 
         try:
-            buffer = self.store.produce(number, fill, announce)
+            buffer = self.store.produce(number, fill, announce if register else None)
         except BaseException as exc:
             if not register:
                 raise

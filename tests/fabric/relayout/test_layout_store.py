@@ -131,3 +131,23 @@ def test_a_trainer_publishes_straight_into_a_layout_and_readers_copy_it(workers)
     stats = reader.fetch(v)
     assert not stats.derived and set(stats.sources) == {"trainer"}
     _check(reader, layout, weights, 1)
+
+
+def test_a_listed_holder_that_cannot_be_read_makes_the_reader_derive_privately(workers):
+    """A's read server is gone while the hub still lists A: B derives and keeps it private."""
+    trainer = workers.join("trainer")
+    weights = _weights(5)
+    v = trainer.model("policy", chunk_size=CHUNK).publish(weights)
+    layout = _layout()
+    a_worker = workers.join("a")
+    a = a_worker.layout_model("policy", layout, rank=0, chunk_size=CHUNK)
+    assert a.fetch(v).derived
+    a_worker.server.close()                        # registered, heartbeating, unreadable
+    b = workers.join("b").layout_model("policy", layout, rank=0, chunk_size=CHUNK)
+    stats = b.fetch(v)
+    assert stats.derived and set(stats.sources) == {"trainer"}
+    _check(b, layout, weights, 0)
+    with workers.connect() as client:
+        holders = client.locate(a.name, v)["shards"][0]["holders"]
+    assert holders == ["a"]                        # B's private copy is not registered
+    assert b.store.pool.active is not None and b.store.pool.active.exposed is None
