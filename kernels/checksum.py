@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from weightfabric.kernels.dispatch import choose_backend
+from weightfabric.kernels.native import mixed_sums
 
 K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -226,7 +227,8 @@ def chunk_checksums(buffer: torch.Tensor, chunk_size: int, *, first_chunk: int =
         first_chunk: index of the buffer's first chunk in the whole byte space, so
             that a slice starting at chunk ``c`` can be verified on its own:
             ``chunk_checksums(buf[c*cs:], cs, first_chunk=c) == chunk_checksums(buf, cs)[c:]``.
-        backend: ``"triton"``, ``"torch"`` or None (Triton on CUDA tensors).
+        backend: ``"triton"``, ``"torch"`` or None (Triton on CUDA tensors; on CPU ones the
+            compiled loop of `kernels.native`, or the torch reference without a compiler).
 
     Returns:
         int64 tensor ``[ceil(len / chunk_size)]`` on the buffer's device.
@@ -235,8 +237,26 @@ def chunk_checksums(buffer: torch.Tensor, chunk_size: int, *, first_chunk: int =
         TypeError: buffer not uint8.  ValueError: bad shape, length, alignment or chunk size.
     """
     if choose_backend(backend, buffer, op="chunk_checksums") == "torch":
+        if backend is None:  # a CPU tensor: the compiled loop where the machine built one
+            native = chunk_checksums_native(buffer, chunk_size, first_chunk=first_chunk)
+            if native is not None:
+                return native
         return chunk_checksums_ref(buffer, chunk_size, first_chunk=first_chunk)
     return chunk_checksums_triton(buffer, chunk_size, first_chunk=first_chunk)
+
+
+def chunk_checksums_native(buffer: torch.Tensor, chunk_size: int, *,
+                           first_chunk: int = 0) -> torch.Tensor | None:
+    """`chunk_checksums` of a CPU buffer in one fused pass (`kernels.native`), or None.
+
+    None where no compiled loop could be built (no C compiler, ``WEIGHTFABRIC_NATIVE=0``).
+    """
+    _check(buffer, chunk_size, first_chunk)
+    if buffer.device.type != "cpu":
+        raise ValueError(f"checksum: the native loop reads host memory, got {buffer.device}")
+    chunk_words = chunk_size // 4
+    sums = mixed_sums(buffer.view(torch.uint32), chunk_words, first_chunk * chunk_words)
+    return None if sums is None else _finish(sums, buffer.numel(), chunk_size)
 
 
 def aot_specs() -> list[tuple[object, dict[str, str], dict[str, int]]]:

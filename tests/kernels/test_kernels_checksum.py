@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightfabric.kernels import checksum
+from weightfabric.kernels import checksum, native
 from weightfabric.kernels.checksum import (
     chunk_checksums,
     chunk_checksums_ref,
@@ -101,3 +101,67 @@ def test_triton_at_every_word_alignment_and_chunk_edge(monkeypatch, lead, chunk)
     for block in (16, 64):
         assert torch.equal(chunk_checksums_triton(b, chunk, first_chunk=2, block=block), want)
     assert torch.equal(chunk_checksums_triton(b, chunk, first_chunk=2, split=1), want)
+
+
+# --- the compiled CPU loop (kernels.native) --------------------------------------------------
+
+needs_native = pytest.mark.skipif(native.checksum_library() is None,
+                                  reason="no C compiler built the native checksum")
+
+
+@needs_native
+@pytest.mark.parametrize("nbytes,chunk,first_chunk,lead", [
+    (4, 4, 0, 0), (4 * 1031, 400, 3, 4), (4 * 37 * 131, 1028, 0, 12),
+    (9 << 20, 1 << 20, 5, 0),            # split over threads inside and across chunks
+    (12 << 20, 12 << 20, 0, 8),          # one chunk larger than a thread's share
+])
+def test_native_matches_torch_and_triton_bit_exact(monkeypatch, nbytes, chunk, first_chunk, lead):
+    monkeypatch.setattr(native, "_MIN_TASK_WORDS", 1 << 16)   # threads even for small buffers
+    b = _buf(nbytes + lead)[lead:]
+    ref = chunk_checksums_ref(b, chunk, first_chunk=first_chunk)
+    got = checksum.chunk_checksums_native(b, chunk, first_chunk=first_chunk)
+    assert got is not None and torch.equal(got, ref)
+    assert torch.equal(chunk_checksums(b, chunk, first_chunk=first_chunk), ref)  # the default
+    if nbytes < 1 << 16:
+        assert torch.equal(chunk_checksums_triton(b, chunk, first_chunk=first_chunk), ref)
+
+
+@needs_native
+def test_native_detects_a_flipped_bit_a_swap_and_a_truncation():
+    b = _buf(1 << 16)
+    base = checksum.chunk_checksums_native(b, 4096)
+    flipped = b.clone()
+    flipped[5000] ^= 1
+    swapped = b.clone().view(torch.int32)
+    swapped[[10, 11]] = swapped[[11, 10]]
+    assert base is not None
+    for bad in (flipped, swapped.view(torch.uint8)):
+        got = checksum.chunk_checksums_native(bad, 4096)
+        assert got is not None and int((got != base).sum()) == 1
+    short = checksum.chunk_checksums_native(b[:-4], 4096)
+    assert short is not None and short[-1] != base[-1]
+
+
+def test_without_the_native_loop_cpu_checksums_use_the_torch_reference(monkeypatch):
+    monkeypatch.setenv("WEIGHTFABRIC_NATIVE", "0")
+    native.checksum_library.cache_clear()
+    try:
+        b = _buf(4 * 1031)
+        assert checksum.chunk_checksums_native(b, 400) is None
+        assert torch.equal(chunk_checksums(b, 400), chunk_checksums_ref(b, 400))
+    finally:
+        native.checksum_library.cache_clear()
+
+
+def test_the_native_library_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("WEIGHTFABRIC_CACHE", str(tmp_path))
+    native.checksum_library.cache_clear()
+    try:
+        if native.checksum_library() is None:
+            pytest.skip("no C compiler")
+        built = list(tmp_path.glob("checksum-*.so"))
+        assert len(built) == 1
+        native.checksum_library.cache_clear()
+        assert native.checksum_library() is not None and list(tmp_path.glob("checksum-*.so")) == built
+    finally:
+        native.checksum_library.cache_clear()
