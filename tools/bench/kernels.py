@@ -38,6 +38,7 @@ from weightfabric.kernels import (
     reshard,
     unpack,
 )
+from weightfabric.kernels.native import checksum_library
 from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
 
 
@@ -111,8 +112,13 @@ def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[K
         median_seconds(lambda: [outs[s.name].view(-1).copy_(buf[s.offset:s.offset + s.nbytes].view(
             torch.bfloat16)) for s in lay], device, repeat))
     cs = 4 << 20 if device.type == "cuda" else 1 << 20
-    add("checksum", nbytes, median_seconds(lambda: chunk_checksums(buf[:nbytes // 4 * 4], cs), device, repeat),
+    words = buf[:nbytes // 4 * 4]
+    add("checksum", nbytes, median_seconds(lambda: chunk_checksums(words, cs), device, repeat),
         "copy_ of the same bytes", t_copy / 2)
+    if device.type == "cpu" and checksum_library() is not None:  # the default: the C loop
+        rows[-1]["backend"] = "native (C)"
+        add("checksum", nbytes, median_seconds(lambda: chunk_checksums(words, cs, backend="torch"),
+                                               device, repeat), "copy_ of the same bytes", t_copy / 2)
 
     w = ts["layers.0.gate_up"]
     wb = w.numel() * 2
