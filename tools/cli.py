@@ -24,6 +24,7 @@ from weightfabric.tools.command import (  # noqa: F401 (re-exported: the exit co
 )
 
 COMMAND_MODULES = ["weightfabric.tools.demo_cmd", "weightfabric.tools.topo_cmd",
+                   "weightfabric.tools.layout_cmd",
                    "weightfabric.tools.bench_cmd", "weightfabric.tools.hub_cmd"]
 
 
