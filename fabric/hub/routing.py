@@ -36,14 +36,31 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]]
     ranked = ranked_replicas(v, shard, workers[reader].location, workers=workers, load=load,
                              rank_sources=rank_sources,
                              keep=lambda r: r.worker != reader and r.worker not in banned)
-    reps = _reach(ranked, max_sources)
+    if not need:
+        return [], set(), []
+    # The best-ranked partial replicas are enough for a plan; all of them only when some
+    # chunk has no source among those (hundreds of readers fetching one version would
+    # otherwise make every plan cost hundreds of numpy steps).
+    reps = _reach(ranked, max_sources, partial_limit=PARTIAL_LIMIT)
+    out = _route(v, shard, reader, need, reps, max_sources)
+    if out[2] and len(reps) < len(_reach(ranked, max_sources)):
+        out = _route(v, shard, reader, need, _reach(ranked, max_sources), max_sources)
+    return out
+
+
+PARTIAL_LIMIT = 16
+"""Partial replicas a plan considers first (the best-ranked), beside the complete ones."""
+
+
+def _route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]],
+           reps: list[Replica], max_sources: int
+           ) -> tuple[list[PlanRangeWire], set[str], list[int]]:
+    """`route` over the candidate replicas ``reps`` (ranked)."""
     # A reader waits only on partial replicas that began fetching before it did:
     # waits then follow start order, so two readers never wait on each other.
     order = {key: i for i, key in enumerate(v.replicas)}
     mine = order[(reader, shard)]
     earlier = [order[(r.worker, shard)] < mine for r in reps]
-    if not need:
-        return [], set(), []
     sources = max(max_sources, 1)
     starts, stops = _stretches(reps, need)
     picks = _picks(reps, starts, earlier, sources)
@@ -137,18 +154,27 @@ def _sorted_unique(a: np.ndarray) -> np.ndarray:
     return a[np.r_[True, a[1:] != a[:-1]]] if a.size else a
 
 
-def _reach(reps: list[Replica], max_sources: int) -> list[Replica]:
-    """The prefix of ranked ``reps`` that `_picks` can reach.
+def _reach(reps: list[Replica], max_sources: int, *, partial_limit: int | None = None
+           ) -> list[Replica]:
+    """The ranked ``reps`` that `_picks` can reach, in order.
 
-    It stops by the ``max_sources``-th complete replica (by the first when ``max_sources``
-    <= 1).
+    They stop by the ``max_sources``-th complete replica (by the first when ``max_sources``
+    <= 1); with ``partial_limit``, only that many partial replicas (the best-ranked) are
+    kept among them.
     """
-    complete = 0
-    for i, r in enumerate(reps):
-        complete += r.complete
+    out: list[Replica] = []
+    complete = partial = 0
+    for r in reps:
+        if r.complete:
+            complete += 1
+        elif partial_limit is not None and partial >= partial_limit:
+            continue
+        else:
+            partial += 1
+        out.append(r)
         if complete >= max(max_sources, 1):
-            return reps[:i + 1]
-    return reps
+            break
+    return out
 
 
 def runs(chunks: list[int]) -> list[tuple[int, int]]:

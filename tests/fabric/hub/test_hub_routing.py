@@ -1,4 +1,4 @@
-"""`route` against the per-chunk algorithm it replaced, on random versions and readers."""
+"""`route` against a per-chunk oracle (with its cap on partial replicas), on random versions and readers."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from weightfabric.fabric.hub import routing
 from weightfabric.fabric.hub.records import LIVE, RETRACTING, Replica, VersionRecord, WorkerRecord
 from weightfabric.fabric.hub.routing import missing_runs, ranked_replicas, route, runs
 from weightfabric.fabric.locality import Location, RankSources, SourceCandidate, rank_by_locality
@@ -19,16 +20,29 @@ READER = "reader"
 
 def reference_route(v: VersionRecord, shard: int, reader: str, need: list[int], *,
                     banned: set[str], workers: dict[str, WorkerRecord], load: Counter[str],
-                    rank_sources: RankSources, max_sources: int
+                    rank_sources: RankSources, max_sources: int,
+                    partial_limit: int = routing.PARTIAL_LIMIT
                     ) -> tuple[list[dict[str, Any]], set[str], list[int]]:
-    """The oracle: `route` as it was, one chunk and one ranked replica at a time.
+    """The oracle: `route` one chunk and one ranked replica at a time.
 
-    The oracle: `route` as it was, one chunk and one ranked replica at a time (the replicas
-    ranked as `route` ranks them: that part did not change).
+    The replicas are ranked as `route` ranks them; only the ``partial_limit`` best-ranked
+    partial replicas are candidates (and the complete ones), unless some needed chunk then
+    has no source: then all are.
     """
     reps = ranked_replicas(v, shard, workers[reader].location, workers=workers, load=load,
                            rank_sources=rank_sources,
                            keep=lambda r: r.worker != reader and r.worker not in banned)
+    partials = [r for r in reps if not r.complete][:partial_limit]
+    capped = [r for r in reps if r.complete or r in partials]
+    out = _reference_over(v, shard, reader, need, capped, max_sources)
+    if out[2] and len(capped) < len(reps):
+        out = _reference_over(v, shard, reader, need, reps, max_sources)
+    return out
+
+
+def _reference_over(v: VersionRecord, shard: int, reader: str, need: list[int],
+                    reps: list[Replica], max_sources: int
+                    ) -> tuple[list[dict[str, Any]], set[str], list[int]]:
     order = {key: i for i, key in enumerate(v.replicas)}
     mine = order[(reader, shard)]
     ranges: list[dict[str, Any]] = []
@@ -119,11 +133,15 @@ def scenarios(draw):
 
 
 @settings(max_examples=600, deadline=None)
-@given(scenarios())
-def test_route_matches_the_per_chunk_algorithm(case):
+@given(scenarios(), st.sampled_from([16, 1, 2]))
+def test_route_matches_the_per_chunk_algorithm(case, partial_limit):
     v, need, kwargs = case
-    expected = reference_route(v, 0, READER, list(need), **kwargs)
-    wire, named, missing = route(v, 0, READER, runs(need), **kwargs)
+    expected = reference_route(v, 0, READER, list(need), partial_limit=partial_limit, **kwargs)
+    saved, routing.PARTIAL_LIMIT = routing.PARTIAL_LIMIT, partial_limit
+    try:
+        wire, named, missing = route(v, 0, READER, runs(need), **kwargs)
+    finally:
+        routing.PARTIAL_LIMIT = saved
     ranges = [msgspec.structs.asdict(r) for r in wire]
     assert (ranges, named, missing) == expected
     assert all(type(c) is int for c in missing)                   # plain ints for the wire
