@@ -13,7 +13,8 @@ from weightfabric.tools.bench.fetch import bench_fetch
 
 KEYS = {"readers", "bytes", "verified", "per_reader_gbps", "aggregate_gbps",
         "trainer_egress_bytes", "memcpy_gbps", "gloo_broadcast_gbps", "versions",
-        "cold_aggregate_gbps", "targets"}
+        "cold_aggregate_gbps", "targets", "publish_seconds", "from_publish_seconds",
+        "from_publish_aggregate_gbps"}
 
 
 def test_bench_fetch_two_readers_is_bit_exact_and_reports_every_key():
@@ -23,6 +24,11 @@ def test_bench_fetch_two_readers_is_bit_exact_and_reports_every_key():
     assert result["readers"] == 2 and len(result["per_reader_gbps"]) == 2
     assert result["bytes"] >= 16 << 20
     assert all(g > 0 for g in result["per_reader_gbps"]) and result["aggregate_gbps"] > 0
+    # timed from the publish, the same job is slower than its fetch phase alone
+    assert 0 < result["publish_seconds"] < result["from_publish_seconds"]
+    assert result["from_publish_aggregate_gbps"] < result["aggregate_gbps"]
+    assert result["targets"]["aggregate_vs_gloo"]["value"] == pytest.approx(
+        result["from_publish_aggregate_gbps"] / result["gloo_broadcast_gbps"])
     # the readers pipeline: the trainer serves each version at most twice
     assert 0 < result["trainer_egress_bytes"] <= 2 * result["bytes"]
     assert [v["version"] for v in result["versions"]] == [1, 2]

@@ -10,7 +10,8 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
 - ``{"op": "join", "url", "name", "location", "host", "chunk_size", "device", "attach"}``
   -> ``{}``: join, and open the model's store on ``device`` (default ``cpu``); with
   ``attach: N``, attach `bench_tensors(N, 0)` to it, as a rollout attaches its model.
-- ``{"op": "publish", "size": N, "seed": S}`` -> ``{"version", "bytes", "tensor_bytes"}``:
+- ``{"op": "publish", "size": N, "seed": S}`` -> ``{"version", "bytes", "tensor_bytes",
+  "start", "end"}`` (wall clock of the publish):
   publish `bench_tensors(N, S)` (snapshot); each later publish first adds 1 to
   every byte, so versions differ without generating them again.
 - ``{"op": "fetch", "version": V}`` -> fetch stats plus ``start`` / ``end`` (wall
@@ -145,10 +146,13 @@ class Agent:
                 for t in self._tensors.values():
                     t.reshape(-1).view(torch.uint8).add_(1)
             tensors = self._tensors
+            start = time.time()
             version = self.store.publish(tensors)
+            end = time.time()
             assert self.store.layout is not None, "a publish sets the store's layout"
             return {"version": version, "bytes": self.store.layout.nbytes,
-                    "tensor_bytes": [t.numel() * t.element_size() for t in tensors.values()]}
+                    "tensor_bytes": [t.numel() * t.element_size() for t in tensors.values()],
+                    "start": start, "end": end}
         if op == "fetch":
             last = [0.0]
 

@@ -12,9 +12,13 @@ over CUDA IPC; the run adds the receive-path reshard (staged and direct, bf16 an
 fp8) and NVSHMEM reads between ``--nvshmem-pes`` PEs (`tools.bench.gpu_paths`). There is no broadcast baseline there: NCCL needs one
 GPU per rank.
 
-GB/s are 1e9 bytes/s. Per reader: model bytes / its fetch time (hub plan
-included). Aggregate: readers x model bytes / (last reader's end - first
-reader's start). Gloo: readers x bytes / slowest reader's time.
+GB/s are 1e9 bytes/s. Which phase each figure covers: ``from_publish_*`` from
+the start of the trainer's ``publish`` (the new weights are ready) until the last
+reader holds them (publish, its checksums and every fetch): the time a user waits,
+compared with gloo's whole broadcast in the targets. ``aggregate_gbps``: the
+readers' fetch phase only, readers x model bytes / (last reader's end - first
+reader's start). Per reader: model bytes / its fetch time (hub plan included).
+Gloo: readers x bytes / slowest reader's time, from tensors ready on rank 0.
 """
 
 from __future__ import annotations
@@ -200,10 +204,14 @@ def _round(pub: dict[str, Any], fetched: list[dict[str, Any]], egress: int,
     """The figures of one version: every reader's fetch, the trainer's egress."""
     model_bytes = int(pub["bytes"])
     span = max(f["end"] for f in fetched) - min(f["start"] for f in fetched)
+    from_publish = max(f["end"] for f in fetched) - pub["start"]
     return {
         "version": pub["version"],
         "bytes": model_bytes,
         "verified": verified,
+        "publish_seconds": pub["end"] - pub["start"],
+        "from_publish_seconds": from_publish,
+        "from_publish_aggregate_gbps": len(fetched) * model_bytes / from_publish / 1e9,
         "per_reader_gbps": [model_bytes / (f["end"] - f["start"]) / 1e9 for f in fetched],
         "per_reader_seconds": [f["end"] - f["start"] for f in fetched],
         "per_reader_engine_seconds": [f["seconds"] for f in fetched],
@@ -224,7 +232,8 @@ def _targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if r["readers"] == 1:
         ratio = r["aggregate_gbps"] / r["memcpy_gbps"]
         return {"one_reader_vs_memcpy": {"value": ratio, "goal": ">= 0.70", "met": ratio >= 0.70}}
-    ratio = r["aggregate_gbps"] / r["gloo_broadcast_gbps"]
+    # like with like: gloo's time is the whole job, so the fabric's counts from the publish
+    ratio = r["from_publish_aggregate_gbps"] / r["gloo_broadcast_gbps"]
     egress = r["trainer_egress_per_model"]
     return {"aggregate_vs_gloo": {"value": ratio, "goal": "> 1.0", "met": ratio > 1.0},
             "trainer_egress_per_model": {"value": egress, "goal": "<= 2.0", "met": egress <= 2.0}}
@@ -266,7 +275,11 @@ def _table(r: dict[str, Any], console: Console) -> None:
                         f"reads up to {r['read_bytes'] / (1 << 20):g} MiB")
     table.add_column("measure")
     table.add_column("value", justify="right")
-    table.add_row("fabric aggregate GB/s", f"{r['aggregate_gbps']:.2f}")
+    table.add_row("fabric aggregate GB/s, from publish (ready -> every reader has it)",
+                  f"{r['from_publish_aggregate_gbps']:.2f}")
+    table.add_row("  publish s / until the last reader s",
+                  f"{r['publish_seconds']:.3f} / {r['from_publish_seconds']:.3f}")
+    table.add_row("fabric aggregate GB/s, fetch phase only", f"{r['aggregate_gbps']:.2f}")
     for i, (gbps, src) in enumerate(zip(r["per_reader_gbps"], r["per_reader_sources"], strict=True)):
         origin = ", ".join(f"{w} {b / r['bytes']:.0%}" for w, b in sorted(src.items()))
         table.add_row(f"  reader-{i} GB/s", f"{gbps:.2f}  ({origin})")
