@@ -115,9 +115,18 @@ def checksum_library() -> ctypes.CDLL | None:
     return None
 
 
+def _threads() -> int:
+    """How many threads a large buffer is split over: torch's intra-op count."""
+    return torch.get_num_threads()
+
+
 @functools.cache
 def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="wf-checksum")
+
+
+# A forked child has the parent's pool object but none of its threads: start afresh.
+os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
 def mixed_sums(words: torch.Tensor, chunk_words: int, base: int) -> torch.Tensor | None:
@@ -132,7 +141,7 @@ def mixed_sums(words: torch.Tensor, chunk_words: int, base: int) -> torch.Tensor
         return None
     n = words.numel()
     num_chunks = -(-n // chunk_words)
-    threads = max(1, min(torch.get_num_threads(), n // _MIN_TASK_WORDS))
+    threads = max(1, min(_threads(), n // _MIN_TASK_WORDS))
     parts = torch.zeros(threads, max(num_chunks, 1), dtype=torch.int64)
     bounds = [n * t // threads for t in range(threads + 1)]
     ptr, out = words.data_ptr(), parts.data_ptr()

@@ -165,3 +165,33 @@ def test_the_native_library_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
         assert native.checksum_library() is not None and list(tmp_path.glob("checksum-*.so")) == built
     finally:
         native.checksum_library.cache_clear()
+
+
+_FORK_BUFFER = _buf(16 << 20, seed=3)
+
+
+def _checksum_in_child(queue, expected) -> None:
+    got = checksum.chunk_checksums_native(_FORK_BUFFER, 1 << 20)   # no torch thread pool here
+    queue.put(got is not None and got.tolist() == expected)
+
+
+@needs_native
+def test_a_forked_child_checksums_with_threads_of_its_own(monkeypatch):
+    """The parent's thread pool does not survive a fork; the child must not wait on it."""
+    import multiprocessing
+
+    monkeypatch.setattr(native, "_MIN_TASK_WORDS", 1 << 16)
+    monkeypatch.setattr(native, "_threads", lambda: 2)
+    expected = chunk_checksums_ref(_FORK_BUFFER, 1 << 20).tolist()
+    assert checksum.chunk_checksums_native(_FORK_BUFFER, 1 << 20).tolist() == expected  # pool up
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_checksum_in_child, args=(queue, expected))
+    child.start()
+    try:
+        assert queue.get(timeout=60) is True
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join()
