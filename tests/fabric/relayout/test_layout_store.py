@@ -44,6 +44,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
+def _published(workers, seed):
+    """A trainer worker that published `_weights` (seed); returns it, the weights, the version."""
+    trainer = workers.join("trainer")
+    weights = _weights(seed)
+    return trainer, weights, trainer.model("policy", chunk_size=CHUNK).publish(weights)
+
+
 def _check(store, layout, weights, rank):
     want = derive_reference(layout, weights, rank)
     got = store.tensors
@@ -55,9 +62,7 @@ def _check(store, layout, weights, rank):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_first_reader_derives_and_the_next_copies_from_it(workers, fp8):
-    trainer = workers.join("trainer")
-    weights = _weights(1)
-    v = trainer.model("policy", chunk_size=CHUNK).publish(weights)
+    _, weights, v = _published(workers, 1)
     layout = _layout(fp8=fp8)
     a = workers.join("a").layout_model("policy", layout, rank=0, chunk_size=CHUNK)
     first = a.fetch()
@@ -106,9 +111,7 @@ def test_a_layout_that_does_not_fit_fails_before_any_read(workers):
 
 
 def test_a_reader_derives_again_when_the_derived_replicas_are_gone(workers):
-    trainer = workers.join("trainer")
-    weights = _weights(3)
-    v = trainer.model("policy", chunk_size=CHUNK).publish(weights)
+    _, weights, v = _published(workers, 3)
     layout = _layout()
     first = workers.join("a")
     assert first.layout_model("policy", layout, rank=0, chunk_size=CHUNK).fetch(v).derived
@@ -121,9 +124,7 @@ def test_a_reader_derives_again_when_the_derived_replicas_are_gone(workers):
 
 def test_a_trainer_publishes_straight_into_a_layout_and_readers_copy_it(workers):
     """The trainer derives its own version for a layout rank; readers never read its plain bytes."""
-    trainer = workers.join("trainer")
-    weights = _weights(4)
-    v = trainer.model("policy", chunk_size=CHUNK).publish(weights)
+    trainer, weights, v = _published(workers, 4)
     layout = _layout()
     own = trainer.layout_model("policy", layout, rank=1, chunk_size=CHUNK)
     assert own.fetch(v).derived                       # derived in the trainer's process
@@ -135,9 +136,7 @@ def test_a_trainer_publishes_straight_into_a_layout_and_readers_copy_it(workers)
 
 def test_a_listed_holder_that_cannot_be_read_makes_the_reader_derive_privately(workers):
     """A's read server is gone while the hub still lists A: B derives and keeps it private."""
-    trainer = workers.join("trainer")
-    weights = _weights(5)
-    v = trainer.model("policy", chunk_size=CHUNK).publish(weights)
+    _, weights, v = _published(workers, 5)
     layout = _layout()
     a_worker = workers.join("a")
     a = a_worker.layout_model("policy", layout, rank=0, chunk_size=CHUNK)
