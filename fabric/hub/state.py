@@ -504,9 +504,7 @@ class HubState:
         check_manifest_size(manifest)
         m = self.models.setdefault(model, ModelRecord(model))
         v = m.versions.get(version)
-        if v is not None and v.state == COMMITTED and not any(
-                r.complete and r.status == LIVE and r.worker in self.workers
-                for r in v.replicas.values()):
+        if v is not None and v.state == COMMITTED and not v.servable():
             self._retire(v, "no live holder left: derived again")  # its holders all left
         if v is not None and v.state != RETIRED:
             return self._derive_answer(v, worker, manifest)
