@@ -37,6 +37,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def dtype_from_name(name: str) -> torch.dtype | None:
+    """The torch dtype a `dtype_name` names (``bfloat16`` -> ``torch.bfloat16``), or None."""
+    dtype = getattr(torch, name, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def named_tensors(obj: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers of a module, or a mapping, checked.
 

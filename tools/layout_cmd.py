@@ -42,12 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _dtype(name: str | None) -> Any:
-    import torch
+    from weightfabric.fabric.tensorset import dtype_from_name
 
     if name is None:
         return None
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = dtype_from_name(name)
+    if dtype is None:
         raise BadInput(f"unknown dtype {name!r} (e.g. bfloat16, float16, float32)")
     return dtype
 
@@ -82,12 +82,10 @@ def describe(config: dict[str, Any], *, tp: int, ep: int, expert_parallel: bool,
 
 
 def _nbytes(t: dict[str, Any]) -> int:
-    import torch
-
     n = 1
     for d in t["shape"]:
         n *= d
-    return n * torch.empty((), dtype=getattr(torch, t["dtype"])).element_size()
+    return n * _dtype(t["dtype"]).itemsize
 
 
 def _after_shared_prefix(name: str, other: str) -> str:

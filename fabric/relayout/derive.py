@@ -34,6 +34,8 @@ from weightfabric.fabric.relayout.rules import (
     assemble,
     quantize_stack,
 )
+from weightfabric.fabric.relayout.staging import Staging
+from weightfabric.fabric.tensorset import dtype_from_name
 
 ReadFn = Callable[[int, int, torch.Tensor], None]
 """``read(shard, byte_offset, out)``: fill ``out`` (contiguous uint8) from that shard."""
@@ -45,8 +47,8 @@ def torch_dtype(name: str) -> torch.dtype:
     Raises:
         LayoutMismatchError: not a torch dtype.
     """
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = dtype_from_name(name)
+    if dtype is None:
         raise LayoutMismatchError(f"the version stores a tensor as {name!r}, not a torch dtype")
     return dtype
 
@@ -131,7 +133,7 @@ def _box(p: Piece, ndim: int) -> list[tuple[int, int]]:
 def _reads(p: Piece, published: PublishedVersion) -> list[_Read]:
     """The reads of shards that fill piece ``p``."""
     dtype = published.tensors[p.source].dtype
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     box = _box(p, len(published.tensors[p.source].shape))
     out = []
     for h in published.held[p.source]:
@@ -167,25 +169,6 @@ class DeriveStats:
     bytes: int = 0
     reads: int = 0
     staging_bytes: int = 0
-
-
-class Staging:
-    """One uint8 buffer reused read after read (and derivation after derivation)."""
-
-    def __init__(self) -> None:
-        self._buffer = torch.empty(0, dtype=torch.uint8)
-
-    @property
-    def nbytes(self) -> int:
-        """Its size now."""
-        return self._buffer.numel()
-
-    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """At least ``nbytes`` bytes on ``device`` (the old buffer is freed before growing)."""
-        if self._buffer.numel() < nbytes or self._buffer.device != device:
-            self._buffer = torch.empty(0, dtype=torch.uint8)
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self._buffer
 
 
 def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
@@ -235,7 +218,7 @@ def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: Staging, b
     A block of whole source rows that lands as one contiguous run of the target, in
     the same dtype, is read straight into the target instead (no staging copy).
     """
-    size = torch.empty((), dtype=r.dtype).element_size()
+    size = r.dtype.itemsize
     direct = _direct_destination(r, stage, size)
     if direct is not None:
         read(r.shard, r.offset, direct)
@@ -288,4 +271,4 @@ def _quantize_into(target: TargetTensor, stage: torch.Tensor, dst: Mapping[str, 
     dst[target.scale[0]].copy_(s)
 
 
-__all__ = ["DeriveStats", "Held", "PublishedVersion", "ReadFn", "Staging", "derive", "torch_dtype"]
+__all__ = ["DeriveStats", "Held", "PublishedVersion", "ReadFn", "derive", "torch_dtype"]

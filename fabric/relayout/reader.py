@@ -49,6 +49,7 @@ from weightfabric.fabric.regions import region_name
 from weightfabric.fabric.relayout.staging import (
     FP8,
     HeldTensor,
+    Staging,
     StagingPlan,
     WantedTensor,
     plan_staging,
@@ -181,14 +182,14 @@ class ChunkBuffers:
     """
 
     def __init__(self) -> None:
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._scratch = Staging()
         self._slots = torch.empty(0, 0, dtype=torch.uint8)
         self._cached: OrderedDict[tuple[int, int], tuple[int, int]] = OrderedDict()
 
     @property
     def nbytes(self) -> int:
         """The memory held: scratch and cache slots."""
-        return self._scratch.numel() + self._slots.numel()
+        return self._scratch.nbytes + self._slots.numel()
 
     def clear(self) -> None:
         """Forget the cached chunks (a new fetch); the memory stays."""
@@ -196,10 +197,7 @@ class ChunkBuffers:
 
     def scratch(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """``nbytes`` of scratch on ``device`` (grown, never shrunk)."""
-        if self._scratch.numel() < nbytes or self._scratch.device != device:
-            self._scratch = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self._scratch[:nbytes]
+        return self._scratch.get(nbytes, device)[:nbytes]
 
     def get(self, key: tuple[int, int]) -> torch.Tensor | None:
         """The cached chunk ``key`` = (shard, chunk), now the most recently used, or None."""
@@ -379,7 +377,7 @@ class ReshardReader:
         self.worker, self.model, self.tensors, self.rank = worker, model, dict(tensors), rank
         self.budget, self.scale_suffix, self.timeout = budget, scale_suffix, timeout
         self._verify = verify_rule(verify)
-        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._staging = Staging()
         self._chunks = ChunkBuffers()
 
     def fetch(self, dst: Mapping[str, torch.Tensor], version: int | str = "latest", *,
@@ -436,10 +434,7 @@ class ReshardReader:
     def _staging_for(self, plan: StagingPlan, dst: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The kept staging buffer, replaced when ``plan`` needs more or another device."""
         device = dst[next(iter(self.tensors))].device if self.tensors else torch.device("cpu")
-        if self._staging.numel() < plan.staging_nbytes or self._staging.device != device:
-            self._staging = torch.empty(0, dtype=torch.uint8)  # free the old one first
-            self._staging = torch.empty(plan.staging_nbytes, dtype=torch.uint8, device=device)
-        return self._staging
+        return self._staging.get(plan.staging_nbytes, device)
 
 
 def fetch_resharded(worker: Worker, model: str, tensors: Mapping[str, Resharding],

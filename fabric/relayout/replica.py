@@ -46,12 +46,12 @@ from weightfabric.fabric.errors import (
 )
 from weightfabric.fabric.fetch import FetchOptions, FetchStats, verify_rule
 from weightfabric.fabric.manifest import Manifest
-from weightfabric.fabric.relayout.derive import PublishedVersion, Staging, derive
+from weightfabric.fabric.relayout.derive import PublishedVersion, derive
 from weightfabric.fabric.relayout.reader import ChunkBuffers, ShardReader
 from weightfabric.fabric.relayout.rules import BoundLayout, EngineLayout
+from weightfabric.fabric.relayout.staging import Staging
 from weightfabric.fabric.store import FetchFuture, ModelStore
-from weightfabric.fabric.tensorset import ALIGNMENT, DEFAULT_CHUNK_SIZE, layout_manifest
-from weightfabric.kernels import plan_layout
+from weightfabric.fabric.tensorset import DEFAULT_CHUNK_SIZE, layout_manifest, layout_of
 
 if TYPE_CHECKING:
     from weightfabric.fabric.buffer_pool import Buffer
@@ -232,7 +232,7 @@ class LayoutStore:
         return (buffer, LayoutFetchStats(**vars(stats))), False
 
     def _set_layout(self, bound: BoundLayout) -> None:
-        layout = plan_layout(bound.tensor_specs(), alignment=ALIGNMENT)
+        layout = layout_of(bound.empty("meta"))
         if self.store.layout is None:
             self.store.layout = layout
         elif self.store.layout != layout:

@@ -72,6 +72,29 @@ def _shape2(shape: Sequence[int]) -> tuple[int, int]:
     return (int(shape[0]), 1) if len(shape) == 1 else (int(shape[0]), int(shape[1]))
 
 
+class Staging:
+    """One uint8 buffer reused read after read (and derivation after derivation)."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    @property
+    def nbytes(self) -> int:
+        """Its size now."""
+        return self._buffer.numel()
+
+    def data_ptr(self) -> int:
+        """The address of the buffer now (the same until it grows or moves)."""
+        return self._buffer.data_ptr()
+
+    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """At least ``nbytes`` bytes on ``device`` (the old buffer is freed before growing)."""
+        if self._buffer.numel() < nbytes or self._buffer.device != device:
+            self._buffer = torch.empty(0, dtype=torch.uint8)
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._buffer
+
+
 @dataclass(frozen=True, kw_only=True)
 class HeldTensor:
     """One logical tensor as the holder stores it.
