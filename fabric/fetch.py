@@ -151,6 +151,10 @@ def verify_rule(verify: bool | None) -> Callable[[Source], bool]:
 ChecksumFn = Callable[[int, torch.Tensor], int]
 """(chunk index, chunk bytes) -> checksum, the same function the publisher used."""
 
+CopyChecksumFn = Callable[[torch.Tensor, torch.Tensor, int], list[int]]
+"""(dst, src, first chunk) -> the checksums of the chunks copied: copies ``src`` into
+``dst`` (chunk-aligned) and checksums them in the same pass, as `ChecksumFn` would."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class FetchOptions:
@@ -196,6 +200,7 @@ class FetchOptions:
 def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress,
                  planner: FetchPlanner, choose: Callable[[Source], Transport],
                  checksums: list[int] | None = None, checksum_fn: ChecksumFn | None = None,
+                 copy_checksums: CopyChecksumFn | None = None,
                  verify: Callable[[Source], bool] = lambda source: True,
                  options: FetchOptions = FetchOptions(),
                  on_chunk: Callable[[int, int], None] | None = None,
@@ -212,6 +217,9 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             `TransportError`, e.g. when it must ask the source and cannot reach it).
         checksums, checksum_fn: expected per-chunk checksums and the function that
             computes one; verification is skipped when either is None.
+        copy_checksums: the same checksums computed while copying, for transports that
+            copy (`Transport.fuses_copy`): a verified read then passes over the bytes
+            once, not twice.
         verify: whether to verify the chunks read from a source (e.g. only over
             slow or remote links).
         options: concurrency and time limits.
@@ -231,8 +239,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             touches `dest` again.
     """
     return _FetchRun(dest, chunk_size=chunk_size, progress=progress, planner=planner,
-                     choose=choose, checksums=checksums, checksum_fn=checksum_fn, verify=verify,
-                     options=options, on_chunk=on_chunk, before_write=before_write,
+                     choose=choose, checksums=checksums, checksum_fn=checksum_fn,
+                     copy_checksums=copy_checksums, verify=verify, options=options, on_chunk=on_chunk, before_write=before_write,
                      cancel=cancel).run()
 
 
@@ -264,6 +272,7 @@ class _FetchRun:
     def __init__(self, dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress,
                  planner: FetchPlanner, choose: Callable[[Source], Transport],
                  checksums: list[int] | None, checksum_fn: ChecksumFn | None,
+                 copy_checksums: CopyChecksumFn | None,
                  verify: Callable[[Source], bool], options: FetchOptions,
                  on_chunk: Callable[[int, int], None] | None,
                  before_write: Callable[[int, int], None] | None,
@@ -271,6 +280,7 @@ class _FetchRun:
         self.dest, self.chunk_size, self.progress = dest, chunk_size, progress
         self.planner, self.choose, self.options = planner, choose, options
         self.checksums, self.checksum_fn, self.verify = checksums, checksum_fn, verify
+        self.copy_checksums = copy_checksums
         self.on_chunk, self.before_write, self.cancel = on_chunk, before_write, cancel
         self.lost_news: Callable[[], set[str]] = getattr(planner, "lost", set)
         self.total = progress.num_chunks
@@ -489,16 +499,30 @@ class _FetchRun:
                 if self.before_write is not None:
                     self.before_write(lo, hi)
                 timeout = max(0.0, min(self.options.read_timeout, self.time_left()))
+                checking = (self.checksums is not None and self.checksum_fn is not None
+                            and self.verify(source))
+                sums: list[int] = []  # of the chunks from span[0], if the copy computed them
+                copy = None
+                if (checking and self.copy_checksums is not None
+                        and getattr(transport, "fuses_copy", False)):
+                    fused = self.copy_checksums
+
+                    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+                        sums.extend(fused(dst, src, span[0]))
                 got = transport.read(source.address, source.region, lo, self.dest[lo:hi],
-                                     timeout=timeout, prefix=True, abort=claim.abort)
+                                     timeout=timeout, prefix=True, abort=claim.abort,
+                                     **({} if copy is None else {"copy": copy}))
                 if got < hi - lo and got % self.chunk_size:
                     raise TransportError(f"source granted {got} bytes, not whole chunks of "
                                          f"{self.chunk_size}")
                 done = span if got == hi - lo else span[:got // self.chunk_size]
                 corrupted: tuple[int, ...] = ()
-                if self.checksums is not None and self.checksum_fn is not None \
-                        and self.verify(source):
-                    corrupted = tuple(c for c in done if self.checksum_fn(c, self.chunk_bytes(c))
+                if checking:
+                    assert self.checksums is not None and self.checksum_fn is not None
+                    fn = self.checksum_fn
+                    if len(sums) >= len(done):
+                        fn = lambda c, _piece: sums[c - span[0]]  # noqa: E731
+                    corrupted = tuple(c for c in done if fn(c, self.chunk_bytes(c))
                                       != self.checksums[c])
         except TransportError as exc:
             return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")

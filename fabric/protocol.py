@@ -31,7 +31,9 @@ import msgspec
 
 from weightfabric.fabric.errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+"""3: manifests carry the NH-style chunk checksums (`kernels.checksum`); a version-2
+peer computes the old mix and would fail every verified read."""
 REQUEST, REPLY, ERROR = 1, 2, 3
 MAX_MESSAGE_SIZE = 16 * 1024 * 1024
 _KINDS = (REQUEST, REPLY, ERROR)

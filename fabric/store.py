@@ -11,7 +11,8 @@ Fresh shared memory is slow to write (each page is allocated, zeroed and mapped
 by a fault: about 0.6-1 s of CPU per GB, against 0.06 s for the copy), so a new host buffer
 populates its pages in a background thread (`Region.populate`); a fetch that
 overtakes it populates each chunk's pages just before writing it, a publish
-finishes the populate first. With ``prepare_spare`` (the default) the store
+finishes the populate first (a trainer's `reserve` at start-up starts it before the
+first publish). With ``prepare_spare`` (the default) the store
 also creates the second buffer of its double buffer as soon as it holds one
 (after `attach`, the first snapshot `publish` or the first `fetch`), so the next
 version lands in memory that is already there. That spare costs the model's size
@@ -100,7 +101,13 @@ from weightfabric.fabric.tensorset import (
 )
 from weightfabric.fabric.transports.selector import TransportSelector
 from weightfabric.fabric.transports.server import Exposure, ReadServer
-from weightfabric.kernels import PackLayout, chunk_checksums, pack
+from weightfabric.kernels import (
+    PackLayout,
+    chunk_checksums,
+    copy_with_checksums,
+    pack,
+    pack_with_checksums,
+)
 
 if TYPE_CHECKING:
     from weightfabric.fabric.gpu.nvshmem_arena import NvshmemRuntime
@@ -301,6 +308,23 @@ class ModelStore:
             self._attached = tensors
             self._activate(buffer)
 
+    def reserve(self, obj: nn.Module | Mapping[str, torch.Tensor], *,
+                dtype: torch.dtype | None = None, normalize_names: bool = True) -> None:
+        """Lay out ``obj`` and start populating the buffer its first snapshot will fill.
+
+        A trainer calls this at start-up, so that its first ``publish(obj)`` copies into
+        memory already faulted in (off the critical path, in the background) instead of
+        paying for fresh pages then (about 0.5-1 s per GB of /dev/shm). Nothing is
+        published or copied. Arguments as for `publish`; a later publish must lay its
+        tensors out the same way. A GPU store only fixes the layout.
+
+        Raises:
+            FabricError, TensorSetError: as `publish` (another layout, bad tensors).
+        """
+        with self._lock:
+            self._adopt(self._prepare(obj, dtype, normalize_names))
+        self._prepare_spare()
+
     # --- publish ---------------------------------------------------------------------
 
     def publish(self, obj: nn.Module | Mapping[str, torch.Tensor] | None = None, *,
@@ -369,7 +393,7 @@ class ModelStore:
                             else prepare(self._require_attached(), dtype=dtype))
                 self._adopt(prepared)
                 buffer = self._ready(self._spare_buffer())
-                self._pack(prepared, buffer)
+                checksums = self._pack(prepared, buffer, self.chunk_size)
             else:
                 self._check_in_place(obj, normalize_names)
                 self._drop_spares()
@@ -377,9 +401,11 @@ class ModelStore:
                 if buffer.exposed is not None:
                     raise FabricError(f"the attached tensors are still exposed as v{buffer.version};"
                                       " retract that version before publishing them again")
+                checksums = None
             assert self.layout is not None
             manifest = manifest_of(self.layout, buffer.region.tensor, self.chunk_size,
-                                   sharding=self.sharding, aliases=tuple(self.aliases.items()))
+                                   checksums=checksums, sharding=self.sharding,
+                                   aliases=tuple(self.aliases.items()))
             version = self.hub.begin_publish(self.model, manifest, shard=self.shard,
                                              num_shards=self.num_shards, group=group)
             previous = buffer.version
@@ -679,6 +705,8 @@ class ModelStore:
                 checksums=list(manifest.checksums),
                 checksum_fn=lambda c, piece: int(chunk_checksums(
                     piece, manifest.chunk_size, first_chunk=c)[0]),
+                copy_checksums=lambda dst, src, c: copy_with_checksums(
+                    dst, src, manifest.chunk_size, first_chunk=c).tolist(),
                 verify=verify_rule(verify), options=options, on_chunk=on_chunk,
                 before_write=populate, cancel=self._cancel)
             with self._lock:
@@ -1047,10 +1075,18 @@ class ModelStore:
                               "shard slices); use another model name")
 
     @staticmethod
-    def _pack(prepared: PreparedSet, buffer: Buffer) -> None:
-        """Pack the published tensors of ``prepared`` into ``buffer`` (casting as laid out)."""
-        pack({n: t.detach() for n, t in prepared.published.items()}, prepared.layout,
-             out=buffer.region.tensor)
+    def _pack(prepared: PreparedSet, buffer: Buffer, chunk_size: int | None = None
+              ) -> list[int] | None:
+        """Pack the published tensors of ``prepared`` into ``buffer`` (casting as laid out).
+
+        With ``chunk_size``, also their chunk checksums, computed as the bytes are copied.
+        """
+        tensors = {n: t.detach() for n, t in prepared.published.items()}
+        if chunk_size is None:
+            pack(tensors, prepared.layout, out=buffer.region.tensor)
+            return None
+        return pack_with_checksums(tensors, prepared.layout, buffer.region.tensor,
+                                   chunk_size).tolist()
 
     def _on_device(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` if they have data on the store's device.

@@ -248,10 +248,15 @@ def check_chunk_size(chunk_size: int) -> int:
 
 
 def manifest_of(layout: PackLayout, buffer: torch.Tensor, chunk_size: int, *,
+                checksums: list[int] | None = None,
                 sharding: tuple[ShardedTensor, ...] = (),
                 aliases: tuple[tuple[str, str], ...] = ()) -> Manifest:
-    """The manifest of `buffer` (laid out by `layout`) with per-chunk checksums."""
-    checksums = chunk_checksums(buffer[:layout.nbytes], chunk_size).tolist()
+    """The manifest of `buffer` (laid out by `layout`) with per-chunk checksums.
+
+    ``checksums``: the buffer's, if already computed (e.g. while packing it).
+    """
+    if checksums is None:
+        checksums = chunk_checksums(buffer[:layout.nbytes], chunk_size).tolist()
     return layout_manifest(layout, chunk_size, tuple(checksums), sharding=sharding,
                            aliases=aliases)
 

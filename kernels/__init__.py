@@ -4,7 +4,7 @@ Every public kernel function takes ``backend="triton" | "torch" | None``; None r
 Triton on CUDA tensors and the torch reference elsewhere (see `kernels.dispatch`).
 """
 
-from weightfabric.kernels.checksum import chunk_checksums, chunk_checksums_ref
+from weightfabric.kernels.checksum import chunk_checksums, chunk_checksums_ref, copy_with_checksums
 from weightfabric.kernels.dequant_segments import (
     Fp8Segment,
     dequantize_fp8_segments,
@@ -19,7 +19,7 @@ from weightfabric.kernels.fp8 import (
     scale_shape,
 )
 from weightfabric.kernels.layout import PackLayout, Slot, plan_layout
-from weightfabric.kernels.pack import pack, pack_ref, unpack, unpack_ref
+from weightfabric.kernels.pack import pack, pack_ref, pack_with_checksums, unpack, unpack_ref
 from weightfabric.kernels.reshard import reshard, split_tensor
 from weightfabric.kernels.reshard_plan import (
     FusedGateUp,
@@ -54,6 +54,7 @@ __all__ = [
     "chunk_checksums",
     "chunk_checksums_ref",
     "copy_segments",
+    "copy_with_checksums",
     "copy_segments_ref",
     "dequantize_fp8",
     "dequantize_fp8_ref",
@@ -62,6 +63,7 @@ __all__ = [
     "interpreting",
     "pack",
     "pack_ref",
+    "pack_with_checksums",
     "plan_layout",
     "quantize_fp8",
     "quantize_fp8_ref",

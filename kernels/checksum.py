@@ -1,18 +1,29 @@
 """Per-chunk 64-bit checksums of a byte buffer, identical on GPU and CPU.
 
 The buffer (``torch.uint8``, 1-D, contiguous, length and address multiples of
-4) is read as little-endian 32-bit words ``w[i]``, ``i`` the word's index in the
-whole buffer. Chunk ``c`` covers bytes ``[c * chunk_size, (c + 1) * chunk_size)``
-(the last chunk may be shorter). Its checksum, in wrapping int64 arithmetic::
+4) is read as little-endian 64-bit words ``d[p]`` (pairs of 32-bit words; an odd
+last 32-bit word is padded with a zero high half), ``p`` the pair's position in
+the whole byte space (byte ``8 * p``). Chunk ``c`` covers bytes
+``[c * chunk_size, (c + 1) * chunk_size)`` (the last chunk may be shorter;
+``chunk_size`` a multiple of 8). Its checksum, in wrapping 64-bit arithmetic::
 
-    x = w[i] ^ (i * K1);  x *= K2;  x ^= x >>> 31;  x *= K3;  x ^= x >>> 29
-    checksum[c] = sum(x over the chunk's words) + chunk_nbytes * K4
+    k = d[p] ^ (p * K1)
+    checksum[c] = sum(lo32(k) * hi32(k) + d[p] over the chunk's pairs) + chunk_nbytes * K4
 
-(``>>>`` is a logical shift.) Every word is mixed with its position, so swapped,
-moved or changed words change the sum; a wrapping sum does not depend on the
-order of the reduction, so the Triton kernel and the torch reference agree bit
-for bit whatever the block sizes. Not cryptographic: it detects torn or
-corrupted reads, not tampering.
+The product of the keyed halves is the multiply-accumulate of UMAC's NH and of
+XXH3: one 32 x 32 -> 64-bit multiply and a few adds per 8 bytes, which a CPU
+vectorises (four or eight pairs per instruction) and a GPU does in one wide
+multiply, so the checksum runs at memory speed on both. The key mixes in each
+pair's position, so swapped or moved words change the sum; the raw ``d[p]``
+term keeps a word whose keyed partner is zero from dropping out, so any single
+changed word, and any flipped bit, is always detected. A wrapping sum does not
+depend on the order of the reduction: the Triton kernel, the compiled CPU loop
+(`kernels.native`) and the torch reference agree bit for bit whatever their
+block sizes and threads. Not cryptographic: it detects torn or corrupted reads,
+not tampering.
+
+`copy_with_checksums` copies a buffer and checksums it in the same pass (the
+bytes are read once), for reads that land and verify chunks.
 """
 
 from __future__ import annotations
@@ -22,88 +33,85 @@ import triton
 import triton.language as tl
 
 from weightfabric.kernels.dispatch import choose_backend
-from weightfabric.kernels.native import mixed_sums
+from weightfabric.kernels.native import pair_sums
 
 K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
-K2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-K3 = -7723592293110705685  # 0x94D049BB133111EB
 K4 = -2960836687051489901  # 0xD6E8FEB86659FD93
+_LOW = 0xFFFFFFFF
 DEFAULT_BLOCK = 1024
-"""Words each program reads per loop step (4 KiB: one 16-byte vector per thread at 8 warps)."""
-PROGRAM_WORDS = 65536
-"""Words (256 KiB) each program of a chunk covers by default: a chunk is split over
-``ceil(chunk_words / PROGRAM_WORDS)`` programs, so a few large chunks still fill the GPU."""
+"""Pairs each program reads per loop step (8 KiB)."""
+PROGRAM_PAIRS = 32768
+"""Pairs (256 KiB) each program of a chunk covers by default: a chunk is split over
+``ceil(chunk_pairs / PROGRAM_PAIRS)`` programs, so a few large chunks still fill the GPU."""
 MAX_SPLIT = 65535
 NUM_WARPS = 8
-"""Warps per program. 1024-word blocks, 64 Ki words per program and 8 warps were the
-fastest on an H200 (`tools/gpu/tune_kernels.py`)."""
-
-
-@triton.jit
-def _mix(w, pk):
-    """Mixed words (uint64) of words ``w`` (uint64 < 2**32) at positions with ``pk = pos * K1``."""
-    x = (w ^ pk) * 0xBF58476D1CE4E5B9
-    x = x ^ (x >> 31)
-    x = x * 0x94D049BB133111EB
-    return x ^ (x >> 29)
 
 
 @triton.jit
 def _checksum_kernel(
-    words_ptr,     # *i32: the buffer's 16-byte-aligned block start (the buffer is word `lead`)
+    src_ptr,       # *i32: the buffer's words
+    dst_ptr,       # *i32: where COPY writes them (else unused)
     out_ptr,       # *i64 [num_chunks]: zeroed; each program adds its wrapping partial sum
-    total_words,   # words in the buffer
-    chunk_words,   # words per chunk
-    word_base,     # position of the buffer's first word in the whole byte space
-    lead,          # words between `words_ptr` and the buffer's first word (0..3)
-    span,          # words per program, a multiple of BLOCK
+    total_words,   # 32-bit words in the buffer
+    chunk_pairs,   # pairs per chunk
+    pair_base,     # position of the buffer's first pair in the whole byte space
+    span,          # pairs per program, a multiple of BLOCK
     step,          # BLOCK * K1 mod 2**64
     BLOCK: tl.constexpr,
+    COPY: tl.constexpr,
+    ALIGNED: tl.constexpr,  # chunk_pairs % 4 == 0 and both buffers 16-byte aligned
 ):
     chunk = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1).to(tl.int64)
-    # this program's words, in j = word index + lead (so that j % 4 == 0 is 16-byte aligned)
-    c_lo = chunk * chunk_words + lead
-    c_hi = tl.minimum(c_lo + chunk_words, total_words + lead)
-    start = tl.multiple_of((c_lo // BLOCK) * BLOCK + part * span, BLOCK)  # tiles: BLOCK-aligned j
-    lo = tl.maximum(start, c_lo)
-    hi = tl.minimum(start + span, c_hi)
-    end = tl.multiple_of((total_words + lead + 3) // 4 * 4, 4)  # j past the last 16-byte block
+    total_pairs = (total_words + 1) // 2
+    c_lo = chunk * chunk_pairs
+    c_hi = tl.minimum(c_lo + chunk_pairs, total_pairs)
+    lo = c_lo + part * span
+    hi = tl.minimum(lo + span, c_hi)
     lanes = tl.arange(0, BLOCK)
-    k1 = 0x9E3779B97F4A7C15
-    # position term (word_base + j - lead + lane) * K1, advanced by BLOCK * K1 per tile
-    pk = ((word_base + start - lead).to(tl.uint64, bitcast=True)
-          + lanes.to(tl.uint64)) * k1
+    words = tl.arange(0, 2 * BLOCK)
+    pk = (pair_base + lo).to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15
+    pk = pk + lanes.to(tl.uint64) * 0x9E3779B97F4A7C15
     acc = tl.zeros([BLOCK], dtype=tl.uint64)
-    for k in range(0, tl.cdiv(hi - start, BLOCK)):
-        t = start + k * BLOCK
-        j = t + lanes
-        if (t >= lo) & (t + BLOCK <= hi):  # a whole tile of this program: no masks
-            wf = tl.load(words_ptr + j).to(tl.uint32, bitcast=True).to(tl.uint64)
-            acc += _mix(wf, pk)
-        else:  # an edge tile: read whole 16-byte blocks, count only [lo, hi)
-            we = tl.load(words_ptr + j, mask=tl.max_constancy(j < end, 4), other=0)
-            x = _mix(we.to(tl.uint32, bitcast=True).to(tl.uint64), pk)
-            acc += tl.where((j >= lo) & (j < hi), x, 0)
+    for t in range(lo, hi, BLOCK):
+        j0 = 2 * t
+        if ALIGNED:  # every tile starts 32 bytes into 16-byte-aligned words: vector loads
+            j0 = tl.multiple_of(j0, 8)
+        j = j0 + words
+        if t + BLOCK <= hi and 2 * (t + BLOCK) <= total_words:  # a whole tile: no masks
+            w = tl.load(src_ptr + j)
+            if COPY:
+                tl.store(dst_ptr + j, w)
+        else:  # the last tile of a program: only its words, a missing high half is zero
+            inside = (j < 2 * hi) & (j < total_words)
+            w = tl.load(src_ptr + j, mask=inside, other=0)
+            if COPY:
+                tl.store(dst_ptr + j, w, mask=inside)
+        a, b = tl.split(tl.reshape(w.to(tl.uint32, bitcast=True).to(tl.uint64), (BLOCK, 2)))
+        d = a | (b << 32)
+        k = d ^ pk
+        x = (k & 0xFFFFFFFF) * (k >> 32) + d
+        acc += tl.where(t + lanes < hi, x, 0)
         pk += step.to(tl.uint64)
     total = tl.sum(acc, axis=0)
     if part == 0:  # the length term, once per chunk
-        total += ((c_hi - c_lo) * 4).to(tl.uint64, bitcast=True) * 0xD6E8FEB86659FD93
+        nbytes = tl.minimum(c_lo * 8 + chunk_pairs * 8, total_words * 4) - c_lo * 8
+        total += nbytes.to(tl.uint64, bitcast=True) * 0xD6E8FEB86659FD93
     tl.atomic_add(out_ptr + chunk, total.to(tl.int64, bitcast=True))
 
 
-def _check(buffer: torch.Tensor, chunk_size: int, first_chunk: int) -> None:
+def _check(buffer: torch.Tensor, chunk_size: int, first_chunk: int, what: str = "buffer") -> None:
     if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.uint8:
         got = buffer.dtype if isinstance(buffer, torch.Tensor) else type(buffer).__name__
-        raise TypeError(f"checksum: buffer must be a torch.uint8 tensor, got {got}")
+        raise TypeError(f"checksum: {what} must be a torch.uint8 tensor, got {got}")
     if buffer.dim() != 1 or not buffer.is_contiguous():
-        raise ValueError(f"checksum: buffer must be 1-D and contiguous, got shape "
+        raise ValueError(f"checksum: {what} must be 1-D and contiguous, got shape "
                          f"{tuple(buffer.shape)}")
     if buffer.numel() % 4 or buffer.data_ptr() % 4:
-        raise ValueError(f"checksum: buffer length ({buffer.numel()}) and address must be "
+        raise ValueError(f"checksum: {what} length ({buffer.numel()}) and address must be "
                          f"multiples of 4 bytes (misaligned)")
-    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % 4:
-        raise ValueError(f"checksum: chunk_size must be a positive multiple of 4, got {chunk_size!r}")
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % 8:
+        raise ValueError(f"checksum: chunk_size must be a positive multiple of 8, got {chunk_size!r}")
     if not isinstance(first_chunk, int) or first_chunk < 0:
         raise ValueError(f"checksum: first_chunk must be a non-negative int, got {first_chunk!r}")
 
@@ -116,68 +124,98 @@ def _finish(sums: torch.Tensor, nbytes: int, chunk_size: int) -> torch.Tensor:
     return sums + lengths * K4
 
 
+def _wrap(value: int) -> int:
+    """`value` as a wrapping int64."""
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def _odd_word_term(words: torch.Tensor, pair_base: int) -> int:
+    """The term of an odd last 32-bit word (its pair's high half zero), as an int64."""
+    d = int(words[-1])
+    k = d ^ ((pair_base + words.numel() // 2) * K1 % 2**64)
+    return _wrap((k & _LOW) * (k >> 32) + d)
+
+
 def chunk_checksums_ref(buffer: torch.Tensor, chunk_size: int, *,
                         first_chunk: int = 0) -> torch.Tensor:
     """Torch reference of `chunk_checksums` (same integer arithmetic, wrapping int64).
 
-    Works through the buffer in blocks of at most `_REF_BLOCK_WORDS` words, mixing
-    each block in place in two reused int64 buffers: about 2.5 GB/s on 2 CPU cores,
-    where allocating every temporary managed 0.8 (and whole-buffer ops far less).
+    Mixes blocks of at most `_REF_BLOCK_PAIRS` pairs in place in reused int64
+    buffers (one torch call per arithmetic step and block).
     """
     _check(buffer, chunk_size, first_chunk)
     words = buffer.view(torch.uint32)
-    chunk_words = chunk_size // 4
+    chunk_pairs = chunk_size // 8
     num_chunks = -(-buffer.numel() // chunk_size)
+    pairs = words.numel() // 2
+    pair_base = first_chunk * chunk_pairs
     sums = torch.zeros(num_chunks, dtype=torch.int64, device=buffer.device)
-    mixer = _Mixer(min(words.numel(), _REF_BLOCK_WORDS), buffer.device,
-                   base=first_chunk * chunk_words)
-    if chunk_words <= _REF_BLOCK_WORDS:  # whole chunks per block
-        step = _REF_BLOCK_WORDS // chunk_words * chunk_words
-        for start in range(0, words.numel(), step):
-            x = mixer(words, start, start + step)
-            first, full = start // chunk_words, x.numel() // chunk_words
-            if full:
-                sums[first:first + full] += x[:full * chunk_words].view(full, chunk_words).sum(1)
-            if x.numel() % chunk_words:
-                sums[first + full] += x[full * chunk_words:].sum()
-    else:  # blocks within each chunk
-        for chunk in range(num_chunks):
-            end = min((chunk + 1) * chunk_words, words.numel())
-            for start in range(chunk * chunk_words, end, _REF_BLOCK_WORDS):
-                sums[chunk] += mixer(words, start, min(start + _REF_BLOCK_WORDS, end)).sum()
+    mixer = _Mixer(min(max(pairs, 1), _REF_BLOCK_PAIRS), buffer.device)
+    for chunk in range(num_chunks):
+        end = min((chunk + 1) * chunk_pairs, pairs)
+        for start in range(chunk * chunk_pairs, end, _REF_BLOCK_PAIRS):
+            stop = min(start + _REF_BLOCK_PAIRS, end)
+            sums[chunk] += mixer(words[2 * start:2 * stop], pair_base + start).sum()
+    if words.numel() % 2:
+        sums[-1] += _odd_word_term(words, pair_base)
     return _finish(sums, buffer.numel(), chunk_size)
 
 
-_REF_BLOCK_WORDS = 1 << 18
-"""Words the reference mixes per step: large enough that the ten torch calls per
-step cost little, small enough for two int64 buffers of 2 MiB each."""
+_REF_BLOCK_PAIRS = 1 << 17
+"""Pairs the reference mixes per step: large enough that its torch calls per step
+cost little, small enough for three int64 buffers of 1 MiB each."""
 
 
 class _Mixer:
-    """Mixes blocks of words into `x` in place, `y` holding the shifted copies."""
+    """Mixes blocks of pairs into `x` in place, `d` and `y` holding the words and keys."""
 
-    def __init__(self, block: int, device: torch.device, *, base: int) -> None:
-        self.x = torch.empty(block, dtype=torch.int64, device=device)
-        self.y = torch.empty(block, dtype=torch.int64, device=device)
+    def __init__(self, block: int, device: torch.device) -> None:
+        self.d, self.x, self.y = (torch.empty(block, dtype=torch.int64, device=device)
+                                  for _ in range(3))
         self.positions = torch.arange(block, dtype=torch.int64, device=device).mul_(K1)
-        self.base = base
 
-    def __call__(self, words: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """The mixed words [`start`, `end`) (a view of `x`, valid until the next call)."""
-        w = words[start:end]
-        x, y = self.x[:w.numel()], self.y[:w.numel()]
-        x.copy_(w)  # zero-extends the unsigned words
-        torch.add(self.positions[:w.numel()], _wrap((self.base + start) * K1), out=y)
-        x.bitwise_xor_(y).mul_(K2)
-        torch.bitwise_right_shift(x, 31, out=y)
-        x.bitwise_xor_(y.bitwise_and_(0x1FFFFFFFF)).mul_(K3)
-        torch.bitwise_right_shift(x, 29, out=y)
-        return x.bitwise_xor_(y.bitwise_and_(0x7FFFFFFFF))
+    def __call__(self, words: torch.Tensor, position: int) -> torch.Tensor:
+        """The mixed pairs of ``words`` (an even count), the first at pair ``position``.
+
+        A view of `x`, valid until the next call.
+        """
+        n = words.numel() // 2
+        d, x, y = self.d[:n], self.x[:n], self.y[:n]
+        d.copy_(words[1::2]).bitwise_left_shift_(32)   # zero-extends the unsigned words
+        x.copy_(words[0::2])
+        d.bitwise_or_(x)
+        torch.add(self.positions[:n], _wrap(position * K1), out=x)
+        x.bitwise_xor_(d)
+        torch.bitwise_right_shift(x, 32, out=y)
+        return x.bitwise_and_(_LOW).mul_(y.bitwise_and_(_LOW)).add_(d)
 
 
-def _wrap(value: int) -> int:
-    """`value` as a wrapping int64."""
-    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
+def _grid(chunk_size: int, block: int, split: int | None) -> tuple[int, int]:
+    """(programs per chunk, pairs per program) for `chunk_size`-byte chunks."""
+    chunk_pairs = chunk_size // 8
+    if split is None:
+        split = -(-chunk_pairs // PROGRAM_PAIRS)
+    split = max(1, min(split, MAX_SPLIT, -(-chunk_pairs // block)))
+    span = -(-chunk_pairs // (split * block)) * block
+    return -(-chunk_pairs // span), span
+
+
+def _launch(src: torch.Tensor, dst: torch.Tensor | None, chunk_size: int, first_chunk: int,
+            block: int, split: int | None) -> torch.Tensor:
+    if not isinstance(block, int) or block < 4 or block & (block - 1):
+        raise ValueError(f"checksum: block must be a power of two >= 4, got {block!r}")
+    num_chunks = -(-src.numel() // chunk_size)
+    out = torch.zeros(num_chunks, dtype=torch.int64, device=src.device)
+    if num_chunks:
+        split, span = _grid(chunk_size, block, split)
+        words = src.view(torch.int32)
+        aligned = chunk_size % 32 == 0 and all(
+            t.data_ptr() % 16 == 0 for t in (src, src if dst is None else dst))
+        _checksum_kernel[(num_chunks, split)](
+            words, words if dst is None else dst.view(torch.int32), out, words.numel(),
+            chunk_size // 8, first_chunk * (chunk_size // 8), span, block * (K1 % 2**64) % 2**64,
+            BLOCK=block, COPY=dst is not None, ALIGNED=aligned, num_warps=NUM_WARPS)
+    return out
 
 
 def chunk_checksums_triton(buffer: torch.Tensor, chunk_size: int, *, first_chunk: int = 0,
@@ -185,36 +223,12 @@ def chunk_checksums_triton(buffer: torch.Tensor, chunk_size: int, *, first_chunk
     """Triton `chunk_checksums`.
 
     Grid (chunks, split), each program adding its wrapping partial sum (and part 0 the
-    length term) into the chunk's zeroed result.
-
-    ``split`` programs per chunk (default: one per `PROGRAM_WORDS` words); ``block``
-    words per loop step, a power of two >= 4. The result does not depend on either.
+    length term) into the chunk's zeroed result. ``split`` programs per chunk (default:
+    one per `PROGRAM_PAIRS` pairs); ``block`` pairs per loop step, a power of two >= 4.
+    The result does not depend on either.
     """
     _check(buffer, chunk_size, first_chunk)
-    if not isinstance(block, int) or block < 4 or block & (block - 1):
-        raise ValueError(f"checksum: block must be a power of two >= 4, got {block!r}")
-    num_chunks = -(-buffer.numel() // chunk_size)
-    out = torch.zeros(num_chunks, dtype=torch.int64, device=buffer.device)
-    if num_chunks:
-        chunk_words = chunk_size // 4
-        if split is None:
-            split = -(-chunk_words // PROGRAM_WORDS)
-        split = max(1, min(split, MAX_SPLIT, -(-chunk_words // block)))
-        # programs' spans are whole tiles; the first tile may start before the chunk
-        span = -(-(chunk_words + block) // (split * block)) * block
-        split = -(-(chunk_words + block) // span)
-        # the kernel addresses the 16-byte block holding the first word (never past the
-        # blocks the buffer touches), so every 4-word group it loads is one 16-byte vector
-        lead = buffer.data_ptr() % 16 // 4
-        words = buffer.view(torch.int32)
-        if words.storage_offset() < lead:  # a storage not 16-byte aligned (never from torch)
-            return chunk_checksums_ref(buffer, chunk_size, first_chunk=first_chunk)
-        aligned = words.as_strided((words.numel() + lead,), (1,), words.storage_offset() - lead)
-        _checksum_kernel[(num_chunks, split)](
-            aligned, out, buffer.numel() // 4, chunk_words, first_chunk * chunk_words, lead, span,
-            block * (K1 % 2**64) % 2**64, BLOCK=block,
-            num_warps=NUM_WARPS)
-    return out
+    return _launch(buffer, None, chunk_size, first_chunk, block, split)
 
 
 def chunk_checksums(buffer: torch.Tensor, chunk_size: int, *, first_chunk: int = 0,
@@ -223,7 +237,7 @@ def chunk_checksums(buffer: torch.Tensor, chunk_size: int, *, first_chunk: int =
 
     Args:
         buffer: ``torch.uint8``, 1-D, contiguous; length and address multiples of 4.
-        chunk_size: bytes per chunk, a positive multiple of 4.
+        chunk_size: bytes per chunk, a positive multiple of 8.
         first_chunk: index of the buffer's first chunk in the whole byte space, so
             that a slice starting at chunk ``c`` can be verified on its own:
             ``chunk_checksums(buf[c*cs:], cs, first_chunk=c) == chunk_checksums(buf, cs)[c:]``.
@@ -252,15 +266,123 @@ def chunk_checksums_native(buffer: torch.Tensor, chunk_size: int, *,
     None where no compiled loop could be built (no C compiler, ``WEIGHTFABRIC_NATIVE=0``).
     """
     _check(buffer, chunk_size, first_chunk)
-    if buffer.device.type != "cpu":
-        raise ValueError(f"checksum: the native loop reads host memory, got {buffer.device}")
-    chunk_words = chunk_size // 4
-    sums = mixed_sums(buffer.view(torch.uint32), chunk_words, first_chunk * chunk_words)
-    return None if sums is None else _finish(sums, buffer.numel(), chunk_size)
+    return _native(buffer, None, chunk_size, first_chunk)
+
+
+def _native(src: torch.Tensor, dst: torch.Tensor | None, chunk_size: int,
+            first_chunk: int) -> torch.Tensor | None:
+    if src.device.type != "cpu" or (dst is not None and dst.device.type != "cpu"):
+        raise ValueError("checksum: the native loop reads and writes host memory")
+    words = src.view(torch.uint32)
+    pair_base = first_chunk * (chunk_size // 8)
+    sums = pair_sums(words, None if dst is None else dst.view(torch.uint32), chunk_size // 8,
+                     pair_base)
+    if sums is None:
+        return None
+    if words.numel() % 2:  # the odd last word: the loop sums whole pairs
+        if dst is not None:
+            dst[-4:] = src[-4:]
+        if sums.numel() < -(-src.numel() // chunk_size):  # a last chunk of just that word
+            sums = torch.cat([sums, sums.new_zeros(1)])
+        sums[-1] += _odd_word_term(words, pair_base)
+    return _finish(sums, src.numel(), chunk_size)
+
+
+def copy_with_checksums(dst: torch.Tensor, src: torch.Tensor, chunk_size: int, *,
+                        first_chunk: int = 0, backend: str | None = None) -> torch.Tensor:
+    """Copy ``src`` into ``dst`` and return ``chunk_checksums(src, ...)``, in one pass.
+
+    The bytes are read once: the checksum is computed as they pass through the copy (the
+    compiled CPU loop, with streaming stores for large copies, or the Triton kernel
+    writing what it reads). Without either, a ``copy_`` then `chunk_checksums`.
+
+    Args:
+        dst, src: ``torch.uint8``, 1-D, contiguous, the same length, on one device;
+            length and addresses multiples of 4; not overlapping.
+        chunk_size, first_chunk, backend: as for `chunk_checksums`.
+
+    Raises:
+        TypeError, ValueError: as `chunk_checksums`, or ``dst`` of another length.
+    """
+    _check(src, chunk_size, first_chunk, "src")
+    _check(dst, chunk_size, first_chunk, "dst")
+    if dst.numel() != src.numel():
+        raise ValueError(f"checksum: dst has {dst.numel()} bytes, src {src.numel()}")
+    if choose_backend(backend, src, dst, op="copy_with_checksums") == "triton":
+        return _launch(src, dst, chunk_size, first_chunk, DEFAULT_BLOCK, None)
+    if backend is None:
+        native = _native(src, dst, chunk_size, first_chunk)
+        if native is not None:
+            return native
+    dst.copy_(src)
+    return chunk_checksums_ref(dst, chunk_size, first_chunk=first_chunk)
+
+
+class ChunkSums:
+    """The chunk checksums of a buffer assembled range by range, copies fused where they can be.
+
+    `copy` writes a range (e.g. one tensor, as a pack does) and sums it in the same pass;
+    `finish` sums whatever no `copy` covered (padding, ranges written otherwise) from
+    the assembled buffer and returns ``chunk_checksums(buffer, chunk_size)``. CPU only.
+    """
+
+    def __init__(self, nbytes: int, chunk_size: int) -> None:
+        if nbytes % 4 or chunk_size <= 0 or chunk_size % 8:
+            raise ValueError(f"checksum: {nbytes} bytes in chunks of {chunk_size}: the length "
+                             "must be a multiple of 4, the chunk size of 8")
+        self.nbytes, self.chunk_size = nbytes, chunk_size
+        self.sums = torch.zeros(-(-nbytes // chunk_size), dtype=torch.int64)
+        self.covered: list[tuple[int, int]] = []
+
+    def copy(self, offset: int, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Copy ``src`` into ``dst`` (the buffer's bytes from ``offset``), summing as it goes.
+
+        Both uint8, 1-D, contiguous, on the CPU, the same length. Returns False, having
+        done nothing, where the compiled loop cannot (none built, ``offset`` not a
+        multiple of 8, an address not a multiple of 4): the caller copies instead.
+        """
+        whole = src.numel() // 8 * 8
+        if (offset % 8 or src.data_ptr() % 4 or dst.data_ptr() % 4 or not whole
+                or offset + src.numel() > self.nbytes):
+            return False
+        part = pair_sums(src[:whole].view(torch.uint32), dst[:whole].view(torch.uint32),
+                         self.chunk_size // 8, offset // 8)
+        if part is None:
+            return False
+        self._add(offset, part)
+        if whole < src.numel():
+            dst[whole:].copy_(src[whole:])
+        self.covered.append((offset, offset + whole))
+        return True
+
+    def finish(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``chunk_checksums(buffer, chunk_size)``, ``buffer`` being the assembled bytes."""
+        _check(buffer, self.chunk_size, 0)
+        if buffer.numel() != self.nbytes:
+            raise ValueError(f"checksum: the buffer has {buffer.numel()} bytes, not {self.nbytes}")
+        words = buffer.view(torch.uint32)
+        pos = 0
+        for lo, hi in [*sorted(self.covered), (self.nbytes, self.nbytes)]:
+            if lo > pos:
+                gap = words[pos // 4:lo // 4]
+                part = pair_sums(gap, None, self.chunk_size // 8, pos // 8)
+                if part is None:  # no compiled loop: the reference, chunk by chunk
+                    return chunk_checksums_ref(buffer, self.chunk_size)
+                self._add(pos, part)
+                if gap.numel() % 2:  # only at the end of the buffer
+                    self.sums[-1] += _odd_word_term(gap, pos // 8)
+            pos = max(pos, hi)
+        return _finish(self.sums, self.nbytes, self.chunk_size)
+
+    def _add(self, offset: int, part: torch.Tensor) -> None:
+        first = offset // self.chunk_size
+        self.sums[first:first + part.numel()] += part
 
 
 def aot_specs() -> list[tuple[object, dict[str, str], dict[str, int]]]:
-    """(kernel, signature, constexprs) for the Hopper compile check."""
-    sig = {"words_ptr": "*i32", "out_ptr": "*i64", "total_words": "i64", "chunk_words": "i64",
-           "word_base": "i64", "lead": "i64", "span": "i64", "step": "u64", "BLOCK": "constexpr"}
-    return [(_checksum_kernel, sig, {"BLOCK": DEFAULT_BLOCK})]
+    """(kernel, signature, constexprs) for the Hopper compile check: checksum, and copy."""
+    sig = {"src_ptr": "*i32", "dst_ptr": "*i32", "out_ptr": "*i64", "total_words": "i64",
+           "chunk_pairs": "i64", "pair_base": "i64", "span": "i64", "step": "u64",
+           "BLOCK": "constexpr", "COPY": "constexpr", "ALIGNED": "constexpr"}
+    return [(_checksum_kernel, sig, {"BLOCK": DEFAULT_BLOCK, "COPY": copy, "ALIGNED": 1})
+            for copy in (0, 1)]

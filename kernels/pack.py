@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from weightfabric.kernels.checksum import ChunkSums, chunk_checksums
 from weightfabric.kernels.dispatch import choose_backend
 from weightfabric.kernels.layout import PackLayout, Slot
 from weightfabric.kernels.segcopy import DEFAULT_BLOCK, Segment, copy_segments_triton, element_kind
@@ -115,6 +116,18 @@ def pack(tensors: Mapping[str, torch.Tensor], layout: PackLayout, *,
             buffer is misaligned, or a source overlaps the buffer.
         TypeError: a tensor's dtype differs from ``slot.source_dtype``.
     """
+    out = _pack_target(tensors, layout, out)
+    if choose_backend(backend, out, *tensors.values(), op="pack") == "torch":
+        return pack_ref(tensors, layout, out)
+    segments: list[Segment] = [(tensors[s.name], _view(out, s)) for s in layout]
+    kinds = [element_kind(s.source_dtype, s.dtype) for s in layout]
+    copy_segments_triton(segments, kinds, block=block)
+    return out
+
+
+def _pack_target(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """`pack`'s checks; ``out``, or a zeroed buffer on the tensors' device."""
     _check_tensors(tensors, layout, "pack", exact_dtype=True)
     device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     if out is None:
@@ -124,12 +137,37 @@ def pack(tensors: Mapping[str, torch.Tensor], layout: PackLayout, *,
     for s in layout:
         if _overlaps(_span(tensors[s.name]), span):
             raise ValueError(f"pack: tensor {s.name!r} overlaps the output buffer")
-    if choose_backend(backend, out, *tensors.values(), op="pack") == "torch":
-        return pack_ref(tensors, layout, out)
-    segments: list[Segment] = [(tensors[s.name], _view(out, s)) for s in layout]
-    kinds = [element_kind(s.source_dtype, s.dtype) for s in layout]
-    copy_segments_triton(segments, kinds, block=block)
     return out
+
+
+def pack_with_checksums(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
+                        out: torch.Tensor, chunk_size: int, *,
+                        backend: str | None = None) -> torch.Tensor:
+    """`pack` into ``out``, and return ``chunk_checksums(out[:layout.nbytes], chunk_size)``.
+
+    On CPU tensors with the compiled checksum loop (`kernels.native`), every tensor that
+    is contiguous, of its slot's dtype and 4-byte aligned is copied by that loop, which
+    checksums the bytes as they pass (read once, not twice); the others (casts, strided
+    views) are copied by ``copy_`` and checksummed with the padding afterwards. On CUDA
+    tensors (and with ``backend``) it packs, then checksums: two passes, on the GPU.
+
+    Raises:
+        As `pack` and `chunk_checksums`.
+    """
+    out = _pack_target(tensors, layout, out)
+    chosen = choose_backend(backend, out, *tensors.values(), op="pack_with_checksums")
+    if chosen == "triton" or backend is not None:
+        pack(tensors, layout, out=out, backend=chosen)
+        return chunk_checksums(out[:layout.nbytes], chunk_size, backend=chosen)
+    sums = ChunkSums(layout.nbytes, chunk_size)
+    for s in layout:
+        t = tensors[s.name]
+        fused = (t.dtype == s.dtype and t.is_contiguous()
+                 and sums.copy(s.offset, out[s.offset:s.offset + s.nbytes],
+                               t.reshape(-1).view(torch.uint8)))
+        if not fused:
+            _view(out, s).copy_(t)
+    return sums.finish(out[:layout.nbytes])
 
 
 def unpack(buffer: torch.Tensor, layout: PackLayout, *,

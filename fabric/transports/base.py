@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -125,10 +125,17 @@ class ReadAbort:
             return self._aborted
 
 
+CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
+"""(dst, src): copy ``src`` into ``dst`` (same length; uint8, contiguous)."""
+
+
 class Transport(ABC):
     """Reader side of a transport. Implementations are thread-safe."""
 
     name: str = "abstract"
+    fuses_copy: bool = False
+    """Whether `read` takes ``copy=``: a function that does its one copy into `out`
+    (e.g. one that checksums the bytes as they pass, `kernels.copy_with_checksums`)."""
 
     @abstractmethod
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,

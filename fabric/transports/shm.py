@@ -10,7 +10,7 @@ import torch
 from weightfabric.fabric.arena import ArenaError, Region
 from weightfabric.fabric.errors import ReadRefusedError, SourceLostError
 from weightfabric.fabric.transports import client
-from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
+from weightfabric.fabric.transports.base import CopyFn, ReadAbort, SourceAddress
 
 MAX_MAPPINGS = 16
 
@@ -53,9 +53,15 @@ class ShmTransport(client.ServerTransport):
             region.close()  # the memory stays valid for copies still using it
         return mapped
 
+    fuses_copy = True
+
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
-        """Copy bytes from the holder's /dev/shm region into `out` (see `Transport.read`)."""
+             timeout: float, prefix: bool = False, abort: ReadAbort | None = None,
+             copy: CopyFn | None = None) -> int:
+        """Copy bytes from the holder's /dev/shm region into `out` (see `Transport.read`).
+
+        With ``copy``, that function does the copy (`Transport.fuses_copy`).
+        """
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
         with (self._pool.connection(source, abort) as conn,
@@ -65,7 +71,11 @@ class ShmTransport(client.ServerTransport):
                 raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} "
                                        "is not in shared memory; read it over tcp")
             end = offset + granted.nbytes
-            out[:granted.nbytes].copy_(self._mapping(granted.shm_path, end).tensor[offset:end])
+            src = self._mapping(granted.shm_path, end).tensor[offset:end]
+            if copy is None:
+                out[:granted.nbytes].copy_(src)
+            else:
+                copy(out[:granted.nbytes], src)
         return granted.nbytes
 
     def close(self) -> None:

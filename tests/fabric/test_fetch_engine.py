@@ -82,9 +82,9 @@ def run(planner, transport, dest=None, progress=None, options=LIMITS, **kw):
     """Fetch the 11 chunks (verified) through `transport`; returns (dest, progress, stats)."""
     dest = torch.zeros(NBYTES, dtype=torch.uint8) if dest is None else dest
     progress = progress or ChunkProgress(NUM_CHUNKS)
+    kw.setdefault("checksum_fn", crc)
     stats = fetch_chunks(dest, chunk_size=CHUNK, progress=progress, planner=planner,
-                         choose=lambda _: transport, checksums=EXPECTED, checksum_fn=crc,
-                         options=options, **kw)
+                         choose=lambda _: transport, checksums=EXPECTED, options=options, **kw)
     return dest, progress, stats
 
 
@@ -141,6 +141,55 @@ def test_a_chunk_corrupt_from_every_source_is_an_error_naming_the_checksum(tcp):
         with pytest.raises(FetchError, match=r"chunks 3 failed their checksum .*\(bad\)") as info:
             run(StaticPlanner([src_a]), tcp)
         assert "no source left" not in str(info.value)  # every other chunk arrived
+    finally:
+        a.close()
+        b.close()
+
+
+class CopyingTransport:
+    """A transport that copies (as shm does): it reads via `inner` into scratch, then copies."""
+
+    name = "copying"
+    fuses_copy = True
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def read(self, source, region, offset, out, *, timeout, prefix=False, abort=None, copy=None):
+        scratch = torch.empty_like(out)
+        got = self.inner.read(source, region, offset, scratch, timeout=timeout, prefix=prefix,
+                              abort=abort)
+        (copy or (lambda dst, src: dst.copy_(src)))(out[:got], scratch[:got])
+        return got
+
+
+def test_a_transport_that_copies_verifies_in_its_copy(tcp):
+    """With copy_checksums, a copying transport's chunks are checked by the sums its copy made.
+
+    The separate checksum pass does not run, and a corrupt chunk is still caught.
+    """
+    (a, src_a), (b, src_b) = bad_and_good(2 * CHUNK + 10)
+    separate: list[int] = []
+
+    def counted(chunk, piece):
+        separate.append(chunk)
+        return crc(chunk, piece)
+
+    def copy_crc(dst, src, first):
+        dst.copy_(src)
+        return [crc(first + i, dst[i * CHUNK:(i + 1) * CHUNK]) for i in range(-(-dst.numel() // CHUNK))]
+
+    try:
+        dest = torch.zeros(NBYTES, dtype=torch.uint8)
+        stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(NUM_CHUNKS),
+                             planner=StaticPlanner([src_a, src_b]),
+                             choose=lambda _: CopyingTransport(tcp), checksums=EXPECTED,
+                             checksum_fn=counted, copy_checksums=copy_crc, options=LIMITS)
+        assert torch.equal(dest, data())
+        assert stats.corrupted_chunks == 1 and separate == []
+        _, _, stats = run(StaticPlanner([src_b]), tcp, checksum_fn=counted,
+                          copy_checksums=copy_crc)   # tcp receives in place: checked after
+        assert sorted(separate) == list(range(NUM_CHUNKS))
     finally:
         a.close()
         b.close()

@@ -17,7 +17,8 @@ def _buf(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("nbytes,chunk", [(4 * 1031, 400), (4096, 4096), (4, 4), (4 * 37 * 131, 1028)])
+@pytest.mark.parametrize("nbytes,chunk", [(4 * 1031, 400), (4096, 4096), (4, 8), (12, 8),
+                                          (4 * 37 * 131, 1032)])
 def test_triton_matches_torch_bit_exact(nbytes, chunk):
     b = _buf(nbytes)
     ref = chunk_checksums_ref(b, chunk)
@@ -29,7 +30,7 @@ def test_triton_matches_torch_bit_exact(nbytes, chunk):
                                                       "blocks-per-chunk"])
 @pytest.mark.parametrize("first_chunk", [0, 3])
 def test_the_reference_agrees_across_its_blocks(monkeypatch, chunk, first_chunk):
-    monkeypatch.setattr(checksum, "_REF_BLOCK_WORDS", 64)  # 256-byte blocks: many per buffer
+    monkeypatch.setattr(checksum, "_REF_BLOCK_PAIRS", 32)  # 256-byte blocks: many per buffer
     b = _buf(4 * 1031, seed=2)
     assert torch.equal(chunk_checksums_ref(b, chunk, first_chunk=first_chunk),
                        chunk_checksums_triton(b, chunk, first_chunk=first_chunk))
@@ -70,6 +71,8 @@ def test_bad_input_is_rejected():
         chunk_checksums(_buf(10), 4)
     with pytest.raises(ValueError, match="chunk_size"):
         chunk_checksums(_buf(16), 6)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        chunk_checksums(_buf(16), 12)
     with pytest.raises(ValueError, match="misaligned"):
         chunk_checksums(_buf(20)[1:17], 8)
 
@@ -87,14 +90,14 @@ def test_a_slice_verifies_on_its_own_with_first_chunk(backend):
 
 
 @pytest.mark.parametrize("lead", [0, 4, 8, 12])
-@pytest.mark.parametrize("chunk", [36, 1028, 4096])
+@pytest.mark.parametrize("chunk", [40, 1032, 4096])
 def test_triton_at_every_word_alignment_and_chunk_edge(monkeypatch, lead, chunk):
-    """The kernel reads whole 16-byte blocks and tiles aligned in the buffer's space.
+    """Unaligned buffers, chunk edges mid-tile and split chunks match the reference.
 
-    A buffer starting 4, 8 or 12 bytes into a block, chunks ending mid-tile, and a chunk
-    split over many programs (partial sums added atomically) still match.
+    A buffer starting 4, 8 or 12 bytes into a 16-byte block, chunks ending mid-tile, an
+    odd last word, and a chunk split over many programs (partial sums added atomically).
     """
-    monkeypatch.setattr(checksum, "PROGRAM_WORDS", 64)
+    monkeypatch.setattr(checksum, "PROGRAM_PAIRS", 32)
     raw = _buf(4 * 600 + 16, seed=lead)
     b = raw[lead:lead + 4 * 599 - 8]
     want = chunk_checksums_ref(b, chunk, first_chunk=2)
@@ -111,12 +114,12 @@ needs_native = pytest.mark.skipif(native.checksum_library() is None,
 
 @needs_native
 @pytest.mark.parametrize("nbytes,chunk,first_chunk,lead", [
-    (4, 4, 0, 0), (4 * 1031, 400, 3, 4), (4 * 37 * 131, 1028, 0, 12),
+    (4, 8, 0, 0), (12, 8, 0, 0), (4 * 1031, 400, 3, 4), (4 * 37 * 131, 1032, 0, 12),
     (9 << 20, 1 << 20, 5, 0),            # split over threads inside and across chunks
     (12 << 20, 12 << 20, 0, 8),          # one chunk larger than a thread's share
 ])
 def test_native_matches_torch_and_triton_bit_exact(monkeypatch, nbytes, chunk, first_chunk, lead):
-    monkeypatch.setattr(native, "_MIN_TASK_WORDS", 1 << 16)   # threads even for small buffers
+    monkeypatch.setattr(native, "_MIN_TASK_PAIRS", 1 << 15)   # threads even for small buffers
     b = _buf(nbytes + lead)[lead:]
     ref = chunk_checksums_ref(b, chunk, first_chunk=first_chunk)
     got = checksum.chunk_checksums_native(b, chunk, first_chunk=first_chunk)
@@ -180,7 +183,7 @@ def test_a_forked_child_checksums_with_threads_of_its_own(monkeypatch):
     """The parent's thread pool does not survive a fork; the child must not wait on it."""
     import multiprocessing
 
-    monkeypatch.setattr(native, "_MIN_TASK_WORDS", 1 << 16)
+    monkeypatch.setattr(native, "_MIN_TASK_PAIRS", 1 << 15)
     monkeypatch.setattr(native, "_threads", lambda: 2)
     expected = chunk_checksums_ref(_FORK_BUFFER, 1 << 20).tolist()
     assert checksum.chunk_checksums_native(_FORK_BUFFER, 1 << 20).tolist() == expected  # pool up
@@ -195,3 +198,71 @@ def test_a_forked_child_checksums_with_threads_of_its_own(monkeypatch):
         if child.is_alive():
             child.kill()
             child.join()
+
+
+# --- detection, on every implementation -------------------------------------------------------
+
+def _implementations():
+    impls = {"torch": chunk_checksums_ref, "triton": chunk_checksums_triton}
+    if native.checksum_library() is not None:
+        impls["native"] = checksum.chunk_checksums_native
+    return impls
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton", "native"])
+@pytest.mark.parametrize("fill", ["random", "zeros"])
+def test_a_changed_word_a_swapped_pair_and_a_truncation_are_detected(impl, fill):
+    """Anywhere in a chunk: any changed 32-bit word, two swapped (unequal) words, a chunk cut short.
+
+    Zeros too: a keyed half that is zero must not hide its partner's change.
+    """
+    fn = _implementations().get(impl)
+    if fn is None:
+        pytest.skip("no C compiler built the native checksum")
+    b = _buf(4 * 517) if fill == "random" else torch.zeros(4 * 517, dtype=torch.uint8)
+    base = fn(b, 512)
+    rng = torch.Generator().manual_seed(11)
+    for _ in range(12):
+        i = int(torch.randint(0, 517, (1,), generator=rng))
+        words = b.clone().view(torch.int32)
+        words[i] ^= int(torch.randint(1, 2**31 - 1, (1,), generator=rng))
+        got = fn(words.view(torch.uint8), 512)
+        assert (got != base).tolist() == [c == i * 4 // 512 for c in range(base.numel())]
+    for i, j in ((0, 1), (3, 700 % 517), (127, 128), (10, 300)):
+        words = b.clone().view(torch.int32)
+        words[i] = 7 if fill == "zeros" else words[i]
+        before = fn(words.view(torch.uint8), 512)
+        words[[i, j]] = words[[j, i]]
+        assert not torch.equal(fn(words.view(torch.uint8), 512), before), (i, j)
+    assert fn(b[:-4], 512)[-1] != base[-1]
+    assert fn(b[:512 * 3 + 256], 512)[-1] != base[3]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", None])
+@pytest.mark.parametrize("nbytes,chunk,first_chunk,lead", [
+    (4, 8, 0, 0), (4 * 1031, 400, 2, 4), (4 * 37 * 131, 1032, 0, 12), (3 << 20, 1 << 20, 1, 8)])
+def test_the_fused_copy_equals_copy_then_checksum(backend, nbytes, chunk, first_chunk, lead):
+    if backend == "triton" and nbytes > 1 << 16:
+        pytest.skip("the interpreter is slow on megabytes")
+    src = _buf(nbytes + lead, seed=4)[lead:]
+    dst = torch.full((nbytes + 16,), 0xEE, dtype=torch.uint8)[8:8 + nbytes]
+    sums = checksum.copy_with_checksums(dst, src, chunk, first_chunk=first_chunk, backend=backend)
+    assert torch.equal(dst, src)
+    assert torch.equal(sums, chunk_checksums_ref(src, chunk, first_chunk=first_chunk))
+
+
+@needs_native
+def test_the_native_fused_copy_streams_large_copies_over_threads(monkeypatch):
+    monkeypatch.setattr(native, "_MIN_TASK_PAIRS", 1 << 15)
+    src = _buf(5 << 20, seed=9)
+    dst = torch.zeros(5 << 20, dtype=torch.uint8)
+    sums = checksum.copy_with_checksums(dst, src, 1 << 20, first_chunk=3)
+    assert torch.equal(dst, src)
+    assert torch.equal(sums, chunk_checksums_ref(src, 1 << 20, first_chunk=3))
+
+
+def test_the_fused_copy_rejects_bad_input():
+    with pytest.raises(ValueError, match="dst has"):
+        checksum.copy_with_checksums(_buf(16), _buf(24), 8)
+    with pytest.raises(TypeError, match="dst"):
+        checksum.copy_with_checksums(torch.zeros(4), _buf(16), 8)

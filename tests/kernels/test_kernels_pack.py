@@ -164,3 +164,54 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
         pack({"w": torch.zeros(4)}, lay, backend="triton")
     with pytest.raises(ValueError, match="backend must be"):
         pack({"w": torch.zeros(4)}, lay, backend="cuda")
+
+
+# --- pack fused with the chunk checksums --------------------------------------------------------
+
+def _checksummed_set() -> tuple[dict[str, torch.Tensor], PackLayout]:
+    tensors = _tensor_set()
+    g = torch.Generator().manual_seed(3)
+    raw = torch.randint(0, 256, (40_000,), dtype=torch.uint8, generator=g)
+    tensors["odd_bf16"] = raw[16:16 + 2 * 4097].view(torch.bfloat16)   # 8194 bytes: a tail
+    tensors["off4"] = raw[20:20 + 4 * 1000].view(torch.float32)       # 4-byte aligned source
+    tensors["cast"] = torch.randn(33, 70, generator=g)                 # fp32 -> bf16 in the pack
+    layout = plan_layout({n: (tuple(t.shape), t.dtype) for n, t in tensors.items()},
+                         alignment=256, cast={"cast": torch.bfloat16})
+    return tensors, layout
+
+
+@pytest.mark.parametrize("backend", [None, "torch", "triton"])
+@pytest.mark.parametrize("chunk", [256, 1024, 4096])
+def test_pack_with_checksums_equals_pack_then_checksum(monkeypatch, backend, chunk):
+    from weightfabric.kernels import checksum, native
+    from weightfabric.kernels.checksum import chunk_checksums_ref
+    from weightfabric.kernels.pack import pack_with_checksums
+
+    fused: list[int] = []
+    copy = checksum.ChunkSums.copy
+
+    def counted(self, offset, dst, src):
+        done = copy(self, offset, dst, src)
+        fused.append(done)
+        return done
+
+    monkeypatch.setattr(checksum.ChunkSums, "copy", counted)
+    tensors, layout = _checksummed_set()
+    want = pack_ref(tensors, layout, torch.zeros(layout.nbytes, dtype=torch.uint8))
+    out = torch.full((layout.nbytes,), 0, dtype=torch.uint8)
+    sums = pack_with_checksums(tensors, layout, out, chunk, backend=backend)
+    assert torch.equal(out, want)
+    assert torch.equal(sums, chunk_checksums_ref(want, chunk))
+    if backend is None and native.checksum_library() is not None:  # w, idx, odd_bf16, off4...
+        assert sum(fused) >= 4
+
+
+def test_pack_with_checksums_covers_padding_it_did_not_write():
+    """Padding the pack leaves alone (stale bytes of a reused buffer) is summed as it is."""
+    from weightfabric.kernels.checksum import chunk_checksums_ref
+    from weightfabric.kernels.pack import pack_with_checksums
+
+    tensors, layout = _checksummed_set()
+    out = torch.full((layout.nbytes,), 0x5A, dtype=torch.uint8)
+    sums = pack_with_checksums(tensors, layout, out, 512)
+    assert torch.equal(sums, chunk_checksums_ref(out, 512))

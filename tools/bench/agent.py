@@ -10,10 +10,26 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
 - ``{"op": "join", "url", "name", "location", "host", "chunk_size", "device", "attach"}``
   -> ``{}``: join, and open the model's store on ``device`` (default ``cpu``); with
   ``attach: N``, attach `bench_tensors(N, 0)` to it, as a rollout attaches its model.
-- ``{"op": "publish", "size": N, "seed": S}`` -> ``{"version", "bytes", "tensor_bytes",
-  "start", "end"}`` (wall clock of the publish):
+- ``{"op": "publish", "size": N, "seed": S, "inplace": bool}`` -> ``{"version", "bytes",
+  "tensor_bytes", "start", "end"}`` (wall clock of the publish):
   publish `bench_tensors(N, S)` (snapshot); each later publish first adds 1 to
-  every byte, so versions differ without generating them again.
+  every byte, so versions differ without generating them again. With ``inplace``,
+  the tensors are attached (once) and published in place
+  (``publish(snapshot=False)``); before changing them for the next version the
+  previous one is retracted (not timed: a trainer does that when its readers are done).
+- ``{"op": "prepare", "size": N, "seed": S, "inplace": bool}`` -> ``{}``: what a trainer
+  does at start-up: make the tensors and attach them (``inplace``) or reserve the
+  buffer of their first snapshot (`ModelStore.reserve`).
+- ``{"op": "gloo", "rank", "world", "store", "size", "seed", "flat"}`` -> ``{"start",
+  "end", "sha256", "bytes"}``: one ``torch.distributed`` gloo broadcast of `bench_tensors` from
+  rank 0 (the process group is set up on the first call, the receivers' tensors
+  allocated then); per tensor, or with ``flat`` packed into one flat buffer on rank
+  0 and unpacked on the others (both copies timed). Rank 0 adds 1 to every byte
+  before each later broadcast.
+- ``{"op": "memory"}`` -> ``{"peak_rss", "base_rss", "shm"}``: this process's peak
+  resident memory (bytes, shared pages it touched included), its resident memory
+  when it started (the interpreter and libraries) and the bytes of the /dev/shm
+  files it owns now.
 - ``{"op": "fetch", "version": V}`` -> fetch stats plus ``start`` / ``end`` (wall
   clock). While it runs, ``{"progress": [done, total]}`` lines come first.
 - ``{"op": "digest"}`` -> ``{"sha256": hex}`` of the active version's bytes.
@@ -27,6 +43,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import resource
 import sys
 import threading
 import time
@@ -108,6 +126,69 @@ def origin_only(reader: Location, candidates: Sequence[SourceCandidate]) -> list
 RANKINGS = {"locality": rank_by_locality, "origin": origin_only}
 
 
+def _rss() -> int:
+    """This process's resident bytes now."""
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory() -> dict[str, int]:
+    """Peak RSS, RSS at start-up (the interpreter and its libraries) and owned /dev/shm bytes."""
+    from weightfabric.fabric.arena import PREFIX, SHM_DIR
+
+    shm = sum(p.stat().st_size for p in SHM_DIR.glob(f"{PREFIX}-{os.getpid()}-*"))
+    return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "base_rss": _BASE_RSS, "shm": shm}
+
+
+class Gloo:
+    """One rank of a gloo broadcast of `bench_tensors` (the no-fabric baseline)."""
+
+    def __init__(self, rank: int, world: int, store: str, size: int, seed: int) -> None:
+        import torch.distributed as dist
+
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                                world_size=world)
+        self.dist, self.rank = dist, rank
+        source = bench_tensors(size, seed)
+        # an engine's parameters: one tensor each (the sender's are views of one buffer)
+        self.tensors = source if rank == 0 else {n: torch.empty_like(t) for n, t in source.items()}
+        self.flat: torch.Tensor | None = None
+        self.calls = 0
+
+    def broadcast(self, *, flat: bool) -> dict[str, Any]:
+        """Broadcast the next version; timed from a barrier to this rank's last byte."""
+        if self.rank == 0 and self.calls:
+            for t in self.tensors.values():
+                t.reshape(-1).view(torch.uint8).add_(1)
+        self.calls += 1
+        views = [t.reshape(-1).view(torch.uint8) for t in self.tensors.values()]
+        if flat and self.flat is None:
+            self.flat = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8)
+        self.dist.barrier()
+        start = time.time()
+        if flat:
+            assert self.flat is not None
+            pieces = self.flat.split([v.numel() for v in views])
+            if self.rank == 0:
+                for piece, v in zip(pieces, views, strict=True):
+                    piece.copy_(v)
+            self.dist.broadcast(self.flat, src=0)
+            if self.rank != 0:
+                for piece, v in zip(pieces, views, strict=True):
+                    v.copy_(piece)
+        else:
+            for v in views:
+                self.dist.broadcast(v, src=0)
+        end = time.time()
+        return {"start": start, "end": end, "sha256": digest(self.tensors),
+                "bytes": sum(v.numel() for v in views)}
+
+    def close(self) -> None:
+        """Leave the process group."""
+        self.dist.destroy_process_group()
+
+
 class Agent:
     """Holds this process's hub or worker between commands."""
 
@@ -117,10 +198,19 @@ class Agent:
         self.store: wf.ModelStore | None = None
         self.device = "cpu"
         self._tensors: dict[str, torch.Tensor] | None = None
+        self._published: int | None = None
+        self._gloo: Gloo | None = None
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """The answer to one command; raises if it fails (`main` reports the error)."""
         op = cmd["op"]
+        if op == "gloo":
+            if self._gloo is None:
+                self._gloo = Gloo(int(cmd["rank"]), int(cmd["world"]), cmd["store"],
+                                  int(cmd["size"]), int(cmd.get("seed", 0)))
+            return self._gloo.broadcast(flat=bool(cmd.get("flat")))
+        if op == "memory":
+            return memory()
         if op == "hub":
             self.hub = wf.serve(f"tcp://{cmd['host']}:{cmd.get('port', 0)}",
                                     lease_s=cmd.get("lease_s", 30.0),
@@ -139,20 +229,30 @@ class Agent:
             return {}
         assert self.worker is not None and self.store is not None, "join first"
         if op == "publish":
+            inplace = bool(cmd.get("inplace"))
             if self._tensors is None:
-                self._tensors = {n: t.to(self.device) for n, t in
-                                 bench_tensors(int(cmd["size"]), int(cmd.get("seed", 0))).items()}
-            else:
+                self._prepare(int(cmd["size"]), int(cmd.get("seed", 0)), inplace=inplace)
+            elif self._published is not None:
+                if inplace:
+                    state = self.store.retract(self._published, wait=300)
+                    if state != "done":
+                        raise RuntimeError(f"v{self._published} still in use ({state})")
                 for t in self._tensors.values():
                     t.reshape(-1).view(torch.uint8).add_(1)
             tensors = self._tensors
+            assert tensors is not None
             start = time.time()
-            version = self.store.publish(tensors)
+            version = self.store.publish(None if inplace else tensors, snapshot=not inplace)
             end = time.time()
+            self._published = version
             assert self.store.layout is not None, "a publish sets the store's layout"
             return {"version": version, "bytes": self.store.layout.nbytes,
                     "tensor_bytes": [t.numel() * t.element_size() for t in tensors.values()],
                     "start": start, "end": end}
+        if op == "prepare":
+            self._prepare(int(cmd["size"]), int(cmd.get("seed", 0)),
+                          inplace=bool(cmd.get("inplace")))
+            return {}
         if op == "fetch":
             last = [0.0]
 
@@ -174,16 +274,32 @@ class Agent:
             return {"bytes": self.worker.bytes_served}
         raise ValueError(f"unknown op {op!r}")
 
+    def _prepare(self, size: int, seed: int, *, inplace: bool) -> None:
+        """Make the trainer's tensors; attach them (``inplace``) or reserve their buffer."""
+        assert self.store is not None
+        self._tensors = {n: t.to(self.device) for n, t in bench_tensors(size, seed).items()}
+        if inplace:
+            self.store.attach(self._tensors)
+        else:
+            self.store.reserve(self._tensors)
+
     def close(self) -> None:
-        """Close the agent's worker and hub."""
+        """Close the agent's worker, hub and process group."""
+        if self._gloo is not None:
+            self._gloo.close()
         if self.worker is not None:
             self.worker.close()
         if self.hub is not None:
             self.hub.stop()
 
 
+_BASE_RSS = 0
+
+
 def main() -> None:
     """Answer JSON commands on stdin, one JSON line each on stdout."""
+    global _BASE_RSS
+    _BASE_RSS = _rss()
     agent = Agent()
     emit({"ready": True})
     try:
