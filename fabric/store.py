@@ -120,6 +120,8 @@ __all__ = ["FAILED_DRAIN_S", "MAX_BUFFERS", "PREPARED_BUFFERS", "FetchFuture", "
 StoreRegion = Region | DeviceRegion | SymmetricBuffer
 """The memory of a store's buffer: a shared-memory file, a GPU allocation, or symmetric memory."""
 
+IN_PLACE_DRAIN_S = 30.0
+"""Seconds an in-place fetch waits for peers' reads of the version it overwrites."""
 FAILED_DRAIN_S = 0.5
 """Seconds a failed fetch waits for peers' reads of its partial replica before it raises
 (and a fetch for its early exposure in other chunks than the publisher's); a buffer
@@ -325,6 +327,22 @@ class ModelStore:
             self._adopt(self._prepare(obj, dtype, normalize_names))
         self._prepare_spare()
 
+    def wait_prepared(self, timeout: float = 60.0) -> bool:
+        """Wait until the host buffers populating in the background are done.
+
+        Returns whether they all are within ``timeout`` (True at once for a GPU store or
+        one with nothing populating). Nothing needs this call; it tells start-up apart
+        from the first version (e.g. in a benchmark), or keeps a first step off a CPU
+        that is still faulting pages in.
+
+        Raises:
+            ArenaError: a background populate failed (e.g. /dev/shm is full).
+        """
+        end = time.monotonic() + timeout
+        with self._lock:
+            regions = [b.region for b in self.pool.buffers if isinstance(b.region, Region)]
+        return all(r.wait_populated(timeout=max(0.0, end - time.monotonic())) for r in regions)
+
     # --- publish ---------------------------------------------------------------------
 
     def publish(self, obj: nn.Module | Mapping[str, torch.Tensor] | None = None, *,
@@ -511,7 +529,8 @@ class ModelStore:
 
     def fetch(self, version: int | str = "latest", *, verify: bool | None = None,
               options: FetchOptions | None = None,
-              on_chunk: Callable[[int, int], None] | None = None) -> FetchStats:
+              on_chunk: Callable[[int, int], None] | None = None,
+              in_place: bool = False) -> FetchStats:
         """Fetch a version and switch the store's tensors to it.
 
         Fetch a version and switch the store's tensors to it (a version the store still
@@ -523,6 +542,16 @@ class ModelStore:
                 only chunks read from other hosts.
             options: concurrency and time limits of the fetch engine.
             on_chunk: progress callback (chunks done, chunks total).
+            in_place: write the version into the active buffer, the one the attached
+                tensors are views of, instead of a spare: the store then holds one copy
+                of the weights, not two. The engine must not use the tensors until the
+                fetch returns (a paused engine, as in synchronous RL). The held version
+                is retracted first, once the new one's fetch is planned (peers read it
+                elsewhere: with every holder fetching in place, keep one version,
+                ``worker.hub.set_retention(model, keep_last=1)``); if the fetch then
+                fails, the tensors hold a mix and the store no version (`version` is
+                None): fetch again. The store stops preparing spares and frees unused
+                ones. Without an active buffer, as without it.
 
         Returns:
             FetchStats: bytes, seconds, GB/s, sources used, chunks re-read.
@@ -534,20 +563,25 @@ class ModelStore:
             FetchError: some chunks could not be read from any source in time, or the
                 store was closed meanwhile.
             FabricError: the store is closed, or every buffer holds a version readers
-                still need.
+                still need (or, ``in_place``, peers still read the held one after
+                `IN_PLACE_DRAIN_S`).
+            RetentionError: ``in_place``, and the held version is retained with no
+                other replica (nothing changed).
             ArenaError: no room in /dev/shm for a buffer.
         """
         return self.fetch_async(version, verify=verify, options=options,
-                                on_chunk=on_chunk).result()
+                                on_chunk=on_chunk, in_place=in_place).result()
 
     def fetch_async(self, version: int | str = "latest", *, verify: bool | None = None,
                     options: FetchOptions | None = None,
-                    on_chunk: Callable[[int, int], None] | None = None) -> FetchFuture:
+                    on_chunk: Callable[[int, int], None] | None = None,
+                    in_place: bool = False) -> FetchFuture:
         """Start `fetch` in the background.
 
-        The store keeps its current version until the returned future's `result` is called.
-        The buffer the fetch fills stays reserved for the future until then, or until a
-        newer version is active (see `FetchFuture`).
+        The store keeps its current version until the returned future's `result` is called
+        (with ``in_place``, the tensors change as the bytes arrive: do not use them until
+        then). The buffer the fetch fills stays reserved for the future until then, or until
+        a newer version is active (see `FetchFuture`).
 
         Raises:
             BadRequestError: ``version`` is not an ``int > 0`` or ``"latest"``.
@@ -555,7 +589,7 @@ class ModelStore:
         """
         version = check_version(version)
         return self.submit(functools.partial(self._fetch, version, verify,
-                                             options or FetchOptions(), on_chunk))
+                                             options or FetchOptions(), on_chunk, in_place))
 
     def submit(self, job: Callable[[], tuple[Buffer | None, FetchStats]]) -> FetchFuture:
         """Run ``job`` on the store's fetch thread; its future switches to the buffer it returns.
@@ -615,7 +649,8 @@ class ModelStore:
 
     def sync(self, *, timeout: float = 30.0, verify: bool | None = None,
              options: FetchOptions | None = None,
-             on_chunk: Callable[[int, int], None] | None = None) -> FetchStats:
+             on_chunk: Callable[[int, int], None] | None = None,
+             in_place: bool = False) -> FetchStats:
         """Wait for a version newer than the one held, fetch it and switch to it.
 
         The rollout loop's one call: each new version is fetched once (a second
@@ -628,7 +663,7 @@ class ModelStore:
 
         Args:
             timeout: seconds to wait for a newer version.
-            verify, options, on_chunk: as for `fetch`.
+            verify, options, on_chunk, in_place: as for `fetch`.
 
         Returns:
             The fetch's `FetchStats` (``stats.version`` is the version now held).
@@ -639,10 +674,12 @@ class ModelStore:
         """
         self._check_open()
         newer = self.hub.wait_version(self.model, after=self.version or 0, timeout=timeout)
-        return self.fetch(newer, verify=verify, options=options, on_chunk=on_chunk)
+        return self.fetch(newer, verify=verify, options=options, on_chunk=on_chunk,
+                          in_place=in_place)
 
     def _fetch(self, version: int | str, verify: bool | None, options: FetchOptions,
-               on_chunk: Callable[[int, int], None] | None) -> tuple[Buffer | None, FetchStats]:
+               on_chunk: Callable[[int, int], None] | None, in_place: bool = False
+               ) -> tuple[Buffer | None, FetchStats]:
         if self.nvshmem is not None and not len(self.pool):
             raise self._no_symmetric_buffer()
         hub = self.hub
@@ -657,8 +694,12 @@ class ModelStore:
         # Expose the buffer before the hub lists this worker as a partial replica, so
         # peers told to wait on it find the region at once.
         early_chunk = self._early_chunk_size
-        early = (self._expose_spare(version, early_chunk)
-                 if self.layout is not None and isinstance(version, int) else None)
+        in_place = in_place and self.pool.active is not None and self.nvshmem is None
+        if in_place:
+            self._drop_spares()
+        early = (self._expose_spare(version, early_chunk)  # not in place: keep the old one
+                 if self.layout is not None and isinstance(version, int) and not in_place
+                 else None)
         try:
             plan = hub.begin_fetch(self.model, version, shard=self.shard)
         except BaseException:
@@ -687,7 +728,8 @@ class ModelStore:
                 # finishes there, and the buffer is not reused until it has.
                 withdrawn, early = early[0], None
                 self._unexpose(withdrawn, timeout=FAILED_DRAIN_S)
-            buffer, progress = early or self._expose_spare(plan.version, manifest.chunk_size)
+            buffer, progress = early or self._expose_spare(plan.version, manifest.chunk_size,
+                                                           in_place=in_place)
         except BaseException:
             _quietly(hub.release, plan.fetch_id)
             if early is not None:
@@ -945,6 +987,25 @@ class ModelStore:
         """
         return self.pool.take(self._reclaim, self._new_region)
 
+    def _take_active(self) -> Buffer:
+        """The active buffer, to fetch a version into in place: its own is retracted first.
+
+        Raises:
+            RetentionError: no other replica could serve the held version.
+            FabricError: peers are still reading it after `IN_PLACE_DRAIN_S`.
+        """
+        buffer = self.pool.active
+        assert buffer is not None
+        held = buffer.version
+        if buffer.exposed is not None:
+            state = self.retract(held, wait=IN_PLACE_DRAIN_S) if held is not None else (
+                "done" if self._drained(buffer, IN_PLACE_DRAIN_S) else "retracting")
+            if state != "done":
+                raise FabricError(f"model {self.model!r}: peers are still reading v{held} from "
+                                  f"this store ({state}); fetch in place again later")
+        self.pool.forget(buffer)
+        return buffer
+
     def _reclaim(self, buffer: Buffer) -> bool:
         """Whether ``buffer`` (a reuse candidate) can take a new version now.
 
@@ -961,11 +1022,15 @@ class ModelStore:
         except RetentionError:
             return False  # another reader may still need it; try the next one
 
-    def _expose_spare(self, version: int, chunk_size: int) -> tuple[Buffer, ChunkProgress]:
-        """A spare buffer, exposed empty as `version` (a partial replica that fills)."""
+    def _expose_spare(self, version: int, chunk_size: int, *, in_place: bool = False
+                      ) -> tuple[Buffer, ChunkProgress]:
+        """A spare buffer, exposed empty as `version` (a partial replica that fills).
+
+        With ``in_place``, the active buffer, its version retracted (`fetch`'s ``in_place``).
+        """
         assert self.layout is not None
         with self._lock:
-            buffer = self._spare_buffer()
+            buffer = self._take_active() if in_place else self._spare_buffer()
             progress = self._progress(buffer, chunk_size)
             buffer.exposed = self._expose(buffer, version, chunk_size, progress)
             buffer.version = version

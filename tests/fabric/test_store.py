@@ -665,3 +665,68 @@ def test_no_room_for_a_buffer_fails_the_fetch_with_arena_error(hub, monkeypatch)
     monkeypatch.undo()
     assert store.fetch(v1).version == v1  # room again: the broken buffer was dropped
     assert len(store.pool.buffers) == 2
+
+
+def test_an_in_place_fetch_keeps_one_buffer_and_the_attached_tensors(hub):
+    """The version lands in the active buffer: no spare, the module's tensors are its views.
+
+    Its held version is retracted first (the trainer still serves it), and a second reader
+    fetching in place reads the new version from the first (a peer) while it can.
+    """
+    trainer, first, second = hub("trainer"), hub("first"), hub("second")
+    source = net(seed=1)
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    v1 = t_store.publish(source)
+    models, stores = [], []
+    for w in (first, second):
+        model = net(seed=2)
+        store = w.model("m", chunk_size=CHUNK)
+        store.attach(model)
+        store.fetch(v1)
+        models.append(model)
+        stores.append(store)
+    buffer = stores[0].pool.active
+    pointer = models[0][0].weight.data_ptr()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1)
+    v2 = t_store.publish(source)
+    assert stores[0].fetch(v2, in_place=True).version == v2
+    assert stores[0].pool.active is buffer and len(stores[0].pool) == 1
+    assert models[0][0].weight.data_ptr() == pointer and same(models[0], source)
+    assert stores[0].prepare_spare is False
+    assert stores[1].fetch("latest", in_place=True, verify=True).version == v2
+    assert same(models[1], source) and len(stores[1].pool) == 1
+    assert stores[0].fetch(v2, in_place=True).bytes == 0   # held: nothing moves
+
+
+def test_an_in_place_fetch_that_cannot_start_changes_nothing_and_one_that_fails_no_version(
+        hub, monkeypatch):
+    from weightfabric.fabric import store as store_module
+
+    trainer, other, reader = hub("trainer"), hub("other"), hub("reader")
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    v1 = t_store.publish(net(seed=1))
+    model = net(seed=2)
+    r_store = reader.model("m", chunk_size=CHUNK)
+    r_store.attach(model)
+    r_store.fetch(v1)
+    other.model("m", chunk_size=CHUNK).fetch(v1)  # v1 lives on elsewhere
+    v2 = t_store.publish(net(seed=3))
+    trainer.close()  # v2's only source is gone
+    with pytest.raises(NoSourceError):
+        r_store.fetch(v2, in_place=True, options=FetchOptions(deadline=3, read_timeout=1))
+    assert r_store.version == v1 and same(model, net(seed=1))
+
+    def scribble_and_fail(dest, **kwargs):
+        dest.fill_(7)
+        raise FetchError("the source died mid-read")
+
+    t_store = hub("trainer-2").model("m", chunk_size=CHUNK)
+    v3 = t_store.publish(net(seed=4))
+    monkeypatch.setattr(store_module, "fetch_chunks", scribble_and_fail)
+    with pytest.raises(FetchError, match="mid-read"):
+        r_store.fetch(v3, in_place=True)
+    assert r_store.version is None  # the tensors hold a mix: nothing to claim
+    monkeypatch.undo()
+    assert r_store.fetch(v3, in_place=True).version == v3 and same(model, net(seed=4))

@@ -7,9 +7,13 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
 - ``{"op": "hub", "host": H, "port": P, "ranking": "locality" | "origin"}`` ->
   ``{"url": U}``: serve a hub in this process. ``origin`` ranks only the worker
   named ``trainer`` as a source (every reader pulls from the trainer).
-- ``{"op": "join", "url", "name", "location", "host", "chunk_size", "device", "attach"}``
-  -> ``{}``: join, and open the model's store on ``device`` (default ``cpu``); with
-  ``attach: N``, attach `bench_tensors(N, 0)` to it, as a rollout attaches its model.
+- ``{"op": "join", "url", "name", "location", "host", "chunk_size", "device", "attach",
+  "keep_last", "prepare_spare"}`` -> ``{}``: join, and open the model's store on ``device`` (default
+  ``cpu``; ``prepare_spare`` as `Worker.model`'s); with ``attach: N``, attach
+  `bench_tensors(N, 0)` to it, as a rollout attaches its model; with ``keep_last``,
+  set the model's retention.
+- ``{"op": "settle"}`` -> ``{}``: wait until the store's buffers prepared in the
+  background are populated (start-up done); memory peaks count from here.
 - ``{"op": "publish", "size": N, "seed": S, "inplace": bool}`` -> ``{"version", "bytes",
   "tensor_bytes", "start", "end"}`` (wall clock of the publish):
   publish `bench_tensors(N, S)` (snapshot); each later publish first adds 1 to
@@ -26,12 +30,11 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
   allocated then); per tensor, or with ``flat`` packed into one flat buffer on rank
   0 and unpacked on the others (both copies timed). Rank 0 adds 1 to every byte
   before each later broadcast.
-- ``{"op": "memory"}`` -> ``{"peak_rss", "base_rss", "shm"}``: this process's peak
-  resident memory (bytes, shared pages it touched included), its resident memory
-  when it started (the interpreter and libraries) and the bytes of the /dev/shm
-  files it owns now.
-- ``{"op": "fetch", "version": V}`` -> fetch stats plus ``start`` / ``end`` (wall
-  clock). While it runs, ``{"progress": [done, total]}`` lines come first.
+- ``{"op": "memory"}`` -> `MemoryWatch.report`: the peak of this process's own memory
+  (anonymous RSS plus the /dev/shm files it owns), the same at start-up, and RSS's
+  peak (which also counts peers' shared pages it read).
+- ``{"op": "fetch", "version": V, "in_place": bool}`` -> fetch stats plus ``start`` /
+  ``end`` (wall clock). While it runs, ``{"progress": [done, total]}`` lines come first.
 - ``{"op": "digest"}`` -> ``{"sha256": hex}`` of the active version's bytes.
 - ``{"op": "served"}`` -> ``{"bytes": N}`` this worker served (egress).
 - ``{"op": "exit"}``: leave the fabric and exit.
@@ -41,6 +44,7 @@ Errors come back as ``{"error": "TypeName", "message": ...}``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -107,6 +111,15 @@ def bench_tensors(nbytes: int, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def own_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor with storage of its own, as a model's parameters have.
+
+    `bench_tensors` are views of one buffer; a view keeps its base alive after `attach`
+    moved its data into the arena, which would count the model twice.
+    """
+    return {n: t.clone() for n, t in tensors.items()}
+
+
 def digest(tensors: dict[str, torch.Tensor]) -> str:
     """sha256 over the names and raw bytes of `tensors`, in name order."""
     h = hashlib.sha256()
@@ -126,18 +139,52 @@ def origin_only(reader: Location, candidates: Sequence[SourceCandidate]) -> list
 RANKINGS = {"locality": rank_by_locality, "origin": origin_only}
 
 
-def _rss() -> int:
-    """This process's resident bytes now."""
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+class MemoryWatch:
+    """Samples this process's own memory: anonymous RSS plus the /dev/shm files it owns.
 
+    RSS alone would count the pages of peers' /dev/shm regions this process read from
+    (shared, owned by them); this counts what the process holds. Sampled every
+    ``interval`` seconds on a daemon thread; `peak` is the largest sum seen.
+    """
 
-def memory() -> dict[str, int]:
-    """Peak RSS, RSS at start-up (the interpreter and its libraries) and owned /dev/shm bytes."""
-    from weightfabric.fabric.arena import PREFIX, SHM_DIR
+    def __init__(self, interval: float = 0.02) -> None:
+        self.base = self.sample()
+        self.peak = dict(self.base)
+        threading.Thread(target=self._run, args=(interval,), daemon=True,
+                         name="memory-watch").start()
 
-    shm = sum(p.stat().st_size for p in SHM_DIR.glob(f"{PREFIX}-{os.getpid()}-*"))
-    return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "base_rss": _BASE_RSS, "shm": shm}
+    @staticmethod
+    def sample() -> dict[str, int]:
+        """Anonymous resident bytes and owned /dev/shm bytes now."""
+        from weightfabric.fabric.arena import PREFIX, SHM_DIR
+
+        anon = 0
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    anon = int(line.split()[1]) * 1024
+        shm = 0
+        for path in SHM_DIR.glob(f"{PREFIX}-{os.getpid()}-*"):
+            with contextlib.suppress(OSError):  # freed meanwhile
+                shm += path.stat().st_size
+        return {"anon": anon, "shm": shm, "total": anon + shm}
+
+    def reset(self) -> None:
+        """Count the peak from now on (`base` stays the process's start)."""
+        self.peak = self.sample()
+
+    def _run(self, interval: float) -> None:
+        while True:
+            now = self.sample()
+            if now["total"] > self.peak["total"]:
+                self.peak = now
+            time.sleep(interval)
+
+    def report(self) -> dict[str, int]:
+        """Peak (anon, shm, total), the sample at process start (base_*) and RSS's peak."""
+        return {**{f"peak_{k}": v for k, v in self.peak.items()},
+                **{f"base_{k}": v for k, v in self.base.items()},
+                "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 class Gloo:
@@ -210,7 +257,7 @@ class Agent:
                                   int(cmd["size"]), int(cmd.get("seed", 0)))
             return self._gloo.broadcast(flat=bool(cmd.get("flat")))
         if op == "memory":
-            return memory()
+            return _WATCH.report() if _WATCH is not None else {}
         if op == "hub":
             self.hub = wf.serve(f"tcp://{cmd['host']}:{cmd.get('port', 0)}",
                                     lease_s=cmd.get("lease_s", 30.0),
@@ -222,10 +269,14 @@ class Agent:
                                       host=cmd.get("host", "127.0.0.1"))
             self.device = cmd.get("device", "cpu")
             self.store = self.worker.model("bench", chunk_size=int(cmd["chunk_size"]),
-                                           device=self.device)
+                                           device=self.device,
+                                           prepare_spare=cmd.get("prepare_spare", True))
+            if cmd.get("keep_last"):
+                self.worker.hub.set_retention("bench", keep_last=int(cmd["keep_last"]))
             if cmd.get("attach"):
                 self.store.attach({n: t.to(self.device)
-                                   for n, t in bench_tensors(int(cmd["attach"]), 0).items()})
+                                   for n, t in own_tensors(bench_tensors(int(cmd["attach"]),
+                                                                         0)).items()})
             return {}
         assert self.worker is not None and self.store is not None, "join first"
         if op == "publish":
@@ -253,6 +304,11 @@ class Agent:
             self._prepare(int(cmd["size"]), int(cmd.get("seed", 0)),
                           inplace=bool(cmd.get("inplace")))
             return {}
+        if op == "settle":
+            self.store.wait_prepared(timeout=float(cmd.get("timeout", 300)))
+            if _WATCH is not None:
+                _WATCH.reset()
+            return {}
         if op == "fetch":
             last = [0.0]
 
@@ -265,7 +321,7 @@ class Agent:
             start = time.time()
             stats = self.store.fetch(cmd.get("version", "latest"), verify=cmd.get("verify"),
                                      options=FetchOptions(**cmd.get("options", {})),
-                                     on_chunk=on_chunk)
+                                     on_chunk=on_chunk, in_place=bool(cmd.get("in_place")))
             end = time.time()
             return {**stats.to_dict(), "start": start, "end": end}
         if op == "digest":
@@ -277,7 +333,9 @@ class Agent:
     def _prepare(self, size: int, seed: int, *, inplace: bool) -> None:
         """Make the trainer's tensors; attach them (``inplace``) or reserve their buffer."""
         assert self.store is not None
-        self._tensors = {n: t.to(self.device) for n, t in bench_tensors(size, seed).items()}
+        tensors = bench_tensors(size, seed)
+        self._tensors = {n: t.to(self.device)
+                         for n, t in (own_tensors(tensors) if inplace else tensors).items()}
         if inplace:
             self.store.attach(self._tensors)
         else:
@@ -293,13 +351,13 @@ class Agent:
             self.hub.stop()
 
 
-_BASE_RSS = 0
+_WATCH: MemoryWatch | None = None
 
 
 def main() -> None:
     """Answer JSON commands on stdin, one JSON line each on stdout."""
-    global _BASE_RSS
-    _BASE_RSS = _rss()
+    global _WATCH
+    _WATCH = MemoryWatch()
     agent = Agent()
     emit({"ready": True})
     try:

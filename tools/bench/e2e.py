@@ -9,9 +9,10 @@ processes started and set up, as an RL job's first sync), the others *warm*
 (medians reported). Systems:
 
 - ``weightfabric-snapshot``: the trainer reserved its buffer at start-up
-  (`ModelStore.reserve`) and publishes a snapshot (copy + checksums); readers,
-  with their models attached, fetch (verified by default rules: same host, no
-  checksum pass) and switch.
+  (`ModelStore.reserve`) and publishes a snapshot (copy + checksums in one pass);
+  readers, with their models attached, fetch (verified by the default rule: on one
+  host, not) and switch; with ``--reader-mode in-place`` they fetch into their live
+  weights (one buffer each; `ModelStore.fetch`'s ``in_place``).
 - ``weightfabric-inplace``: the trainer attached its tensors and publishes them in
   place (``publish(snapshot=False)``: checksums only); the rest as above.
 - ``gloo-per-tensor`` / ``gloo-flat``: a ``torch.distributed`` gloo broadcast from
@@ -21,11 +22,14 @@ processes started and set up, as an RL job's first sync), the others *warm*
 - ``ray-*`` and ``nixl-read`` are skipped with the reason when ``ray`` / ``nixl``
   is not importable here.
 
-The systems run one after another (all at once would not fit: at 2 GB and 4
-readers the fabric alone holds about 11 x S). Peak memory per process is reported
-for the fabric systems: peak RSS (which counts the /dev/shm pages a process
-touched), its RSS at start-up, the /dev/shm it owns at the end, and
-``peak_memory_per_model`` = (peak - start-up) / S. Times are wall-clock seconds.
+Start-up (joining, attaching, reserving, and the background populate of prepared
+buffers: `ModelStore.wait_prepared`) is untimed, as an RL job does it before its
+first step. The systems run one after another (all at once would not fit: at 2 GB
+and 4 readers the fabric alone holds about 11 x S). Peak memory per fabric process
+is its own: anonymous RSS plus the /dev/shm files it owns (`agent.MemoryWatch`;
+plain RSS also counts peers' shared pages it read): its peak from the end of
+start-up on, less what the process held when it started (the interpreter and
+torch), as ``peak_memory_per_model`` = that / S. Times are wall-clock seconds.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ PEERS = {"ray-put-get": "ray", "ray-zero-copy": "ray", "nixl-read": "nixl"}
 """Systems this benchmark can compare with once their package is importable (not yet
 written: each is reported skipped, with the reason)."""
 SYSTEMS = (*FABRIC, *GLOO, "memcpy", *PEERS)
+READER_MODES = ("double", "in-place")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,11 +79,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-size", default="16MiB", help="fabric chunk size (default 16MiB)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated subset of {', '.join(SYSTEMS)} (default: all)")
+    p.add_argument("--reader-mode", choices=READER_MODES, default="double",
+                   help="how fabric readers hold versions: 'double' (a spare buffer, the engine "
+                        "keeps running on the old version; 2 x S each) or 'in-place' (the "
+                        "version lands in the live weights, engine paused; 1 x S each). "
+                        "Default double")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def bench_e2e(*, readers: int, size: int, versions: int = 4, chunk_size: int = 16 << 20,
-              systems: tuple[str, ...] = SYSTEMS,
+              systems: tuple[str, ...] = SYSTEMS, reader_mode: str = "double",
               on_phase: Callable[[str], None] = lambda name: None) -> dict[str, Any]:
     """Run the benchmark; returns the JSON result (module docstring; `_table` reads it).
 
@@ -93,6 +103,9 @@ def bench_e2e(*, readers: int, size: int, versions: int = 4, chunk_size: int = 1
         raise ValueError(f"--size must be at least 1MiB, got {size} bytes")
     if chunk_size <= 0 or chunk_size % 256:
         raise ValueError(f"--chunk-size must be a positive multiple of 256, got {chunk_size}")
+    if reader_mode not in READER_MODES:
+        raise ValueError(f"--reader-mode must be one of {', '.join(READER_MODES)}, "
+                         f"got {reader_mode!r}")
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise ValueError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
@@ -108,7 +121,8 @@ def bench_e2e(*, readers: int, size: int, versions: int = 4, chunk_size: int = 1
         on_phase(system)
         if system in FABRIC:
             times = _fabric(readers, size, versions, chunk_size,
-                            inplace=system == "weightfabric-inplace", on_phase=on_phase)
+                            inplace=system == "weightfabric-inplace", reader_mode=reader_mode,
+                            on_phase=on_phase)
         elif system in GLOO:
             times = _gloo(readers, size, versions, flat=system == "gloo-flat")
         else:
@@ -116,6 +130,7 @@ def bench_e2e(*, readers: int, size: int, versions: int = 4, chunk_size: int = 1
         runs[system] = times
     result: dict[str, Any] = {"bytes": runs[next(iter(runs))]["bytes"] if runs else size,
                               "readers": readers, "versions": versions,
+                              "reader_mode": reader_mode,
                               "chunk_size": chunk_size, "runs": runs, "skipped": skipped}
     for system in FABRIC:  # the top-level phases: the snapshot publisher's, else in place
         if system in runs:
@@ -133,7 +148,7 @@ def _summary(seconds: list[float], verified: bool, nbytes: int, **extra: Any) ->
 
 
 def _fabric(readers: int, size: int, versions: int, chunk_size: int, *, inplace: bool,
-            on_phase: Callable[[str], None]) -> dict[str, Any]:
+            reader_mode: str, on_phase: Callable[[str], None]) -> dict[str, Any]:
     from weightfabric.fabric.arena import remove_stale_regions
 
     agents: list[Agent] = []
@@ -147,16 +162,21 @@ def _fabric(readers: int, size: int, versions: int, chunk_size: int, *, inplace:
         for a in started:
             a.reply(120)
         trainer, reader_agents = started[0], started[1:]
+        in_place_readers = reader_mode == "in-place"
         for a in started:  # start-up, untimed: what an RL job does before its first step
             a.ask("join", url=url, name=a.name, chunk_size=chunk_size,
-                  attach=size if a is not trainer else 0, timeout=300)
+                  attach=size if a is not trainer else 0, timeout=300,
+                  keep_last=1 if in_place_readers and a is trainer else 0,
+                  prepare_spare=not (in_place_readers if a is not trainer else inplace))
         trainer.ask("prepare", size=size, seed=SEED, inplace=inplace, timeout=300)
+        for a in started:
+            a.ask("settle", timeout=300)
         seconds, publish, fetch, verified = [], [], [], True
         for v in range(versions):
             on_phase(f"{'in place' if inplace else 'snapshot'} v{v + 1}")
             pub = trainer.ask("publish", size=size, seed=SEED, inplace=inplace, timeout=300)
             for r in reader_agents:
-                r.send("fetch", version=pub["version"])
+                r.send("fetch", version=pub["version"], in_place=in_place_readers)
             fetched = [r.reply(600) for r in reader_agents]
             end = max(f["end"] for f in fetched)
             seconds.append(end - pub["start"])
@@ -171,8 +191,8 @@ def _fabric(readers: int, size: int, versions: int, chunk_size: int, *, inplace:
         remove_stale_regions()
     return _summary(seconds, verified, nbytes, publish_s=statistics.median(publish[1:]),
                     fetch_s=statistics.median(fetch[1:]), cold_publish_s=publish[0],
-                    memory=memory, peak_memory_per_model={
-                        name: round((m["peak_rss"] - m["base_rss"]) / nbytes, 2)
+                    reader_mode=reader_mode, memory=memory, peak_memory_per_model={
+                        name: round((m["peak_total"] - m["base_total"]) / nbytes, 2)
                         for name, m in memory.items()})
 
 
@@ -237,7 +257,8 @@ def _run(args: argparse.Namespace) -> int:
     with console.status("starting") as status:
         result = bench_e2e(readers=args.readers, size=int(parse_size(args.size)),
                            versions=args.versions, chunk_size=int(parse_size(args.chunk_size)),
-                           systems=systems, on_phase=lambda name: status.update(name))
+                           systems=systems, reader_mode=args.reader_mode,
+                           on_phase=lambda name: status.update(name))
     return print_result(result, as_json=args.json, table=_table)
 
 
@@ -260,7 +281,7 @@ def _table(r: dict[str, Any], console: Console) -> None:
         if name in r["runs"]:
             peaks = ", ".join(f"{w} {x:.2f}" for w, x in r["runs"][name]["peak_memory_per_model"]
                               .items())
-            console.print(f"{name} peak RSS per process above start-up, x S: {peaks}")
+            console.print(f"{name} peak memory per process, x S: {peaks}")
     for name, t in r["targets"].items():
         mark = "[green]met[/green]" if t["met"] else "[red]missed[/red]"
         console.print(f"target {name} {t['goal']}: {t['value']:.2f} {mark}")
