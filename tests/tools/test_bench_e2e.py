@@ -17,7 +17,7 @@ def _run(systems: tuple[str, ...], mode: str) -> dict:
     assert set(r["runs"]) | set(r["skipped"]) == set(systems)
     for run in r["runs"].values():
         assert {"warm_s", "cold_s", "verified"} <= set(run) and run["warm_s"] > 0
-    assert 0 < r["publish_s"] and 0 < r["fetch_s"]
+    assert r["publish_s"] > 0 and r["fetch_s"] > 0
     return r
 
 
