@@ -30,6 +30,10 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
   allocated then); per tensor, or with ``flat`` packed into one flat buffer on rank
   0 and unpacked on the others (both copies timed). Rank 0 adds 1 to every byte
   before each later broadcast.
+- ``{"op": "nixl_serve", "size", "seed"}`` / ``{"op": "nixl_bump"}`` / ``{"op":
+  "nixl_read", "served"}``: the raw NIXL READ baseline (`peers.NixlPeer`): the trainer
+  registers its tensors and answers what readers need, then makes each version in
+  place (``start``, ``sha256``); a reader READs the whole version (``end``, ``sha256``).
 - ``{"op": "memory"}`` -> `MemoryWatch.report`: the peak of this process's own memory
   (anonymous RSS plus the /dev/shm files it owns), the same at start-up, and RSS's
   peak (which also counts peers' shared pages it read).
@@ -53,13 +57,16 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import weightfabric as wf
 from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.fabric.locality import Location, SourceCandidate, rank_by_locality
+
+if TYPE_CHECKING:
+    from weightfabric.tools.bench.peers import NixlPeer
 
 _print_lock = threading.Lock()
 
@@ -247,6 +254,7 @@ class Agent:
         self._tensors: dict[str, torch.Tensor] | None = None
         self._published: int | None = None
         self._gloo: Gloo | None = None
+        self._nixl: NixlPeer | None = None
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """The answer to one command; raises if it fails (`main` reports the error)."""
@@ -256,6 +264,14 @@ class Agent:
                 self._gloo = Gloo(int(cmd["rank"]), int(cmd["world"]), cmd["store"],
                                   int(cmd["size"]), int(cmd.get("seed", 0)))
             return self._gloo.broadcast(flat=bool(cmd.get("flat")))
+        if op in ("nixl_serve", "nixl_bump", "nixl_read"):
+            from weightfabric.tools.bench.peers import NixlPeer
+
+            if self._nixl is None:
+                self._nixl = NixlPeer(cmd.get("name", f"nixl-{os.getpid()}"))
+            if op == "nixl_serve":
+                return self._nixl.serve(int(cmd["size"]), int(cmd.get("seed", 0)))
+            return self._nixl.bump() if op == "nixl_bump" else self._nixl.read(cmd["served"])
         if op == "memory":
             return _WATCH.report() if _WATCH is not None else {}
         if op == "hub":

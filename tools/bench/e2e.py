@@ -6,7 +6,8 @@ last of ``--readers`` reader processes holds them, bit for bit (a sha256 of ever
 reader's tensors is compared with the trainer's after each version, untimed).
 Each system runs ``--versions`` versions: the first is *cold* (right after the
 processes started and set up, as an RL job's first sync), the others *warm*
-(medians reported). Systems:
+(medians reported). A peer that fails (e.g. Ray out of memory) is listed under
+``failed`` with its error, and the run goes on. Systems:
 
 - ``weightfabric-snapshot``: the trainer reserved its buffer at start-up
   (`ModelStore.reserve`) and publishes a snapshot (copy + checksums in one pass);
@@ -19,8 +20,11 @@ processes started and set up, as an RL job's first sync), the others *warm*
   the trainer to the readers, tensor by tensor, or packed into one flat buffer and
   unpacked on each reader (both copies timed).
 - ``memcpy``: one process copying the bytes (``copy_``), the local floor.
-- ``ray-*`` and ``nixl-read`` are skipped with the reason when ``ray`` / ``nixl``
-  is not importable here.
+- ``ray-put-get`` / ``ray-zero-copy`` (`tools.bench.peers`) when ``ray`` is
+  installed: Ray's object store, torch tensors pickled, or numpy byte arrays that
+  readers map zero-copy (and check nothing); ``nixl-read`` when ``nixl-cu13`` is:
+  readers READ the trainer's registered tensors with NIXL (UCX), nothing packed or
+  checked, the engine's floor.
 
 Start-up (joining, attaching, reserving, and the background populate of prepared
 buffers: `ModelStore.wait_prepared`) is untimed, as an RL job does it before its
@@ -53,9 +57,9 @@ from weightfabric.topology.units import parse_size
 SEED = 4321
 FABRIC = ("weightfabric-snapshot", "weightfabric-inplace")
 GLOO = ("gloo-per-tensor", "gloo-flat")
-PEERS = {"ray-put-get": "ray", "ray-zero-copy": "ray", "nixl-read": "nixl"}
-"""Systems this benchmark can compare with once their package is importable (not yet
-written: each is reported skipped, with the reason)."""
+PEERS = {"ray-put-get": "ray", "ray-zero-copy": "ray", "nixl-read": "nixl_cu13"}
+"""Systems that run only where their package is importable (`tools.bench.peers`); the
+others are reported skipped, with the reason."""
 SYSTEMS = (*FABRIC, *GLOO, "memcpy", *PEERS)
 READER_MODES = ("double", "in-place")
 
@@ -111,14 +115,18 @@ def bench_e2e(*, readers: int, size: int, versions: int = 4, chunk_size: int = 1
         raise ValueError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
     runs: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
+    failed: dict[str, str] = {}
     for system in systems:
-        if system in PEERS:
-            package = PEERS[system]
-            skipped[system] = (f"{package} is not installed" if importlib.util.find_spec(package)
-                               is None else f"{package} is installed, but this benchmark "
-                               "has no adapter for it yet")
+        if system in PEERS and importlib.util.find_spec(PEERS[system]) is None:
+            skipped[system] = f"{PEERS[system]} is not installed"
             continue
         on_phase(system)
+        if system in PEERS:  # a peer that fails (e.g. Ray out of memory) is reported, not fatal
+            try:
+                runs[system] = _peer(system, readers, size, versions)
+            except Exception as exc:  # noqa: BLE001 (whatever the peer raised, with its text)
+                failed[system] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            continue
         if system in FABRIC:
             times = _fabric(readers, size, versions, chunk_size,
                             inplace=system == "weightfabric-inplace", reader_mode=reader_mode,
@@ -131,11 +139,13 @@ def bench_e2e(*, readers: int, size: int, versions: int = 4, chunk_size: int = 1
     result: dict[str, Any] = {"bytes": runs[next(iter(runs))]["bytes"] if runs else size,
                               "readers": readers, "versions": versions,
                               "reader_mode": reader_mode,
-                              "chunk_size": chunk_size, "runs": runs, "skipped": skipped}
+                              "chunk_size": chunk_size, "runs": runs, "skipped": skipped,
+                              "failed": failed}
     for system in FABRIC:  # the top-level phases: the snapshot publisher's, else in place
         if system in runs:
             result["publish_s"] = runs[system]["publish_s"]
             result["fetch_s"] = runs[system]["fetch_s"]
+            result["phases_of"] = system
             break
     result["verified"] = all(r["verified"] for r in runs.values())
     result["targets"] = _targets(result)
@@ -216,6 +226,37 @@ def _gloo(readers: int, size: int, versions: int, *, flat: bool) -> dict[str, An
     return _summary(seconds, verified, int(done[0]["bytes"]))
 
 
+def _peer(system: str, readers: int, size: int, versions: int) -> dict[str, Any]:
+    if system == "nixl-read":
+        return _nixl(readers, size, versions)
+    from weightfabric.tools.bench.peers import ray_e2e
+
+    ray = ray_e2e(readers, size, versions, zero_copy=system == "ray-zero-copy", seed=SEED)
+    return _summary(ray["seconds"], ray["verified"], ray["bytes"])
+
+
+def _nixl(readers: int, size: int, versions: int) -> dict[str, Any]:
+    agents: list[Agent] = []
+    try:
+        agents = [Agent(n, ready_timeout=None)
+                  for n in ["trainer", *(f"reader-{i}" for i in range(readers))]]
+        for a in agents:
+            a.reply(120)
+        trainer, reader_agents = agents[0], agents[1:]
+        served = trainer.ask("nixl_serve", name="trainer", size=size, seed=SEED, timeout=300)
+        seconds, verified = [], True
+        for _ in range(versions):
+            ready = trainer.ask("nixl_bump", timeout=300)
+            for r in reader_agents:
+                r.send("nixl_read", name=r.name, served=served)
+            done = [r.reply(600) for r in reader_agents]
+            seconds.append(max(d["end"] for d in done) - ready["start"])
+            verified &= all(d["sha256"] == ready["sha256"] for d in done)
+    finally:
+        close_all(agents)
+    return _summary(seconds, verified, sum(served["sizes"].values()))
+
+
 def _memcpy(size: int, versions: int) -> dict[str, Any]:
     src = torch.randint(0, 256, (size,), dtype=torch.uint8)
     dst = torch.empty_like(src)  # fresh pages: the first copy is the cold one
@@ -241,7 +282,7 @@ def _targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
             ratio = best / runs["ray-zero-copy"]["warm_s"]
             out["fabric_vs_ray_zero_copy"] = {"value": ratio, "goal": "<= 1.2",
                                               "met": ratio <= 1.2}
-    if "publish_s" in r and "memcpy" in runs and "weightfabric-snapshot" in runs:
+    if r.get("phases_of") == "weightfabric-snapshot" and "memcpy" in runs:
         ratio = r["publish_s"] / runs["memcpy"]["warm_s"]
         out["snapshot_publish_vs_memcpy"] = {"value": ratio, "goal": "<= 2.0", "met": ratio <= 2.0}
     for system in FABRIC:
@@ -274,9 +315,12 @@ def _table(r: dict[str, Any], console: Console) -> None:
                       "yes" if run["verified"] else "[red]NO[/red]")
     for name, why in r["skipped"].items():
         table.add_row(name, "-", "-", "-", f"skipped: {why}")
+    for name, why in r["failed"].items():
+        table.add_row(name, "-", "-", "-", f"[red]failed[/red]: {why}")
     console.print(table)
     if "publish_s" in r:
-        console.print(f"snapshot publish {r['publish_s']:.3f} s, then fetch {r['fetch_s']:.3f} s")
+        console.print(f"{r['phases_of']}: publish {r['publish_s']:.3f} s, then fetch "
+                      f"{r['fetch_s']:.3f} s (warm medians)")
     for name in FABRIC:
         if name in r["runs"]:
             peaks = ", ".join(f"{w} {x:.2f}" for w, x in r["runs"][name]["peak_memory_per_model"]
