@@ -23,6 +23,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -78,6 +79,8 @@ from weightfabric.fabric.hub_messages import (
     RegisterReply,
     RegisterRequest,
     ReleaseRequest,
+    ReportCorruptReply,
+    ReportCorruptRequest,
     ReportProgressRequest,
     Request,
     RestoreReply,
@@ -219,6 +222,12 @@ class HubClient:
         self.epoch: str | None = None
         self.lost: dict[str, set[str]] = {}  # fetch -> sources the hub dropped, until it ends
         self.retired: set[tuple[str, int]] = set()
+        self.quarantined: set[tuple[str, int, int]] = set()
+        """``(model, version, shard)`` replicas of this worker the hub quarantined (heartbeat
+        news), each also handed to `on_quarantine`."""
+        self.on_quarantine: Callable[[str, int, int], None] | None = None
+        """Called (on the heartbeat thread) for each replica the hub quarantined: the worker
+        sets it to stop serving that version (`ModelStore.quarantine`)."""
         self._endpoint = endpoint(url, bind=False)
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
@@ -445,6 +454,14 @@ class HubClient:
         for fid, workers in out.lost.items():  # a new set: fetches read it unlocked
             self.lost[fid] = self.lost.get(fid, set()) | set(workers)
         self.retired.update(out.retired)
+        for model, version, shard in out.quarantined:
+            self._forget(model, version)  # not restored after a hub restart
+            if self.on_quarantine is not None:
+                try:
+                    self.on_quarantine(model, version, shard)
+                except Exception:  # the news is kept in `quarantined` for stores to act on
+                    log.exception("quarantine of %s v%d here failed", model, version)
+        self.quarantined.update(out.quarantined)
         return out
 
     def _heartbeat_loop(self) -> None:
@@ -698,6 +715,16 @@ class HubClient:
         with self._lock:
             for key in [k for k in self._holdings if k[0] == model and k[1] == version]:
                 del self._holdings[key]
+
+    def report_corrupt(self, model: str, version: int, holder: str, chunks: list[int], *,
+                       shard: int = 0) -> bool:
+        """Tell the hub ``holder`` served ``chunks`` that failed their checksum here.
+
+        The hub quarantines that replica (`HubState.report_corrupt`). Returns whether it did.
+        """
+        return self.request(ReportCorruptRequest(worker=self._me(), model=model, version=version,
+                                                 shard=shard, holder=holder, chunks=chunks),
+                            ReportCorruptReply).quarantined
 
     def set_retention(self, model: str, *, keep_last: int | None = None,
                       min_replicas: int | None = None) -> PolicyReply:

@@ -419,7 +419,15 @@ class _FetchRun:
             self.stats.sources[worker] = self.stats.sources.get(worker, 0) + nbytes
             self.stats.transports[read.via] = self.stats.transports.get(read.via, 0) + nbytes
             kept.append(chunk)
+        if bad:
+            self.report_corrupt(worker, bad)
         return kept, bad
+
+    def report_corrupt(self, worker: str, chunks: list[int]) -> None:
+        """Tell the planner (if it listens: `HubPlanner.corrupt`) who sent corrupt chunks."""
+        corrupt = getattr(self.planner, "corrupt", None)
+        if corrupt is not None:
+            corrupt(worker, chunks)
 
     def requeue(self, rests: list[_Queued], retry: list[int]) -> None:
         """Queue partial reads' rests, and re-planned reads of failed chunks, first.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 
 from weightfabric.fabric.client import FetchPlan, HubClient
-from weightfabric.fabric.errors import NoSourceError
+from weightfabric.fabric.errors import HubError, NoSourceError
 from weightfabric.fabric.fetch import Assignment, Source
 from weightfabric.fabric.locality import Location, locality_tier
 from weightfabric.fabric.regions import region_name
@@ -40,6 +40,18 @@ class HubPlanner:
         self.me = me
         self._fresh = True
         self._lost: set[str] = set()  # sources the hub said it dropped, in progress reports
+
+    def corrupt(self, worker: str, chunks: list[int]) -> None:
+        """Report that ``worker`` sent ``chunks`` failing their checksum (it is quarantined).
+
+        Best effort: the fetch re-reads them elsewhere whatever the hub answers.
+        """
+        plan = self.current
+        try:
+            self.hub.report_corrupt(plan.model, plan.version, worker, chunks, shard=plan.shard)
+        except HubError as exc:
+            log.warning("could not report %s's corrupt chunks of %s v%d to the hub: %s",
+                        worker, plan.model, plan.version, exc)
 
     def plan(self, missing: list[int], failed: set[str]) -> list[Assignment]:
         """Sources for the `missing` chunks, never the workers in `failed`.

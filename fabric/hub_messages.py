@@ -156,6 +156,9 @@ class HeartbeatReply(Reply, frozen=True, kw_only=True):
     lease_s: float
     lost: dict[str, list[str]]
     retired: list[tuple[str, int]]
+    quarantined: list[tuple[str, int, int]] = []
+    """``(model, version, shard)`` replicas of this worker a reader found corrupt: the hub
+    no longer lists them; the worker stops serving them and fetches them again."""
 
 
 class DropReply(Reply, frozen=True, kw_only=True):
@@ -337,6 +340,24 @@ class DropRequest(Request, frozen=True, kw_only=True):
     op: ClassVar[str] = "drop"
     worker: str
     model: str
+
+
+class ReportCorruptRequest(Request, frozen=True, kw_only=True):
+    """Chunks of ``holder``'s replica failed their checksum at the reporting reader."""
+
+    op: ClassVar[str] = "report_corrupt"
+    worker: str
+    model: str
+    version: int
+    shard: int = 0
+    holder: str
+    chunks: list[int]
+
+
+class ReportCorruptReply(Reply, frozen=True, kw_only=True):
+    """Whether the holder's replica was quarantined (False: it was not listed any more)."""
+
+    quarantined: bool
 
 
 class RestoreRequest(Request, frozen=True, kw_only=True):
@@ -545,6 +566,7 @@ _PAIRS: tuple[tuple[type[Request], ReplyType], ...] = (
     (HeartbeatRequest, HeartbeatReply),
     (UnregisterRequest, EmptyReply),
     (DropRequest, DropReply),
+    (ReportCorruptRequest, ReportCorruptReply),
     (RestoreRequest, RestoreReply),
     (BeginPublishRequest, BeginPublishReply),
     (BeginDeriveRequest, DeriveReply),
@@ -579,7 +601,8 @@ __all__ = [
     "LatestRequest", "LocateReply", "LocateRequest", "LocateShard", "LocationWire",
     "ManifestWire", "PinRequest", "PingReply", "PingRequest", "PlanRangeWire", "PlanReply",
     "PlanRequest", "PlanSource", "PolicyReply", "ProgressReply", "PublishStateReply",
-    "RegisterReply", "RegisterRequest", "ReleaseRequest", "Reply", "ReportProgressRequest",
+    "RegisterReply", "RegisterRequest", "ReleaseRequest", "Reply", "ReportCorruptReply",
+    "ReportCorruptRequest", "ReportProgressRequest",
     "Request", "RestoreReply", "RestoreRequest", "RetractReply", "RetractRequest",
     "RetractStatusRequest", "SetRetentionRequest", "StatusReply", "StatusRequest",
     "UnregisterRequest", "VersionReply", "WaitVersionRequest", "Wire",

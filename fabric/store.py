@@ -798,6 +798,22 @@ class ModelStore:
                         return "retracting"
         return state
 
+    def quarantine(self, version: int) -> None:
+        """Stop serving ``version``: a reader found chunks of it corrupt here.
+
+        The worker calls this when the hub says so (`HubClient.on_quarantine`). The buffers
+        holding it are withdrawn from the read server and hold no version any more; if one
+        was active, `version` becomes None (the tensors keep their bytes) and the next
+        `fetch` or `sync` fetches a version afresh.
+        """
+        with self._lock:
+            held = [b for b in self.pool.buffers if b.version == version]
+            for buffer in held:
+                self._unexpose(buffer, timeout=FAILED_DRAIN_S)
+        if held:
+            log.warning("%s v%d: a reader found chunks of it corrupt here; no longer served "
+                        "(fetch it again)", self.model, version)
+
     def release(self, version: int, *, wait: float = 30.0) -> None:
         """Retract `version` and free its memory.
 

@@ -60,6 +60,7 @@ class Worker:
         self.transports = TransportSelector(timeout=timeout, nvshmem=nvshmem)
         """Picks the transport for each source this worker's stores read."""
         self._stores: dict[str, ModelStore] = {}
+        self.hub.on_quarantine = self._quarantine
         self._lock = threading.Lock()
         self._closed = False
 
@@ -152,6 +153,12 @@ class Worker:
     def bytes_served(self) -> int:
         """Bytes this worker has served to readers (its egress)."""
         return self.server.bytes_served
+
+    def _quarantine(self, model: str, version: int, shard: int) -> None:
+        """A reader found this worker's replica of ``model`` v``version`` corrupt."""
+        store = self._stores.get(model)
+        if store is not None and not store.closed and store.shard == shard:
+            store.quarantine(version)
 
     def close(self) -> None:
         """Leave the fabric: stop serving, unregister, free arena memory."""

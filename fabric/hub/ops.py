@@ -42,6 +42,7 @@ from weightfabric.fabric.hub_messages import (
     RegisterRequest,
     ReleaseRequest,
     Reply,
+    ReportCorruptRequest,
     ReportProgressRequest,
     Request,
     RestoreRequest,
@@ -122,6 +123,11 @@ def op_unregister(s: HubState, session: str, a: UnregisterRequest) -> Answer:
 
 def op_drop(s: HubState, session: str, a: DropRequest) -> Answer:
     return s.drop(a.model, a.worker, session=session)
+
+
+def op_report_corrupt(s: HubState, session: str, a: ReportCorruptRequest) -> Answer:
+    return s.report_corrupt(a.model, a.version, a.shard, a.holder, a.worker, session=session,
+                            chunks=a.chunks)
 
 
 def op_restore(s: HubState, session: str, a: RestoreRequest) -> Answer:
@@ -271,6 +277,7 @@ OPS: dict[str, Op[Any]] = {op.request.op: op for op in (
     _op(HeartbeatRequest, op_heartbeat),
     _op(UnregisterRequest, op_unregister),
     _op(DropRequest, op_drop),
+    _op(ReportCorruptRequest, op_report_corrupt),
     _op(RestoreRequest, op_restore),
     _op(BeginPublishRequest, op_begin_publish),
     _op(BeginDeriveRequest, op_begin_derive),

@@ -109,6 +109,7 @@ from weightfabric.fabric.hub_messages import (
     ProgressReply,
     PublishStateReply,
     RegisterReply,
+    ReportCorruptReply,
     RestoreReply,
     RetractReply,
     StatusReply,
@@ -164,6 +165,8 @@ class HubState:
         self.generation = 0
         self.durable_generation = 0
         self.kv = KvStore(clock)
+        self.quarantined: dict[str, set[tuple[str, int, int]]] = {}
+        """Per holder, replicas readers found corrupt that its next heartbeat hears of."""
         self._index = HubIndex(self.models, self.fetches)
         self.stall_after = stall_after
         self._stalled, self._lease_now = 0.0, -math.inf   # see `lease_clock`
@@ -248,7 +251,9 @@ class HubState:
                 f.lost.clear()
         retired = sorted({(m, n) for m, n, _ in self._index.held.get(worker, ())
                           if self.models[m].versions[n].state == RETIRED})
-        return HeartbeatReply(lease_s=self.lease_s, lost=lost, retired=retired)
+        quarantined = sorted(self.quarantined.pop(worker, set()))
+        return HeartbeatReply(lease_s=self.lease_s, lost=lost, retired=retired,
+                              quarantined=quarantined)
 
     def unregister(self, worker: str, *, session: str) -> EmptyReply:
         """Remove a worker now, as if its lease expired."""
@@ -276,6 +281,44 @@ class HubState:
         dropped = self._drop_holdings(worker, f"dropped {model!r}", model)
         self._settle()
         return DropReply(dropped=dropped)
+
+    def report_corrupt(self, model: str, version: int, shard: int, holder: str, worker: str, *,
+                       session: str, chunks: list[int]) -> ReportCorruptReply:
+        """A reader found ``chunks`` of ``holder``'s replica failing their checksum.
+
+        The replica is quarantined: the hub stops listing it (plans, ``latest``, retention
+        counts), fetches reading from it learn that it is lost, and the holder hears it in
+        its next heartbeat (``quarantined``), stops serving it and fetches it again. The
+        reader re-reads the chunks elsewhere either way.
+
+        Returns:
+            ``quarantined``: False when the hub no longer listed that replica (nothing
+            changed).
+
+        Raises:
+            UnknownWorkerError: the reporter is not registered.
+            UnknownModelError, UnknownVersionError: no such model or version.
+            BadRequestError: a worker reporting itself.
+        """
+        self._worker(worker, session)
+        if holder == worker:
+            raise BadRequestError(f"{worker!r} reported its own replica of {model!r} v{version}; "
+                                  "a worker re-fetches what it finds corrupt")
+        v = self._version(model, version)
+        rep = v.replicas.get((holder, shard))
+        if rep is None or not rep.complete:
+            return ReportCorruptReply(quarantined=False)
+        log.warning("quarantined %s v%d shard %d of %s: chunks %s failed their checksum at %s",
+                    model, version, shard, holder, chunks[:8], worker)
+        for fid in list(self._index.reading.get(holder, ())):
+            f = self.fetches[fid]
+            if f.model == model and f.version == version:
+                self._index.set_sources(f, f.sources - {holder})
+                f.lost.add(holder)
+        self._index.remove_replica(v, (holder, shard))
+        self.quarantined.setdefault(holder, set()).add((model, version, shard))
+        self._settle()
+        return ReportCorruptReply(quarantined=True)
 
     def expire(self) -> list[str]:
         """Drop every worker whose lease ended (and rendezvous keys whose ttl ran out).

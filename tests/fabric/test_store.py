@@ -730,3 +730,39 @@ def test_an_in_place_fetch_that_cannot_start_changes_nothing_and_one_that_fails_
     assert r_store.version is None  # the tensors hold a mix: nothing to claim
     monkeypatch.undo()
     assert r_store.fetch(v3, in_place=True).version == v3 and same(model, net(seed=4))
+
+
+def test_a_holder_that_served_corrupt_chunks_is_quarantined_until_it_fetches_again(hub):
+    """The reader re-reads elsewhere and reports the holder; the hub stops listing it, and
+    the holder, told in its heartbeat, stops serving the version and fetches it again."""
+    trainer, bad, reader = hub("trainer"), hub("bad"), hub("reader")
+    source = net(width=256, seed=1)  # several chunks: the reader stripes over both holders
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    version = t_store.publish(source)
+    b_store = bad.model("m", chunk_size=CHUNK)
+    b_store.attach(net(width=256, seed=2))
+    b_store.fetch(version)
+    b_store.pool.active.region.tensor[:b_store.layout.nbytes].add_(1)  # its memory went bad
+    model = net(width=256, seed=3)
+    r_store = reader.model("m", chunk_size=CHUNK)
+    r_store.attach(model)
+    stats = r_store.fetch(version, verify=True)
+    assert same(model, source) and stats.corrupted_chunks >= 1
+    holders = set(trainer.hub.locate_reply("m", version).shards[0].holders)
+    assert "bad" not in holders and {"trainer", "reader"} <= holders
+    bad.hub.heartbeat()  # the news: stop serving it
+    assert b_store.version is None and not any(b.exposed for b in b_store.pool.buffers)
+    assert ("m", version, 0) in bad.hub.quarantined
+    assert b_store.fetch(version).version == version  # and it is a holder again
+    assert "bad" in trainer.hub.locate_reply("m", version).shards[0].holders
+
+
+def test_corruption_reports_are_checked(hub):
+    trainer, reader = hub("trainer"), hub("reader")
+    version = trainer.model("m", chunk_size=CHUNK).publish(net(seed=1))
+    with pytest.raises(BadRequestError, match="its own replica"):
+        trainer.hub.report_corrupt("m", version, "trainer", [0])
+    with pytest.raises(UnknownVersionError):
+        reader.hub.report_corrupt("m", version + 5, "trainer", [0])
+    assert reader.hub.report_corrupt("m", version, "nobody", [0]) is False
+    assert trainer.hub.latest("m") == version  # nothing changed
