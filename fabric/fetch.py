@@ -240,8 +240,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
     """
     return _FetchRun(dest, chunk_size=chunk_size, progress=progress, planner=planner,
                      choose=choose, checksums=checksums, checksum_fn=checksum_fn,
-                     copy_checksums=copy_checksums, verify=verify, options=options, on_chunk=on_chunk, before_write=before_write,
-                     cancel=cancel).run()
+                     copy_checksums=copy_checksums, verify=verify, options=options,
+                     on_chunk=on_chunk, before_write=before_write, cancel=cancel).run()
 
 
 _Queued = tuple[tuple[int, ...], Source]
@@ -527,11 +527,10 @@ class _FetchRun:
                 corrupted: tuple[int, ...] = ()
                 if checking:
                     assert self.checksums is not None and self.checksum_fn is not None
-                    fn = self.checksum_fn
-                    if len(sums) >= len(done):
-                        fn = lambda c, _piece: sums[c - span[0]]  # noqa: E731
-                    corrupted = tuple(c for c in done if fn(c, self.chunk_bytes(c))
-                                      != self.checksums[c])
+                    if len(sums) < len(done):  # the transport copied without the sums
+                        sums = [self.checksum_fn(c, self.chunk_bytes(c)) for c in done]
+                    corrupted = tuple(c for i, c in enumerate(done)
+                                      if sums[i] != self.checksums[c])
         except TransportError as exc:
             return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
         return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):])

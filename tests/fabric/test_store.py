@@ -733,8 +733,11 @@ def test_an_in_place_fetch_that_cannot_start_changes_nothing_and_one_that_fails_
 
 
 def test_a_holder_that_served_corrupt_chunks_is_quarantined_until_it_fetches_again(hub):
-    """The reader re-reads elsewhere and reports the holder; the hub stops listing it, and
-    the holder, told in its heartbeat, stops serving the version and fetches it again."""
+    """A reader re-reads corrupt chunks elsewhere and reports their holder.
+
+    The hub stops listing that replica; the holder, told in its heartbeat, stops serving
+    the version and fetches it again.
+    """
     trainer, bad, reader = hub("trainer"), hub("bad"), hub("reader")
     source = net(width=256, seed=1)  # several chunks: the reader stripes over both holders
     t_store = trainer.model("m", chunk_size=CHUNK)
