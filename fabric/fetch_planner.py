@@ -40,6 +40,7 @@ class HubPlanner:
         self.me = me
         self._fresh = True
         self._lost: set[str] = set()  # sources the hub said it dropped, in progress reports
+        self._reported: set[str] = set()  # sources this fetch reported corrupt (quarantined)
 
     def corrupt(self, worker: str, chunks: list[int]) -> None:
         """Report that ``worker`` sent ``chunks`` failing their checksum (it is quarantined).
@@ -47,6 +48,7 @@ class HubPlanner:
         Best effort: the fetch re-reads them elsewhere whatever the hub answers.
         """
         plan = self.current
+        self._reported.add(worker)
         try:
             self.hub.report_corrupt(plan.model, plan.version, worker, chunks, shard=plan.shard)
         except HubError as exc:
@@ -57,7 +59,8 @@ class HubPlanner:
         """Sources for the `missing` chunks, never the workers in `failed`.
 
         None when the hub has no other holder (the engine then raises `FetchError` naming
-        the failed sources).
+        the failed sources, or the chunks that failed their checksum from the holders
+        this fetch reported corrupt).
 
         Raises:
             NoSourceError: no live replica holds some chunks and none was excluded
@@ -69,9 +72,9 @@ class HubPlanner:
                 self.current = self.hub.replan(self.current.fetch_id, chunks=missing,
                                                exclude=sorted(failed) or None)
             except NoSourceError:
-                if not failed:
+                if not failed and not self._reported:
                     raise
-                return []  # only holders this reader gave up on are left
+                return []  # only holders this reader gave up on, or reported corrupt, are left
         self._fresh = False
         wanted = set(missing)
         out = []

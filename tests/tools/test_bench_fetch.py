@@ -34,11 +34,22 @@ def test_bench_fetch_two_readers_is_bit_exact_and_reports_every_key():
     assert [v["version"] for v in result["versions"]] == [1, 2]
 
 
+def test_bench_fetch_verify_both_alternates_and_reports_the_cost():
+    result = bench_fetch(readers=1, size=16 << 20, chunk_size=1 << 20, versions=4,
+                         baselines=False, verify="both")
+    assert result["verified"] is True
+    assert [v["verify"] for v in result["versions"]] == [True, False, True, False]
+    assert result["verify_cost"] == pytest.approx(
+        1 - result["verified_aggregate_gbps"] / result["unverified_aggregate_gbps"])
+
+
 def test_bench_fetch_rejects_bad_input():
     with pytest.raises(ValueError, match="readers"):
         bench_fetch(readers=0, size=16 << 20, chunk_size=1 << 20)
     with pytest.raises(ValueError, match="chunk-size"):
         bench_fetch(readers=1, size=16 << 20, chunk_size=1000)
+    with pytest.raises(ValueError, match="--verify both needs"):
+        bench_fetch(readers=1, size=16 << 20, chunk_size=1 << 20, versions=2, verify="both")
 
 
 def test_cuda_bench_without_a_gpu_says_why():

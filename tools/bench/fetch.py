@@ -19,6 +19,9 @@ compared with gloo's whole broadcast in the targets. ``aggregate_gbps``: the
 readers' fetch phase only, readers x model bytes / (last reader's end - first
 reader's start). Per reader: model bytes / its fetch time (hub plan included).
 Gloo: readers x bytes / slowest reader's time, from tensors ready on rank 0.
+``--verify both`` alternates verified and unverified versions after the cold one
+and reports each one's median fetch phase and ``verify_cost`` (1 - verified /
+unverified GB/s): what checking every same-host read costs.
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="readers attach a model of the same layout before the first version, "
                         "as RL rollouts do (the first version then lands in the spare buffer "
                         "prepared at attach)")
+    p.add_argument("--verify", choices=("default", "all", "none", "both"), default="default",
+                   help="which reads check chunk checksums: 'default' (the library's rule: "
+                        "reads from other hosts), 'all', 'none', or 'both': versions after the "
+                        "first alternate all / none, and the medians of each are reported with "
+                        "the cost of verifying (verify_cost)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip memcpy and gloo (for profiling the fetch alone)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -94,6 +102,7 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
                 versions: int = 3, baselines: bool = True, report_interval: float | None = None,
                 read_bytes: int | None = None,
                 device: str = "cpu", nvshmem_pes: int = 0, attach: bool = False,
+                verify: str = "default",
                 on_phase: Callable[[str, int | None], None] = lambda name, total: None,
                 on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run the benchmark once; returns the JSON result (see the module docstring).
@@ -114,6 +123,10 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
         raise ValueError(f"--max-inflight must be >= 1, got {max_inflight}")
     if read_bytes is not None and read_bytes <= 0:
         raise ValueError(f"--read-bytes must be positive, got {read_bytes}")
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"--verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+    if verify == "both" and versions < 3:
+        raise ValueError("--verify both needs --versions >= 3 (a cold one, then one of each)")
     if device == "cuda":
         from weightfabric.fabric.gpu import probe
 
@@ -156,14 +169,16 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
             pub = trainer.ask("publish", size=size, seed=SEED, timeout=300)
             served = int(trainer.ask("served")["bytes"])
             on_phase(f"v{i + 1}: fetch", None)
+            checks = _verify_flag(verify, i)
             for r in reader_agents:
-                r.send("fetch", version=pub["version"], options=options)
+                r.send("fetch", version=pub["version"], options=options, verify=checks)
             fetched = [r.reply(600) for r in reader_agents]
             egress = int(trainer.ask("served")["bytes"]) - served
             on_phase(f"v{i + 1}: verify", None)
             want = trainer.ask("digest", timeout=300)["sha256"]
             digests = [r.ask("digest", timeout=300)["sha256"] for r in reader_agents]
-            rounds.append(_round(pub, fetched, egress, all(d == want for d in digests)))
+            rounds.append({**_round(pub, fetched, egress, all(d == want for d in digests)),
+                           "verify": checks})
     finally:
         close_all(agents)
         remove_stale_regions()
@@ -172,6 +187,9 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
     result["verified"] = all(r["verified"] for r in rounds)
     result["versions"] = rounds
     result["cold_aggregate_gbps"] = rounds[0]["aggregate_gbps"]
+    result["verify"] = verify
+    if verify == "both":
+        result.update(_verify_cost(rounds[1:]))
     if device == "cuda":
         from weightfabric.tools.bench.gpu_paths import reshard_reads
 
@@ -197,6 +215,30 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
     if baselines:
         result["targets"] = _targets(result)
     return result
+
+
+VERIFY_MODES = ("default", "all", "none", "both")
+
+
+def _verify_flag(mode: str, index: int) -> bool | None:
+    """The ``verify=`` of version ``index`` (0-based) under ``--verify mode``."""
+    if mode == "both":  # the first (cold) and then every other one verified
+        return index % 2 == 0
+    return {"default": None, "all": True, "none": False}[mode]
+
+
+def _verify_cost(warm: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians of the verified and unverified warm versions' fetch phases, and the cost."""
+    import statistics
+
+    def median(flag: bool, key: str) -> float:
+        return statistics.median(r[key] for r in warm if r["verify"] is flag)
+
+    verified, unverified = (median(True, "aggregate_gbps"), median(False, "aggregate_gbps"))
+    return {"verified_aggregate_gbps": verified, "unverified_aggregate_gbps": unverified,
+            "verified_from_publish_seconds": median(True, "from_publish_seconds"),
+            "unverified_from_publish_seconds": median(False, "from_publish_seconds"),
+            "verify_cost": 1 - verified / unverified}
 
 
 def _round(pub: dict[str, Any], fetched: list[dict[str, Any]], egress: int,
@@ -264,6 +306,7 @@ def _run(args: argparse.Namespace) -> int:
                              versions=args.versions,
                              report_interval=args.report_interval, device=args.device,
                              nvshmem_pes=args.nvshmem_pes, attach=args.attach,
+                             verify=args.verify,
                              baselines=not args.no_baselines, on_phase=on_phase,
                              on_progress=on_progress)
     return print_result(result, as_json=args.json, table=_table)
@@ -299,6 +342,10 @@ def _table(r: dict[str, Any], console: Console) -> None:
                           ", ".join(f"{g:.2f}" for g in n["per_reader_gbps"]) +
                           f"; {max(n['copy_gbps'], default=0):.2f}" +
                           ("" if n["verified"] else "  [red]NOT verified[/red]"))
+    if "verify_cost" in r:
+        table.add_row("fetch phase GB/s verified / unverified (warm medians)",
+                      f"{r['verified_aggregate_gbps']:.2f} / {r['unverified_aggregate_gbps']:.2f}"
+                      f"  (verifying costs {r['verify_cost']:.0%})")
     if "gloo_broadcast_gbps" in r:
         table.add_row("gloo broadcast GB/s (aggregate)", f"{r['gloo_broadcast_gbps']:.2f}")
     for name, t in r.get("targets", {}).items():
