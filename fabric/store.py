@@ -538,8 +538,8 @@ class ModelStore:
 
         Args:
             version: an ``int > 0`` or ``"latest"``.
-            verify: check every chunk's checksum (True), none (False), or by default
-                only chunks read from other hosts.
+            verify: check every chunk's checksum (True or None, the default), or none
+                (False: for those who measured and accept the risk).
             options: concurrency and time limits of the fetch engine.
             on_chunk: progress callback (chunks done, chunks total).
             in_place: write the version into the active buffer, the one the attached

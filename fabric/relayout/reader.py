@@ -15,9 +15,8 @@ nothing, so a holder may retract meanwhile; its read server then refuses the rea
 and the next holder of that shard is tried.
 
 Verification follows `ModelStore.fetch` (`fabric.fetch.verify_rule`): by default
-the bytes read from holders on other hosts are checked against the shard's
-published chunk checksums, same-host reads are not (``verify=True`` checks all,
-``False`` none). Bands do not align with chunks, so a verified band is read as
+the bytes read from every holder are checked against the shard's published chunk
+checksums (``verify=False`` checks none). Bands do not align with chunks, so a verified band is read as
 the whole chunks covering it; each is checked, then the band's bytes are copied
 into staging. Chunks a band only partly covers stay in a small cache for the
 neighbouring band. A bad chunk counts as its holder failing: the next holder of
@@ -365,8 +364,8 @@ class ReshardReader:
             band + 6 x ``chunk_size`` of the shards' manifests (``verify_peak_bytes``).
         scale_suffix: an fp8 tensor ``name``'s blockwise scales are the tensor
             ``name + scale_suffix`` of the same shard.
-        verify: check the bytes against the published chunk checksums: all (True),
-            none (False), or by default (None) only those read from other hosts.
+        verify: check the bytes against the published chunk checksums: all (True, and by
+            default: None), or none (False).
             A shard published without checksums is read unverified.
         timeout: per band read.
     """

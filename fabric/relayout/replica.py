@@ -133,8 +133,8 @@ class LayoutStore:
 
         Args:
             version: an ``int > 0`` or ``"latest"`` (the published model's numbers).
-            verify: check chunk checksums: all (True), none (False), or by default only
-                bytes read from other hosts (for derived copies and for derivation reads).
+            verify: check chunk checksums: all (True, and by default), or none (False);
+                for derived copies and for derivation reads.
             options: the copy's fetch options (`ModelStore.fetch`).
 
         Raises:

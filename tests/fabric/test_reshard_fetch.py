@@ -259,25 +259,23 @@ def test_corrupted_bytes_from_the_only_holder_fail_the_fetch_naming_the_chunk(pu
             fetch_resharded(reader, "policy", spec(1), dst, rank=0, verify=True)
 
 
-@pytest.mark.parametrize("verify", [False, None])
-def test_unverified_reads_let_corrupted_bytes_through(published, monkeypatch, verify):
-    """verify=False, and by default for holders on this host.
-
-    The checksums are what catches the corruption above.
-    """
+def test_unverified_reads_let_corrupted_bytes_through(published, monkeypatch):
+    """verify=False: the checksums are what catches the corruption above."""
     hub, full, _, _ = published
     with wf.join(hub.url, worker="reader") as reader:
         tapped(reader, monkeypatch, corrupt="trainer-1")
         want = expected(full, 1, 0)
         dst = {n: torch.empty_like(t) for n, t in want.items()}
-        stats = fetch_resharded(reader, "policy", spec(1), dst, rank=0, verify=verify)
+        stats = fetch_resharded(reader, "policy", spec(1), dst, rank=0, verify=False)
     assert not all(torch.equal(dst[n], want[n]) for n in want)
     assert stats.verified_chunks == 0 and not stats.failed_sources
 
 
-def test_by_default_holders_on_other_hosts_are_verified(published, monkeypatch):
+@pytest.mark.parametrize("host", ["here", "elsewhere"])
+def test_by_default_every_holder_is_verified(published, monkeypatch, host):
     hub, full, _, trainers = published
-    monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "elsewhere")  # the trainers' host is not ours
+    if host == "elsewhere":
+        monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "elsewhere")  # the trainers' host is not ours
     with wf.join(hub.url, worker="reader") as reader:
         tapped(reader, monkeypatch, corrupt="trainer-1")
         dst = {n: torch.empty_like(t) for n, t in expected(full, 1, 0).items()}
@@ -285,7 +283,8 @@ def test_by_default_holders_on_other_hosts_are_verified(published, monkeypatch):
             fetch_resharded(reader, "policy", spec(1), dst, rank=0)
     here = Source("w", SourceAddress("127.0.0.1", 1, local_host_id()), "r")
     there = Source("w", SourceAddress("127.0.0.1", 1, "other-host"), "r")
-    assert (verify_rule(None)(here), verify_rule(None)(there)) == (False, True)
+    assert (verify_rule(None)(here), verify_rule(None)(there)) == (True, True)
+    assert not verify_rule(False)(here)
     assert verify_rule(True)(here) and not verify_rule(False)(there)
 
 

@@ -749,7 +749,7 @@ def test_a_holder_that_served_corrupt_chunks_is_quarantined_until_it_fetches_aga
     model = net(width=256, seed=3)
     r_store = reader.model("m", chunk_size=CHUNK)
     r_store.attach(model)
-    stats = r_store.fetch(version, verify=True)
+    stats = r_store.fetch(version)  # default settings: same-host reads are verified too
     assert same(model, source) and stats.corrupted_chunks >= 1
     holders = set(trainer.hub.locate_reply("m", version).shards[0].holders)
     assert "bad" not in holders and {"trainer", "reader"} <= holders

@@ -11,8 +11,8 @@ processes started and set up, as an RL job's first sync), the others *warm*
 
 - ``weightfabric-snapshot``: the trainer reserved its buffer at start-up
   (`ModelStore.reserve`) and publishes a snapshot (copy + checksums in one pass);
-  readers, with their models attached, fetch (verified by the default rule: on one
-  host, not) and switch; with ``--reader-mode in-place`` they fetch into their live
+  readers, with their models attached, fetch (every chunk verified, the default)
+  and switch; with ``--reader-mode in-place`` they fetch into their live
   weights (one buffer each; `ModelStore.fetch`'s ``in_place``).
 - ``weightfabric-inplace``: the trainer attached its tensors and publishes them in
   place (``publish(snapshot=False)``: checksums only); the rest as above.
