@@ -51,8 +51,15 @@ def test_the_trainer_exits_and_its_last_version_lives_on_in_the_rollout(hub, tmp
     rollout = subprocess.Popen([sys.executable, _write(tmp_path, "rollout.py")], env=_env(hub),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        trainer = subprocess.run([sys.executable, _write(tmp_path, "trainer.py")],
-                                 env=_env(hub), capture_output=True, text=True, timeout=180)
+        try:
+            trainer = subprocess.run([sys.executable, _write(tmp_path, "trainer.py")],
+                                     env=_env(hub), capture_output=True, text=True, timeout=180)
+        except subprocess.TimeoutExpired as exc:  # say why: the rollout's side of the story
+            rollout.kill()
+            out, err = rollout.communicate()
+            pytest.fail(f"the trainer did not finish in 180 s; its stderr:\n"
+                        f"{(exc.stderr or b'')[-2000:]!r}\nthe rollout's (exit {rollout.returncode}):"
+                        f"\n{out[-1000:]}\n{err[-3000:]}")
         assert trainer.returncode == 0, trainer.stderr[-3000:]
         with wf.connect(hub.url) as client:
             last = client.latest("policy")

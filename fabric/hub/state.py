@@ -292,8 +292,8 @@ class HubState:
         reader re-reads the chunks elsewhere either way.
 
         Returns:
-            ``quarantined``: False when the hub no longer listed that replica (nothing
-            changed).
+            ``quarantined``: False (nothing changed) when the hub no longer listed that
+            replica, or when it is the shard's last complete one.
 
         Raises:
             UnknownWorkerError: the reporter is not registered.
@@ -306,7 +306,10 @@ class HubState:
                                   "a worker re-fetches what it finds corrupt")
         v = self._version(model, version)
         rep = v.replicas.get((holder, shard))
-        if rep is None or not rep.complete:
+        others = [w for w in v.complete_live.get(shard, ()) if w != holder]
+        if rep is None or not rep.complete or not others:
+            # the last complete replica stays listed: readers keep failing on its bad chunks
+            # (a FetchError naming them), and one report cannot take a version from everyone
             return ReportCorruptReply(quarantined=False)
         log.warning("quarantined %s v%d shard %d of %s: chunks %s failed their checksum at %s",
                     model, version, shard, holder, chunks[:8], worker)

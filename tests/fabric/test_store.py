@@ -768,4 +768,5 @@ def test_corruption_reports_are_checked(hub):
     with pytest.raises(UnknownVersionError):
         reader.hub.report_corrupt("m", version + 5, "trainer", [0])
     assert reader.hub.report_corrupt("m", version, "nobody", [0]) is False
+    assert reader.hub.report_corrupt("m", version, "trainer", [0]) is False  # the last replica
     assert trainer.hub.latest("m") == version  # nothing changed
