@@ -14,9 +14,10 @@ The reader holds no replica: it does not serve what it read, and the hub records
 nothing, so a holder may retract meanwhile; its read server then refuses the read
 and the next holder of that shard is tried.
 
-Verification follows `ModelStore.fetch` (`fabric.fetch.verify_rule`): by default
-the bytes read from every holder are checked against the shard's published chunk
-checksums (``verify=False`` checks none). Bands do not align with chunks, so a verified band is read as
+Verification (`fabric.fetch.band_verify_rule`): by default the bands read from
+holders on other hosts are checked against the shard's published chunk checksums,
+same-host bands are not (``verify=True`` checks all, ``False`` none): a verified
+band is widened to whole chunks, which multiplies the bytes read. Bands do not align with chunks, so a verified band is read as
 the whole chunks covering it; each is checked, then the band's bytes are copied
 into staging. Chunks a band only partly covers stay in a small cache for the
 neighbouring band. A bad chunk counts as its holder failing: the next holder of
@@ -42,7 +43,7 @@ import torch
 
 from weightfabric.fabric.checks import check_version
 from weightfabric.fabric.errors import FetchError, ManifestMismatchError, TransportError
-from weightfabric.fabric.fetch import Source, verify_rule
+from weightfabric.fabric.fetch import Source, band_verify_rule
 from weightfabric.fabric.manifest import Manifest
 from weightfabric.fabric.regions import region_name
 from weightfabric.fabric.relayout.staging import (
@@ -364,8 +365,8 @@ class ReshardReader:
             band + 6 x ``chunk_size`` of the shards' manifests (``verify_peak_bytes``).
         scale_suffix: an fp8 tensor ``name``'s blockwise scales are the tensor
             ``name + scale_suffix`` of the same shard.
-        verify: check the bytes against the published chunk checksums: all (True, and by
-            default: None), or none (False).
+        verify: check the bytes against the published chunk checksums: all (True),
+            none (False), or by default (None) only those read from other hosts.
             A shard published without checksums is read unverified.
         timeout: per band read.
     """
@@ -375,7 +376,7 @@ class ReshardReader:
                  verify: bool | None = None, timeout: float = 30.0) -> None:
         self.worker, self.model, self.tensors, self.rank = worker, model, dict(tensors), rank
         self.budget, self.scale_suffix, self.timeout = budget, scale_suffix, timeout
-        self._verify = verify_rule(verify)
+        self._verify = band_verify_rule(verify)
         self._staging = Staging()
         self._chunks = ChunkBuffers()
 

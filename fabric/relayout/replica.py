@@ -44,7 +44,7 @@ from weightfabric.fabric.errors import (
     UnknownVersionError,
     WaitTimeoutError,
 )
-from weightfabric.fabric.fetch import FetchOptions, FetchStats, verify_rule
+from weightfabric.fabric.fetch import FetchOptions, FetchStats, band_verify_rule
 from weightfabric.fabric.manifest import Manifest
 from weightfabric.fabric.relayout.derive import PublishedVersion, derive
 from weightfabric.fabric.relayout.reader import ChunkBuffers, ShardReader
@@ -133,8 +133,9 @@ class LayoutStore:
 
         Args:
             version: an ``int > 0`` or ``"latest"`` (the published model's numbers).
-            verify: check chunk checksums: all (True, and by default), or none (False);
-                for derived copies and for derivation reads.
+            verify: check chunk checksums: all (True), none (False), or by default every
+                chunk of a copy and the derivation reads from other hosts
+                (`fabric.fetch.band_verify_rule`).
             options: the copy's fetch options (`ModelStore.fetch`).
 
         Raises:
@@ -249,7 +250,7 @@ class LayoutStore:
         Unregistered (a holder the hub lists could not be read), the version stays private.
         """
         hub, start = self.worker.hub, time.monotonic()
-        reader = ShardReader(self.worker, where, manifests, verify=verify_rule(verify),
+        reader = ShardReader(self.worker, where, manifests, verify=band_verify_rule(verify),
                               timeout=self.timeout, buffers=self._chunks)
 
         def fill(dst: dict[str, torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ from weightfabric.fabric.errors import (
     UnknownModelError,
     UnknownVersionError,
 )
-from weightfabric.fabric.fetch import Source, verify_rule
+from weightfabric.fabric.fetch import Source, band_verify_rule, verify_rule
 from weightfabric.fabric.relayout.reader import Resharding, ReshardReader, fetch_resharded
 from weightfabric.fabric.transports import SourceAddress, local_host_id
 from weightfabric.kernels import (
@@ -259,23 +259,25 @@ def test_corrupted_bytes_from_the_only_holder_fail_the_fetch_naming_the_chunk(pu
             fetch_resharded(reader, "policy", spec(1), dst, rank=0, verify=True)
 
 
-def test_unverified_reads_let_corrupted_bytes_through(published, monkeypatch):
-    """verify=False: the checksums are what catches the corruption above."""
+@pytest.mark.parametrize("verify", [False, None])
+def test_unverified_reads_let_corrupted_bytes_through(published, monkeypatch, verify):
+    """verify=False, and by default for bands read from holders on this host.
+
+    The checksums are what catches the corruption above.
+    """
     hub, full, _, _ = published
     with wf.join(hub.url, worker="reader") as reader:
         tapped(reader, monkeypatch, corrupt="trainer-1")
         want = expected(full, 1, 0)
         dst = {n: torch.empty_like(t) for n, t in want.items()}
-        stats = fetch_resharded(reader, "policy", spec(1), dst, rank=0, verify=False)
+        stats = fetch_resharded(reader, "policy", spec(1), dst, rank=0, verify=verify)
     assert not all(torch.equal(dst[n], want[n]) for n in want)
     assert stats.verified_chunks == 0 and not stats.failed_sources
 
 
-@pytest.mark.parametrize("host", ["here", "elsewhere"])
-def test_by_default_every_holder_is_verified(published, monkeypatch, host):
+def test_by_default_bands_from_holders_on_other_hosts_are_verified(published, monkeypatch):
     hub, full, _, trainers = published
-    if host == "elsewhere":
-        monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "elsewhere")  # the trainers' host is not ours
+    monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "elsewhere")  # the trainers' host is not ours
     with wf.join(hub.url, worker="reader") as reader:
         tapped(reader, monkeypatch, corrupt="trainer-1")
         dst = {n: torch.empty_like(t) for n, t in expected(full, 1, 0).items()}
@@ -283,8 +285,8 @@ def test_by_default_every_holder_is_verified(published, monkeypatch, host):
             fetch_resharded(reader, "policy", spec(1), dst, rank=0)
     here = Source("w", SourceAddress("127.0.0.1", 1, local_host_id()), "r")
     there = Source("w", SourceAddress("127.0.0.1", 1, "other-host"), "r")
-    assert (verify_rule(None)(here), verify_rule(None)(there)) == (True, True)
-    assert not verify_rule(False)(here)
+    assert (band_verify_rule(None)(here), band_verify_rule(None)(there)) == (False, True)
+    assert (verify_rule(None)(here), verify_rule(None)(there)) == (True, True)  # whole chunks
     assert verify_rule(True)(here) and not verify_rule(False)(there)
 
 
