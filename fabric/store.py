@@ -668,14 +668,27 @@ class ModelStore:
         Returns:
             The fetch's `FetchStats` (``stats.version`` is the version now held).
 
+        A version retired between the wait and the fetch (a fast trainer committed newer
+        ones, and retention dropped it) is followed by the newest one instead.
+
         Raises:
             WaitTimeoutError: no newer version within ``timeout`` (nothing changed).
             FabricError: the store is closed; and what `fetch` raises.
         """
         self._check_open()
-        newer = self.hub.wait_version(self.model, after=self.version or 0, timeout=timeout)
-        return self.fetch(newer, verify=verify, options=options, on_chunk=on_chunk,
-                          in_place=in_place)
+        end = time.monotonic() + timeout
+        while True:
+            newer = self.hub.wait_version(self.model, after=self.version or 0,
+                                          timeout=max(0.0, end - time.monotonic()))
+            try:
+                return self.fetch(newer, verify=verify, options=options, on_chunk=on_chunk,
+                                  in_place=in_place)
+            except UnknownVersionError:
+                # retired between the wait and the fetch, because newer ones were committed
+                # meanwhile (retention keeps the last few): fetch the newest instead
+                latest = self.hub.latest(self.model)
+                if latest is None or latest <= newer or time.monotonic() >= end:
+                    raise
 
     def _fetch(self, version: int | str, verify: bool | None, options: FetchOptions,
                on_chunk: Callable[[int, int], None] | None, in_place: bool = False

@@ -770,3 +770,33 @@ def test_corruption_reports_are_checked(hub):
     assert reader.hub.report_corrupt("m", version, "nobody", [0]) is False
     assert reader.hub.report_corrupt("m", version, "trainer", [0]) is False  # the last replica
     assert trainer.hub.latest("m") == version  # nothing changed
+
+
+def test_sync_follows_the_newest_version_when_the_one_it_waited_for_was_retired(hub, monkeypatch):
+    """A version retired between a rollout's wait and its fetch is followed by the newest.
+
+    A fast trainer commits v2 and v3 between the wait and the fetch of v1 (retention
+    drops v1): sync fetches v3, it does not fail.
+    """
+    trainer, rollout = hub("trainer"), hub("rollout")
+    t_store = trainer.model("m", chunk_size=CHUNK)
+    source = net(seed=1)
+    t_store.publish(source)
+    r_store = rollout.model("m", chunk_size=CHUNK)
+    model = net(seed=2)
+    r_store.attach(model)
+    wait = rollout.hub.wait_version
+
+    def racing_wait(*args, **kwargs):
+        v = wait(*args, **kwargs)
+        if v == 1:  # the trainer overtakes this rollout now
+            with torch.no_grad():
+                for _ in range(2):
+                    for p in source.parameters():
+                        p.add_(1)
+                    t_store.publish(source)
+        return v
+
+    monkeypatch.setattr(rollout.hub, "wait_version", racing_wait)
+    stats = r_store.sync(timeout=10)
+    assert stats.version == 3 and same(model, source)
