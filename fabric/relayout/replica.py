@@ -159,12 +159,22 @@ class LayoutStore:
              options: FetchOptions | None = None) -> LayoutFetchStats:
         """Wait for a version of the model newer than the one held, fetch it, switch.
 
+        A version retired between the wait and the fetch (newer ones were committed
+        meanwhile) is followed by the newest one instead, as in `ModelStore.sync`.
+
         Raises:
             WaitTimeoutError: none newer within ``timeout``; and what `fetch` raises.
         """
-        newer = self.worker.hub.wait_version(self.model, after=self.version or 0,
-                                             timeout=timeout)
-        return self.fetch(newer, verify=verify, options=options)
+        hub, end = self.worker.hub, time.monotonic() + timeout
+        while True:
+            newer = hub.wait_version(self.model, after=self.version or 0,
+                                     timeout=max(0.0, end - time.monotonic()))
+            try:
+                return self.fetch(newer, verify=verify, options=options)
+            except UnknownVersionError:
+                latest = hub.latest(self.model)
+                if latest is None or latest <= newer or time.monotonic() >= end:
+                    raise
 
     def close(self) -> None:
         """Close the derived model's store (its replicas leave the hub)."""

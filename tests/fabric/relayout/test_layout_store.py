@@ -150,3 +150,26 @@ def test_a_listed_holder_that_cannot_be_read_makes_the_reader_derive_privately(w
         holders = client.locate(a.name, v)["shards"][0]["holders"]
     assert holders == ["a"]                        # B's private copy is not registered
     assert b.store.pool.active is not None and b.store.pool.active.exposed is None
+
+
+def test_sync_follows_the_newest_version_when_the_one_it_waited_for_was_retired(workers,
+                                                                               monkeypatch):
+    """As `ModelStore.sync`: a fast trainer commits v2 and v3 between the wait and the fetch."""
+    trainer = workers.join("trainer")
+    store = trainer.model("policy", chunk_size=CHUNK)
+    store.publish(_weights(1))
+    layout = _layout()
+    reader_worker = workers.join("r")
+    reader = reader_worker.layout_model("policy", layout, rank=0, chunk_size=CHUNK)
+    wait = reader_worker.hub.wait_version
+
+    def racing_wait(*args, **kwargs):
+        v = wait(*args, **kwargs)
+        if v == 1:
+            store.publish(_weights(2))
+            store.publish(_weights(3))
+        return v
+
+    monkeypatch.setattr(reader_worker.hub, "wait_version", racing_wait)
+    assert reader.sync(timeout=10).version == 3
+    _check(reader, layout, _weights(3), 0)
