@@ -54,7 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import nn
@@ -126,6 +126,31 @@ FAILED_DRAIN_S = 0.5
 """Seconds a failed fetch waits for peers' reads of its partial replica before it raises
 (and a fetch for its early exposure in other chunks than the publisher's); a buffer
 still being read stays exposed, and is not reused, until they end."""
+
+
+_Stats = TypeVar("_Stats", bound=FetchStats)
+
+
+def fetch_newer(hub: HubClient, model: str, held: Callable[[], int | None], timeout: float,
+                fetch: Callable[[int], _Stats]) -> _Stats:
+    """Wait for a version of ``model`` newer than ``held()`` and ``fetch`` it (`sync`'s loop).
+
+    A version retired between the wait and the fetch (newer ones were committed meanwhile
+    and retention dropped it) is followed by the newest one instead.
+
+    Raises:
+        WaitTimeoutError: none newer within ``timeout``; and what ``fetch`` raises.
+    """
+    end = time.monotonic() + timeout
+    while True:
+        newer = hub.wait_version(model, after=held() or 0,
+                                 timeout=max(0.0, end - time.monotonic()))
+        try:
+            return fetch(newer)
+        except UnknownVersionError:
+            latest = hub.latest(model)
+            if latest is None or latest <= newer or time.monotonic() >= end:
+                raise
 
 
 class FetchFuture:
@@ -676,19 +701,9 @@ class ModelStore:
             FabricError: the store is closed; and what `fetch` raises.
         """
         self._check_open()
-        end = time.monotonic() + timeout
-        while True:
-            newer = self.hub.wait_version(self.model, after=self.version or 0,
-                                          timeout=max(0.0, end - time.monotonic()))
-            try:
-                return self.fetch(newer, verify=verify, options=options, on_chunk=on_chunk,
-                                  in_place=in_place)
-            except UnknownVersionError:
-                # retired between the wait and the fetch, because newer ones were committed
-                # meanwhile (retention keeps the last few): fetch the newest instead
-                latest = self.hub.latest(self.model)
-                if latest is None or latest <= newer or time.monotonic() >= end:
-                    raise
+        return fetch_newer(self.hub, self.model, lambda: self.version, timeout,
+                           lambda v: self.fetch(v, verify=verify, options=options,
+                                                on_chunk=on_chunk, in_place=in_place))
 
     def _fetch(self, version: int | str, verify: bool | None, options: FetchOptions,
                on_chunk: Callable[[int, int], None] | None, in_place: bool = False

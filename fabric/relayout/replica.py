@@ -50,7 +50,7 @@ from weightfabric.fabric.relayout.derive import PublishedVersion, derive
 from weightfabric.fabric.relayout.reader import ChunkBuffers, ShardReader
 from weightfabric.fabric.relayout.rules import BoundLayout, EngineLayout
 from weightfabric.fabric.relayout.staging import Staging
-from weightfabric.fabric.store import FetchFuture, ModelStore
+from weightfabric.fabric.store import FetchFuture, ModelStore, fetch_newer
 from weightfabric.fabric.tensorset import DEFAULT_CHUNK_SIZE, layout_manifest, layout_of
 
 if TYPE_CHECKING:
@@ -165,16 +165,8 @@ class LayoutStore:
         Raises:
             WaitTimeoutError: none newer within ``timeout``; and what `fetch` raises.
         """
-        hub, end = self.worker.hub, time.monotonic() + timeout
-        while True:
-            newer = hub.wait_version(self.model, after=self.version or 0,
-                                     timeout=max(0.0, end - time.monotonic()))
-            try:
-                return self.fetch(newer, verify=verify, options=options)
-            except UnknownVersionError:
-                latest = hub.latest(self.model)
-                if latest is None or latest <= newer or time.monotonic() >= end:
-                    raise
+        return fetch_newer(self.worker.hub, self.model, lambda: self.version, timeout,
+                           lambda v: self.fetch(v, verify=verify, options=options))
 
     def close(self) -> None:
         """Close the derived model's store (its replicas leave the hub)."""
