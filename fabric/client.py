@@ -11,6 +11,11 @@ whichever of its calls hears it first. A daemon thread heartbeats every
 ``lease_s / 3`` on a socket of its own, so a caller's long poll never delays
 it; the caller's threads share the main DEALER socket under a lock.
 
+Every request is signed with the client's credential (`fabric.auth`: the deployment
+secret or a token, from ``secret=``, ``secret_file=``, ``WEIGHTFABRIC_SECRET_FILE`` or
+the default path), and only replies the hub signed for that request are taken.
+``insecure=True`` does neither (for a hub run with ``--insecure``).
+
 Each operation's stub builds its request struct (`fabric.hub_messages`) and gets
 the reply struct back (`HubClient.request`); `HubClient.call` is the untyped form.
 """
@@ -25,12 +30,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 import zmq
 
+from weightfabric.fabric.auth import Credential, load_credential
 from weightfabric.fabric.errors import (
+    AuthenticationError,
     HubTimeoutError,
     HubUnavailableError,
     ProtocolError,
@@ -125,6 +133,8 @@ class SourceInfo:
     location: Location
     endpoints: Endpoints
     complete: bool
+    cap: bytes = b""
+    """This reader's capability to read the plan's version from the worker (`fabric.auth`)."""
 
 
 @dataclass(frozen=True)
@@ -174,7 +184,8 @@ class FetchPlan:
                    manifest,
                    tuple(PlanRange(r.start, r.stop, tuple(r.sources), tuple(r.wait))
                          for r in reply.ranges),
-                   {w: SourceInfo(w, Location.from_wire(i.location), i.endpoints, i.complete)
+                   {w: SourceInfo(w, Location.from_wire(i.location), i.endpoints, i.complete,
+                                  i.cap)
                     for w, i in reply.workers.items()})
 
     def chunks(self) -> list[int]:
@@ -210,8 +221,13 @@ class HubClient:
     def __init__(self, url: str, *, worker: str | None = None,
                  location: Location | dict[str, str] | None = None,
                  endpoints: Endpoints | None = None, timeout: float = 10.0,
-                 heartbeat: bool = True, max_message_size: int = MAX_MESSAGE_SIZE) -> None:
+                 heartbeat: bool = True, max_message_size: int = MAX_MESSAGE_SIZE,
+                 secret: str | None = None, secret_file: str | Path | None = None,
+                 insecure: bool = False) -> None:
         self.url = url
+        self.credential: Credential | None = (
+            None if insecure else load_credential(secret=secret, secret_file=secret_file))
+        """What this client signs its requests with (None: ``insecure``)."""
         self.worker = worker
         self.location = Location.from_wire(location)
         self.endpoints = dict(endpoints or {})
@@ -360,8 +376,12 @@ class HubClient:
         attempt = 0
         while True:
             sock = self._socket(channel)
+            frames, mac = [data], b""
+            if self.credential is not None:   # signed again at each try: a fresh timestamp
+                auth, mac = self.credential.sign(data)
+                frames.append(auth)
             with contextlib.suppress(zmq.Again):
-                sock.send(data, zmq.NOBLOCK)
+                sock.send_multipart(frames, zmq.NOBLOCK)
             per_try = max(wait_s + min(2.0, self.timeout / 3), 0.5)
             try_end = min(deadline, time.monotonic() + per_try)
             while True:
@@ -369,7 +389,7 @@ class HubClient:
                 if left <= 0 or not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                     break
                 try:
-                    raw = sock.recv(zmq.NOBLOCK)
+                    raw, *rest = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     continue
                 try:
@@ -377,7 +397,7 @@ class HubClient:
                 except Exception as exc:
                     log.warning("undecodable reply dropped: %s", exc)
                     continue
-                if msg.req_id == req_id:
+                if msg.req_id == req_id and self._authentic(msg, raw, rest, mac):
                     return msg
             if time.monotonic() >= deadline:
                 # Drop the queued request so it cannot reach a hub that comes back later
@@ -389,6 +409,28 @@ class HubClient:
             attempt += 1
             self._reset_socket(channel)
             time.sleep(min(0.05 * 2 ** attempt, 1.0, max(0.0, deadline - time.monotonic())))
+
+    def _authentic(self, msg: Message, raw: bytes, rest: list[bytes], mac: bytes) -> bool:
+        """Whether to take reply ``msg``: the hub signed it for this request (unless insecure).
+
+        An unsigned refusal (``unauthenticated``) is taken: the caller raises it.
+
+        Raises:
+            AuthenticationError: the hub answered unsigned: it runs without authentication.
+        """
+        if self.credential is None:
+            return True
+        auth = rest[0] if rest else b""
+        if not auth:
+            if msg.kind == ERROR and msg.name == AuthenticationError.code:
+                return True
+            raise AuthenticationError(
+                f"the hub at {self.url} answered without signing its reply: it runs with "
+                "--insecure (or is not the hub); connect with insecure=True to trust it")
+        if self.credential.check_reply(auth, mac, raw):
+            return True
+        log.warning("a reply from %s not signed for this request was dropped", self.url)
+        return False
 
     def _socket(self, channel: str) -> zmq.Socket:
         sock = self._socks.get(channel)
@@ -587,12 +629,14 @@ class HubClient:
 
         Returns:
             The `LocateReply` as plain data (``where["shards"][k]["manifest"]`` is what
-            `Manifest.from_wire` reads); `locate_reply` gives the struct.
+            `Manifest.from_wire` reads; ``where["workers"][w]["cap"]`` the capability to
+            read from ``w``); `locate_reply` gives the struct.
 
         Raises:
             UnknownModelError, UnknownVersionError, NoSourceError.
         """
-        out: dict[str, Any] = msgspec.to_builtins(self.locate_reply(model, version))
+        out: dict[str, Any] = msgspec.to_builtins(self.locate_reply(model, version),
+                                                  builtin_types=(bytes,))
         return out
 
     def locate_reply(self, model: str, version: int | str = "latest") -> LocateReply:
@@ -841,7 +885,8 @@ class HubClient:
 def connect(url: str, *, worker: str | None = None,
             location: Location | dict[str, str] | None = None,
             endpoints: Endpoints | None = None, timeout: float = 10.0,
-            heartbeat: bool = True) -> HubClient:
+            heartbeat: bool = True, secret: str | None = None,
+            secret_file: str | Path | None = None, insecure: bool = False) -> HubClient:
     """Connect to a hub; with ``worker``, register it and keep its lease by heartbeat.
 
     Args:
@@ -851,6 +896,10 @@ def connect(url: str, *, worker: str | None = None,
         endpoints: how peers reach this worker's data plane (opaque to the hub).
         timeout: seconds any single call may take (long polls add their wait).
         heartbeat: run the heartbeat thread (tests turn it off to simulate a hang).
+        secret, secret_file: the credential to sign requests with: a deployment secret or
+            a token, as text or in a file (default: ``WEIGHTFABRIC_SECRET_FILE``, else
+            `fabric.auth.default_secret_path`, the file `fabric hub serve` creates).
+        insecure: sign nothing and trust unsigned replies (a hub run with ``--insecure``).
 
     Returns:
         An open `HubClient`; ``close()`` it (or use ``with``).
@@ -858,9 +907,12 @@ def connect(url: str, *, worker: str | None = None,
     Raises:
         HubUnavailableError: nothing answers at ``url`` within ``timeout``.
         DuplicateWorkerError: ``worker`` is already registered by a live client.
+        AuthenticationError: no usable credential, or the hub refused it.
+        ForbiddenError: the credential may not register a worker.
     """
     return HubClient(url, worker=worker, location=location, endpoints=endpoints,
-                     timeout=timeout, heartbeat=heartbeat).open()
+                     timeout=timeout, heartbeat=heartbeat, secret=secret,
+                     secret_file=secret_file, insecure=insecure).open()
 
 
 __all__ = ["FetchPlan", "HubClient", "PlanRange", "SourceInfo", "connect"]

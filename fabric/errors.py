@@ -36,6 +36,13 @@ class ReadRefusedError(TransportError):
     """
 
 
+class ReadForbiddenError(ReadRefusedError):
+    """The holder refused the read for want of a valid capability (none, forged, expired).
+
+    Readers get capabilities from the hub with each plan (`fabric.auth`).
+    """
+
+
 class FetchError(FabricError):
     """A fetch could not complete: no source left for some chunks, out of time, or cancelled."""
 
@@ -170,13 +177,29 @@ class ValueTooLargeError(BadRequestError):
     code = "value_too_large"
 
 
+class AuthenticationError(HubError):
+    """The request was not signed by a credential this hub knows (or the secret is missing).
+
+    Also raised on the client when its own secret file is missing or unsafe, and when a
+    hub's reply is not signed (the hub runs with ``--insecure``).
+    """
+
+    code = "unauthenticated"
+
+
+class ForbiddenError(HubError):
+    """The caller's credential does not hold the right the operation needs (`fabric.auth`)."""
+
+    code = "forbidden"
+
+
 _HUB_ERRORS: dict[str, type[HubError]] = {
     cls.code: cls
     for cls in (HubError, HubTimeoutError, HubUnavailableError, ProtocolError, BadRequestError,
                 UnknownWorkerError, DuplicateWorkerError, UnknownModelError,
                 UnknownVersionError, UnknownFetchError, ManifestMismatchError,
                 InvalidStateError, RetentionError, NoSourceError, GroupAbortedError,
-                ValueTooLargeError)
+                ValueTooLargeError, AuthenticationError, ForbiddenError)
 }
 
 
@@ -187,11 +210,13 @@ def hub_error_from_wire(code: str, message: str) -> HubError:
 
 __all__ = [
     "ArenaError",
+    "AuthenticationError",
     "BadRequestError",
     "ClusterConfigError",
     "DuplicateWorkerError",
     "FabricError",
     "FetchError",
+    "ForbiddenError",
     "GroupAbortedError",
     "HubError",
     "HubTimeoutError",
@@ -202,6 +227,7 @@ __all__ = [
     "ManifestMismatchError",
     "NoSourceError",
     "ProtocolError",
+    "ReadForbiddenError",
     "ReadRefusedError",
     "ReplicationTimeoutError",
     "RetentionError",

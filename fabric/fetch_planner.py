@@ -105,10 +105,10 @@ class HubPlanner:
         plan = self.current
         info = plan.workers.get(worker)
         read = info.endpoints.get("read") if info else None
-        if read is None:
+        if info is None or read is None:
             log.warning("plan names %s without a read endpoint; skipping it", worker)
             return None
-        return Source(worker, SourceAddress.from_dict(read),
+        return Source(worker, SourceAddress.from_dict(read, cap=info.cap),
                       region_name(plan.model, plan.version, plan.shard))
 
     def _nearest(self, workers: list[str]) -> list[str]:

@@ -109,6 +109,8 @@ class PlanSource(Wire, frozen=True, kw_only=True):
     location: LocationWire
     endpoints: Endpoints
     complete: bool
+    cap: bytes = b""
+    """The reader's capability to read this version from this worker (`fabric.auth`)."""
 
 
 class Holder(Wire, frozen=True, kw_only=True):
@@ -116,6 +118,8 @@ class Holder(Wire, frozen=True, kw_only=True):
 
     location: LocationWire
     endpoints: Endpoints
+    cap: bytes = b""
+    """The reader's capability to read this version from this worker (`fabric.auth`)."""
 
 
 class LocateShard(Wire, frozen=True, kw_only=True):

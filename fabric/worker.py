@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from weightfabric.fabric.arena import remove_stale_regions
+from weightfabric.fabric.auth import CapabilityCheck, load_credential
 from weightfabric.fabric.buffer_pool import PREPARED_BUFFERS
 from weightfabric.fabric.checks import check_model_name
 from weightfabric.fabric.client import HubClient
@@ -41,15 +43,19 @@ class Worker:
                  location: Location | dict[str, str] | None = None, host: str = "127.0.0.1",
                  timeout: float = 10.0, heartbeat: bool = True,
                  nvshmem: NvshmemRuntime | None = None,
-                 stall_timeout: float = STALL_TIMEOUT) -> None:
+                 stall_timeout: float = STALL_TIMEOUT, secret: str | None = None,
+                 secret_file: str | Path | None = None, insecure: bool = False) -> None:
+        credential = None if insecure else load_credential(secret=secret, secret_file=secret_file)
         removed = remove_stale_regions()
         if removed:
             log.info("removed %d arena files of dead workers", len(removed))
-        self.server = ReadServer(host=host, stall_timeout=stall_timeout)
+        self.server = ReadServer(host=host, stall_timeout=stall_timeout, capabilities=(
+            CapabilityCheck(credential.serve_key) if credential is not None else None))
         try:
             self.hub = HubClient(url, worker=worker, location=location,
                                  endpoints={"read": self.server.address.to_dict()},
-                                 timeout=timeout, heartbeat=heartbeat).open()
+                                 timeout=timeout, heartbeat=heartbeat, secret=secret,
+                                 secret_file=secret_file, insecure=insecure).open()
         except BaseException:
             self.server.close()
             raise
@@ -185,7 +191,8 @@ class Worker:
 def join(url: str, *, worker: str, location: Location | dict[str, str] | None = None,
          host: str = "127.0.0.1", timeout: float = 10.0,
          nvshmem: NvshmemRuntime | None = None,
-         stall_timeout: float = STALL_TIMEOUT) -> Worker:
+         stall_timeout: float = STALL_TIMEOUT, secret: str | None = None,
+         secret_file: str | Path | None = None, insecure: bool = False) -> Worker:
     """Join the fabric at hub `url` as `worker`, ready to publish and fetch.
 
     Args:
@@ -203,10 +210,14 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
             waiting out their ``read_timeout``). Raise it when this worker's own
             reads are slower than that per ``FetchOptions.read_bytes``;
             ``float("inf")`` turns it off.
+        secret, secret_file, insecure: the credential this worker signs its hub requests
+            with (`fabric.connect`); its read server then serves only readers holding a
+            capability the hub issued (``insecure``: anyone).
 
     Raises:
         HubUnavailableError: no hub answers at `url`.
         DuplicateWorkerError: another live worker uses this id.
+        AuthenticationError: no usable credential, or the hub refused it.
 
     Example:
         >>> worker = fabric.join(url, worker="rollout-3")    # doctest: +SKIP
@@ -214,4 +225,5 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
         >>> store.attach(model); store.fetch("latest")       # doctest: +SKIP
     """
     return Worker(url, worker=worker, location=location, host=host, timeout=timeout,
-                  nvshmem=nvshmem, stall_timeout=stall_timeout)
+                  nvshmem=nvshmem, stall_timeout=stall_timeout, secret=secret,
+                  secret_file=secret_file, insecure=insecure)

@@ -13,18 +13,38 @@ Fixtures:
   ``workers.connect(name=None, **kw)`` a `wf.connect` (a `HubClient`).
 
 Multi-process tests start their children with `procs` (see its docstring).
+
+Authentication: every hub, worker and client of the suite (child processes too)
+signs with one deployment secret made for the run, in a private temporary
+directory that ``WEIGHTFABRIC_SECRET_FILE`` names (removed at the end); the
+user's own ``~/.config/weightfabric/secret`` is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_SECRET_DIR = Path(tempfile.mkdtemp(prefix="wf-test-secret-"))  # mode 0700
+SECRET_FILE = _SECRET_DIR / "secret"
+os.environ["WEIGHTFABRIC_SECRET_FILE"] = str(SECRET_FILE)
+with os.fdopen(os.open(SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as _f:
+    _f.write(secrets.token_hex(32) + "\n")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the run's deployment secret."""
+    shutil.rmtree(_SECRET_DIR, ignore_errors=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -52,3 +52,18 @@ class OffsetClock(FakeClock):
         """Monotonic time plus the offset."""
         import time
         return time.monotonic() + self.now
+
+
+def reader_address(worker, region: str, reader: str = "test-reader"):
+    """``worker``'s read address with a capability to read ``region`` (``model/vN/sK``).
+
+    Minted as the hub would, with the suite's deployment secret: for tests that read a
+    worker's server directly, without a plan.
+    """
+    from dataclasses import replace
+
+    from weightfabric.fabric.auth import capability, load_credential
+
+    scope = region[:region.rindex("/s") + 2]
+    return replace(worker.server.address,
+                   cap=capability(load_credential().serve_key, scope, reader))

@@ -25,20 +25,28 @@ SOON_S = 0.5
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `fabric hub serve` and `fabric hub status`."""
+    """Add `fabric hub serve`, `fabric hub status` and `fabric hub token`."""
     sub = add_group(
-        subparsers, "hub", help="the control plane: serve a hub, show its state",
+        subparsers, "hub", help="the control plane: serve a hub, show its state, issue tokens",
         description="The hub tracks which workers hold which version of which model and\n"
-                    "hands readers plans; bytes never pass through it.",
+                    "hands readers plans; bytes never pass through it. Every request is\n"
+                    "signed with the deployment secret (created by `fabric hub serve`) or a\n"
+                    "token issued from it; see docs/security.md.",
         examples=["fabric hub serve --port 7470 --state-dir /var/lib/fabric-hub",
-                  "fabric hub status tcp://127.0.0.1:7470"])
+                  "fabric hub status tcp://127.0.0.1:7470",
+                  "fabric hub token --role read --name rollouts > rollout.token"])
 
     p = add_command(sub, "serve", help="run a hub in the foreground", handler=_serve,
                     description="Run a hub until interrupted. Prints 'fabric hub serving at "
                                 "URL' once bound;\nwith --port 0 the OS picks the port. "
                                 "Exits 0 on SIGTERM or Ctrl-C, 1 if it\ncannot serve (e.g. "
                                 "the port is taken), 2 on a bad --port, --state-dir,\n"
-                                "--cluster or --lease (it must be > 0).",
+                                "--cluster, --lease (it must be > 0) or secret file.\n\n"
+                                "Authentication is on: the hub loads the deployment secret "
+                                "from --secret-file\n(default $WEIGHTFABRIC_SECRET_FILE, else "
+                                "~/.config/weightfabric/secret),\ncreating it (mode 0600) if "
+                                "missing, and prints where it is. Workers on this\nmachine "
+                                "find it with no flags; copy it (or a token) to other hosts.",
                     examples=["fabric hub serve --host 0.0.0.0 --port 7470 "
                               "--state-dir /var/lib/fabric-hub",
                               "fabric hub serve --port 0 "
@@ -57,6 +65,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level (default INFO)")
+    p.add_argument("--secret-file", help="the deployment secret (default: "
+                                         "$WEIGHTFABRIC_SECRET_FILE, else "
+                                         "~/.config/weightfabric/secret; created if missing)")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve anyone, unauthenticated: whoever reaches the hub can publish "
+                        "weights every reader loads (logged, and shown by `fabric hub status`)")
+    p.add_argument("--cap-ttl", type=_seconds, default=None,
+                   help="seconds a read capability in a plan stays valid (default 900)")
+
+    p = add_command(sub, "token", help="issue a token with scoped rights", handler=_token,
+                    description="Print a token (one line) for a worker that must not hold "
+                                "the deployment secret:\n'read' lets it register, fetch, serve "
+                                "and derive layouts; 'publish' adds\npublishing the --model "
+                                "patterns; 'admin' adds retention, pins and others'\nkv keys. "
+                                "Give it to the worker as a file (secret_file=, or\n"
+                                "WEIGHTFABRIC_SECRET_FILE). Needs the deployment secret; "
+                                "the hub keeps no\nlist of tokens: rotate the secret to "
+                                "revoke them all. Exits 2 on bad input.",
+                    examples=["fabric hub token --role read --name rollouts > rollout.token",
+                              "fabric hub token --role publish --model 'policy*' "
+                              "--name trainer --ttl 86400"])
+    p.add_argument("--role", action="append", choices=["read", "publish", "admin"],
+                   required=True, help="a right to grant (repeat for several)")
+    p.add_argument("--model", action="append", default=None,
+                   help="a model name pattern 'publish' covers (fnmatch; repeat; default *)")
+    p.add_argument("--name", required=True, help="who the token is for (shown in the "
+                                                  "hub's log and errors)")
+    p.add_argument("--ttl", type=_seconds, default=None,
+                   help="seconds until it expires (default: never)")
+    p.add_argument("--secret-file", help="the deployment secret (default as `fabric hub serve`)")
 
     p = add_command(sub, "status", help="show a hub's models, versions, fetches and leases",
                     handler=_status,
@@ -71,6 +109,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
     p.add_argument("--timeout", type=_seconds, default=5.0,
                    help="seconds to wait for the hub's answer (default 5)")
+    p.add_argument("--secret-file", help="the secret or token to sign with (default: "
+                                         "$WEIGHTFABRIC_SECRET_FILE, else "
+                                         "~/.config/weightfabric/secret)")
+    p.add_argument("--insecure", action="store_true", help="talk to a hub run with --insecure")
 
 
 def _port(text: str) -> int:
@@ -103,20 +145,35 @@ def _serve(args: argparse.Namespace) -> int:
             from weightfabric.fabric.hub.ranking import topology_ranker
 
             rank_sources = topology_ranker(args.cluster)
+        extra = {} if args.cap_ttl is None else {"cap_ttl_s": args.cap_ttl}
         server = HubServer(f"tcp://{args.host}:{args.port}", state_dir=args.state_dir,
-                           lease_s=args.lease, rank_sources=rank_sources)
+                           lease_s=args.lease, rank_sources=rank_sources,
+                           secret_file=args.secret_file, insecure=args.insecure, **extra)
     except (ValueError, HubError) as exc:
         raise BadInput(exc) from exc
     signal.signal(signal.SIGTERM, lambda *_: server.stop(0))
 
     def ready(url: str) -> None:
         print(f"fabric hub serving at {url}", flush=True)
+        print(f"authentication: {server.auth_mode}", flush=True)
     try:
         server.serve_forever(ready)
     except KeyboardInterrupt:
         server.stop(0)
     except Exception as exc:
         raise CommandFailed(f"cannot serve on {args.host}:{args.port}: {exc}") from exc
+    return EXIT_OK
+
+
+def _token(args: argparse.Namespace) -> int:
+    from weightfabric.fabric.auth import Authority
+
+    try:
+        token = Authority(args.secret_file).issue_token(args.name, args.role, args.model,
+                                                        args.ttl)
+    except (ValueError, HubError) as exc:
+        raise BadInput(exc) from exc
+    print(token)
     return EXIT_OK
 
 
@@ -129,7 +186,8 @@ def _status(args: argparse.Namespace) -> int:
     except HubError as exc:  # not a hub URL: bad input, not a hub that failed to answer
         raise BadInput(exc) from exc
     try:
-        with connect(args.url, timeout=args.timeout) as client:
+        with connect(args.url, timeout=args.timeout, secret_file=args.secret_file,
+                     insecure=args.insecure) as client:
             snap = client.status()
     except HubError as exc:
         raise CommandFailed(exc) from exc
@@ -157,6 +215,10 @@ def render_status(snap: dict, console: Console) -> None:
     lease = snap["lease_s"]
     console.print(f"[bold]hub[/]: {len(snap['models'])} models, {len(snap['workers'])} workers, "
                   f"{len(snap['fetches'])} fetches in flight, lease {lease:g} s")
+    auth = snap.get("auth", "")
+    if auth:
+        style = "bold red" if auth.startswith("OFF") else "green"
+        console.print(f"[bold]authentication[/]: [{style}]{auth}[/]")
     versions = _table("model", "ver", "state", "shards", "full", "part", "retr", "kept", "note",
                       title="versions (* = latest; full/partial/retracting replicas)")
     for name, m in snap["models"].items():

@@ -9,6 +9,13 @@ and answered when the state changes or their deadline passes; a timer tick
 expires leases even when no request arrives. Bad frames get a typed error reply
 (or are dropped when not even the sender can be told) and never stop the loop.
 
+Authentication (`fabric.auth`), on unless ``insecure``: each request carries a
+third frame signed with the caller's credential; the hub checks it, checks the
+caller's rights for the operation (`fabric.hub.rights`), binds the client session to
+that credential, signs its reply with the caller's key, and adds read capabilities
+to plans and locate answers (minted with each holder's serving key, recorded when
+the holder registered). An unauthenticated request gets an unsigned error.
+
 Use `serve` for a hub on a background thread, `HubServer.serve_forever` for the
 `fabric hub serve` command.
 """
@@ -31,11 +38,37 @@ from typing import Any
 import msgspec
 import zmq
 
-from weightfabric.fabric.errors import BadRequestError, HubError, ProtocolError
+from weightfabric.fabric.auth import (
+    ADMIN,
+    CAP_TTL_S,
+    Authority,
+    Principal,
+    Verified,
+    capability,
+    ensure_secret,
+    reply_mac,
+    scope_of,
+    serving_key,
+)
+from weightfabric.fabric.errors import (
+    AuthenticationError,
+    BadRequestError,
+    HubError,
+    ProtocolError,
+)
 from weightfabric.fabric.hub.ops import OPS, READ_ONLY, Answer, Park
 from weightfabric.fabric.hub.persist import load_state, save_state
+from weightfabric.fabric.hub.rights import Rights
 from weightfabric.fabric.hub.state import DEFAULT_LEASE_S, HubState
-from weightfabric.fabric.hub_messages import ErrorBody, Request
+from weightfabric.fabric.hub_messages import (
+    ErrorBody,
+    LocateReply,
+    PlanReply,
+    RegisterRequest,
+    Request,
+    RestoreReply,
+    StatusRequest,
+)
 from weightfabric.fabric.locality import RankSources, rank_by_locality
 from weightfabric.fabric.protocol import (
     ERROR,
@@ -58,6 +91,7 @@ TICK_S = 0.05
 STALL_MIN_S = 0.5  # the shortest gap between the loop's looks at its leases that is a stall
 REPLY_CACHE_SIZE = 65_536            # replies kept for retries: at most this many
 REPLY_CACHE_BYTES = 256 * 1024 ** 2  # and at most this many bytes, oldest out first
+MAX_SESSIONS = 1 << 20               # session -> credential bindings kept, oldest out first
 
 
 @dataclass
@@ -68,6 +102,7 @@ class _Parked:
     park: Park
     deadline: float
     cache: bool
+    caller: Verified | None
 
 
 class HubServer:
@@ -80,17 +115,34 @@ class HubServer:
         clock: monotonic time source (tests inject one).
         rank_sources: source ranking for plans (default: locality).
         max_message_size: bytes; larger frames are dropped by zmq and refused by the codec.
+        secret_file: the deployment secret (default `fabric.auth.default_secret_path`),
+            created (mode 0600) if missing.
+        insecure: serve anyone, unauthenticated (logged loudly, shown by `fabric hub
+            status`); no secret file is read.
+        cap_ttl_s: seconds the read capabilities in plans stay valid.
 
     Raises:
         ValueError: the state file is corrupt, the state dir cannot be created or
             written (checked here, not at the first version), or ``lease_s <= 0``.
+        AuthenticationError: the secret file is unsafe or not a secret.
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,
                  lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic,
                  rank_sources: RankSources = rank_by_locality,
-                 max_message_size: int = MAX_MESSAGE_SIZE) -> None:
+                 max_message_size: int = MAX_MESSAGE_SIZE,
+                 secret_file: str | Path | None = None, insecure: bool = False,
+                 cap_ttl_s: float = CAP_TTL_S) -> None:
         self.requested_url = url
+        self.authority: Authority | None = None
+        self.secret_created = False
+        if not insecure:
+            path, self.secret_created = ensure_secret(secret_file)
+            self.authority = Authority(path)
+        self.cap_ttl_s = cap_ttl_s
+        self.rights = Rights()
+        self._serve_keys: dict[str, bytes] = {}   # worker -> the key its read server checks
+        self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> credential name
         self.state_dir = Path(state_dir) if state_dir is not None else None
         if self.state_dir is not None:
             try:
@@ -109,6 +161,7 @@ class HubServer:
         self.url = ""
         self.num_requests = 0
         self.num_bad_frames = 0
+        self.num_refused = 0       # requests refused as unauthenticated
         self._saved_generation = self.state.durable_generation
         self._failed_generation = -1
         self._replies: OrderedDict[tuple[str, int], bytes] = OrderedDict()
@@ -171,6 +224,12 @@ class HubServer:
             return
         self._sock = sock
         log.info("hub serving url=%s epoch=%s state_dir=%s", self.url, self.epoch, self.state_dir)
+        if self.authority is None:
+            log.warning("AUTHENTICATION IS OFF (--insecure): anyone who reaches %s can publish "
+                        "weights every reader loads, and read every holder's", self.url)
+        else:
+            log.info("authentication on: secret file %s%s", self.authority.path,
+                     " (created)" if self.secret_created else "")
         self._ready.set()
         if on_ready is not None:
             on_ready(self.url)
@@ -204,15 +263,22 @@ class HubServer:
         except Exception:
             log.exception("hub loop step %s failed; serving on", fn.__name__)
 
+    @property
+    def auth_mode(self) -> str:
+        """What `fabric hub status` shows about authentication."""
+        if self.authority is None:
+            return "OFF (--insecure): anyone who reaches the hub may publish and read"
+        return f"on (secret file {self.authority.path})"
+
     def _handle(self, frames: list[bytes]) -> None:
         self.num_requests += 1
-        if len(frames) != 2:
+        if len(frames) not in (2, 3):
             self.num_bad_frames += 1
             if len(frames) >= 2:
                 self._send_error(frames[0], 0, ProtocolError(
-                    f"expected one frame per message, got {len(frames) - 1}"))
+                    f"expected a message and an auth frame, got {len(frames) - 1} frames"))
             return
-        ident, payload = frames
+        ident, payload = frames[0], frames[1]
         try:
             msg = decode(payload, max_size=self.max_message_size)
             if msg.kind != REQUEST:
@@ -224,12 +290,19 @@ class HubServer:
             self._send(ident, self._error_bytes(peek_req_id(payload), exc,
                                                 version=peek_version(payload)))
             return
+        try:
+            caller = self._authenticate(msg.tag, payload, frames[2] if len(frames) == 3 else None)
+        except AuthenticationError as exc:
+            self.num_refused += 1
+            log.warning("refused %s from %s: %s", msg.name, ident.hex(), exc)
+            self._send(ident, self._error_bytes(msg.req_id, exc))
+            return
         key = (msg.tag, msg.req_id)
         if key in self._replies:
-            self._send(ident, self._replies[key])
+            self._send(ident, self._replies[key], caller)
             return
         if key in self._parked:
-            self._parked[key].ident = ident
+            self._parked[key].ident, self._parked[key].caller = ident, caller
             return
         op = OPS.get(msg.name)
         cache = msg.name not in READ_ONLY
@@ -237,26 +310,79 @@ class HubServer:
             if op is None:
                 raise BadRequestError(f"unknown operation {msg.name!r}; is the client newer "
                                       "than the hub?")
-            result = op.handler(self.state, msg.tag, _request(msg, op.request))
+            who = caller.principal if caller is not None else ADMIN
+            req, refused = self.rights.check(self.state, who, msg.name,
+                                             _request(msg, op.request))
+            result = op.handler(self.state, msg.tag, req)
+            if not isinstance(result, Park):
+                result = self._after(req, who, caller, result, refused)
         except HubError as exc:
-            self._finish(ident, key, self._error_bytes(msg.req_id, exc), cache=cache)
+            self._finish(ident, key, self._error_bytes(msg.req_id, exc), caller, cache=cache)
             return
         except (ValueError, TypeError, KeyError) as exc:
             self._finish(ident, key, self._error_bytes(msg.req_id, BadRequestError(
-                f"{msg.name}: {exc}")), cache=cache)
+                f"{msg.name}: {exc}")), caller, cache=cache)
             return
         except Exception as exc:  # a bug must not take the hub down for everyone
             log.exception("operation %s failed", msg.name)
             self._finish(ident, key, self._error_bytes(msg.req_id, HubError(
-                f"internal hub error in {msg.name}: {exc!r}")), cache=cache)
+                f"internal hub error in {msg.name}: {exc!r}")), caller, cache=cache)
             return
         if isinstance(result, Park):
             self._parked[key] = _Parked(ident, msg.req_id, msg.tag, result,
-                                        self.clock() + result.timeout, cache)
+                                        self.clock() + result.timeout, cache, caller)
             return
-        self._finish(ident, key, self._reply_bytes(msg.req_id, result), cache=cache)
+        self._finish(ident, key, self._reply_bytes(msg.req_id, result), caller, cache=cache)
 
-    def _finish(self, ident: bytes, key: tuple[str, int], data: bytes, *, cache: bool) -> None:
+    def _authenticate(self, session: str, payload: bytes, auth: bytes | None) -> Verified | None:
+        """Who signed the request (None when authentication is off); binds ``session`` to them.
+
+        Raises:
+            AuthenticationError: unsigned, badly signed, replayed, or a session another
+                credential opened.
+        """
+        if self.authority is None:
+            return None
+        if not auth:
+            raise AuthenticationError(
+                "this hub requires authentication: give the client the hub's secret file "
+                "(or a token from `fabric hub token`) as secret_file= or in "
+                "WEIGHTFABRIC_SECRET_FILE")
+        caller = self.authority.verify(payload, auth)
+        owner = self._sessions.setdefault(session, caller.principal.name)
+        if owner != caller.principal.name:
+            raise AuthenticationError(f"session {session} belongs to another credential")
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+        return caller
+
+    def _after(self, req: Request, who: Principal, caller: Verified | None, result: Answer,
+               refused: list[tuple[str, int, int, str]]) -> Answer:
+        """An operation's reply completed with what authentication adds.
+
+        Records a registering worker's serving key and a kv key's owner, adds read
+        capabilities to plans and locate answers, the restore holdings `Rights` refused, and
+        the authentication mode to ``status``.
+        """
+        self.rights.wrote(who, req)
+        if isinstance(req, RegisterRequest) and caller is not None:
+            self._serve_keys[req.worker] = serving_key(caller.key)
+        if isinstance(result, RestoreReply) and refused:
+            return msgspec.structs.replace(result, rejected=[*result.rejected, *refused])
+        if isinstance(req, StatusRequest) and isinstance(result, dict):
+            return {**result, "auth": self.auth_mode}
+        if isinstance(result, (PlanReply, LocateReply)) and caller is not None:
+            reader = getattr(req, "worker", None) or who.name
+            scope = scope_of(result.model, result.version)
+            workers = {w: msgspec.structs.replace(src, cap=capability(
+                self._serve_keys.get(w, b""), scope, reader, self.cap_ttl_s))
+                for w, src in result.workers.items()}
+            return msgspec.structs.replace(result, workers=workers)
+        return result
+
+    def _finish(self, ident: bytes, key: tuple[str, int], data: bytes,
+                caller: Verified | None, *, cache: bool) -> None:
         """Persist, send the reply, and keep it for retries unless ``cache`` is false."""
         try:
             self._persist()
@@ -267,7 +393,7 @@ class HubServer:
                 "may have taken effect in memory only; check the hub's log and state dir"))
         if cache:
             self._remember(key, data)
-        self._send(ident, data)
+        self._send(ident, data, caller)
 
     def _remember(self, key: tuple[str, int], data: bytes) -> None:
         """Keep a reply for retries of its request.
@@ -293,13 +419,15 @@ class HubServer:
                     body = p.park.check()
                 except HubError as exc:
                     del self._parked[key]
-                    self._finish(p.ident, key, self._error_bytes(p.req_id, exc), cache=p.cache)
+                    self._finish(p.ident, key, self._error_bytes(p.req_id, exc), p.caller,
+                                 cache=p.cache)
                     continue
             if body is None and now >= p.deadline:
                 body = p.park.on_timeout()
             if body is not None:
                 del self._parked[key]
-                self._finish(p.ident, key, self._reply_bytes(p.req_id, body), cache=p.cache)
+                self._finish(p.ident, key, self._reply_bytes(p.req_id, body), p.caller,
+                             cache=p.cache)
 
     def _persist(self) -> None:
         """Save the durable state if it changed.
@@ -334,10 +462,12 @@ class HubServer:
     def _send_error(self, ident: bytes, req_id: int, exc: HubError) -> None:
         self._send(ident, self._error_bytes(req_id, exc))
 
-    def _send(self, ident: bytes, data: bytes) -> None:
+    def _send(self, ident: bytes, data: bytes, caller: Verified | None = None) -> None:
+        """Send a reply, signed for ``caller`` (unsigned without one: refusals, insecure hubs)."""
         assert self._sock is not None
+        auth = reply_mac(caller.key, caller.mac, data) if caller is not None else b""
         try:
-            self._sock.send_multipart([ident, data], zmq.NOBLOCK)
+            self._sock.send_multipart([ident, data, auth], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or its queue full: it will retry
             log.warning("reply to %s dropped: %s", ident.hex(), exc)
 
@@ -366,7 +496,8 @@ def _request(msg: Message, request: type[Request]) -> Request:
 def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,
           lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic,
           rank_sources: RankSources = rank_by_locality,
-          max_message_size: int = MAX_MESSAGE_SIZE) -> HubServer:
+          max_message_size: int = MAX_MESSAGE_SIZE, secret_file: str | Path | None = None,
+          insecure: bool = False, cap_ttl_s: float = CAP_TTL_S) -> HubServer:
     """Start a hub on a background thread.
 
     Args:
@@ -375,6 +506,9 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
         state_dir: directory keeping version counters monotonic across restarts.
         lease_s: seconds a worker stays alive without a heartbeat.
         clock, rank_sources, max_message_size: see `HubServer`.
+        secret_file, insecure, cap_ttl_s: authentication (`HubServer`, `fabric.auth`): by
+            default requests must be signed with the secret at
+            `fabric.auth.default_secret_path` (created if missing).
 
     Returns:
         The running `HubServer`; call ``stop()`` (or use it as a context manager).
@@ -386,7 +520,8 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
         >>> hub.stop()
     """
     return HubServer(url, state_dir=state_dir, lease_s=lease_s, clock=clock,
-                     rank_sources=rank_sources, max_message_size=max_message_size).start()
+                     rank_sources=rank_sources, max_message_size=max_message_size,
+                     secret_file=secret_file, insecure=insecure, cap_ttl_s=cap_ttl_s).start()
 
 
 __all__ = ["HubServer", "serve"]

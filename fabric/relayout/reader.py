@@ -254,7 +254,8 @@ class ShardReader:
         self.worker, self.manifests, self.verify, self.timeout = worker, manifests, verify, timeout
         self.model, self.version = where["model"], where["version"]
         self.holders = [list(s["holders"]) for s in where["shards"]]
-        self.addresses = {w: SourceAddress.from_dict(info["endpoints"]["read"])
+        self.addresses = {w: SourceAddress.from_dict(info["endpoints"]["read"],
+                                                     cap=info.get("cap", b""))
                           for w, info in where["workers"].items() if "read" in info["endpoints"]}
         self.failed: list[str] = []
         self.sources: dict[str, int] = {}

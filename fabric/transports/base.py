@@ -21,7 +21,7 @@ import socket
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -52,20 +52,26 @@ def _machine_id() -> str:
 
 @dataclass(frozen=True)
 class SourceAddress:
-    """Where a holder's `ReadServer` listens, and which machine it runs on."""
+    """Where a holder's `ReadServer` listens, which machine it runs on, and the reader's pass.
+
+    ``cap`` is the capability the hub gave this reader to read one version there (it
+    travels with every request; not part of the address: equal addresses compare equal).
+    """
 
     host: str
     port: int
     host_id: str
+    cap: bytes = field(default=b"", compare=False, repr=False)
 
     def to_dict(self) -> dict[str, object]:
-        """The address as plain data (`from_dict` reads it back)."""
+        """The address as plain data, without the capability (`from_dict` reads it back)."""
         return {"host": self.host, "port": self.port, "host_id": self.host_id}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SourceAddress:
-        """The address `to_dict` gave."""
-        return cls(host=str(data["host"]), port=int(data["port"]), host_id=str(data["host_id"]))
+    def from_dict(cls, data: Mapping[str, Any], cap: bytes = b"") -> SourceAddress:
+        """The address `to_dict` gave, with the capability to read there."""
+        return cls(host=str(data["host"]), port=int(data["port"]), host_id=str(data["host_id"]),
+                   cap=cap)
 
 
 @dataclass(frozen=True)

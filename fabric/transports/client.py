@@ -14,7 +14,13 @@ from typing import Any
 
 import msgpack
 
-from weightfabric.fabric.errors import ReadRefusedError, SourceLostError, TransportError
+from weightfabric.fabric.auth import MAX_CAP_BYTES
+from weightfabric.fabric.errors import (
+    ReadForbiddenError,
+    ReadRefusedError,
+    SourceLostError,
+    TransportError,
+)
 from weightfabric.fabric.transports.base import ReadAbort, RegionInfo, SourceAddress, Transport
 from weightfabric.fabric.transports.wire import (
     MAGIC,
@@ -174,16 +180,21 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
     Raises:
         ValueError: an argument is out of range (nothing was sent).
         SourceLostError: the connection failed or the reply did not come in time.
-        ReadRefusedError: the server answered with an error status.
+        ReadRefusedError: the server answered with an error status (`ReadForbiddenError`:
+            no valid capability).
         TransportError: the reply is malformed (unknown status, message too long).
     """
     name = _checked_name(region, offset, nbytes, timeout)
+    cap = source.cap
+    if len(cap) > MAX_CAP_BYTES:
+        raise ValueError(f"a capability of {len(cap)} bytes is over the limit of {MAX_CAP_BYTES}")
     about = _about(source, op, region)
     conn.settimeout(timeout + REPLY_SLACK)
     with _lost_on_error(about):
         flags = Flag.PREFIX if prefix else 0
         deadline = time.monotonic() + timeout + REPLY_SLACK
-        conn.sendall(REQUEST.pack(MAGIC, op, flags, len(name), offset, nbytes, timeout) + name)
+        conn.sendall(REQUEST.pack(MAGIC, op, flags, len(name), offset, nbytes, timeout,
+                                  len(cap)) + name + cap)
         status, msg_len, payload_len = REPLY.unpack(recv_exact(conn, REPLY.size, deadline))
         _check_size(about, "message", msg_len, MAX_MESSAGE)
         message = recv_exact(conn, msg_len, deadline).decode(errors="replace") if msg_len else ""
@@ -191,6 +202,8 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
         code = Status(status)
     except ValueError:
         raise TransportError(f"{about}: unknown reply status {status}") from None
+    if code == Status.FORBIDDEN:
+        raise ReadForbiddenError(f"{about} refused: {code.name}: {message}")
     if code != Status.OK:
         raise ReadRefusedError(f"{about} refused: {code.name}: {message}")
     return payload_len

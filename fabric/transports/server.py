@@ -5,7 +5,9 @@ thread per connection; CPU payloads sent straight from the region's memory, GPU
 regions copied to the host first) and grants leases to readers that copy the
 bytes themselves: from the holder's `/dev/shm` file, or from its GPU memory
 through the ``gpu`` descriptor (a CUDA IPC handle, an NVSHMEM PE and region). It
-counts the bytes it serves, which is the worker's egress.
+counts the bytes it serves, which is the worker's egress. Given a `CapabilityCheck`
+(a worker's always is, unless it joined ``insecure``), it serves only requests that
+carry a capability the hub minted for this holder (`fabric.auth`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import msgpack
 import torch
 
+from weightfabric.fabric.auth import MAX_CAP_BYTES, CapabilityCheck
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports.base import SourceAddress, local_host_id
 from weightfabric.fabric.transports.wire import (
@@ -60,6 +63,9 @@ SEND_GRACE, MIN_SEND_RATE = 30.0, float(1 << 20)  # the reader cuts first: clien
 (bytes/s), else the connection is cut: a reader that stops reading cannot keep a
 region in flight."""
 ACCEPT_RETRY_S = 0.05  # after a failed accept (out of file descriptors, say)
+MAX_LEASES_PER_READER = 64
+"""Leases one reader (as its capabilities name it) may hold here at once; a connection
+holds one at most."""
 
 
 @dataclass(eq=False)
@@ -96,11 +102,17 @@ class ReadServer:
             does better elsewhere than waiting out its own timeout.
         idle_timeout: seconds a connection may wait between requests.
         max_connections: connections served at once (see `MAX_CONNECTIONS`).
+        capabilities: checks the capability every request carries (refused without a
+            valid one, before any work); None serves anyone (a worker joined insecure,
+            and tests of the transports themselves).
+        max_leases_per_reader: leases one reader may hold at once (`MAX_LEASES_PER_READER`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  stall_timeout: float = STALL_TIMEOUT, idle_timeout: float = IDLE_TIMEOUT,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS,
+                 capabilities: CapabilityCheck | None = None,
+                 max_leases_per_reader: int = MAX_LEASES_PER_READER) -> None:
         if not stall_timeout > 0 or not idle_timeout > 0:
             raise ValueError(f"stall_timeout and idle_timeout must be positive, got "
                              f"{stall_timeout} and {idle_timeout}")
@@ -108,6 +120,10 @@ class ReadServer:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self.stall_timeout, self.idle_timeout = stall_timeout, idle_timeout
         self.max_connections = max_connections
+        self.capabilities = capabilities
+        self.max_leases_per_reader = max_leases_per_reader
+        self._leases: dict[str, int] = {}  # reader -> leases it holds here
+        self.num_forbidden = 0
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = SourceAddress(host=host, port=self._listener.getsockname()[1],
                                      host_id=local_host_id())
@@ -323,25 +339,30 @@ class ReadServer:
 
     def _serve(self, conn: socket.socket) -> None:
         lease: Exposure | None = None
+        reader = ""  # who holds ``lease``
         try:
             while True:
-                magic, op, flags, name_len, offset, nbytes, timeout = REQUEST.unpack(
+                magic, op, flags, name_len, offset, nbytes, timeout, cap_len = REQUEST.unpack(
                     self._next_request(conn, lease))
-                if magic != MAGIC or name_len > MAX_NAME:
-                    self._reply(conn, Status.BAD_REQUEST, _bad_header(magic, name_len))
+                if magic != MAGIC or name_len > MAX_NAME or cap_len > MAX_CAP_BYTES:
+                    self._reply(conn, Status.BAD_REQUEST, _bad_header(magic, name_len, cap_len))
                     return
                 name = recv_exact(conn, name_len).decode(errors="replace")
+                cap = recv_exact(conn, cap_len)
                 if op == Op.END:
                     if lease is None:
                         self._reply(conn, Status.BAD_REQUEST, "END without a lease")
                         return
-                    self._end(lease)
+                    self._end_lease(lease, reader)
                     lease = None
                     self._reply(conn, Status.OK)  # the lease held until now
                     continue
                 if lease is not None:  # a reader that moved on without END
-                    self._end(lease)
+                    self._end_lease(lease, reader)
                     lease = None
+                who = self._admitted(conn, op, name, cap)
+                if who is None:
+                    return
                 if op == Op.PIN:
                     self._pin(conn, name)
                     return
@@ -349,16 +370,64 @@ class ReadServer:
                     self._reply(conn, Status.BAD_REQUEST, f"timeout {timeout} is not a "
                                 "finite number of seconds >= 0")
                     return
-                lease = self._handle(conn, op, name, offset, nbytes, timeout,
-                                     prefix=bool(flags & Flag.PREFIX))
+                try:
+                    lease = self._handle(conn, op, name, offset, nbytes, timeout,
+                                         prefix=bool(flags & Flag.PREFIX))
+                finally:
+                    if op == Op.LEASE and lease is None:  # not granted: its count goes back
+                        self._release_lease_count(who)
+                reader = who
         except (ConnectionError, OSError):
             pass
         finally:
             if lease is not None:
-                self._end(lease)
+                self._end_lease(lease, reader)
             with self._lock:
                 self._connections.discard(conn)
             conn.close()
+
+    def _admitted(self, conn: socket.socket, op: int, name: str, cap: bytes) -> str | None:
+        """The reader a request's capability names ("" unchecked); None once refused.
+
+        A LEASE is refused too when its reader holds `max_leases_per_reader` already; the
+        count is taken here, and given back by `_end_lease` (or at once if no lease follows).
+        """
+        if self.capabilities is None:
+            who = ""
+        else:
+            try:
+                who = self.capabilities.reader(cap, name)
+            except PermissionError as exc:
+                with self._lock:
+                    self.num_forbidden += 1
+                self._reply(conn, Status.FORBIDDEN, f"{name!r}: {exc}")
+                return None
+        if op == Op.LEASE:
+            with self._lock:
+                held = self._leases.get(who, 0)
+                if held >= self.max_leases_per_reader:
+                    self.num_forbidden += 1
+                    full = True
+                else:
+                    self._leases[who] = held + 1
+                    full = False
+            if full:
+                self._reply(conn, Status.FORBIDDEN, f"reader {who!r} holds {held} leases here "
+                            "already, the most one reader may")
+                return None
+        return who
+
+    def _end_lease(self, region: Exposure, reader: str) -> None:
+        self._end(region)
+        self._release_lease_count(reader)
+
+    def _release_lease_count(self, reader: str) -> None:
+        with self._lock:
+            left = self._leases.get(reader, 0) - 1
+            if left > 0:
+                self._leases[reader] = left
+            else:
+                self._leases.pop(reader, None)
 
     def _handle(self, conn: socket.socket, op: int, name: str, offset: int, nbytes: int,
                 timeout: float, *, prefix: bool = False) -> Exposure | None:
@@ -505,10 +574,12 @@ def _header(status: Status, message: str, payload_len: int = 0) -> bytes:
     return REPLY.pack(status, len(msg), payload_len) + msg
 
 
-def _bad_header(magic: bytes, name_len: int) -> str:
+def _bad_header(magic: bytes, name_len: int, cap_len: int) -> str:
     """Why a request header was refused."""
-    if magic == MAGIC:
+    if magic == MAGIC and name_len > MAX_NAME:
         return f"region name of {name_len} bytes (at most {MAX_NAME})"
+    if magic == MAGIC:
+        return f"capability of {cap_len} bytes (at most {MAX_CAP_BYTES})"
     if magic[:3] == MAGIC[:3]:
         return (f"read protocol {magic.decode(errors='replace')}, this holder speaks "
                 f"{MAGIC.decode()}: run the same weightfabric version on both sides")

@@ -1,14 +1,19 @@
 """The byte layout of the read protocol spoken between `ReadServer` and the transports.
 
-Every request is a fixed header followed by the region name::
+Every request is a fixed header followed by the region name and the reader's
+capability (`fabric.auth`: the hub's signed permission to read this version here;
+empty when the holder checks none)::
 
-    magic "WFR3" | op u8 | flags u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
+    magic "WFR4" | op u8 | flags u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
+    | cap_len u16
 
 Every reply is a fixed header, then a UTF-8 message (errors) and a payload::
 
     status u8 | pad 3 | msg_len u32 | payload_len u64
 
-A connection carries one request at a time, and the server bounds every wait on
+A holder that checks capabilities answers ``FORBIDDEN`` to a request without a valid
+one (none, forged, expired, or for another version), and to a ``LEASE`` past its
+limit of leases per reader, before any work. A connection carries one request at a time, and the server bounds every wait on
 the reader (between requests, for ``END``, for a reply to be taken: see
 `fabric.transports.server`). Ops:
 
@@ -47,8 +52,8 @@ import socket
 import struct
 import time
 
-MAGIC = b"WFR3"  # WFR2 sent END without a reply
-REQUEST = struct.Struct("!4sBBHQQf")
+MAGIC = b"WFR4"  # WFR3 had no capability; WFR2 sent END without a reply
+REQUEST = struct.Struct("!4sBBHQQfH")
 REPLY = struct.Struct("!BxxxIQ")
 MAX_NAME = 1024
 
@@ -75,6 +80,7 @@ class Status(enum.IntEnum):
     OUT_OF_RANGE = 2
     NOT_READY = 3      # the chunks did not arrive within the timeout, or the region stalled
     BAD_REQUEST = 4
+    FORBIDDEN = 5      # no valid capability for the region, or too many leases
 
 
 def recv_exact(sock: socket.socket, nbytes: int, deadline: float | None = None) -> bytes:

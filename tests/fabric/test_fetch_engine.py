@@ -492,9 +492,9 @@ class LateSource:
                 break
             try:
                 conn.settimeout(5)
-                magic, op, flags, name_len, offset, nbytes, timeout = REQUEST.unpack(
+                *_, name_len, offset, nbytes, timeout, cap_len = REQUEST.unpack(
                     recv_exact(conn, REQUEST.size))
-                recv_exact(conn, name_len)
+                recv_exact(conn, name_len + cap_len)
             except OSError:  # the read was abandoned before it asked
                 conn.close()
                 continue

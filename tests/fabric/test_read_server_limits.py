@@ -32,7 +32,8 @@ def raw(server: ReadServer, op: Op, name: str, *, offset: int = 0, nbytes: int =
         timeout: float = 5.0, magic: bytes = MAGIC) -> socket.socket:
     """A connection that has sent one request and reads nothing back."""
     conn = socket.create_connection((server.address.host, server.address.port), timeout=5)
-    conn.sendall(REQUEST.pack(magic, op, 0, len(name), offset, nbytes, timeout) + name.encode())
+    conn.sendall(REQUEST.pack(magic, op, 0, len(name), offset, nbytes, timeout, 0)
+                 + name.encode())
     return conn
 
 

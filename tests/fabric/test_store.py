@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from hub_helpers import reader_address
 from shm_pages import is_resident, populate_threads
 from test_arena import slow_populate
 from timeouts import hard_timeout
@@ -179,7 +180,7 @@ def read_in_flight(worker, name: str, peer_timeout: float) -> threading.Thread:
 
     def read() -> None:
         with contextlib.suppress(FabricError):
-            peer.read(worker.server.address, name, 0, torch.empty(CHUNK, dtype=torch.uint8),
+            peer.read(reader_address(worker, name), name, 0, torch.empty(CHUNK, dtype=torch.uint8),
                       timeout=peer_timeout, prefix=True)
         peer.close()
 
@@ -254,7 +255,7 @@ def test_retract_is_not_done_while_a_read_the_hub_does_not_track_is_in_flight(hu
     trainer, rollout = hub("trainer"), hub("rollout")
     _, t_store, version = publish_in_place(trainer)
     rollout.model("m", chunk_size=CHUNK).fetch(version)  # a second replica: the hub allows it
-    source = trainer.server.address
+    source = reader_address(trainer, region_name("m", version))
     with socket.create_connection((source.host, source.port), timeout=10) as conn:
         # a resharding reader's lease: the hub knows nothing of it
         client.lease(conn, source, region_name("m", version), offset=0, nbytes=CHUNK, timeout=10)
@@ -489,7 +490,7 @@ def test_a_failed_fetch_leaves_a_peer_copying_from_it_and_the_version_is_fetched
     source, version, store = origin_and_reader(hub)
     model = net(seed=9)
     store.attach(model)
-    address = store.server.address
+    address = reader_address(store, region_name("m", version))
     leases: list[socket.socket] = []  # a peer's connection, its lease never ended
 
     def a_peer_leases_chunk_0_then_the_fetch_fails(done: int, total: int) -> None:

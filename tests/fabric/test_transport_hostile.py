@@ -88,8 +88,9 @@ class _Connection(socketserver.BaseRequestHandler):
         self.server.conns.append(conn)
         try:
             while True:
-                _, op, _, name_len, _, nbytes, _ = REQUEST.unpack(recv_exact(conn, REQUEST.size))
-                recv_exact(conn, name_len)
+                _, op, _, name_len, _, nbytes, _, cap_len = REQUEST.unpack(
+                    recv_exact(conn, REQUEST.size))
+                recv_exact(conn, name_len + cap_len)
                 if op != Op.END:
                     self.server.answer(conn, Op(op), nbytes)
         except OSError:
