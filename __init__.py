@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING
 from weightfabric.fabric.client import FetchPlan, HubClient, PlanRange, SourceInfo, connect
 from weightfabric.fabric.errors import (
     ArenaError,
+    AuthenticationError,
     BadRequestError,
     ClusterConfigError,
     DuplicateWorkerError,
     FabricError,
     FetchError,
+    ForbiddenError,
     GroupAbortedError,
     HubError,
     HubTimeoutError,
@@ -38,6 +40,7 @@ from weightfabric.fabric.errors import (
     ManifestMismatchError,
     NoSourceError,
     ProtocolError,
+    ReadForbiddenError,
     ReadRefusedError,
     ReplicationTimeoutError,
     RetentionError,
@@ -67,6 +70,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "ArenaError",
+    "AuthenticationError",
     "BadRequestError",
     "ClusterConfigError",
     "DuplicateWorkerError",
@@ -74,6 +78,7 @@ __all__ = [
     "FabricError",
     "FetchError",
     "FetchFuture",
+    "ForbiddenError",
     "FetchOptions",
     "FetchPlan",
     "FetchStats",
@@ -96,6 +101,7 @@ __all__ = [
     "NoSourceError",
     "PlanRange",
     "ProtocolError",
+    "ReadForbiddenError",
     "ReadRefusedError",
     "ReplicationTimeoutError",
     "RetentionError",

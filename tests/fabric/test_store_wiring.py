@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_helpers import reader_address
 
 import weightfabric as wf
 from weightfabric.fabric.errors import BadRequestError
@@ -120,7 +121,8 @@ def test_the_selector_asks_a_holder_once_per_region(monkeypatch):
     data = torch.zeros(4000, dtype=torch.uint8)
     with hub, wf.join(hub.url, worker="holder") as holder, \
             wf.join(hub.url, worker="reader") as reader:
-        for region in ("h", "g"):
+        h, g = "h/v1/s0", "g/v1/s0"
+        for region in (h, g):
             holder.server.expose(region, data, chunk_size=1000, shm_path="/dev/shm/x")
         asked = []
         describe = reader.transports.shm.describe
@@ -130,15 +132,15 @@ def test_the_selector_asks_a_holder_once_per_region(monkeypatch):
             return describe(address, region, **kw)
 
         monkeypatch.setattr(reader.transports.shm, "describe", counting)
-        source = Source("holder", holder.server.address, "h")
+        source = Source("holder", reader_address(holder, h), h)
         for _ in range(3):
             assert reader.transport_for(source) is reader.transports.shm
-        assert asked == ["h"]
+        assert asked == [h]
         monkeypatch.setattr(selector_module, "MAX_DESCRIPTORS", 1)  # the newest region only
-        other = Source("holder", holder.server.address, "g")
+        other = Source("holder", reader_address(holder, g), g)
         for src in (other, source, source):
             reader.transports.transport_for(src)
-        assert asked == ["h", "g", "h"]
+        assert asked == [h, g, h]
 
 
 @pytest.mark.parametrize("name", ["", "x" * 1100, "bad\udc80name"])

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from holder_process import pattern
+from hub_helpers import reader_address
 from procs import Child
 from timeouts import hard_timeout
 
@@ -350,16 +351,18 @@ def test_worker_reads_a_gpu_region_it_cannot_map_over_tcp(workers):
     ipc = {"kind": "cuda_ipc", "handle": bytes(64), "offset": 0, "nbytes": 3000,
            "device_uuid": "0" * 32}  # a GPU no process here has
     holder, reader = workers.join("holder"), workers.join("reader")
-    holder.server.expose("r", data, chunk_size=1000, gpu=ipc)
-    holder.server.expose("h", data, chunk_size=1000, shm_path="/dev/shm/x")
-    gpu_source = Source("holder", holder.server.address, "r")
+    holder.server.expose("r/v1/s0", data, chunk_size=1000, gpu=ipc)
+    holder.server.expose("h/v1/s0", data, chunk_size=1000, shm_path="/dev/shm/x")
+    address = reader_address(holder, "r/v1/s0")
+    gpu_source = Source("holder", address, "r/v1/s0")
     assert reader.transport_for(gpu_source) is reader.transports.tcp
-    assert reader.transport_for(Source("holder", holder.server.address, "h")) is reader.transports.shm
+    assert reader.transport_for(Source("holder", reader_address(holder, "h/v1/s0"),
+                                       "h/v1/s0")) is reader.transports.shm
     out = torch.empty(3000, dtype=torch.uint8)
-    reader.transport_for(gpu_source).read(holder.server.address, "r", 0, out, timeout=5)
+    reader.transport_for(gpu_source).read(address, "r/v1/s0", 0, out, timeout=5)
     assert torch.equal(out, data)
     with pytest.raises(ReadRefusedError, match="NOT_FOUND"):
-        reader.transport_for(Source("holder", holder.server.address, "nope"))
+        reader.transport_for(Source("holder", address, "r/v1/s1"))
 
 
 def test_expose_rejects_bad_regions():

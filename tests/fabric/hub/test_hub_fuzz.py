@@ -17,6 +17,7 @@ import zmq
 from hub_helpers import small_manifest
 
 import weightfabric as wf
+from weightfabric.fabric.auth import load_credential
 from weightfabric.fabric.errors import BadRequestError, HubError, ProtocolError
 from weightfabric.fabric.hub import server as hub_server
 from weightfabric.fabric.protocol import (
@@ -50,7 +51,12 @@ def ask(sock: zmq.Socket, frames: list[bytes], timeout_ms: int = 2000):
     sock.send_multipart(frames)
     if not sock.poll(timeout_ms, zmq.POLLIN):
         return None
-    return decode(sock.recv())
+    return decode(sock.recv_multipart()[0])
+
+
+def signed(payload: bytes) -> list[bytes]:
+    """``payload`` and its auth frame, signed with the suite's secret."""
+    return [payload, load_credential().sign(payload)[0]]
 
 
 def test_codec_rejects_garbage_and_oversize() -> None:
@@ -86,7 +92,7 @@ def test_random_and_truncated_frames_get_typed_errors_and_hub_keeps_serving(hub)
             elif kind == 1:
                 frames = [good[:rng.randrange(len(good))]]
             else:
-                frames = [good, b"extra frame"]
+                frames = [*signed(good), b"extra frame"]
             reply = ask(sock, frames)
             assert reply is not None and reply.kind == ERROR
             assert reply.name in ("protocol", "bad_request")
@@ -94,11 +100,13 @@ def test_random_and_truncated_frames_get_typed_errors_and_hub_keeps_serving(hub)
                 assert worker.latest("policy") == v
         # Well-formed but wrong: typed errors, not crashes.
         bad_args = encode(REQUEST, 11, "fuzzer", "begin_fetch", {"model": ["x"]})
-        reply = ask(sock, [bad_args])
+        reply = ask(sock, signed(bad_args))
         assert reply.kind == ERROR and reply.name == "bad_request"
+        reply = ask(sock, [bad_args])     # unsigned: refused before its arguments are read
+        assert reply.kind == ERROR and reply.name == "unauthenticated"
         with pytest.raises(BadRequestError):
             worker.call("commit", {"worker": "honest", "model": "policy", "version": "1"})
-        assert decode_body(ask(sock, [good]), dict) == {"pong": True}
+        assert decode_body(ask(sock, signed(good)), dict) == {"pong": True}
     finally:
         sock.close(0)
         worker.close()
