@@ -61,6 +61,7 @@ from weightfabric.fabric.relayout.engines import hf_layout, vllm_layout
 from weightfabric.fabric.relayout.replica import LayoutFetchStats, LayoutStore
 from weightfabric.fabric.relayout.rules import EngineLayout, Rule, Split, Term
 from weightfabric.fabric.store import FetchFuture, ModelStore
+from weightfabric.fabric.transports.tls import TlsConfig
 from weightfabric.fabric.worker import Worker, join
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ __all__ = [
     "SourceLostError",
     "Split",
     "TensorSetError",
+    "TlsConfig",
     "TensorSpec",
     "Term",
     "TransportError",

@@ -18,6 +18,10 @@ ever crosses the network:
   expiry) and hands them out with plans; the holder's read server checks them
   (`CapabilityCheck`) before any work. A reader never learns a holder's key.
 
+A hub served at a ``curve://`` URL also encrypts its channel with zmq CURVE: its key
+pair is derived from the secret too, and tokens carry its public key
+(`Credential.hub_key`), so any credential can reach it.
+
 Roles: ``read`` (register, fetch, serve, derive layouts, read metadata), ``publish``
 (``read`` plus publishing the token's models), ``admin`` (everything: retention,
 pins, dropping others' keys; the secret itself).
@@ -39,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
+import zmq
+from zmq.utils import z85
 
 from weightfabric.fabric.errors import AuthenticationError
 
@@ -148,6 +154,8 @@ class Credential:
     principal: Principal
     source: str
     """Where it came from (a file path), for messages."""
+    hub_key: bytes = b""
+    """The hub's CURVE public key (z85), for ``curve://`` hubs."""
 
     @property
     def serve_key(self) -> bytes:
@@ -206,9 +214,10 @@ def _parse(text: str, source: str) -> Credential:
             _, payload_b64, key_b64 = text.split(".")
             payload, key = _unb64(payload_b64), _unb64(key_b64)
             principal = principal_of(payload)
-        except (ValueError, binascii.Error) as exc:
+            hub_key = msgpack.unpackb(payload).get("hub_key", "").encode()
+        except (ValueError, binascii.Error, AttributeError) as exc:
             raise AuthenticationError(f"{source}: a malformed token ({exc})") from None
-        return Credential(key, payload, principal, source)
+        return Credential(key, payload, principal, source, hub_key)
     try:
         raw = bytes.fromhex(text)
     except ValueError:
@@ -216,11 +225,17 @@ def _parse(text: str, source: str) -> Credential:
     if len(raw) != SECRET_BYTES:
         raise AuthenticationError(f"{source} holds neither a deployment secret ({SECRET_BYTES * 2} "
                                   "hex digits) nor a token (wft1.…)")
-    return Credential(_admin_key(raw), b"", ADMIN, source)
+    return Credential(_admin_key(raw), b"", ADMIN, source, curve_keys(raw)[0])
 
 
 def _admin_key(secret: bytes) -> bytes:
     return _mac(secret, b"wf-admin")
+
+
+def curve_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """The hub's CURVE key pair (public, secret; z85), derived from the deployment secret."""
+    private = z85.encode(_mac(secret, b"wf-curve"))
+    return zmq.curve_public(private), private
 
 
 def _b64(data: bytes) -> str:
@@ -310,6 +325,7 @@ class Authority:
         self.path = path
         self._secret = bytes.fromhex(path.read_text().strip())
         self._replays = ReplayGuard()
+        self.curve_public, self.curve_secret = curve_keys(self._secret)
 
     def key_of(self, token: bytes) -> bytes:
         """The key of a credential: the secret's (empty ``token``) or the token's."""
@@ -361,7 +377,8 @@ class Authority:
             raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
         payload = msgpack.packb({"name": name, "roles": sorted(set(roles)),
                                  "models": list(models or ["*"]),
-                                 "expires": None if ttl is None else time.time() + ttl})
+                                 "expires": None if ttl is None else time.time() + ttl,
+                                 "hub_key": self.curve_public.decode()})
         return f"{TOKEN_PREFIX}{_b64(payload)}.{_b64(self.key_of(payload))}"
 
 
@@ -412,5 +429,5 @@ class CapabilityCheck:
 
 __all__ = ["ADMIN", "CAP_TTL_S", "MAX_CAP_BYTES", "MAX_SKEW_S", "ROLES", "SECRET_FILE_ENV",
            "Authority", "CapabilityCheck", "Credential", "Principal", "ReplayGuard", "Verified",
-           "capability", "default_secret_path", "ensure_secret", "load_credential",
+           "capability", "curve_keys", "default_secret_path", "ensure_secret", "load_credential",
            "principal_of", "reply_mac", "scope_of", "serving_key"]

@@ -115,7 +115,7 @@ from weightfabric.fabric.protocol import (
     decode_body,
     encode,
 )
-from weightfabric.fabric.zmq_util import endpoint, make_socket
+from weightfabric.fabric.zmq_util import encrypted, endpoint, make_socket
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -436,6 +436,13 @@ class HubClient:
         sock = self._socks.get(channel)
         if sock is None:
             sock = make_socket(zmq.DEALER, max_message_size=self.max_message_size)
+            if encrypted(self.url):
+                if self.credential is None or not self.credential.hub_key:
+                    sock.close(0)
+                    raise AuthenticationError(f"{self.url} is encrypted: connect with the "
+                                              "hub's secret or a token it issued")
+                sock.curve_serverkey = self.credential.hub_key
+                sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
             sock.connect(self._endpoint)
             self._socks[channel] = sock
         return sock

@@ -27,6 +27,7 @@ from weightfabric.fabric.store import ModelStore, resolve_device
 from weightfabric.fabric.tensorset import DEFAULT_CHUNK_SIZE
 from weightfabric.fabric.transports import ReadServer, Transport, TransportSelector
 from weightfabric.fabric.transports.server import STALL_TIMEOUT
+from weightfabric.fabric.transports.tls import TlsConfig, use_for_reads
 
 if TYPE_CHECKING:
     from weightfabric.fabric.gpu.nvshmem_arena import NvshmemRuntime
@@ -44,13 +45,16 @@ class Worker:
                  timeout: float = 10.0, heartbeat: bool = True,
                  nvshmem: NvshmemRuntime | None = None,
                  stall_timeout: float = STALL_TIMEOUT, secret: str | None = None,
-                 secret_file: str | Path | None = None, insecure: bool = False) -> None:
+                 secret_file: str | Path | None = None, insecure: bool = False,
+                 tls: TlsConfig | None = None) -> None:
         credential = None if insecure else load_credential(secret=secret, secret_file=secret_file)
         removed = remove_stale_regions()
         if removed:
             log.info("removed %d arena files of dead workers", len(removed))
         self.server = ReadServer(host=host, stall_timeout=stall_timeout, capabilities=(
-            CapabilityCheck(credential.serve_key) if credential is not None else None))
+            CapabilityCheck(credential.serve_key) if credential is not None else None), tls=tls)
+        if tls is not None:
+            use_for_reads(tls)
         try:
             self.hub = HubClient(url, worker=worker, location=location,
                                  endpoints={"read": self.server.address.to_dict()},
@@ -192,7 +196,8 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
          host: str = "127.0.0.1", timeout: float = 10.0,
          nvshmem: NvshmemRuntime | None = None,
          stall_timeout: float = STALL_TIMEOUT, secret: str | None = None,
-         secret_file: str | Path | None = None, insecure: bool = False) -> Worker:
+         secret_file: str | Path | None = None, insecure: bool = False,
+         tls: TlsConfig | None = None) -> Worker:
     """Join the fabric at hub `url` as `worker`, ready to publish and fetch.
 
     Args:
@@ -213,6 +218,9 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
         secret, secret_file, insecure: the credential this worker signs its hub requests
             with (`fabric.connect`); its read server then serves only readers holding a
             capability the hub issued (``insecure``: anyone).
+        tls: serve over mutual TLS with this certificate, and read from TLS holders with
+            it (`TlsConfig`: cert, key and the cluster CA's certificate, PEM). For links
+            that cross untrusted networks; it costs throughput (docs/security.md).
 
     Raises:
         HubUnavailableError: no hub answers at `url`.
@@ -226,4 +234,4 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
     """
     return Worker(url, worker=worker, location=location, host=host, timeout=timeout,
                   nvshmem=nvshmem, stall_timeout=stall_timeout, secret=secret,
-                  secret_file=secret_file, insecure=insecure)
+                  secret_file=secret_file, insecure=insecure, tls=tls)

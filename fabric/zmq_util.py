@@ -1,8 +1,9 @@
 """One place that makes zmq sockets and turns hub URLs into zmq endpoints.
 
-URLs: ``tcp://HOST:PORT`` (``PORT`` 0 or ``*`` binds a port the OS picks) and
-``memory://NAME`` (in-process, zmq ``inproc`` on the shared context; for tests
-and single-process use).
+URLs: ``tcp://HOST:PORT`` (``PORT`` 0 or ``*`` binds a port the OS picks),
+``curve://HOST:PORT`` (the same, the channel encrypted with zmq CURVE: see
+`fabric.auth`) and ``memory://NAME`` (in-process, zmq ``inproc`` on the shared
+context; for tests and single-process use).
 """
 
 from __future__ import annotations
@@ -25,18 +26,28 @@ def endpoint(url: str, *, bind: bool) -> str:
     """
     if url.startswith("memory://") and len(url) > len("memory://"):
         return "inproc://weightfabric-" + url[len("memory://"):]
+    if url.startswith("curve://"):
+        url = "tcp://" + url[len("curve://"):]
     if url.startswith("tcp://"):
         host, _, port = url[len("tcp://"):].rpartition(":")
         if host and port in ("0", "*") and bind:
             return f"tcp://{host}:*"
         if host and port.isdigit() and 0 < int(port) <= 65535:  # zmq would use port % 65536
             return url
-    raise HubUnavailableError(f"bad hub URL {url!r}: use tcp://HOST:PORT or memory://NAME")
+    raise HubUnavailableError(f"bad hub URL {url!r}: use tcp://HOST:PORT, curve://HOST:PORT or "
+                              "memory://NAME")
 
 
 def url_of(bound_endpoint: str, url: str) -> str:
     """The URL clients should use for a socket bound at ``bound_endpoint``."""
+    if url.startswith("curve://"):
+        return "curve://" + bound_endpoint[len("tcp://"):]
     return url if url.startswith("memory://") else bound_endpoint
+
+
+def encrypted(url: str) -> bool:
+    """Whether a hub URL asks for a CURVE-encrypted channel."""
+    return url.startswith("curve://")
 
 
 def make_socket(kind: int, *, max_message_size: int, hwm: int = 10_000) -> zmq.Socket:
@@ -51,4 +62,4 @@ def make_socket(kind: int, *, max_message_size: int, hwm: int = 10_000) -> zmq.S
     return sock
 
 
-__all__ = ["context", "endpoint", "make_socket", "url_of"]
+__all__ = ["context", "encrypted", "endpoint", "make_socket", "url_of"]

@@ -71,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="serve anyone, unauthenticated: whoever reaches the hub can publish "
                         "weights every reader loads (logged, and shown by `fabric hub status`)")
+    p.add_argument("--encrypt", action="store_true",
+                   help="encrypt the hub channel (zmq CURVE, keys from the secret); the URL "
+                        "becomes curve://HOST:PORT, which clients then use")
     p.add_argument("--cap-ttl", type=_seconds, default=None,
                    help="seconds a read capability in a plan stays valid (default 900)")
 
@@ -146,7 +149,10 @@ def _serve(args: argparse.Namespace) -> int:
 
             rank_sources = topology_ranker(args.cluster)
         extra = {} if args.cap_ttl is None else {"cap_ttl_s": args.cap_ttl}
-        server = HubServer(f"tcp://{args.host}:{args.port}", state_dir=args.state_dir,
+        scheme = "curve" if args.encrypt else "tcp"
+        if args.encrypt and args.insecure:
+            raise BadInput("--encrypt needs authentication: drop --insecure")
+        server = HubServer(f"{scheme}://{args.host}:{args.port}", state_dir=args.state_dir,
                            lease_s=args.lease, rank_sources=rank_sources,
                            secret_file=args.secret_file, insecure=args.insecure, **extra)
     except (ValueError, HubError) as exc:

@@ -83,7 +83,7 @@ from weightfabric.fabric.protocol import (
     peek_req_id,
     peek_version,
 )
-from weightfabric.fabric.zmq_util import endpoint, make_socket, url_of
+from weightfabric.fabric.zmq_util import encrypted, endpoint, make_socket, url_of
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,8 @@ class HubServer:
     """A hub bound to ``url``; `start` runs it on a daemon thread.
 
     Args:
-        url: ``tcp://HOST:PORT`` (port 0 lets the OS pick) or ``memory://NAME``.
+        url: ``tcp://HOST:PORT`` (port 0 lets the OS pick), ``curve://HOST:PORT`` (the
+            channel encrypted, `fabric.auth`) or ``memory://NAME``.
         state_dir: where version counters and retention policies survive restarts.
         lease_s: worker lease; heartbeats every ``lease_s / 3`` keep it.
         clock: monotonic time source (tests inject one).
@@ -213,6 +214,12 @@ class HubServer:
         sock = None
         try:
             sock = make_socket(zmq.ROUTER, max_message_size=self.max_message_size)
+            if encrypted(self.requested_url):
+                if self.authority is None:
+                    raise AuthenticationError("a curve:// hub needs authentication on: its "
+                                              "keys come from the deployment secret")
+                sock.curve_server = True
+                sock.curve_secretkey = self.authority.curve_secret
             sock.bind(endpoint(self.requested_url, bind=True))
             bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self.url = url_of(bound, self.requested_url)
@@ -268,7 +275,8 @@ class HubServer:
         """What `fabric hub status` shows about authentication."""
         if self.authority is None:
             return "OFF (--insecure): anyone who reaches the hub may publish and read"
-        return f"on (secret file {self.authority.path})"
+        channel = ", channel encrypted (CURVE)" if encrypted(self.requested_url) else ""
+        return f"on (secret file {self.authority.path}{channel})"
 
     def _handle(self, frames: list[bytes]) -> None:
         self.num_requests += 1

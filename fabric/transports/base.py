@@ -54,24 +54,29 @@ def _machine_id() -> str:
 class SourceAddress:
     """Where a holder's `ReadServer` listens, which machine it runs on, and the reader's pass.
 
-    ``cap`` is the capability the hub gave this reader to read one version there (it
-    travels with every request; not part of the address: equal addresses compare equal).
+    ``tls``: the holder serves over TLS only (`fabric.transports.tls`). ``cap`` is the
+    capability the hub gave this reader to read one version there (it travels with
+    every request; not part of the address: equal addresses compare equal).
     """
 
     host: str
     port: int
     host_id: str
+    tls: bool = False
     cap: bytes = field(default=b"", compare=False, repr=False)
 
     def to_dict(self) -> dict[str, object]:
         """The address as plain data, without the capability (`from_dict` reads it back)."""
-        return {"host": self.host, "port": self.port, "host_id": self.host_id}
+        out: dict[str, object] = {"host": self.host, "port": self.port, "host_id": self.host_id}
+        if self.tls:
+            out["tls"] = True
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], cap: bytes = b"") -> SourceAddress:
         """The address `to_dict` gave, with the capability to read there."""
         return cls(host=str(data["host"]), port=int(data["port"]), host_id=str(data["host_id"]),
-                   cap=cap)
+                   tls=bool(data.get("tls", False)), cap=cap)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from weightfabric.fabric.errors import (
     TransportError,
 )
 from weightfabric.fabric.transports.base import ReadAbort, RegionInfo, SourceAddress, Transport
+from weightfabric.fabric.transports.tls import client_context as tls_client_context
 from weightfabric.fabric.transports.wire import (
     MAGIC,
     MAX_NAME,
@@ -87,7 +88,7 @@ class ConnectionPool:
         key = (source.host, source.port)
         conn = self._take(key)
         if conn is None:
-            conn = _connect(key, abort)
+            conn = _connect(key, abort, tls=source.tls)
         else:
             _watch(conn, abort, key)
         try:
@@ -132,14 +133,18 @@ class ConnectionPool:
             conn.close()
 
 
-def _connect(key: tuple[str, int], abort: ReadAbort | None) -> socket.socket:
+def _connect(key: tuple[str, int], abort: ReadAbort | None, *, tls: bool = False
+             ) -> socket.socket:
     """`socket.create_connection`, with each socket watched by `abort`.
 
     `socket.create_connection`, with each socket watched by `abort` before it connects (so
-    an abort also ends a connect that hangs); the one returned stays watched.
+    an abort also ends a connect that hangs); the one returned stays watched. With ``tls``
+    it is wrapped with the process's TLS identity (`tls.use_for_reads`) once connected.
 
     Raises:
-        SourceLostError: no address of `key` could be reached, or `abort` was aborted.
+        SourceLostError: no address of `key` could be reached, the TLS handshake failed,
+            or `abort` was aborted.
+        TransportError: the holder needs TLS and this process has no TLS identity.
     """
     error: OSError = OSError("no address")
     try:
@@ -159,8 +164,25 @@ def _connect(key: tuple[str, int], abort: ReadAbort | None) -> socket.socket:
             error = exc
             continue
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
+        return _wrap(conn, key, abort) if tls else conn
     raise SourceLostError(f"cannot reach source {key[0]}:{key[1]}: {error}") from error
+
+
+def _wrap(conn: socket.socket, key: tuple[str, int], abort: ReadAbort | None) -> socket.socket:
+    """``conn`` (connected, watched by ``abort``) after a TLS handshake, watched instead."""
+    try:
+        ctx = tls_client_context()
+        if abort is not None:
+            abort.unwatch(conn)
+        wrapped = ctx.wrap_socket(conn)   # takes over conn's descriptor
+    except BaseException as exc:
+        conn.close()
+        if isinstance(exc, OSError):
+            raise SourceLostError(f"TLS handshake with source {key[0]}:{key[1]} failed: "
+                                  f"{exc}") from exc
+        raise
+    _watch(wrapped, abort, key)
+    return wrapped
 
 
 def _watch(conn: socket.socket, abort: ReadAbort | None, key: tuple[str, int]) -> None:
@@ -373,7 +395,7 @@ def pin(source: SourceAddress, region: str, *, timeout: float) -> socket.socket:
         SourceLostError: the source is unreachable or did not answer in time.
         ReadRefusedError: the region is not exposed there.
     """
-    conn = _connect((source.host, source.port), None)
+    conn = _connect((source.host, source.port), None, tls=source.tls)
     try:
         request(conn, source, Op.PIN, region, timeout=timeout)
     except BaseException:

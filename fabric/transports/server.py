@@ -17,6 +17,7 @@ import errno
 import logging
 import math
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ import torch
 from weightfabric.fabric.auth import MAX_CAP_BYTES, CapabilityCheck
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports.base import SourceAddress, local_host_id
+from weightfabric.fabric.transports.tls import HANDSHAKE_S, TlsConfig
 from weightfabric.fabric.transports.wire import (
     MAGIC,
     MAX_NAME,
@@ -106,13 +108,15 @@ class ReadServer:
             valid one, before any work); None serves anyone (a worker joined insecure,
             and tests of the transports themselves).
         max_leases_per_reader: leases one reader may hold at once (`MAX_LEASES_PER_READER`).
+        tls: serve over mutual TLS only (`fabric.transports.tls`; the address says so).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
                  stall_timeout: float = STALL_TIMEOUT, idle_timeout: float = IDLE_TIMEOUT,
                  max_connections: int = MAX_CONNECTIONS,
                  capabilities: CapabilityCheck | None = None,
-                 max_leases_per_reader: int = MAX_LEASES_PER_READER) -> None:
+                 max_leases_per_reader: int = MAX_LEASES_PER_READER,
+                 tls: TlsConfig | None = None) -> None:
         if not stall_timeout > 0 or not idle_timeout > 0:
             raise ValueError(f"stall_timeout and idle_timeout must be positive, got "
                              f"{stall_timeout} and {idle_timeout}")
@@ -124,9 +128,10 @@ class ReadServer:
         self.max_leases_per_reader = max_leases_per_reader
         self._leases: dict[str, int] = {}  # reader -> leases it holds here
         self.num_forbidden = 0
+        self._tls = tls.server_context() if tls is not None else None
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = SourceAddress(host=host, port=self._listener.getsockname()[1],
-                                     host_id=local_host_id())
+                                     host_id=local_host_id(), tls=tls is not None)
         self._regions: dict[str, Exposure] = {}
         self._superseded: list[Exposure] = []  # retracting, replaced under their name, still read
         self._lock = threading.Lock()
@@ -288,6 +293,16 @@ class ReadServer:
         connection is idle.
         """
         full = len(self._connections) >= self.max_connections and not self._close_longest_idle()
+        if self._tls is not None:
+            if full:  # no thread to shake hands on: the reader sees the connection close
+                conn.close()
+                return
+            try:   # the handshake itself happens on the connection's thread (`_serve`)
+                conn = self._tls.wrap_socket(conn, server_side=True,
+                                             do_handshake_on_connect=False)
+            except OSError:
+                conn.close()
+                return
         if not full:
             with self._lock:
                 self._connections.add(conn)
@@ -341,6 +356,9 @@ class ReadServer:
         lease: Exposure | None = None
         reader = ""  # who holds ``lease``
         try:
+            if isinstance(conn, ssl.SSLSocket):
+                conn.settimeout(HANDSHAKE_S)
+                conn.do_handshake()   # a failure (ssl.SSLError) is an OSError: dropped
             while True:
                 magic, op, flags, name_len, offset, nbytes, timeout, cap_len = REQUEST.unpack(
                     self._next_request(conn, lease))
@@ -593,6 +611,10 @@ def _send_notice(conn: socket.socket) -> None:
     connection cannot take these few bytes at once is not reading it, and is cut off.
     """
     notice = _header(Status.NOT_FOUND, "retracted: unmap it")
+    if isinstance(conn, ssl.SSLSocket):  # no non-blocking send on TLS: closing says the same
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+        return
     try:
         if conn.send(notice, socket.MSG_DONTWAIT) == len(notice):
             return

@@ -7,6 +7,7 @@ deployment secret nor a token; a rollout holds a ``read`` token only.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from weightfabric.fabric.errors import (
 from weightfabric.fabric.hub_messages import LocateRequest, Request, StatusRequest
 from weightfabric.fabric.protocol import ERROR, REQUEST, decode, decode_body, encode
 from weightfabric.fabric.regions import region_name
-from weightfabric.fabric.transports import ReadServer, TcpTransport, client
+from weightfabric.fabric.transports import ReadServer, TcpTransport, client, tls
 from weightfabric.fabric.transports.wire import Op
 
 CHUNK = 4096
@@ -348,3 +349,75 @@ def test_the_cli_issues_tokens_and_status_shows_the_mode(hub, tmp_path):
     bad = subprocess.run([*fabric, "hub", "token", "--role", "root", "--name", "x"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
+
+
+# ---------------------------------------------------------------------------- TLS
+
+@pytest.fixture
+def certs(tmp_path):
+    from weightfabric.tools.bench.tls import make_certs
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a test CA")
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    theirs.mkdir()
+    return wf.TlsConfig(*make_certs(ours)), wf.TlsConfig(*make_certs(theirs))
+
+
+def test_a_tls_holder_serves_only_readers_with_a_certificate_of_its_ca(hub, certs):
+    ours, theirs = certs
+    trainer = wf.join(hub.url, worker="trainer", tls=ours)
+    try:
+        assert trainer.server.address.tls
+        version = trainer.model("policy", chunk_size=CHUNK).publish(net(1))
+        rollout = wf.join(hub.url, worker="rollout", tls=ours)
+        try:
+            store = rollout.model("policy", chunk_size=CHUNK)
+            model = net(2)
+            store.attach(model)
+            stats = store.fetch(version, verify=True)
+            assert stats.version == version and "trainer" in stats.sources
+            assert torch.equal(model[0].weight, net(1)[0].weight)
+        finally:
+            rollout.close()
+        region = region_name("policy", version)
+        address = reader_address(trainer, region)
+        tcp = TcpTransport()
+        out = torch.empty(CHUNK, dtype=torch.uint8)
+        try:
+            tls.use_for_reads(None)           # no certificate: told to get one
+            with pytest.raises(wf.TransportError, match="TLS only"):
+                tcp.read(address, region, 0, out, timeout=2)
+            tls.use_for_reads(theirs)         # another CA's: the handshake fails
+            with pytest.raises(wf.SourceLostError, match="TLS handshake"):
+                tcp.read(address, region, 0, out, timeout=2)
+            tls.use_for_reads(ours)
+            assert tcp.read(address, region, 0, out, timeout=2) == CHUNK
+        finally:
+            tls.use_for_reads(None)
+            tcp.close()
+    finally:
+        trainer.close()
+
+
+def test_a_curve_hub_encrypts_its_channel_for_the_secret_and_tokens(tmp_path):
+    with wf.serve("curve://127.0.0.1:0") as hub:
+        assert hub.url.startswith("curve://")
+        trainer = wf.join(hub.url, worker="trainer")
+        rollout = wf.join(hub.url, worker="rollout",
+                          secret_file=token_file(tmp_path, "rollouts", ["read"]))
+        try:
+            version = trainer.model("policy", chunk_size=CHUNK).publish(net(1))
+            store = rollout.model("policy", chunk_size=CHUNK)
+            store.attach(net(2))
+            assert store.fetch(version).version == version
+            assert "encrypted" in rollout.hub.status()["auth"]
+        finally:
+            rollout.close()
+            trainer.close()
+        # a plain-text peer gets nothing from it: the CURVE handshake never completes
+        with pytest.raises(wf.HubUnavailableError):
+            wf.connect(hub.url.replace("curve://", "tcp://"), timeout=1)
+        with pytest.raises(AuthenticationError, match="encrypted"):
+            wf.connect(hub.url, insecure=True)

@@ -2,8 +2,10 @@
 
 Simulates ``--workers`` workers on loopback from one process (one DEALER socket each,
 multiplexed by a zmq poller): each registers, then runs a closed loop of heartbeats
-and progress reports against a hub on a background thread. Separately times
-`HubState.begin_fetch` plans for ``--readers`` readers of one version.
+and progress reports against a hub on a background thread, every request signed and
+every reply checked as `HubClient` does (``--auth both`` also runs a hub with
+authentication off, for the cost of it). Separately times `HubState.begin_fetch`
+plans for ``--readers`` readers of one version.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="measurement time (default 5)")
     p.add_argument("--readers", type=int, default=1000, help="readers to plan for (default 1000)")
     p.add_argument("--chunks", type=int, default=256, help="chunks per version (default 256)")
+    p.add_argument("--auth", choices=["on", "off", "curve", "all"], default="all",
+                   help="signed requests (on), a hub run --insecure (off), signed on a "
+                        "CURVE-encrypted channel (curve), or all three in one run (default all)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -39,20 +44,46 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def bench_ops(num_workers: int, seconds: float) -> dict:
-    """Closed-loop heartbeats and progress reports from ``num_workers`` DEALER sockets."""
+def bench_ops(num_workers: int, seconds: float, *, auth: str = "on") -> dict:
+    """Closed-loop heartbeats and progress reports from ``num_workers`` DEALER sockets.
+
+    ``auth`` ``"on"``: each request is signed and each reply's signature checked;
+    ``"curve"``: the same on an encrypted channel; ``"off"``: the hub runs insecure.
+    """
+    from weightfabric.fabric.auth import load_credential
     from weightfabric.fabric.hub.server import serve
     from weightfabric.fabric.manifest import Manifest, TensorSpec
-    from weightfabric.fabric.protocol import REQUEST, decode, encode
-    from weightfabric.fabric.zmq_util import make_socket
+    from weightfabric.fabric.protocol import REQUEST, Message, decode, encode
+    from weightfabric.fabric.zmq_util import endpoint, make_socket
 
-    hub = serve("tcp://127.0.0.1:0", lease_s=120.0)
+    hub = serve(f"{'curve' if auth == 'curve' else 'tcp'}://127.0.0.1:0", lease_s=120.0,
+                insecure=auth == "off")
+    cred = load_credential() if auth != "off" else None
+    macs: dict[zmq.Socket, bytes] = {}
+
+    def put(sock: zmq.Socket, payload: bytes) -> None:
+        if cred is None:
+            sock.send(payload)
+            return
+        frame, macs[sock] = cred.sign(payload)
+        sock.send_multipart([payload, frame])
+
+    def take(sock: zmq.Socket, flags: int = 0) -> Message:
+        raw, frame = sock.recv_multipart(flags)
+        if cred is not None and not cred.check_reply(frame, macs[sock], raw):
+            raise RuntimeError("a reply not signed for its request")
+        return decode(raw)
+
     socks: list[zmq.Socket] = []
     try:
         poller = zmq.Poller()
         for _ in range(num_workers):
             s = make_socket(zmq.DEALER, max_message_size=1 << 24)
-            s.connect(hub.url)
+            if auth == "curve":
+                assert cred is not None
+                s.curve_serverkey = cred.hub_key
+                s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+            s.connect(endpoint(hub.url, bind=False))
             poller.register(s, zmq.POLLIN)
             socks.append(s)
         index = {s: i for i, s in enumerate(socks)}
@@ -62,17 +93,17 @@ def bench_ops(num_workers: int, seconds: float) -> dict:
         def send(i: int, op: str, args: dict) -> None:
             req[i] += 1
             sent_at[i] = time.perf_counter()
-            socks[i].send(encode(REQUEST, req[i], f"s{i}", op, {"worker": f"w{i}", **args}))
+            put(socks[i], encode(REQUEST, req[i], f"s{i}", op, {"worker": f"w{i}", **args}))
 
         def drain(deadline: float, on_reply) -> None:
             while time.perf_counter() < deadline:
                 for s, _ in poller.poll(100):
                     while True:
                         try:
-                            raw = s.recv(zmq.NOBLOCK)
+                            msg = take(s, zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        on_reply(index[s], decode(raw))
+                        on_reply(index[s], msg)
 
         pending = set(range(num_workers))
         for i in range(num_workers):
@@ -82,7 +113,7 @@ def bench_ops(num_workers: int, seconds: float) -> dict:
             for s, _ in poller.poll(100):
                 while True:
                     try:
-                        decode(s.recv(zmq.NOBLOCK))
+                        take(s, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     pending.discard(index[s])
@@ -90,12 +121,12 @@ def bench_ops(num_workers: int, seconds: float) -> dict:
         spec = TensorSpec("w", (1 << 20,), "uint8", 1 << 20, 0)
         manifest = Manifest((spec,), 1 << 14).to_wire()
         t0 = socks[0]
-        t0.send(encode(REQUEST, 10**6, "s0", "begin_publish",
+        put(t0, encode(REQUEST, 10**6, "s0", "begin_publish",
                        {"worker": "w0", "model": "m", "manifest": manifest}))
-        decode(t0.recv())
-        t0.send(encode(REQUEST, 10**6 + 1, "s0", "commit",
+        take(t0)
+        put(t0, encode(REQUEST, 10**6 + 1, "s0", "commit",
                        {"worker": "w0", "model": "m", "version": 1}))
-        decode(t0.recv())
+        take(t0)
         latencies: list[float] = []
         errors = 0
         progress = [0] * num_workers
@@ -124,7 +155,7 @@ def bench_ops(num_workers: int, seconds: float) -> dict:
             next_op(i)
         drain(start + seconds, on_reply)
         elapsed = time.perf_counter() - start
-        return {"workers": num_workers, "ops": len(latencies), "seconds": round(elapsed, 3),
+        return {"auth": auth, "workers": num_workers, "ops": len(latencies), "seconds": round(elapsed, 3),
                 "ops_per_s": round(len(latencies) / elapsed, 1), "errors": errors,
                 "p50_ms": round(1e3 * _pct(latencies, 0.50), 3),
                 "p99_ms": round(1e3 * _pct(latencies, 0.99), 3),
@@ -164,19 +195,25 @@ def bench_plans(num_readers: int, num_chunks: int) -> dict:
 def _run(args: argparse.Namespace) -> int:
     if min(args.workers, args.readers, args.chunks) < 1 or args.seconds <= 0:
         raise BadInput("--workers, --readers and --chunks must be >= 1 and --seconds > 0")
-    ops = bench_ops(args.workers, args.seconds)
+    modes = ["on", "off", "curve"] if args.auth == "all" else [args.auth]
+    runs = [bench_ops(args.workers, args.seconds, auth=auth) for auth in modes]
     plans = bench_plans(args.readers, args.chunks)
-    out = {"ops": ops, "plans": plans}
+    out = {"ops": runs[0], "plans": plans,
+           **{f"ops_{r['auth']}": r for r in runs[1:]}}
     if args.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
     from rich.table import Table
 
     t = Table("measure", "value", title="fabric bench hub")
-    t.add_row("simulated workers", str(ops["workers"]))
-    t.add_row("control ops/s (heartbeat, begin_fetch, report_progress)", f"{ops['ops_per_s']:,.0f}")
-    t.add_row("latency p50 / p99", f"{ops['p50_ms']:.2f} ms / {ops['p99_ms']:.2f} ms")
-    t.add_row("errors", str(ops["errors"]))
+    t.add_row("simulated workers", str(runs[0]["workers"]))
+    for ops in runs:
+        mode = {"on": "signed", "off": "insecure", "curve": "signed, CURVE"}[ops["auth"]]
+        t.add_row(f"control ops/s ({mode}: heartbeat, begin_fetch, report_progress)",
+                  f"{ops['ops_per_s']:,.0f}")
+        t.add_row(f"latency p50 / p99 ({mode})",
+                  f"{ops['p50_ms']:.2f} ms / {ops['p99_ms']:.2f} ms")
+        t.add_row(f"errors ({mode})", str(ops["errors"]))
     t.add_row(f"plans for {plans['readers']} readers ({plans['chunks']} chunks)",
               f"{plans['plan_total_s']:.2f} s total, {plans['plan_mean_ms']:.2f} ms mean, "
               f"{plans['plan_p99_ms']:.2f} ms p99")
