@@ -166,6 +166,28 @@ def bench_ops(num_workers: int, seconds: float, *, auth: str = "on") -> dict:
         hub.stop()
 
 
+def bench_auth(n: int = 20_000) -> dict:
+    """Microseconds per heartbeat a client spends signing, and the hub checking and signing back.
+
+    The closed loop above runs its clients and the hub in one process, so it counts both
+    sides' costs against the hub; these are each side's alone.
+    """
+    from weightfabric.fabric.auth import Authority, load_credential, reply_mac
+    from weightfabric.fabric.protocol import REQUEST, encode
+
+    authority, cred = Authority(), load_credential()
+    payload = encode(REQUEST, 1, "s1", "heartbeat", {"worker": "w1"})
+    start = time.perf_counter()
+    frames = [cred.sign(payload)[0] for _ in range(n)]
+    signed = time.perf_counter()
+    for frame in frames:
+        v = authority.verify(payload, frame)
+        reply_mac(v.key, v.mac, payload)
+    checked = time.perf_counter()
+    return {"client_sign_us": round((signed - start) / n * 1e6, 2),
+            "hub_verify_and_sign_us": round((checked - signed) / n * 1e6, 2)}
+
+
 def bench_plans(num_readers: int, num_chunks: int) -> dict:
     """Time `begin_fetch` plans for ``num_readers`` readers; every 4th has progress."""
     from weightfabric.fabric.hub.state import HubState
@@ -199,7 +221,8 @@ def _run(args: argparse.Namespace) -> int:
     runs = [bench_ops(args.workers, args.seconds, auth=auth) for auth in modes]
     plans = bench_plans(args.readers, args.chunks)
     out = {"ops": runs[0], "plans": plans,
-           **{f"ops_{r['auth']}": r for r in runs[1:]}}
+           **{f"ops_{r['auth']}": r for r in runs[1:]},
+           **({"auth_cost": bench_auth()} if "on" in modes else {})}
     if args.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
@@ -214,6 +237,10 @@ def _run(args: argparse.Namespace) -> int:
         t.add_row(f"latency p50 / p99 ({mode})",
                   f"{ops['p50_ms']:.2f} ms / {ops['p99_ms']:.2f} ms")
         t.add_row(f"errors ({mode})", str(ops["errors"]))
+    if "auth_cost" in out:
+        cost = out["auth_cost"]
+        t.add_row("signing a request (client) / checking it and signing the reply (hub)",
+                  f"{cost['client_sign_us']:.1f} us / {cost['hub_verify_and_sign_us']:.1f} us")
     t.add_row(f"plans for {plans['readers']} readers ({plans['chunks']} chunks)",
               f"{plans['plan_total_s']:.2f} s total, {plans['plan_mean_ms']:.2f} ms mean, "
               f"{plans['plan_p99_ms']:.2f} ms p99")

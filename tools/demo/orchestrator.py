@@ -150,13 +150,17 @@ class Demo:
         cfg = self.config
         logging.getLogger("fabric").setLevel(logging.ERROR)  # the demo reports events itself
         hub = wf.serve("tcp://127.0.0.1:0", lease_s=2.0)
-        role = RoleConfig(hub.url, cfg.size, cfg.chunk_size, seed=cfg.seed)
+        assert hub.authority is not None, "the demo runs authenticated"
+        # the trainer signs with the deployment secret; rollouts get a token that may only read
+        token = hub.authority.issue_token("rollouts", ["read"])
+        role = RoleConfig(hub.url, cfg.size, cfg.chunk_size, seed=cfg.seed, rollout_token=token)
         started = time.perf_counter()
         try:
             self._start("trainer", trainer_main, role)
             for i in range(cfg.workers):
                 self._start_rollout(f"rollout-{i}", role)
-            self.log(f"hub at {hub.url}; trainer and {cfg.workers} rollouts joined")
+            self.log(f"hub at {hub.url}, authentication {hub.auth_mode}; the trainer and "
+                     f"{cfg.workers} rollouts (read-only token) joined")
             for step in range(1, cfg.steps + 1):
                 self._step(step, role)
                 self.on_step(step)

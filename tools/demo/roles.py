@@ -43,6 +43,8 @@ class RoleConfig:
     chunk_size: int
     seed: int = 0
     lease_timeout: float = 60.0
+    rollout_token: str | None = None
+    """The rollouts' credential: a read-only token the hub issued (None: the secret file)."""
 
 
 def _setup(cfg: RoleConfig) -> TinyLlamaConfig:
@@ -100,7 +102,7 @@ def rollout_main(cfg: RoleConfig, name: str, commands: Any, events: Any) -> None
     init_weights(model, 1000 + zlib.crc32(name.encode()) % 1000)
     probe = probe_inputs(model_cfg)
     generator = torch.Generator().manual_seed(cfg.seed + zlib.crc32(name.encode()))
-    with wf.join(cfg.hub_url, worker=name) as worker:
+    with wf.join(cfg.hub_url, worker=name, secret=cfg.rollout_token) as worker:
         store = worker.model(MODEL, chunk_size=cfg.chunk_size)
         store.attach(model)
         events.put({"kind": "joined", "worker": name})
