@@ -93,6 +93,14 @@ def test_an_unsigned_request_is_refused_before_it_runs(hub):
             assert kind == "error:unauthenticated", body
             assert "requires authentication" in body["message"]
         assert hub.num_refused == 2
+        # meanwhile the hub and the holder serve legitimate workers as before
+        rollout = wf.join(hub.url, worker="rollout")
+        try:
+            store = rollout.model("policy", chunk_size=CHUNK)
+            store.attach(net(2))
+            assert store.fetch(version).version == version
+        finally:
+            rollout.close()
     finally:
         trainer.close()
 
