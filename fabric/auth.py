@@ -82,16 +82,16 @@ def ensure_secret(path: str | Path | None = None) -> tuple[Path, bool]:
     Returns:
         ``(path, created)``.
 
+    An existing file is left as it is (`Authority` checks it when it loads it).
+
     Raises:
-        AuthenticationError: the file exists but is not a secret, is readable by other
-            users, or cannot be created.
+        AuthenticationError: the file cannot be created.
     """
     p = Path(path).expanduser() if path is not None else default_secret_path()
     try:
         p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        load_credential(secret_file=p)   # check it
         return p, False
     except OSError as exc:
         raise AuthenticationError(f"cannot create the deployment secret {p}: "
@@ -192,6 +192,15 @@ def load_credential(*, secret: str | None = None,
     if secret is not None:
         return _parse(secret.strip(), "the secret= argument")
     path = Path(secret_file).expanduser() if secret_file is not None else default_secret_path()
+    return _parse(_read_private(path), str(path))
+
+
+def _read_private(path: Path) -> str:
+    """The text of a secret or token file, once it is known to be readable by its owner only.
+
+    Raises:
+        AuthenticationError: no such file, unreadable, or readable by other users.
+    """
     try:
         st = path.stat()
         text = path.read_text().strip()
@@ -205,7 +214,7 @@ def load_credential(*, secret: str | None = None,
     if st.st_mode & 0o077:
         raise AuthenticationError(f"the secret file {path} is readable by other users (mode "
                                   f"{st.st_mode & 0o777:o}); run `chmod 600 {path}`")
-    return _parse(text, str(path))
+    return text
 
 
 def _parse(text: str, source: str) -> Credential:
@@ -318,12 +327,12 @@ class Authority:
 
     def __init__(self, secret_file: str | Path | None = None) -> None:
         path = Path(secret_file).expanduser() if secret_file is not None else default_secret_path()
-        cred = load_credential(secret_file=path)
-        if cred.token:
+        text = _read_private(path)
+        if _parse(text, str(path)).token:
             raise AuthenticationError(f"{path} holds a token; the hub needs the deployment "
                                       "secret itself")
         self.path = path
-        self._secret = bytes.fromhex(path.read_text().strip())
+        self._secret = bytes.fromhex(text)
         self._replays = ReplayGuard()
         self.curve_public, self.curve_secret = curve_keys(self._secret)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weightfabric.fabric.arena import remove_stale_regions
-from weightfabric.fabric.auth import CapabilityCheck, load_credential
+from weightfabric.fabric.auth import CapabilityCheck
 from weightfabric.fabric.buffer_pool import PREPARED_BUFFERS
 from weightfabric.fabric.checks import check_model_name
 from weightfabric.fabric.client import HubClient
@@ -47,12 +47,10 @@ class Worker:
                  stall_timeout: float = STALL_TIMEOUT, secret: str | None = None,
                  secret_file: str | Path | None = None, insecure: bool = False,
                  tls: TlsConfig | None = None) -> None:
-        credential = None if insecure else load_credential(secret=secret, secret_file=secret_file)
         removed = remove_stale_regions()
         if removed:
             log.info("removed %d arena files of dead workers", len(removed))
-        self.server = ReadServer(host=host, stall_timeout=stall_timeout, capabilities=(
-            CapabilityCheck(credential.serve_key) if credential is not None else None), tls=tls)
+        self.server = ReadServer(host=host, stall_timeout=stall_timeout, tls=tls)
         if tls is not None:
             use_for_reads(tls)
         try:
@@ -63,6 +61,8 @@ class Worker:
         except BaseException:
             self.server.close()
             raise
+        if self.hub.credential is not None:  # set before any store exposes a region here
+            self.server.capabilities = CapabilityCheck(self.hub.credential.serve_key)
         self.name = worker
         self.location = self.hub.location
         self.nvshmem = nvshmem
