@@ -43,6 +43,7 @@ from weightfabric.fabric.errors import (
     HubUnavailableError,
     ProtocolError,
     UnknownFetchError,
+    UnknownVersionError,
     UnknownWorkerError,
     ValueTooLargeError,
     WaitTimeoutError,
@@ -55,6 +56,7 @@ from weightfabric.fabric.hub_messages import (
     BeginPublishReply,
     BeginPublishRequest,
     CommitRequest,
+    CommitWaitReply,
     CompleteFetchRequest,
     CompleteReply,
     DeriveReply,
@@ -101,6 +103,7 @@ from weightfabric.fabric.hub_messages import (
     StatusRequest,
     UnregisterRequest,
     VersionReply,
+    WaitCommitRequest,
     WaitVersionRequest,
 )
 from weightfabric.fabric.locality import Location
@@ -817,6 +820,38 @@ class HubClient:
             if left <= piece:
                 raise WaitTimeoutError(f"no version of {model!r} newer than v{after} was "
                                        f"committed within {timeout:g} s")
+
+    def wait_commit(self, model: str, version: int, *, shard: int = 0,
+                    timeout: float = 30.0) -> list[int]:
+        """Block until ``version`` of ``model`` is committed; returns ``shard``'s checksums.
+
+        For a reader copying a derived version while its deriver makes it (`begin_fetch`
+        plans it before the commit): the checksums the deriver committed, one per chunk.
+        The hub holds the request (long-poll), in slices of at most 10 s.
+
+        Raises:
+            UnknownVersionError: the version was retired instead (its deriver failed or
+                left); the message says why.
+            WaitTimeoutError: still not committed after ``timeout`` seconds.
+        """
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            piece = max(0.0, min(left, 10.0))
+            out = self.request(WaitCommitRequest(model=model, version=version, shard=shard,
+                                                 timeout=piece), CommitWaitReply, wait_s=piece)
+            if out.state == "committed":
+                with self._lock:   # a copy begun before the commit: what a restore sends
+                    h = self._holdings.get((model, version, shard))
+                    if h is not None and not h.manifest.checksums:
+                        h.manifest = replace(h.manifest, checksums=tuple(out.checksums))
+                return out.checksums
+            if out.state != "publishing":
+                raise UnknownVersionError(f"{model!r} v{version} is {out.state}"
+                                          f"{': ' + out.reason if out.reason else ''}")
+            if left <= piece:
+                raise WaitTimeoutError(f"{model!r} v{version} was not committed within "
+                                       f"{timeout:g} s")
 
     def kv_put(self, key: str, value: bytes, *, ttl: float | None = None) -> None:
         """Publish a small value under ``key`` for others to `kv_get` (rendezvous).

@@ -220,7 +220,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                  options: FetchOptions = FetchOptions(),
                  on_chunk: Callable[[int, int], None] | None = None,
                  before_write: Callable[[int, int], None] | None = None,
-                 cancel: threading.Event | None = None) -> FetchStats:
+                 cancel: threading.Event | None = None,
+                 deferred: dict[int, int] | None = None) -> FetchStats:
     """Fill the missing chunks of `dest` (flat ``uint8``) from the planner's sources.
 
     Args:
@@ -244,6 +245,10 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
         before_write: called with the byte range ``[lo, hi)`` of `dest` a read is about
             to write (e.g. to populate fresh pages first); what it raises ends the fetch.
         cancel: set from another thread to stop the fetch within `WAIT_SLICE`.
+        deferred: for bytes whose checksums are not known yet (a version its holder is
+            still deriving, `ModelStore.fetch`): with ``checksums`` None, the checksum of
+            every chunk ``verify`` selects is computed (in the copy where the transport
+            fuses it) and stored here by chunk index, for the caller to compare later.
 
     Returns:
         FetchStats of this call.
@@ -256,7 +261,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
     return _FetchRun(dest, chunk_size=chunk_size, progress=progress, planner=planner,
                      choose=choose, checksums=checksums, checksum_fn=checksum_fn,
                      copy_checksums=copy_checksums, verify=verify, options=options,
-                     on_chunk=on_chunk, before_write=before_write, cancel=cancel).run()
+                     on_chunk=on_chunk, before_write=before_write, cancel=cancel,
+                     deferred=deferred).run()
 
 
 _Queued = tuple[tuple[int, ...], Source]
@@ -291,11 +297,11 @@ class _FetchRun:
                  verify: Callable[[Source], bool], options: FetchOptions,
                  on_chunk: Callable[[int, int], None] | None,
                  before_write: Callable[[int, int], None] | None,
-                 cancel: threading.Event | None) -> None:
+                 cancel: threading.Event | None, deferred: dict[int, int] | None) -> None:
         self.dest, self.chunk_size, self.progress = dest, chunk_size, progress
         self.planner, self.choose, self.options = planner, choose, options
         self.checksums, self.checksum_fn, self.verify = checksums, checksum_fn, verify
-        self.copy_checksums = copy_checksums
+        self.copy_checksums, self.deferred = copy_checksums, deferred
         self.on_chunk, self.before_write, self.cancel = on_chunk, before_write, cancel
         self.lost_news: Callable[[], set[str]] = getattr(planner, "lost", set)
         self.total = progress.num_chunks
@@ -420,6 +426,8 @@ class _FetchRun:
             return [], list(read.span)
         kept: list[int] = []
         bad: list[int] = []
+        if self.deferred is not None:
+            self.deferred.update(zip(read.span, read.sums, strict=False))
         for chunk in read.span:
             if chunk in read.corrupted:
                 self.stats.corrupted_chunks += 1
@@ -522,8 +530,8 @@ class _FetchRun:
                 if self.before_write is not None:
                     self.before_write(lo, hi)
                 timeout = max(0.0, min(self.options.read_timeout, self.time_left()))
-                checking = (self.checksums is not None and self.checksum_fn is not None
-                            and self.verify(source))
+                checking = ((self.checksums is not None or self.deferred is not None)
+                            and self.checksum_fn is not None and self.verify(source))
                 sums: list[int] = []  # of the chunks from span[0], if the copy computed them
                 copy = None
                 if (checking and self.copy_checksums is not None
@@ -541,14 +549,16 @@ class _FetchRun:
                 done = span if got == hi - lo else span[:got // self.chunk_size]
                 corrupted: tuple[int, ...] = ()
                 if checking:
-                    assert self.checksums is not None and self.checksum_fn is not None
+                    assert self.checksum_fn is not None
                     if len(sums) < len(done):  # the transport copied without the sums
                         sums = [self.checksum_fn(c, self.chunk_bytes(c)) for c in done]
-                    corrupted = tuple(c for i, c in enumerate(done)
-                                      if sums[i] != self.checksums[c])
+                    if self.checksums is not None:
+                        corrupted = tuple(c for i, c in enumerate(done)
+                                          if sums[i] != self.checksums[c])
         except TransportError as exc:
             return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
-        return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):])
+        return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):],
+                     sums=tuple(sums[:len(done)]) if self.deferred is not None else ())
 
     def schedule(self, assignments: list[Assignment], missing: list[int]) -> list[_Queued]:
         """`_schedule` with this fetch's read limits, avoiding corrupt senders."""
@@ -627,6 +637,7 @@ class _Read:
     error: str | None = None
     corrupted: tuple[int, ...] = ()
     rest: tuple[int, ...] = ()
+    sums: tuple[int, ...] = ()  # of `span`, when the fetch defers its checks
 
 
 def _no_source_left(missing: list[int], failed: dict[str, str],

@@ -269,6 +269,18 @@ class PolicyReply(Reply, frozen=True, kw_only=True):
     pinned: list[int]
 
 
+class CommitWaitReply(Reply, frozen=True, kw_only=True):
+    """A version's state after ``wait_commit``, and one shard's checksums once committed.
+
+    ``state``: ``publishing`` (the wait ran out), ``committed`` or ``retired`` (``reason``
+    says why); ``checksums``: the shard's, one per chunk, when committed.
+    """
+
+    state: str
+    checksums: list[int] = []
+    reason: str = ""
+
+
 class VersionReply(Reply, frozen=True, kw_only=True):
     """A version number, or None (``latest``; ``wait_version`` that ran out)."""
 
@@ -536,6 +548,16 @@ class LatestRequest(Request, frozen=True, kw_only=True):
     model: str
 
 
+class WaitCommitRequest(Request, frozen=True, kw_only=True):
+    """Wait up to ``timeout`` s for version ``version`` of ``model`` to leave ``publishing``."""
+
+    op: ClassVar[str] = "wait_commit"
+    model: str
+    version: int
+    shard: int = 0
+    timeout: float = 0.0
+
+
 class WaitVersionRequest(Request, frozen=True, kw_only=True):
     """A version newer than ``after``, waiting up to ``timeout`` s."""
 
@@ -589,6 +611,7 @@ _PAIRS: tuple[tuple[type[Request], ReplyType], ...] = (
     (PinRequest, PolicyReply),
     (LatestRequest, VersionReply),
     (WaitVersionRequest, VersionReply),
+    (WaitCommitRequest, CommitWaitReply),
     (KvPutRequest, KvPutReply),
     (KvGetRequest, KvGetReply),
 )
@@ -599,7 +622,8 @@ OPERATIONS: dict[str, tuple[type[Request], ReplyType]] = {req.op: (req, reply)
 __all__ = [
     "OPERATIONS", "AbortPublishRequest", "BeginDeriveRequest", "BeginFetchRequest",
     "BeginPublishReply", "BeginPublishRequest", "CommitRequest", "CompleteFetchRequest",
-    "CompleteReply", "DeriveReply", "DropReply", "DropRequest", "EmptyReply", "Endpoints", "ErrorBody", "GroupStatusReply",
+    "CommitWaitReply", "CompleteReply", "DeriveReply", "DropReply", "DropRequest", "EmptyReply",
+    "Endpoints", "ErrorBody", "GroupStatusReply",
     "GroupStatusRequest", "HeartbeatReply", "HeartbeatRequest", "Holder", "Holding",
     "HoldingState", "KvGetReply", "KvGetRequest", "KvPutReply", "KvPutRequest",
     "LatestRequest", "LocateReply", "LocateRequest", "LocateShard", "LocationWire",
@@ -609,5 +633,5 @@ __all__ = [
     "ReportCorruptRequest", "ReportProgressRequest",
     "Request", "RestoreReply", "RestoreRequest", "RetractReply", "RetractRequest",
     "RetractStatusRequest", "SetRetentionRequest", "StatusReply", "StatusRequest",
-    "UnregisterRequest", "VersionReply", "WaitVersionRequest", "Wire",
+    "UnregisterRequest", "VersionReply", "WaitCommitRequest", "WaitVersionRequest", "Wire",
 ]

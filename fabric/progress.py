@@ -92,3 +92,44 @@ class ChunkProgress:
         """One byte per chunk, 1 when present."""
         with self._cond:
             return bytes(self._present)
+
+
+class SlotMarks:
+    """Marks the chunks of a buffer as the tensors laid out in it are written, by name.
+
+    For a replica made tensor by tensor (a derived layout): `done` names tensors whose
+    bytes are final, and each chunk is marked once every tensor byte in it is. A chunk
+    with no tensor bytes (alignment padding only) is marked at once.
+
+    Args:
+        slots: ``(name, offset, nbytes)`` of every tensor in the buffer.
+        chunk_size: bytes per chunk of ``progress``.
+        progress: the replica's bitmap.
+    """
+
+    def __init__(self, slots: list[tuple[str, int, int]], chunk_size: int,
+                 progress: ChunkProgress) -> None:
+        self.chunk_size, self.progress = chunk_size, progress
+        self._slots = {name: (offset, nbytes) for name, offset, nbytes in slots}
+        self._left = [0] * progress.num_chunks     # tensor bytes not yet written, per chunk
+        for offset, nbytes in self._slots.values():
+            for chunk, part in self._parts(offset, nbytes):
+                self._left[chunk] += part
+        for chunk, left in enumerate(self._left):
+            if not left:
+                progress.mark(chunk)
+
+    def done(self, names: list[str]) -> None:
+        """The tensors ``names`` are written: mark the chunks they complete."""
+        for name in names:
+            offset, nbytes = self._slots.pop(name, (0, 0))
+            for chunk, part in self._parts(offset, nbytes):
+                self._left[chunk] -= part
+                if not self._left[chunk]:
+                    self.progress.mark(chunk)
+
+    def _parts(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        """(chunk, bytes of ``[offset, offset + nbytes)`` in it), for each chunk it touches."""
+        size, end = self.chunk_size, offset + nbytes
+        return [(c, min(end, (c + 1) * size) - max(offset, c * size))
+                for c in range(offset // size, (end - 1) // size + 1)] if nbytes else []

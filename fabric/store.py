@@ -54,6 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
@@ -85,7 +86,7 @@ from weightfabric.fabric.fetch import (
 from weightfabric.fabric.fetch_planner import HubPlanner
 from weightfabric.fabric.gpu.region import DeviceRegion, SymmetricBuffer
 from weightfabric.fabric.manifest import Manifest, ShardedTensor
-from weightfabric.fabric.progress import ChunkProgress
+from weightfabric.fabric.progress import ChunkProgress, SlotMarks
 from weightfabric.fabric.regions import region_name
 from weightfabric.fabric.tensorset import (
     PreparedSet,
@@ -108,6 +109,7 @@ from weightfabric.kernels import (
     pack,
     pack_with_checksums,
 )
+from weightfabric.kernels.checksum import ChunkSums
 
 if TYPE_CHECKING:
     from weightfabric.fabric.gpu.nvshmem_arena import NvshmemRuntime
@@ -195,6 +197,19 @@ class FetchFuture:
             self._store._switch_to(buffer, stats.version)
             self._switched = True
         return stats
+
+
+@dataclass(frozen=True)
+class Production:
+    """What `ModelStore.produce` hands its ``fill``: the tensors to write, and two hooks."""
+
+    tensors: dict[str, torch.Tensor]
+    """Name -> view of the buffer, in the store's layout."""
+    done: Callable[[list[str]], None]
+    """Call with the names of tensors that are final: peers may copy their chunks now."""
+    place: Callable[[torch.Tensor, torch.Tensor], None]
+    """``place(dst, src)``: copy ``src`` into ``dst`` (uint8, a contiguous run of the
+    tensors' bytes), checksumming the bytes on the way where it can (CPU)."""
 
 
 class ModelStore:
@@ -631,13 +646,15 @@ class ModelStore:
             inner = self._fetcher.submit(job)
         return FetchFuture(self, inner)
 
-    def produce(self, version: int, fill: Callable[[dict[str, torch.Tensor]], object],
+    def produce(self, version: int, fill: Callable[[Production], object],
                 announce: Callable[[Manifest], object] | None) -> Buffer:
         """Make ``version`` here: fill a spare buffer, expose it whole, announce it.
 
         For versions computed rather than read (a derived layout): the spare buffer is
-        exposed as a partial replica while ``fill`` writes its tensors (name -> views of
-        the buffer in the store's layout), then as complete, and ``announce`` gets the
+        exposed as a partial replica while ``fill`` writes its tensors (`Production`:
+        views of the buffer in the store's layout; ``done`` tells peers which tensors are
+        final, so they copy those chunks while the rest is made), then as complete, and
+        ``announce`` gets the
         manifest with the checksums of what was made (to commit it at the hub). With
         ``announce=None`` the version is kept private: not exposed, no checksums. The
         buffer comes back reserved for a `FetchFuture` (see `submit`). If ``fill`` or
@@ -658,11 +675,26 @@ class ModelStore:
                 buffer.version = version
         try:
             self._ready(buffer)  # the background populate must not write under fill
-            fill(views(layout, buffer.region.tensor))
+            marks = None if progress is None else SlotMarks(
+                [(t.name, t.offset, t.nbytes) for t in layout.slots], self.chunk_size, progress)
+            base = buffer.region.tensor[:layout.nbytes]
+            sums = (ChunkSums(layout.nbytes, self.chunk_size)
+                    if announce is not None and base.device.type == "cpu"
+                    and not layout.nbytes % 4 else None)
+
+            def place(dst: torch.Tensor, src: torch.Tensor) -> None:
+                # dst may lie elsewhere (an fp8 target's staging copy): ChunkSums refuses
+                # offsets outside the buffer, and those bytes are summed at the end
+                if sums is None or not sums.copy(dst.data_ptr() - base.data_ptr(), dst, src):
+                    dst.copy_(src)
+            fill(Production(views(layout, buffer.region.tensor),
+                            marks.done if marks is not None else lambda names: None, place))
             with self._lock:
                 buffer.pending = True
             if announce is not None and progress is not None:
-                manifest = manifest_of(layout, buffer.region.tensor, self.chunk_size)
+                manifest = manifest_of(layout, buffer.region.tensor, self.chunk_size,
+                                       checksums=None if sums is None
+                                       else sums.finish(base).tolist())
                 for chunk in range(manifest.num_chunks):
                     progress.mark(chunk)
                 announce(manifest)
@@ -768,17 +800,23 @@ class ModelStore:
                     and region.populated_bytes < region.nbytes else None)
         choose = functools.partial(self.transports.transport_for, timeout=options.read_timeout,
                                    symmetric=self.nvshmem is not None)
+        # A derived version its deriver is still making has no checksums yet: the copy
+        # computes them and compares them once the deriver commits.
+        deferred: dict[int, int] | None = None if manifest.checksums else {}
         try:
             stats = fetch_chunks(
                 buffer.region.tensor, chunk_size=manifest.chunk_size, progress=progress,
                 planner=HubPlanner(hub, plan, me=hub.location), choose=choose,
-                checksums=list(manifest.checksums),
+                checksums=list(manifest.checksums) if deferred is None else None,
+                deferred=deferred,
                 checksum_fn=lambda c, piece: int(chunk_checksums(
                     piece, manifest.chunk_size, first_chunk=c)[0]),
                 copy_checksums=lambda dst, src, c: copy_with_checksums(
                     dst, src, manifest.chunk_size, first_chunk=c).tolist(),
                 verify=verify_rule(verify), options=options, on_chunk=on_chunk,
                 before_write=populate, cancel=self._cancel)
+            if deferred is not None:
+                self._check_deferred(plan.version, deferred, options.deadline)
             with self._lock:
                 buffer.pending = True  # before the hub lists it complete: reserved from now
             hub.complete_fetch(plan.fetch_id)
@@ -795,6 +833,24 @@ class ModelStore:
                  plan.version, stats.bytes, stats.seconds, stats.gbps,
                  ", ".join(sorted(stats.sources)) or "nobody")
         return buffer, stats
+
+    def _check_deferred(self, version: int, sums: dict[int, int], timeout: float) -> None:
+        """Wait for the commit of ``version`` (copied while derived) and check what was read.
+
+        ``sums``: chunk -> checksum of the chunks the copy verified (`fetch_chunks`'s
+        ``deferred``), compared with the checksums the deriver committed.
+
+        Raises:
+            UnknownVersionError: the version was retired instead (its deriver failed).
+            WaitTimeoutError: not committed within ``timeout``.
+            FetchError: a chunk differs from what the deriver committed.
+        """
+        want = self.hub.wait_commit(self.model, version, shard=self.shard, timeout=timeout)
+        bad = sorted(c for c, got in sums.items() if c >= len(want) or got != want[c])
+        if bad:
+            raise FetchError(f"model {self.model!r} v{version}: {len(bad)} chunks copied "
+                             f"while it was derived (first: {bad[0]}) differ from the checksums "
+                             "its deriver committed")
 
     # --- retract / release -------------------------------------------------------------
 

@@ -28,6 +28,8 @@ bytes are read once), for reads that land and verify chunks.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -324,6 +326,7 @@ class ChunkSums:
     `copy` writes a range (e.g. one tensor, as a pack does) and sums it in the same pass;
     `finish` sums whatever no `copy` covered (padding, ranges written otherwise) from
     the assembled buffer and returns ``chunk_checksums(buffer, chunk_size)``. CPU only.
+    Copies of disjoint ranges may run on several threads at once.
     """
 
     def __init__(self, nbytes: int, chunk_size: int) -> None:
@@ -333,6 +336,7 @@ class ChunkSums:
         self.nbytes, self.chunk_size = nbytes, chunk_size
         self.sums = torch.zeros(-(-nbytes // chunk_size), dtype=torch.int64)
         self.covered: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
 
     def copy(self, offset: int, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Copy ``src`` into ``dst`` (the buffer's bytes from ``offset``), summing as it goes.
@@ -343,16 +347,17 @@ class ChunkSums:
         """
         whole = src.numel() // 8 * 8
         if (offset % 8 or src.data_ptr() % 4 or dst.data_ptr() % 4 or not whole
-                or offset + src.numel() > self.nbytes):
+                or offset < 0 or offset + src.numel() > self.nbytes):
             return False
         part = pair_sums(src[:whole].view(torch.uint32), dst[:whole].view(torch.uint32),
                          self.chunk_size // 8, offset // 8)
         if part is None:
             return False
-        self._add(offset, part)
         if whole < src.numel():
             dst[whole:].copy_(src[whole:])
-        self.covered.append((offset, offset + whole))
+        with self._lock:
+            self._add(offset, part)
+            self.covered.append((offset, offset + whole))
         return True
 
     def finish(self, buffer: torch.Tensor) -> torch.Tensor:

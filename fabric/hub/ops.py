@@ -54,6 +54,7 @@ from weightfabric.fabric.hub_messages import (
     StatusRequest,
     UnregisterRequest,
     VersionReply,
+    WaitCommitRequest,
     WaitVersionRequest,
 )
 from weightfabric.fabric.locality import Location
@@ -240,6 +241,19 @@ def op_wait_version(s: HubState, session: str, a: WaitVersionRequest) -> Answer 
     return Park(check, timeout, lambda: VersionReply(version=None))
 
 
+def op_wait_commit(s: HubState, session: str, a: WaitCommitRequest) -> Answer | Park:
+    model, version, shard = a.model, a.version, a.shard
+
+    def check() -> Reply | None:
+        out = s.commit_state(model, version, shard)
+        return None if out.state == "publishing" else out
+    ready = check()
+    timeout = _wait(a.timeout)
+    if ready is not None or timeout <= 0:
+        return ready or s.commit_state(model, version, shard)
+    return Park(check, timeout, lambda: s.commit_state(model, version, shard))
+
+
 def op_kv_put(s: HubState, session: str, a: KvPutRequest) -> Answer:
     return s.kv_put(a.key, a.value, ttl=a.ttl)
 
@@ -296,6 +310,7 @@ OPS: dict[str, Op[Any]] = {op.request.op: op for op in (
     _op(PinRequest, op_pin),
     _op(LatestRequest, op_latest),
     _op(WaitVersionRequest, op_wait_version),
+    _op(WaitCommitRequest, op_wait_commit),
     _op(KvPutRequest, op_kv_put),
     _op(KvGetRequest, op_kv_get),
 )}
@@ -303,6 +318,6 @@ OPS: dict[str, Op[Any]] = {op.request.op: op for op in (
 # Operations that change nothing a retry could see twice: the hub does not keep their
 # replies for retries (a retried one runs again and answers from the current state).
 READ_ONLY = frozenset({"group_status", "kv_get", "latest", "locate", "ping", "retract_status",
-                       "status", "wait_version"})
+                       "status", "wait_commit", "wait_version"})
 
 __all__ = ["MAX_WAIT_S", "OPS", "READ_ONLY", "Op", "Park", "parse_manifest"]

@@ -19,9 +19,13 @@ from weightfabric.fabric.locality import Location, RankSources, SourceCandidate
 
 def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]], *,
           banned: set[str], workers: dict[str, WorkerRecord], load: Counter[str],
-          rank_sources: RankSources, max_sources: int
+          rank_sources: RankSources, max_sources: int, wait_only: bool = False
           ) -> tuple[list[PlanRangeWire], set[str], list[int]]:
     """Ranked sources for each chunk the reader needs and can read now.
+
+    With ``wait_only`` (a derived version its deriver is still making), a chunk no replica
+    holds yet is planned too when some earlier partial replica will have it: its range
+    has no ``sources``, only ``wait``.
 
     ``need`` is sorted, disjoint ``(start, stop)`` runs of chunks (`runs`,
     `missing_runs`). The sources and waits of a chunk depend only on which
@@ -42,9 +46,10 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]]
     # chunk has no source among those (hundreds of readers fetching one version would
     # otherwise make every plan cost hundreds of numpy steps).
     reps = _reach(ranked, max_sources, partial_limit=PARTIAL_LIMIT)
-    out = _route(v, shard, reader, need, reps, max_sources)
+    out = _route(v, shard, reader, need, reps, max_sources, wait_only)
     if out[2] and len(reps) < len(_reach(ranked, max_sources)):
-        out = _route(v, shard, reader, need, _reach(ranked, max_sources), max_sources)
+        out = _route(v, shard, reader, need, _reach(ranked, max_sources), max_sources,
+                     wait_only)
     return out
 
 
@@ -53,7 +58,7 @@ PARTIAL_LIMIT = 16
 
 
 def _route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]],
-           reps: list[Replica], max_sources: int
+           reps: list[Replica], max_sources: int, wait_only: bool
            ) -> tuple[list[PlanRangeWire], set[str], list[int]]:
     """`route` over the candidate replicas ``reps`` (ranked)."""
     # A reader waits only on partial replicas that began fetching before it did:
@@ -72,14 +77,16 @@ def _route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]
     names = [r.worker for r in reps]
     kinds = [([names[i] for i in row[:sources] if i >= 0],
               [names[i] for i in row[sources:] if i >= 0]) for row in kind_rows.tolist()]
-    read = np.asarray([bool(srcs) for srcs, _ in kinds])[kind_of]
+    readable = [bool(srcs) or (wait_only and bool(wait)) for srcs, wait in kinds]
+    read = np.asarray(readable, bool)[kind_of]
     # The ranges share their kind's lists (the reply is serialised, not changed).
     ranges = [PlanRangeWire(start=a, stop=b, sources=kinds[k][0], wait=kinds[k][1])
               for a, b, k in zip(starts[firsts[read]].tolist(), stops[lasts[read]].tolist(),
                                  kind_of[read].tolist(), strict=True)]
     missing = [c for a, b in zip(starts[firsts[~read]].tolist(), stops[lasts[~read]].tolist(),
                                  strict=True) for c in range(a, b)]
-    named = {w for srcs, wait in kinds if srcs for w in (*srcs, *wait)}
+    named = {w for ok, (srcs, wait) in zip(readable, kinds, strict=True) if ok
+             for w in (*srcs, *wait)}
     return ranges, named, missing
 
 

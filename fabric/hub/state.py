@@ -90,6 +90,7 @@ from weightfabric.fabric.hub.routing import holders, missing_runs, route, runs
 from weightfabric.fabric.hub.status import status_snapshot
 from weightfabric.fabric.hub_messages import (
     BeginPublishReply,
+    CommitWaitReply,
     CompleteReply,
     DeriveReply,
     DropReply,
@@ -567,6 +568,21 @@ class HubState:
         self._settle()
         return DeriveReply(action="derive", by=None)
 
+    def commit_state(self, model: str, version: int, shard: int = 0) -> CommitWaitReply:
+        """A version's state, and ``shard``'s checksums once it is committed (`wait_commit`).
+
+        Raises:
+            UnknownModelError, UnknownVersionError: no such model or version.
+            ValueError: no such shard.
+        """
+        v = self._version(model, version)
+        _check_shard(shard, v.num_shards)
+        if v.state != COMMITTED:
+            return CommitWaitReply(state=v.state, reason=v.retire_reason or "")
+        manifest = v.manifests.get(shard)
+        return CommitWaitReply(state=v.state,
+                               checksums=list(manifest.checksums) if manifest else [])
+
     def _derive_answer(self, v: VersionRecord, worker: str, manifest: Manifest) -> DeriveReply:
         """`begin_derive`'s answer for a derived version that is publishing or committed.
 
@@ -695,7 +711,7 @@ class HubState:
                 raise InvalidStateError(f"fetch group {group!r} already has {g.size} members")
         number = g.version if g is not None else self._resolve(m, version)
         v = self._version(model, number)
-        if v.state != COMMITTED:
+        if v.state != COMMITTED and not _being_derived(v):
             raise UnknownVersionError(f"{model!r} v{number} is {v.state}, not fetchable")
         _check_shard(shard, v.num_shards)
         manifest = v.manifests.get(shard)
@@ -780,7 +796,8 @@ class HubState:
         ranges, named, missing = route(v, f.shard, worker, need, banned=banned,
                                        workers=self.workers, load=self._index.load,
                                        rank_sources=self.rank_sources,
-                                       max_sources=self.max_sources)
+                                       max_sources=self.max_sources,
+                                       wait_only=_being_derived(v))
         if missing:
             raise NoSourceError(
                 f"{f.model!r} v{f.version} shard {f.shard}: no live replica holds chunks "
@@ -838,6 +855,10 @@ class HubState:
         """
         f = self._fetch(fetch_id, worker, session)
         v = self._version(f.model, f.version)
+        if v.state == PUBLISHING:
+            raise InvalidStateError(f"{f.model!r} v{f.version} is {v.state}: a copy of a "
+                                    "version still being derived completes once it is "
+                                    "committed (wait_commit, then check its checksums)")
         rep = v.replicas[(worker, f.shard)]
         rep.fill()
         if f.group is None:
@@ -1355,6 +1376,15 @@ def parse_holding(h: Holding) -> Manifest:
         raise BadRequestError(f"holding chunk indices out of range 0..{manifest.num_chunks - 1}:"
                               f" {bad[:8]}")
     return manifest
+
+
+def _being_derived(v: VersionRecord) -> bool:
+    """A derived version its deriver is still making: readers may copy it as it fills.
+
+    Its plans name the deriver as a partial replica to wait on; its copies complete only
+    once it is committed, after the readers checked the checksums it committed.
+    """
+    return v.state == PUBLISHING and "@" in v.model
 
 
 def derived_base(model: str) -> str | None:

@@ -19,7 +19,10 @@ padding) are zeros.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import queue
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +40,9 @@ from weightfabric.fabric.relayout.rules import (
 from weightfabric.fabric.relayout.staging import Staging
 from weightfabric.fabric.tensorset import dtype_from_name
 
-ReadFn = Callable[[int, int, torch.Tensor], None]
-"""``read(shard, byte_offset, out)``: fill ``out`` (contiguous uint8) from that shard."""
+ReadFn = Callable[..., None]
+"""``read(shard, byte_offset, out, copy=None)``: fill ``out`` (contiguous uint8) from that
+shard; ``copy(dst, src)``, if given, may do the copy (where the transport maps the source)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -173,20 +177,37 @@ class DeriveStats:
 
 def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
            dst: Mapping[str, torch.Tensor], *, budget: int = 64 << 20,
-           staging: Staging | None = None) -> DeriveStats:
+           staging: Sequence[Staging] = (),
+           done: Callable[[list[str]], None] | None = None,
+           place: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+           threads: int = 1) -> DeriveStats:
     """Fill ``dst`` (this rank's tensors of ``bound``) from reads of the version's shards.
+
+    Target by target, in order, ``threads`` reads at a time (``read`` must then be
+    thread-safe): the reads of the next targets are queued while the calling thread
+    waits for the current one's, so targets complete in order and the pool stays busy.
+    Blocks that land as one contiguous run of their target (whole rows, same dtype)
+    are read straight into it; the others in bands of at most ``budget`` bytes through
+    a staging buffer per thread, then placed.
 
     Args:
         bound: the layout bound to this version and rank.
         published: the version's tensors (`PublishedVersion.of` its manifests).
         read: reads bytes of a shard (`ReadFn`).
         dst: name -> tensor of `BoundLayout.tensor_specs` (fp8 scales included).
-        budget: staging bytes per read (a row wider than this is read whole).
-        staging: the buffer to reuse (default: a new one).
+        budget: staging bytes per read (a row wider than this is read whole); fp8
+            targets queued ahead also stop at ``budget`` bytes of their staging copies.
+        staging: buffers to reuse (missing ones, up to ``threads``, are made).
+        done: called with the names of the ``dst`` tensors a target completed (the
+            target, and its fp8 scales), as soon as they are final, in target order.
+        place: copies a direct read's bytes into the target (``place(dst, src)``, e.g.
+            checksumming them on the way: `fabric.store.Production.place`), passed to
+            ``read`` as its ``copy``.
+        threads: reads in flight at once.
 
     Raises:
         LayoutMismatchError: ``dst`` lacks a target or has another shape or dtype.
-        FetchError, TransportError: from ``read``.
+        FetchError, TransportError: from ``read`` (no read is in flight once it raises).
     """
     for name, (shape, dtype) in bound.tensor_specs().items():
         t = dst.get(name)
@@ -194,38 +215,76 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
             got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
             raise LayoutMismatchError(f"layout {bound.layout.name!r} rank {bound.rank}: "
                                       f"target {name!r} must be {shape} {dtype}, got {got}")
-    stats, staging = DeriveStats(), staging or Staging()
+    threads = max(1, threads)
+    buffers = [*staging, *(Staging() for _ in range(threads - len(staging)))]
+    spare: queue.SimpleQueue[Staging] = queue.SimpleQueue()
+    for b in buffers[:threads]:
+        spare.put(b)
     device = next(iter(dst.values())).device
-    for target in bound.targets:
+    stats = DeriveStats()
+
+    def run(r: _Read, stage: torch.Tensor) -> tuple[int, int]:
+        into = _direct_destination(r, stage, r.dtype.itemsize)
+        if into is not None:
+            read(r.shard, r.offset, into, *(() if place is None else (place,)))
+            return into.numel(), 1
+        buffer = spare.get()
+        try:
+            return _read_bands(r, read, stage, buffer, budget, device)
+        finally:
+            spare.put(buffer)
+
+    def queue_reads(target: TargetTensor) -> tuple[TargetTensor, torch.Tensor, list[Future]]:
         out = dst[target.name]
         stage = (torch.zeros(target.shape, dtype=target.stage_dtype, device=device)
                  if target.scale is not None else out)
         if target.padded and target.scale is None:
             out.zero_()
-        for piece in target.pieces:
-            for r in _reads(piece, published):
-                _read_bands(r, read, stage, staging, budget, stats, device)
-        if target.scale is not None:
-            _quantize_into(target, stage, dst)
-    stats.staging_bytes = staging.nbytes
+        return target, stage, [pool.submit(run, r, stage) for piece in target.pieces
+                               for r in _reads(piece, published)]
+
+    ahead = 2 * threads             # targets whose reads are queued
+    with ThreadPoolExecutor(threads, thread_name_prefix="wf-derive") as pool:
+        try:
+            targets, window = iter(bound.targets), deque[tuple[TargetTensor, torch.Tensor,
+                                                               list[Future]]]()
+            while True:
+                while len(window) < ahead and _stage_bytes(window) <= budget:
+                    target = next(targets, None)
+                    if target is None:
+                        break
+                    window.append(queue_reads(target))
+                if not window:
+                    break
+                target, stage, futures = window.popleft()
+                for f in futures:
+                    nbytes, reads = f.result()
+                    stats.bytes += nbytes
+                    stats.reads += reads
+                if target.scale is not None:
+                    _quantize_into(target, stage, dst)
+                if done is not None:
+                    done([target.name] + ([target.scale[0]] if target.scale is not None
+                                          else []))
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)   # nothing writes dst after this
+            raise
+    stats.staging_bytes = sum(b.nbytes for b in buffers)
     return stats
 
 
-def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: Staging, budget: int,
-                stats: DeriveStats, device: torch.device) -> None:
-    """Read ``r`` in bands of rows through ``staging`` and place them.
+def _stage_bytes(window: Iterable[tuple[TargetTensor, torch.Tensor, list[Future]]]) -> int:
+    """Bytes of the fp8 targets' staging copies among the queued targets."""
+    return sum(stage.numel() * stage.element_size() for target, stage, _ in window
+               if target.scale is not None)
 
-    A block of whole source rows that lands as one contiguous run of the target, in
-    the same dtype, is read straight into the target instead (no staging copy).
-    """
+
+def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: Staging, budget: int,
+                device: torch.device) -> tuple[int, int]:
+    """Read ``r`` in bands of rows through ``staging`` and place them; (bytes, reads)."""
     size = r.dtype.itemsize
-    direct = _direct_destination(r, stage, size)
-    if direct is not None:
-        read(r.shard, r.offset, direct)
-        stats.bytes += direct.numel()
-        stats.reads += 1
-        return
     band = max(1, budget // r.stride) if r.row_bytes < r.stride else max(1, budget // r.row_bytes)
+    total = reads = 0
     for first in range(0, r.rows, band):
         rows = min(band, r.rows - first)
         if r.row_bytes == r.stride:            # whole rows: one contiguous run
@@ -235,14 +294,15 @@ def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: Staging, b
         want = rows * r.stride
         buffer = staging.get(want, device)
         read(r.shard, r.offset + first * r.stride, buffer[:nbytes])
-        stats.bytes += nbytes
-        stats.reads += 1
+        total += nbytes
+        reads += 1
         typed = buffer[:want].view(r.dtype)
         block = torch.as_strided(typed, (rows, r.row_bytes // size), (r.stride // size, 1))
         p = r.piece
         sub = Piece(p.target, p.source, p.index, (0, rows), None, p.entry,
                     p.row + r.row + first, p.col + r.col)
         assemble(stage, sub, block)
+    return total, reads
 
 
 def _direct_destination(r: _Read, stage: torch.Tensor, size: int) -> torch.Tensor | None:

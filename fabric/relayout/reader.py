@@ -33,11 +33,12 @@ the tensor ``name + scale_suffix`` of the same shard.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +58,7 @@ from weightfabric.fabric.relayout.staging import (
 )
 from weightfabric.fabric.tensorset import layout_from_manifest
 from weightfabric.fabric.transports import SourceAddress
+from weightfabric.fabric.transports.base import CopyFn
 from weightfabric.kernels import Layout, chunk_checksums
 from weightfabric.kernels.fp8 import DEFAULT_BLOCK, check_block, scale_shape
 
@@ -239,7 +241,8 @@ class ShardReader:
     ``read(shard, offset, out)`` over the holders the hub named, best first, moving on to
     the next holder of a shard when one fails or sends a chunk whose checksum is wrong.
 
-    A read from a holder ``verify`` selects covers whole chunks: the chunks the band
+    Thread-safe: reads may run concurrently (verified ones take turns, sharing
+    ``buffers``). A read from a holder ``verify`` selects covers whole chunks: the chunks the band
     touches that are not cached are read in one request into the scratch of
     ``buffers``, each is checked against the shard's manifest, and the band's bytes
     are copied into ``out``. A chunk a band covers only in part (the neighbouring
@@ -262,11 +265,17 @@ class ShardReader:
         self.fetched_bytes = self.verified_chunks = self.reused_chunks = 0
         self.buffers = buffers
         buffers.clear()
+        self._lock = threading.Lock()        # the counters, `failed`
+        self._verifying = threading.Lock()   # `buffers`: one verified read at a time
         # a kept reader holds the memory of its earlier verified fetches, used or not
         self.verify_peak_bytes = buffers.nbytes
 
-    def __call__(self, shard: int, offset: int, out: torch.Tensor) -> None:
+    def __call__(self, shard: int, offset: int, out: torch.Tensor,
+                 copy: CopyFn | None = None) -> None:
         """Fill ``out`` with the bytes at ``offset`` of ``shard``, from its best holder left.
+
+        ``copy(dst, src)`` does the copy where the transport maps the source (shared
+        memory) and the read is not verified (`Transport.fuses_copy`).
 
         Raises:
             FetchError: no holder of the shard could serve them.
@@ -277,30 +286,41 @@ class ShardReader:
                 continue
             source = Source(holder, self.addresses[holder],
                             region_name(self.model, self.version, shard))
-            before = self.fetched_bytes
             try:
                 if self.manifests[shard].checksums and self.verify(source):
-                    self._read_verified(source, shard, offset, out)
+                    with self._verifying:
+                        nbytes = self._read_verified(source, shard, offset, out)
                 else:
-                    self._read(source, offset, out)
+                    nbytes = self._read(source, offset, out, copy)
             except (TransportError, _BadChunk) as exc:
                 log.warning("resharded read of shard %d from %s failed (%s); trying the next "
                             "holder", shard, holder, exc)
-                self.failed.append(holder)
+                with self._lock:
+                    self.failed.append(holder)
                 errors.append(f"{holder}: {exc}")
                 continue
-            self.sources[holder] = self.sources.get(holder, 0) + self.fetched_bytes - before
+            with self._lock:
+                self.sources[holder] = self.sources.get(holder, 0) + nbytes
             return
         raise FetchError(f"{self.model!r} v{self.version} shard {shard}: no holder could serve "
                          f"bytes [{offset}, {offset + out.numel()}): {'; '.join(errors) or 'none left'}")
 
-    def _read(self, source: Source, offset: int, out: torch.Tensor) -> None:
+    def _read(self, source: Source, offset: int, out: torch.Tensor,
+              copy: CopyFn | None = None) -> int:
+        """Fill ``out`` from ``source``; returns the bytes read (counted in `fetched_bytes`)."""
         transport = self.worker.transport_for(source, timeout=self.timeout)
-        transport.read(source.address, source.region, offset, out, timeout=self.timeout)
-        self.fetched_bytes += out.numel()
+        fused: dict[str, Any] = ({"copy": copy} if copy is not None and transport.fuses_copy
+                                 else {})
+        transport.read(source.address, source.region, offset, out, timeout=self.timeout,
+                       **fused)
+        with self._lock:
+            self.fetched_bytes += out.numel()
+        return out.numel()
 
-    def _read_verified(self, source: Source, shard: int, offset: int, out: torch.Tensor) -> None:
+    def _read_verified(self, source: Source, shard: int, offset: int, out: torch.Tensor) -> int:
         """Fill ``out`` from verified whole chunks, cached or read from ``source``.
+
+        Returns the bytes read (whole chunks; none for chunks found in the cache).
 
         Raises:
             TransportError: the read failed.  _BadChunk: a chunk's checksum is wrong.
@@ -311,8 +331,10 @@ class ShardReader:
         chunks = {c: self.buffers.get((shard, c)) for c in touched}
         need = [c for c, chunk in chunks.items() if chunk is None]
         run = range(need[0], need[-1] + 1) if need else range(0)
+        nbytes = 0
         if run:
-            chunks.update(self._read_chunks(source, shard, run, out.device))
+            got, nbytes = self._read_chunks(source, shard, run, out.device)
+            chunks.update(got)
         self.reused_chunks += len(touched) - len(run)
         partly_used = []
         for c, chunk in chunks.items():
@@ -324,25 +346,27 @@ class ShardReader:
         for c, chunk in partly_used:  # after the copies: caching may evict a chunk used above
             self.buffers.put((shard, c), chunk, size)
         self.verify_peak_bytes = max(self.verify_peak_bytes, self.buffers.nbytes)
+        return nbytes
 
     def _read_chunks(self, source: Source, shard: int, run: range,
-                     device: torch.device) -> dict[int, torch.Tensor]:
+                     device: torch.device) -> tuple[dict[int, torch.Tensor], int]:
         """Read chunks ``run`` of ``shard`` in one request and check them.
 
         Chunks ``run`` of ``shard``, read in one request into the scratch buffer and checked
-        against the manifest's checksums: chunk -> its bytes (scratch views).
+        against the manifest's checksums: chunk -> its bytes (scratch views), and the bytes
+        read.
         """
         manifest = self.manifests[shard]
         size = manifest.chunk_size
         lo, hi = run[0] * size, min(run[-1] * size + size, manifest.total_bytes)
         span = self.buffers.scratch(hi - lo, device)
-        self._read(source, lo, span)
+        nbytes = self._read(source, lo, span)
         sums = chunk_checksums(span, size, first_chunk=run[0]).tolist()
         for c, got in zip(run, sums, strict=True):
             if got != manifest.checksums[c]:
                 raise _BadChunk(f"chunk {c} failed its checksum")
         self.verified_chunks += len(run)
-        return {c: span[(c - run[0]) * size:][:size] for c in run}
+        return {c: span[(c - run[0]) * size:][:size] for c in run}, nbytes
 
 
 class ReshardReader:

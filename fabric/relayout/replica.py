@@ -40,7 +40,6 @@ from weightfabric.fabric.errors import (
     LayoutError,
     ManifestMismatchError,
     NoSourceError,
-    UnknownModelError,
     UnknownVersionError,
     WaitTimeoutError,
 )
@@ -50,11 +49,12 @@ from weightfabric.fabric.relayout.derive import PublishedVersion, derive
 from weightfabric.fabric.relayout.reader import ChunkBuffers, ShardReader
 from weightfabric.fabric.relayout.rules import BoundLayout, EngineLayout
 from weightfabric.fabric.relayout.staging import Staging
-from weightfabric.fabric.store import FetchFuture, ModelStore, fetch_newer
+from weightfabric.fabric.store import FetchFuture, ModelStore, Production, fetch_newer
 from weightfabric.fabric.tensorset import DEFAULT_CHUNK_SIZE, layout_manifest, layout_of
 
 if TYPE_CHECKING:
     from weightfabric.fabric.buffer_pool import Buffer
+    from weightfabric.fabric.hub_messages import DeriveReply
     from weightfabric.fabric.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -88,24 +88,26 @@ class LayoutStore:
         derive_wait: seconds to wait for another reader deriving the same version.
         timeout: per read while deriving.
         chunk_size: chunks of the derived versions this reader publishes.
+        threads: reads in flight at once while deriving.
     """
 
     def __init__(self, worker: Worker, model: str, layout: EngineLayout, *, rank: int,
                  device: torch.device | str = "cpu", budget: int = 64 << 20,
                  derive_wait: float = 600.0, timeout: float = 30.0,
-                 chunk_size: int | None = None) -> None:
+                 chunk_size: int | None = None, threads: int = 4) -> None:
         if not 0 <= rank < layout.ranks:
             raise LayoutError(f"layout {layout.name!r} has {layout.ranks} ranks; rank {rank} "
                               "is outside")
         self.worker, self.model, self.layout, self.rank = worker, model, layout, rank
         self.budget, self.derive_wait, self.timeout = budget, derive_wait, timeout
+        self.threads = threads
         self.name = layout.derived_model(model, rank)
         """The hub's name of this layout and rank's derived replicas."""
         self.store: ModelStore = worker.model(self.name, device=device,
                                               chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
         """The derived model's store: its buffers, exposure, retract and release."""
         self._chunks = ChunkBuffers()
-        self._staging = Staging()
+        self._staging = [Staging() for _ in range(max(1, threads))]
 
     # ---------------------------------------------------------------- state
     @property
@@ -185,52 +187,78 @@ class LayoutStore:
         held = self.store._held(number)
         if held is not None:
             return held, LayoutFetchStats(version=number)
-        end, pause = time.monotonic() + self.derive_wait, 0.02
+        end, copy_failed = time.monotonic() + self.derive_wait, False
         while True:
-            copied, copy_failed = self._copy(number, verify, options)
-            if copied is not None:
-                return copied
-            where = hub.locate(self.model, number)
-            manifests = [Manifest.from_wire(s["manifest"]) for s in where["shards"]]
-            published = PublishedVersion.of(manifests)
-            bound = self.layout.bind(published.tensors, self.rank, aliases=published.aliases)
-            self._set_layout(bound)
-            assert self.store.layout is not None
-            reply = hub.begin_derive(self.name, number,
-                                     layout_manifest(self.store.layout, self.store.chunk_size))
-            if reply.action == "derive" or (reply.action == "fetch" and copy_failed):
-                # a holder the hub still lists could not be read: derive without registering
-                register = reply.action == "derive"
-                return self._derive(number, bound, published, where, manifests, verify,
-                                    register=register)
+            # The layout of a later version is known already (unless the published shapes
+            # changed): one hub call says whether to copy, follow the deriver, or derive.
+            known = self.store.layout is not None
+            reply = self._begin_derive(number) if known else None
+            if reply is None or reply.action == "derive" or (reply.action == "fetch"
+                                                             and copy_failed):
+                where = hub.locate(self.model, number)
+                manifests = [Manifest.from_wire(s["manifest"]) for s in where["shards"]]
+                published = PublishedVersion.of(manifests)
+                try:
+                    bound = self.layout.bind(published.tensors, self.rank,
+                                             aliases=published.aliases)
+                    self._set_layout(bound)
+                except BaseException as exc:
+                    if reply is not None and reply.action == "derive":
+                        self._abort(number, exc)
+                    raise
+                if reply is None:
+                    reply = self._begin_derive(number)
+                if reply.action == "derive" or (reply.action == "fetch" and copy_failed):
+                    # a holder the hub still lists could not be read: derive, unregistered
+                    return self._derive(number, bound, published, where, manifests, verify,
+                                        register=reply.action == "derive")
+            if reply.action == "fetch":
+                copied, copy_failed = self._copy(number, verify, options)
+                if copied is not None:
+                    return copied
+                continue
+            if reply.by is not None:
+                # copy the chunks as the deriver makes them, checked once it commits
+                copied, _ = self._copy(number, verify, options)
+                if copied is not None:
+                    return copied
             left = end - time.monotonic()   # "wait" for the deriver
             if left <= 0:
                 raise WaitTimeoutError(
                     f"{self.name!r} v{number}: {reply.by or 'another reader'} has been "
                     f"deriving it for more than {self.derive_wait:g} s; raise derive_wait")
-            if reply.action == "wait":      # the hub answers once the deriver commits
-                with contextlib.suppress(WaitTimeoutError):
-                    hub.wait_version(self.name, after=number - 1, timeout=min(left, 1.0))
-            else:                           # committed meanwhile: copy it
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.5)
+            with contextlib.suppress(WaitTimeoutError):   # answered once the deriver commits
+                hub.wait_version(self.name, after=number - 1, timeout=min(left, 1.0))
+
+    def _begin_derive(self, number: int) -> DeriveReply:
+        """`HubClient.begin_derive` of ``number`` in the store's layout."""
+        assert self.store.layout is not None
+        return self.worker.hub.begin_derive(
+            self.name, number, layout_manifest(self.store.layout, self.store.chunk_size))
+
+    def _abort(self, number: int, exc: BaseException) -> None:
+        """Give up deriving ``number`` (it failed with ``exc``): the hub retires it."""
+        try:
+            self.worker.hub.abort_publish(self.name, number,
+                                          reason=f"{type(exc).__name__}: {exc}"[:200])
+        except Exception as abort_exc:  # the deriver's error matters more
+            log.warning("%s v%d: abort after a failed derive failed: %s", self.name, number,
+                        abort_exc)
 
     def _copy(self, number: int, verify: bool | None, options: FetchOptions
               ) -> tuple[tuple[Buffer | None, LayoutFetchStats] | None, bool]:
-        """Fetch ``number`` from the layout's replicas if some worker holds it.
+        """Fetch ``number`` from the layout's replicas (`ModelStore.fetch`).
 
-        Returns the fetch's result (or None) and whether a copy was tried and failed.
+        While the version is still being derived the copy follows the deriver chunk by
+        chunk and is checked against the checksums it commits.
+
+        Returns the fetch's result (or None) and whether it failed.
         """
         try:
-            self.worker.hub.locate(self.name, number)
-        except (NoSourceError, UnknownModelError, UnknownVersionError) as exc:
-            log.debug("%s v%d: no replica to copy (%s)", self.name, number, exc)
-            return None, False
-        try:
             buffer, stats = self.store._fetch(number, verify, options, None)
-        except (FetchError, NoSourceError, UnknownVersionError) as exc:
-            log.warning("%s v%d: copying from its replicas failed (%s); deriving it", self.name,
-                        number, exc)
+        except (FetchError, NoSourceError, UnknownVersionError, WaitTimeoutError) as exc:
+            log.warning("%s v%d: copying it from its replicas failed (%s); asking the hub "
+                        "again", self.name, number, exc)
             return None, True
         return (buffer, LayoutFetchStats(**vars(stats))), False
 
@@ -255,9 +283,10 @@ class LayoutStore:
         reader = ShardReader(self.worker, where, manifests, verify=band_verify_rule(verify),
                               timeout=self.timeout, buffers=self._chunks)
 
-        def fill(dst: dict[str, torch.Tensor]) -> None:
-            stats = derive(bound, published, reader, dst, budget=self.budget,
-                           staging=self._staging)
+        def fill(out: Production) -> None:
+            stats = derive(bound, published, reader, out.tensors, budget=self.budget,
+                           staging=self._staging, done=out.done, place=out.place,
+                           threads=self.threads)
             log.debug("%s v%d derived: %d bytes in %d reads", self.name, number, stats.bytes,
                       stats.reads)
 
@@ -267,13 +296,8 @@ class LayoutStore:
         try:
             buffer = self.store.produce(number, fill, announce if register else None)
         except BaseException as exc:
-            if not register:
-                raise
-            try:
-                hub.abort_publish(self.name, number, reason=f"{type(exc).__name__}: {exc}"[:200])
-            except Exception as abort_exc:  # the deriver's error matters more
-                log.warning("%s v%d: abort after a failed derive failed: %s", self.name, number,
-                            abort_exc)
+            if register:
+                self._abort(number, exc)
             raise
         stats = LayoutFetchStats(version=number, bytes=reader.fetched_bytes,
                                  seconds=time.monotonic() - start, sources=dict(reader.sources),

@@ -179,6 +179,7 @@ def _summarise(results: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
             "layout_bytes": [r["layout_bytes"] for r in readers],
             "sources": {r["name"]: r["sources"] for r in readers},
             "derived": {r["name"]: r["derived"] for r in readers},
+            "times": {r["name"]: [round(r["layout_s"], 4), round(r["inner_s"], 4), round(r["plain_s"], 4)] for r in readers},
             "verified": all(r["exact"] for r in readers),
             "fp8_verified": all(r["fp8_exact"] for r in readers),
             "targets_met": egress <= 1.25 * size and resharded >= 0.7 * plain}
@@ -264,7 +265,7 @@ def _reader(args: dict[str, Any]) -> dict[str, Any]:
     fp8 = vllm_layout(args["config"], tp=TP, fp8_block=FP8_BLOCK)
     with wf.join(args["url"], worker=name) as worker:
         hub = worker.hub
-        store = worker.layout_model(MODEL, layout, rank=rank)
+        store = worker.layout_model(MODEL, layout, rank=rank, threads=int(os.environ.get("WF_T", "4")))
         plain = worker.model(MODEL, shard=rank, num_shards=TP)
         timed: dict[str, Any] = {}
         for version in (1, 2):   # v1 warms the buffers up; v2 is measured
@@ -281,7 +282,9 @@ def _reader(args: dict[str, Any]) -> dict[str, Any]:
             phase = "warm-done" if version == 1 else "layouts-done"
             hub.kv_put(f"{phase}-{index}", b"1")
             _barrier(hub, phase, ENGINES * TP)
-        plain_stats = plain.fetch(2)   # after the trainer counted its layout egress
+        start = time.monotonic()     # timed as the layout fetch is: the whole call
+        plain.fetch(2)               # after the trainer counted its layout egress
+        plain_s = time.monotonic() - start
         layout_bytes = sum(t.numel() * t.element_size() for t in store.tensors.values())
         fp8_store = worker.layout_model(MODEL, fp8, rank=rank)
         fp8_store.fetch(2)
@@ -291,8 +294,9 @@ def _reader(args: dict[str, Any]) -> dict[str, Any]:
         stats = timed["stats"]
         return {"role": "reader", "name": name,
                 "layout_gbps": layout_bytes / timed["layout_s"] / 1e9,
-                "layout_bytes": layout_bytes, "plain_gbps": plain_stats.gbps,
+                "layout_bytes": layout_bytes, "plain_gbps": layout_bytes / plain_s / 1e9,
                 "sources": stats.sources, "derived": stats.derived, "exact": exact,
+                "layout_s": timed["layout_s"], "inner_s": stats.seconds, "plain_s": plain_s,
                 "fp8_exact": fp8_exact}
 
 

@@ -16,10 +16,12 @@ from weightfabric.fabric.errors import (
     BadRequestError,
     GroupAbortedError,
     HubError,
+    InvalidStateError,
     ManifestMismatchError,
     UnknownFetchError,
     UnknownModelError,
     UnknownVersionError,
+    WaitTimeoutError,
 )
 from weightfabric.fabric.hub.records import COMMITTED, PUBLISHING, RETIRED, ModelRecord
 from weightfabric.fabric.hub.state import HubState, derived_base
@@ -97,6 +99,44 @@ def test_the_first_caller_derives_others_wait_then_fetch() -> None:
     assert [r.sources for r in plan.ranges] == [["a"]]
     assert plan.manifest is not None and list(plan.manifest.checksums) == SUMS
     h.s._check_indexes()
+
+
+def test_a_version_being_derived_is_copied_from_its_deriver_as_it_fills() -> None:
+    """Readers may begin fetching it before the commit: they wait on the deriver."""
+    h = Hub("a", "b", "c")
+    v = h.publish()
+    h.derive("a", v)
+    assert h.s.commit_state(D, v).state == PUBLISHING
+    plan = h.s.begin_fetch(D, v, "b", session="b", fetch_id="fb")
+    assert [(r.start, r.stop, r.sources, r.wait) for r in plan.ranges] == [(0, 4, [], ["a"])]
+    assert plan.manifest is not None and not plan.manifest.checksums      # none yet
+    h.s.report_progress("fb", "b", session="b", chunks=[0, 1])
+    later = h.s.begin_fetch(D, v, "c", session="c", fetch_id="fc")   # b has chunks 0, 1
+    assert [(r.start, r.stop, r.sources) for r in later.ranges] == [(0, 2, ["b"]), (2, 4, [])]
+    assert all("a" in r.wait for r in later.ranges if not r.sources)
+    with pytest.raises(InvalidStateError, match="once it is committed"):
+        h.s.complete_fetch("fb", "b", session="b")
+    h.commit("a", v)
+    done = h.s.commit_state(D, v)
+    assert (done.state, done.checksums) == (COMMITTED, SUMS)
+    assert h.s.complete_fetch("fb", "b", session="b").complete
+    h.s._check_indexes()
+
+
+def test_a_plain_version_is_not_fetchable_before_its_commit() -> None:
+    h = Hub("b")
+    v = h.publish(commit=False)
+    with pytest.raises(UnknownVersionError, match="publishing, not fetchable"):
+        h.s.begin_fetch(BASE, v, "b", session="b", fetch_id="fb")
+
+
+def test_commit_state_of_an_aborted_derive_says_why() -> None:
+    h = Hub("a")
+    v = h.publish()
+    h.derive("a", v)
+    h.s.abort_publish(D, v, "a", session="a", reason="out of memory")
+    out = h.s.commit_state(D, v)
+    assert out.state == RETIRED and "out of memory" in out.reason and not out.checksums
 
 
 def test_derived_numbers_are_the_base_numbers() -> None:
@@ -319,20 +359,37 @@ def test_derive_through_a_hub_server(hub: Any, workers: Any) -> None:
     assert a.begin_derive(D, v, LAYOUT) == DeriveReply(action="derive", by=None)
     assert c.begin_derive(D, v, LAYOUT) == DeriveReply(action="wait", by="a")
     assert a.heartbeat().lost == {}                     # heartbeats claim the derive
+    early = c.begin_fetch(D, v)                         # follows the deriver as it fills
+    assert [(r.sources, r.wait) for r in early.ranges] == [((), ("a",))]
+    with pytest.raises(WaitTimeoutError, match="not committed within"):
+        c.wait_commit(D, v, timeout=0.05)
     assert a.commit(D, v, checksums=SUMS) == "committed"
+    assert c.wait_commit(D, v, timeout=5) == SUMS
+    assert list(c._holdings[(D, v, 0)].manifest.checksums) == SUMS   # what a restore sends
+    assert c.complete_fetch(early.fetch_id).complete
     assert list(a._holdings[(D, v, 0)].manifest.checksums) == SUMS   # a restore sends them
     assert b.begin_derive(D, v, LAYOUT).action == "fetch"
     plan = b.begin_fetch(D, v)
     assert plan.manifest.checksums == tuple(SUMS)
-    assert [r.sources for r in plan.ranges] == [("a",)]
+    assert [set(r.sources) for r in plan.ranges] == [{"a", "c"}]
     assert b.complete_fetch(plan.fetch_id).complete
     where = b.locate(D, v)
-    assert set(where["shards"][0]["holders"]) == {"a", "b"}
+    assert set(where["shards"][0]["holders"]) == {"a", "b", "c"}
     assert b.latest(D) == v
     with pytest.raises(BadRequestError, match="use begin_derive"):
         t.begin_publish(D, small_manifest())
     with pytest.raises(BadRequestError, match="only for derived"):
         t.commit(BASE, t.begin_publish(BASE, small_manifest()), checksums=[1, 2, 3, 4])
+
+
+def test_wait_commit_of_a_retired_derive_raises_its_reason(hub: Any, workers: Any) -> None:
+    t, a, b = (workers.connect(w, timeout=5) for w in ("t", "a", "b"))
+    v = t.begin_publish(BASE, small_manifest())
+    t.commit(BASE, v)
+    a.begin_derive(D, v, LAYOUT)
+    a.abort_publish(D, v, reason="conversion failed")
+    with pytest.raises(UnknownVersionError, match="retired.*conversion failed"):
+        b.wait_commit(D, v, timeout=5)
 
 
 def test_a_derived_version_retired_before_a_hub_restart_is_restored(tmp_path: Path) -> None:

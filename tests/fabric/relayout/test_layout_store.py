@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -173,3 +176,74 @@ def test_sync_follows_the_newest_version_when_the_one_it_waited_for_was_retired(
     monkeypatch.setattr(reader_worker.hub, "wait_version", racing_wait)
     assert reader.sync(timeout=10).version == 3
     _check(reader, layout, _weights(3), 0)
+
+
+def _gate_first_target(monkeypatch, *, fail: bool = False):
+    """Make the next derivation stop after its first target until ``gate`` is set.
+
+    Returns (first_done, gate): events. With ``fail``, the derivation raises at the gate.
+    """
+    from weightfabric.fabric.relayout import replica
+
+    real, first_done, gate = replica.derive, threading.Event(), threading.Event()
+
+    def gated_derive(*args, done, **kwargs):
+        def gated(names):
+            done(names)
+            if not first_done.is_set():
+                first_done.set()
+                assert gate.wait(20), "the test never opened the gate"
+                if fail:
+                    raise RuntimeError("deriver failed on purpose")
+        return real(*args, done=gated, **kwargs)
+
+    monkeypatch.setattr(replica, "derive", gated_derive)
+    return first_done, gate
+
+
+def _copied_chunks(client, worker: str) -> int:
+    """Chunks the hub says ``worker``'s fetch in flight holds (0 when none is in flight)."""
+    return sum(f["have"] for f in client.status()["fetches"] if f["worker"] == worker)
+
+
+def test_a_copier_follows_the_deriver_chunk_by_chunk(workers, monkeypatch):
+    """B copies what A derived so far while A is still deriving; it switches only at A's commit."""
+    _, weights, v = _published(workers, 6)
+    layout = _layout()
+    first_done, gate = _gate_first_target(monkeypatch)
+    a = workers.join("a").layout_model("policy", layout, rank=0, chunk_size=CHUNK)
+    b = workers.join("b").layout_model("policy", layout, rank=0, chunk_size=CHUNK)
+    deriving = a.fetch_async(v)
+    assert first_done.wait(10)
+    copying = b.fetch_async(v)
+    with workers.connect() as client:
+        deadline = time.monotonic() + 10
+        while _copied_chunks(client, "b") == 0:      # chunks of A's first target, copied
+            assert time.monotonic() < deadline, "B copied nothing while A was deriving"
+            time.sleep(0.02)
+        state = next(x["state"] for x in client.status()["models"][a.name]["versions"]
+                     if x["version"] == v)
+    assert state == "publishing" and not copying.done()
+    gate.set()
+    assert deriving.result(timeout=20).derived
+    stats = copying.result(timeout=20)
+    assert not stats.derived and set(stats.sources) == {"a"}
+    _check(b, layout, weights, 0)
+
+
+def test_a_copier_derives_itself_when_the_deriver_fails_midway(workers, monkeypatch):
+    _, weights, v = _published(workers, 7)
+    layout = _layout()
+    first_done, gate = _gate_first_target(monkeypatch, fail=True)
+    a = workers.join("a").layout_model("policy", layout, rank=0, chunk_size=CHUNK)
+    b = workers.join("b").layout_model("policy", layout, rank=0, chunk_size=CHUNK)
+    deriving = a.fetch_async(v)
+    assert first_done.wait(10)
+    copying = b.fetch_async(v)
+    time.sleep(0.2)                                  # B is copying from A by now
+    gate.set()
+    with pytest.raises(RuntimeError, match="on purpose"):
+        deriving.result(timeout=20)
+    stats = copying.result(timeout=30)
+    assert stats.derived and set(stats.sources) == {"trainer"}
+    _check(b, layout, weights, 0)

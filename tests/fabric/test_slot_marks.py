@@ -1,0 +1,47 @@
+"""`SlotMarks`: chunks are marked once every tensor byte in them is written."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from weightfabric.fabric.progress import ChunkProgress, SlotMarks
+from weightfabric.kernels.checksum import ChunkSums, chunk_checksums
+
+
+def test_a_chunk_is_marked_when_every_tensor_in_it_is_done() -> None:
+    # chunks of 100 bytes; a: [0, 150), padding [150, 200), b: [200, 260), c: [260, 400)
+    progress = ChunkProgress(5)
+    marks = SlotMarks([("a", 0, 150), ("b", 200, 60), ("c", 260, 140), ("e", 400, 0)], 100,
+                      progress)
+    assert progress.bitmap() == bytes([0, 0, 0, 0, 1])     # chunk 4 holds no tensor byte
+    marks.done(["b"])
+    assert progress.bitmap() == bytes([0, 0, 0, 0, 1])     # chunk 2 still waits for c
+    marks.done(["a"])
+    assert progress.bitmap() == bytes([1, 1, 0, 0, 1])     # chunk 1: a's tail + padding
+    marks.done(["c", "e", "unknown"])
+    assert progress.complete
+
+
+def test_chunk_sums_copies_from_threads_and_refuses_bytes_outside_the_buffer() -> None:
+    g = torch.Generator().manual_seed(0)
+    src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)
+    dst = torch.zeros_like(src)
+    sums = ChunkSums(dst.numel(), 4096)
+
+    def copy(lo: int, hi: int) -> None:
+        if not sums.copy(lo, dst[lo:hi], src[lo:hi]):      # offsets not multiples of 8
+            dst[lo:hi].copy_(src[lo:hi])                   # are refused: copied, summed later
+    cuts = [*range(0, src.numel(), 3000), src.numel()]
+    threads = [threading.Thread(target=copy, args=(a, b))
+               for a, b in zip(cuts, cuts[1:], strict=False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(dst, src)
+    assert torch.equal(sums.finish(dst), chunk_checksums(src, 4096))
+    outside = torch.empty(64, dtype=torch.uint8)
+    assert not sums.copy(-64, outside, src[:64])
+    assert not sums.copy(src.numel(), outside, src[:64])
