@@ -647,7 +647,8 @@ class ModelStore:
         return FetchFuture(self, inner)
 
     def produce(self, version: int, fill: Callable[[Production], object],
-                announce: Callable[[Manifest], object] | None) -> Buffer:
+                announce: Callable[[Manifest], object] | None, *,
+                exposed: tuple[Buffer, ChunkProgress] | None = None) -> Buffer:
         """Make ``version`` here: fill a spare buffer, expose it whole, announce it.
 
         For versions computed rather than read (a derived layout): the spare buffer is
@@ -659,6 +660,8 @@ class ModelStore:
         ``announce=None`` the version is kept private: not exposed, no checksums. The
         buffer comes back reserved for a `FetchFuture` (see `submit`). If ``fill`` or
         ``announce`` raises, the exposure is withdrawn and the error propagates.
+        ``exposed``: the spare `expose_spare` exposed for ``version`` already (before
+        the hub named this worker to peers), to fill instead of a new one.
 
         Raises:
             FabricError: the store has no layout yet, or is closed.
@@ -668,7 +671,7 @@ class ModelStore:
         layout = self.layout
         progress: ChunkProgress | None = None
         if announce is not None:
-            buffer, progress = self._expose_spare(version, self.chunk_size)
+            buffer, progress = exposed or self._expose_spare(version, self.chunk_size)
         else:
             with self._lock:
                 buffer = self._spare_buffer()

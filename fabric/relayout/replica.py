@@ -55,6 +55,7 @@ from weightfabric.fabric.tensorset import DEFAULT_CHUNK_SIZE, layout_manifest, l
 if TYPE_CHECKING:
     from weightfabric.fabric.buffer_pool import Buffer
     from weightfabric.fabric.hub_messages import DeriveReply
+    from weightfabric.fabric.progress import ChunkProgress
     from weightfabric.fabric.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class LayoutStore:
             # The layout of a later version is known already (unless the published shapes
             # changed): one hub call says whether to copy, follow the deriver, or derive.
             known = self.store.layout is not None
-            reply = self._begin_derive(number) if known else None
+            reply, early = self._claim(number) if known else (None, None)
             if reply is None or reply.action == "derive" or (reply.action == "fetch"
                                                              and copy_failed):
                 where = hub.locate(self.model, number)
@@ -203,15 +204,16 @@ class LayoutStore:
                                              aliases=published.aliases)
                     self._set_layout(bound)
                 except BaseException as exc:
-                    if reply is not None and reply.action == "derive":
+                    if early is not None:
+                        self.store._unexpose(early[0])
                         self._abort(number, exc)
                     raise
                 if reply is None:
-                    reply = self._begin_derive(number)
+                    reply, early = self._claim(number)
                 if reply.action == "derive" or (reply.action == "fetch" and copy_failed):
                     # a holder the hub still lists could not be read: derive, unregistered
                     return self._derive(number, bound, published, where, manifests, verify,
-                                        register=reply.action == "derive")
+                                        exposed=early)
             if reply.action == "fetch":
                 copied, copy_failed = self._copy(number, verify, options)
                 if copied is not None:
@@ -230,11 +232,25 @@ class LayoutStore:
             with contextlib.suppress(WaitTimeoutError):   # answered once the deriver commits
                 hub.wait_version(self.name, after=number - 1, timeout=min(left, 1.0))
 
-    def _begin_derive(self, number: int) -> DeriveReply:
-        """`HubClient.begin_derive` of ``number`` in the store's layout."""
-        assert self.store.layout is not None
-        return self.worker.hub.begin_derive(
-            self.name, number, layout_manifest(self.store.layout, self.store.chunk_size))
+    def _claim(self, number: int) -> tuple[DeriveReply, tuple[Buffer, ChunkProgress] | None]:
+        """`HubClient.begin_derive` of ``number`` in the store's layout.
+
+        A spare buffer is exposed (empty) first, so that peers the hub tells to follow this
+        worker find it at once; it stays exposed only when this worker is to derive.
+        """
+        store = self.store
+        assert store.layout is not None
+        early = store._expose_spare(number, store.chunk_size)
+        try:
+            reply = self.worker.hub.begin_derive(
+                self.name, number, layout_manifest(store.layout, store.chunk_size))
+        except BaseException:
+            store._unexpose(early[0])
+            raise
+        if reply.action != "derive":
+            store._unexpose(early[0])
+            return reply, None
+        return reply, early
 
     def _abort(self, number: int, exc: BaseException) -> None:
         """Give up deriving ``number`` (it failed with ``exc``): the hub retires it."""
@@ -274,11 +290,13 @@ class LayoutStore:
 
     def _derive(self, number: int, bound: BoundLayout, published: PublishedVersion,
                 where: dict, manifests: list[Manifest], verify: bool | None, *,
-                register: bool) -> tuple[Buffer, LayoutFetchStats]:
-        """Derive ``number`` into a spare buffer; with ``register``, expose and commit it.
+                exposed: tuple[Buffer, ChunkProgress] | None) -> tuple[Buffer, LayoutFetchStats]:
+        """Derive ``number`` into ``exposed`` (`_claim`'s) and commit it.
 
-        Unregistered (a holder the hub lists could not be read), the version stays private.
+        Without ``exposed`` (a holder the hub lists could not be read), into a spare
+        buffer, and the version stays private.
         """
+        register = exposed is not None
         hub, start = self.worker.hub, time.monotonic()
         reader = ShardReader(self.worker, where, manifests, verify=band_verify_rule(verify),
                               timeout=self.timeout, buffers=self._chunks)
@@ -294,7 +312,8 @@ class LayoutStore:
             hub.commit(self.name, number, checksums=list(manifest.checksums))
 
         try:
-            buffer = self.store.produce(number, fill, announce if register else None)
+            buffer = self.store.produce(number, fill, announce if register else None,
+                                        exposed=exposed)
         except BaseException as exc:
             if register:
                 self._abort(number, exc)

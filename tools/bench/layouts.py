@@ -7,14 +7,16 @@ it into vLLM's layout (fused qkv and gate_up, row- and column-parallel splits,
 vocab padding) at the same time: per rank, one reader derives the version from
 the trainer's shards and the other copies the derived replica. Then, in the same
 run, every reader fetches the same bytes as a plain same-layout fetch (trainer
-shard = its TP rank). This runs twice: version 1 warms the buffers up (an RL loop's
-steady state keeps them), version 2 is measured. Finally each reader fetches
-version 2 in an fp8 (128 x 128 block) layout.
+shard = its TP rank). Three versions are published: the first two fill both
+buffers of every double-buffered store (an RL loop's steady state keeps them), the
+third is measured. Finally each reader fetches it in an fp8 (128 x 128 block) layout.
 
 Reported (JSON keys): ``bytes`` (S, the published size), ``readers``,
 ``trainer_egress_bytes`` (bytes the trainer ranks served during the layout
-fetches of version 2) and its ratio to S, ``resharded_gbps`` (per reader: its layout's bytes /
-fetch time, median), ``plain_fetch_gbps`` (median) and the ratio, ``sources`` (per
+fetches of the measured version) and its ratio to S, ``resharded_gbps`` (per reader:
+its layout's bytes / the wall time of its ``fetch`` call, median), ``plain_fetch_gbps``
+(the same for the plain fetch, median) and the ratio, ``seconds`` (per reader: both
+wall times), ``sources`` (per
 reader: worker -> bytes), ``derived`` (which readers derived), ``verified`` (every
 reader bit-exact against a reference conversion of the model) and
 ``fp8_verified``. Targets: egress <= 1.25 S, resharded >= 0.7 x plain.
@@ -46,6 +48,9 @@ from weightfabric.topology.units import parse_size
 MODEL = "policy"
 TP = 2
 ENGINES = 2
+VERSIONS = 3
+"""Versions published; the first ones fill both buffers of every double-buffered store
+(an RL loop's steady state keeps them), the last is measured."""
 FP8_BLOCK = 128
 
 
@@ -179,7 +184,8 @@ def _summarise(results: list[dict[str, Any]], config: dict[str, Any]) -> dict[st
             "layout_bytes": [r["layout_bytes"] for r in readers],
             "sources": {r["name"]: r["sources"] for r in readers},
             "derived": {r["name"]: r["derived"] for r in readers},
-            "times": {r["name"]: [round(r["layout_s"], 4), round(r["inner_s"], 4), round(r["plain_s"], 4)] for r in readers},
+            "seconds": {r["name"]: {"layout": r["layout_s"], "plain": r["plain_s"]}
+                        for r in readers},
             "verified": all(r["exact"] for r in readers),
             "fp8_verified": all(r["fp8_exact"] for r in readers),
             "targets_met": egress <= 1.25 * size and resharded >= 0.7 * plain}
@@ -234,16 +240,16 @@ def _trainer(args: dict[str, Any]) -> dict[str, Any]:
         fully_shard(model)
         with wf.join(args["url"], worker=f"trainer-{rank}") as worker:
             store = worker.model(MODEL, shard=rank, num_shards=TP)
-            store.publish(model, group="step-1", dtype=torch.bfloat16)   # v1: the warm-up
-            _barrier(worker.hub, "warm-done", ENGINES * TP)
-            with torch.no_grad():       # a "training step" the readers can redo exactly
-                for p in model.parameters():
-                    p.mul_(0.5)
-            served = worker.bytes_served
-            store.publish(model, group="step-2", dtype=torch.bfloat16)   # v2: measured
+            for version in range(1, VERSIONS + 1):   # the last one is measured
+                if version > 1:
+                    with torch.no_grad():   # a "training step" the readers can redo exactly
+                        for p in model.parameters():
+                            p.mul_(0.5)
+                served = worker.bytes_served
+                store.publish(model, group=f"step-{version}", dtype=torch.bfloat16)
+                _barrier(worker.hub, f"layouts-{version}", ENGINES * TP)
+                served = worker.bytes_served - served
             nbytes = store.layout.nbytes if store.layout is not None else 0
-            _barrier(worker.hub, "layouts-done", ENGINES * TP)
-            served = worker.bytes_served - served
             _barrier(worker.hub, "all-done", ENGINES * TP)
             return {"role": "trainer", "rank": rank, "bytes": nbytes, "served_layouts": served}
     finally:
@@ -265,38 +271,33 @@ def _reader(args: dict[str, Any]) -> dict[str, Any]:
     fp8 = vllm_layout(args["config"], tp=TP, fp8_block=FP8_BLOCK)
     with wf.join(args["url"], worker=name) as worker:
         hub = worker.hub
-        store = worker.layout_model(MODEL, layout, rank=rank, threads=int(os.environ.get("WF_T", "4")))
+        store = worker.layout_model(MODEL, layout, rank=rank)
         plain = worker.model(MODEL, shard=rank, num_shards=TP)
-        timed: dict[str, Any] = {}
-        for version in (1, 2):   # v1 warms the buffers up; v2 is measured
+        for version in range(1, VERSIONS + 1):   # the last one is measured
             hub.wait_version(MODEL, after=version - 1, timeout=300)
             start = time.monotonic()
             stats = store.fetch(version)
-            timed["layout_s"] = time.monotonic() - start
-            timed["stats"] = stats
+            layout_s = time.monotonic() - start
             reference = {n: (t * 0.5 ** (version - 1)).to(torch.bfloat16)
                          for n, t in weights.items()}
             exact = _equal(store.tensors, derive_reference(layout, reference, rank))
-            if version == 1:
+            if version < VERSIONS:
                 plain.fetch(version)
-            phase = "warm-done" if version == 1 else "layouts-done"
-            hub.kv_put(f"{phase}-{index}", b"1")
-            _barrier(hub, phase, ENGINES * TP)
+            hub.kv_put(f"layouts-{version}-{index}", b"1")
+            _barrier(hub, f"layouts-{version}", ENGINES * TP)
         start = time.monotonic()     # timed as the layout fetch is: the whole call
-        plain.fetch(2)               # after the trainer counted its layout egress
+        plain.fetch(VERSIONS)        # after the trainer counted its layout egress
         plain_s = time.monotonic() - start
         layout_bytes = sum(t.numel() * t.element_size() for t in store.tensors.values())
         fp8_store = worker.layout_model(MODEL, fp8, rank=rank)
-        fp8_store.fetch(2)
+        fp8_store.fetch(VERSIONS)
         fp8_exact = _equal(fp8_store.tensors, derive_reference(fp8, reference, rank))
         hub.kv_put(f"all-done-{index}", b"1")
         _barrier(hub, "all-done", ENGINES * TP)
-        stats = timed["stats"]
-        return {"role": "reader", "name": name,
-                "layout_gbps": layout_bytes / timed["layout_s"] / 1e9,
+        return {"role": "reader", "name": name, "layout_s": layout_s, "plain_s": plain_s,
+                "layout_gbps": layout_bytes / layout_s / 1e9,
                 "layout_bytes": layout_bytes, "plain_gbps": layout_bytes / plain_s / 1e9,
                 "sources": stats.sources, "derived": stats.derived, "exact": exact,
-                "layout_s": timed["layout_s"], "inner_s": stats.seconds, "plain_s": plain_s,
                 "fp8_exact": fp8_exact}
 
 
