@@ -19,15 +19,17 @@ padding) are zeros.
 
 from __future__ import annotations
 
+import logging
 import queue
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
-from weightfabric.fabric.errors import LayoutMismatchError
+from weightfabric.fabric.errors import LayoutMismatchError, TransportError
 from weightfabric.fabric.manifest import Manifest
 from weightfabric.fabric.relayout.rules import (
     BoundLayout,
@@ -39,6 +41,8 @@ from weightfabric.fabric.relayout.rules import (
 )
 from weightfabric.fabric.relayout.staging import Staging
 from weightfabric.fabric.tensorset import dtype_from_name
+
+log = logging.getLogger(__name__)
 
 ReadFn = Callable[..., None]
 """``read(shard, byte_offset, out, copy=None)``: fill ``out`` (contiguous uint8) from that
@@ -175,20 +179,32 @@ class DeriveStats:
     staging_bytes: int = 0
 
 
+MappedFn = Callable[[int, int, int, list[tuple[int, int]]],
+                    AbstractContextManager[torch.Tensor | None]]
+"""``mapped(shard, offset, nbytes, ranges)``: one lease on that span of the shard, yielding
+its mapped bytes (indexed by shard offsets) or None (`ShardReader.mapped`)."""
+
+BATCH_BYTES = 16 << 20
+"""Bytes of consecutive targets read together: from each shard they touch, under one
+lease when the shard is mapped (`MappedFn`)."""
+
+
 def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
            dst: Mapping[str, torch.Tensor], *, budget: int = 64 << 20,
            staging: Sequence[Staging] = (),
            done: Callable[[list[str]], None] | None = None,
            place: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-           threads: int = 1) -> DeriveStats:
+           mapped: MappedFn | None = None, threads: int = 1) -> DeriveStats:
     """Fill ``dst`` (this rank's tensors of ``bound``) from reads of the version's shards.
 
-    Target by target, in order, ``threads`` reads at a time (``read`` must then be
-    thread-safe): the reads of the next targets are queued while the calling thread
-    waits for the current one's, so targets complete in order and the pool stays busy.
-    Blocks that land as one contiguous run of their target (whole rows, same dtype)
-    are read straight into it; the others in bands of at most ``budget`` bytes through
-    a staging buffer per thread, then placed.
+    Targets are taken in order, in batches of about `BATCH_BYTES`, ``threads`` reads at
+    a time (``read`` must then be thread-safe): the reads of the next batches are queued
+    while the calling thread waits for the current one's, so targets complete in order
+    and the pool stays busy. A batch's blocks in a shard that ``mapped`` maps are copied
+    straight out of the mapping under one lease (column blocks too, without reading
+    whole rows); the others are read one by one: blocks that land as one contiguous run
+    of their target (whole rows, same dtype) straight into it, the rest in bands of at
+    most ``budget`` bytes through a staging buffer per thread, then placed.
 
     Args:
         bound: the layout bound to this version and rank.
@@ -198,11 +214,12 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
         budget: staging bytes per read (a row wider than this is read whole); fp8
             targets queued ahead also stop at ``budget`` bytes of their staging copies.
         staging: buffers to reuse (missing ones, up to ``threads``, are made).
-        done: called with the names of the ``dst`` tensors a target completed (the
-            target, and its fp8 scales), as soon as they are final, in target order.
-        place: copies a direct read's bytes into the target (``place(dst, src)``, e.g.
-            checksumming them on the way: `fabric.store.Production.place`), passed to
-            ``read`` as its ``copy``.
+        done: called with the names of the ``dst`` tensors a batch completed (the
+            targets, and their fp8 scales), as soon as they are final, in target order.
+        place: copies a contiguous block's bytes into the target (``place(dst, src)``,
+            e.g. checksumming them on the way: `fabric.store.Production.place`), passed
+            to ``read`` as its ``copy``.
+        mapped: leases a span of a shard for many blocks (`MappedFn`).
         threads: reads in flight at once.
 
     Raises:
@@ -223,7 +240,7 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
     device = next(iter(dst.values())).device
     stats = DeriveStats()
 
-    def run(r: _Read, stage: torch.Tensor) -> tuple[int, int]:
+    def one(r: _Read, stage: torch.Tensor) -> tuple[int, int]:
         into = _direct_destination(r, stage, r.dtype.itemsize)
         if into is not None:
             read(r.shard, r.offset, into, *(() if place is None else (place,)))
@@ -234,38 +251,65 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
         finally:
             spare.put(buffer)
 
-    def queue_reads(target: TargetTensor) -> tuple[TargetTensor, torch.Tensor, list[Future]]:
-        out = dst[target.name]
-        stage = (torch.zeros(target.shape, dtype=target.stage_dtype, device=device)
-                 if target.scale is not None else out)
-        if target.padded and target.scale is None:
-            out.zero_()
-        return target, stage, [pool.submit(run, r, stage) for piece in target.pieces
-                               for r in _reads(piece, published)]
+    def group(shard: int, blocks: list[tuple[_Read, torch.Tensor]]) -> tuple[int, int]:
+        assert mapped is not None
+        ranges = [(r.offset, _span(r)) for r, _ in blocks]
+        lo = min(o for o, _ in ranges)
+        hi = max(o + n for o, n in ranges)
+        try:
+            with mapped(shard, lo, hi - lo, ranges) as src:
+                if src is not None:
+                    for r, stage in blocks:
+                        _copy_mapped(r, src, stage, place)
+                    return sum(n for _, n in ranges), 1
+        except TransportError as exc:   # the lease was lost: the copies may be torn
+            log.warning("lease of shard %d lost while copying (%s); reading block by block",
+                        shard, exc)
+        out = [one(r, stage) for r, stage in blocks]
+        return sum(n for n, _ in out), sum(k for _, k in out)
 
-    ahead = 2 * threads             # targets whose reads are queued
+    def queue_batch(targets: list[TargetTensor]) -> _Batch:
+        stages, blocks = {}, defaultdict(list)
+        for target in targets:
+            out = dst[target.name]
+            stage = stages[target.name] = (
+                torch.zeros(target.shape, dtype=target.stage_dtype, device=device)
+                if target.scale is not None else out)
+            if target.padded and target.scale is None:
+                out.zero_()
+            for piece in target.pieces:
+                for r in _reads(piece, published):
+                    blocks[r.shard].append((r, stage))
+        futures = ([pool.submit(group, shard, b) for shard, b in blocks.items()]
+                   if mapped is not None else
+                   [pool.submit(one, r, stage) for b in blocks.values() for r, stage in b])
+        return _Batch(targets, stages, futures)
+
+    batches = _batches(bound.targets, published)
     with ThreadPoolExecutor(threads, thread_name_prefix="wf-derive") as pool:
         try:
-            targets, window = iter(bound.targets), deque[tuple[TargetTensor, torch.Tensor,
-                                                               list[Future]]]()
+            window: deque[_Batch] = deque()
             while True:
-                while len(window) < ahead and _stage_bytes(window) <= budget:
-                    target = next(targets, None)
-                    if target is None:
+                while len(window) < 2 * threads and _stage_bytes(window) <= budget:
+                    targets = next(batches, None)
+                    if targets is None:
                         break
-                    window.append(queue_reads(target))
+                    window.append(queue_batch(targets))
                 if not window:
                     break
-                target, stage, futures = window.popleft()
-                for f in futures:
+                batch = window.popleft()
+                for f in batch.futures:
                     nbytes, reads = f.result()
                     stats.bytes += nbytes
                     stats.reads += reads
-                if target.scale is not None:
-                    _quantize_into(target, stage, dst)
+                names = []
+                for target in batch.targets:
+                    if target.scale is not None:
+                        _quantize_into(target, batch.stages[target.name], dst)
+                        names.append(target.scale[0])
+                    names.append(target.name)
                 if done is not None:
-                    done([target.name] + ([target.scale[0]] if target.scale is not None
-                                          else []))
+                    done(names)
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)   # nothing writes dst after this
             raise
@@ -273,10 +317,58 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
     return stats
 
 
-def _stage_bytes(window: Iterable[tuple[TargetTensor, torch.Tensor, list[Future]]]) -> int:
-    """Bytes of the fp8 targets' staging copies among the queued targets."""
-    return sum(stage.numel() * stage.element_size() for target, stage, _ in window
-               if target.scale is not None)
+@dataclass
+class _Batch:
+    """Consecutive targets whose reads are queued, with their staging copies (fp8)."""
+
+    targets: list[TargetTensor]
+    stages: dict[str, torch.Tensor]
+    futures: list[Future[tuple[int, int]]]
+
+
+def _batches(targets: Iterable[TargetTensor], published: PublishedVersion
+             ) -> Iterator[list[TargetTensor]]:
+    """``targets`` in order, cut into runs of about `BATCH_BYTES` of reads."""
+    batch: list[TargetTensor] = []
+    size = 0
+    for target in targets:
+        batch.append(target)
+        size += sum(_span(r) for piece in target.pieces for r in _reads(piece, published))
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _span(r: _Read) -> int:
+    """Bytes of the shard from the block's first byte to its last."""
+    return (r.rows - 1) * r.stride + r.row_bytes if r.rows else 0
+
+
+def _copy_mapped(r: _Read, src: torch.Tensor, stage: torch.Tensor,
+                 place: Callable[[torch.Tensor, torch.Tensor], None] | None) -> None:
+    """Copy block ``r`` from ``src`` (its shard's mapped bytes) where ``stage`` wants it."""
+    size = r.dtype.itemsize
+    into = _direct_destination(r, stage, size)
+    if into is not None:
+        block = src[r.offset:r.offset + into.numel()]
+        if place is None:
+            into.copy_(block)
+        else:
+            place(into, block)
+        return
+    typed = src[r.offset:r.offset + _span(r)].view(r.dtype)
+    block = torch.as_strided(typed, (r.rows, r.row_bytes // size), (r.stride // size, 1))
+    p = r.piece
+    assemble(stage, Piece(p.target, p.source, p.index, (0, r.rows), None, p.entry,
+                          p.row + r.row, p.col + r.col), block)
+
+
+def _stage_bytes(window: Iterable[_Batch]) -> int:
+    """Bytes of the fp8 targets' staging copies among the queued batches."""
+    return sum(stage.numel() * stage.element_size() for b in window
+               for t in b.targets if t.scale is not None for stage in [b.stages[t.name]])
 
 
 def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: Staging, budget: int,

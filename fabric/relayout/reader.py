@@ -32,11 +32,13 @@ the tensor ``name + scale_suffix`` of the same shard.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +61,7 @@ from weightfabric.fabric.relayout.staging import (
 from weightfabric.fabric.tensorset import layout_from_manifest
 from weightfabric.fabric.transports import SourceAddress
 from weightfabric.fabric.transports.base import CopyFn
+from weightfabric.fabric.transports.shm import ShmTransport
 from weightfabric.kernels import Layout, chunk_checksums
 from weightfabric.kernels.fp8 import DEFAULT_BLOCK, check_block, scale_shape
 
@@ -304,6 +307,48 @@ class ShardReader:
             return
         raise FetchError(f"{self.model!r} v{self.version} shard {shard}: no holder could serve "
                          f"bytes [{offset}, {offset + out.numel()}): {'; '.join(errors) or 'none left'}")
+
+    @contextmanager
+    def mapped(self, shard: int, offset: int, nbytes: int, ranges: list[tuple[int, int]]
+               ) -> Iterator[torch.Tensor | None]:
+        """One lease on ``[offset, offset + nbytes)`` of ``shard``: its mapped bytes, or None.
+
+        For many blocks of one span (`ShmTransport.mapped`): the best holder left, when
+        it is on this host in shared memory and its bytes need no verifying; the block
+        copies ``ranges`` (region offsets) out of the yielded tensor. None: no such holder
+        (read block by block instead). Holders that refuse the lease are given up on.
+
+        Raises:
+            TransportError: the lease was lost before the block ended (discard the copies).
+        """
+        with contextlib.ExitStack() as stack:
+            src, used = None, None
+            for holder in self.holders[shard]:
+                if holder in self.failed or holder not in self.addresses:
+                    continue
+                source = Source(holder, self.addresses[holder],
+                                region_name(self.model, self.version, shard))
+                try:
+                    transport = self.worker.transport_for(source, timeout=self.timeout)
+                    if (not isinstance(transport, ShmTransport)
+                            or (self.manifests[shard].checksums and self.verify(source))):
+                        break
+                    src = stack.enter_context(transport.mapped(
+                        source.address, source.region, offset, nbytes, ranges,
+                        timeout=self.timeout))
+                    used = holder
+                    break
+                except TransportError as exc:
+                    log.warning("lease of shard %d from %s failed (%s); trying the next holder",
+                                shard, holder, exc)
+                    with self._lock:
+                        self.failed.append(holder)
+            yield src
+        if used is not None:     # the lease held to the end
+            copied = sum(n for _, n in ranges)
+            with self._lock:
+                self.fetched_bytes += copied
+                self.sources[used] = self.sources.get(used, 0) + copied
 
     def _read(self, source: Source, offset: int, out: torch.Tensor,
               copy: CopyFn | None = None) -> int:

@@ -26,6 +26,9 @@ from weightfabric.fabric.transports.tls import client_context as tls_client_cont
 from weightfabric.fabric.transports.wire import (
     MAGIC,
     MAX_NAME,
+    MAX_RANGES,
+    RANGE,
+    RANGE_COUNT,
     REPLY,
     REQUEST,
     Flag,
@@ -193,10 +196,12 @@ def _watch(conn: socket.socket, abort: ReadAbort | None, key: tuple[str, int]) -
 
 
 def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, offset: int = 0,
-            nbytes: int = 0, timeout: float, prefix: bool = False) -> int:
+            nbytes: int = 0, timeout: float, prefix: bool = False,
+            ranges: list[tuple[int, int]] | None = None) -> int:
     """Send one request and read the reply header; return the payload length.
 
-    ``prefix`` asks for the present prefix of the range (`Flag.PREFIX`). The reply header
+    ``prefix`` asks for the present prefix of the range (`Flag.PREFIX`); ``ranges``
+    declares the parts of it a lease's reader copies (`Flag.RANGES`). The reply header
     must arrive within ``timeout + REPLY_SLACK``.
 
     Raises:
@@ -210,13 +215,18 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
     cap = source.cap
     if len(cap) > MAX_CAP_BYTES:
         raise ValueError(f"a capability of {len(cap)} bytes is over the limit of {MAX_CAP_BYTES}")
+    extra = b""
+    if ranges is not None:
+        if not 0 < len(ranges) <= MAX_RANGES:
+            raise ValueError(f"a lease declares 1 to {MAX_RANGES} ranges, not {len(ranges)}")
+        extra = RANGE_COUNT.pack(len(ranges)) + b"".join(RANGE.pack(o, n) for o, n in ranges)
     about = _about(source, op, region)
     conn.settimeout(timeout + REPLY_SLACK)
     with _lost_on_error(about):
-        flags = Flag.PREFIX if prefix else 0
+        flags = (Flag.PREFIX if prefix else 0) | (Flag.RANGES if ranges is not None else 0)
         deadline = time.monotonic() + timeout + REPLY_SLACK
         conn.sendall(REQUEST.pack(MAGIC, op, flags, len(name), offset, nbytes, timeout,
-                                  len(cap)) + name + cap)
+                                  len(cap)) + name + cap + extra)
         status, msg_len, payload_len = REPLY.unpack(recv_exact(conn, REPLY.size, deadline))
         _check_size(about, "message", msg_len, MAX_MESSAGE)
         message = recv_exact(conn, msg_len, deadline).decode(errors="replace") if msg_len else ""
@@ -343,7 +353,8 @@ class Lease:
 
 
 def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: int, nbytes: int,
-          timeout: float, prefix: bool = False) -> Lease:
+          timeout: float, prefix: bool = False,
+          ranges: list[tuple[int, int]] | None = None) -> Lease:
     """LEASE: wait until the bytes are present and hold them as a read in flight.
 
     LEASE: wait until the bytes are present (with ``prefix``: the first chunk, and the lease
@@ -356,7 +367,7 @@ def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: in
             asked for.
     """
     n = request(conn, source, Op.LEASE, region, offset=offset, nbytes=nbytes, timeout=timeout,
-                prefix=prefix)
+                prefix=prefix, ranges=ranges)
     where = _receive_map(conn, source, Op.LEASE, region, n, _LEASE_FIELDS)
     granted = check_grant(where["nbytes"], nbytes, prefix)
     return Lease(shm_path=where["shm_path"] or None, gpu=where["gpu"], nbytes=granted)
@@ -364,7 +375,8 @@ def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: in
 
 @contextmanager
 def under_lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: int,
-                nbytes: int, timeout: float, prefix: bool = False) -> Iterator[Lease]:
+                nbytes: int, timeout: float, prefix: bool = False,
+                ranges: list[tuple[int, int]] | None = None) -> Iterator[Lease]:
     """`lease`, then ``END`` when the block ends.
 
     The block's bytes are whole only if the block returns: an ``END`` that is not
@@ -375,7 +387,7 @@ def under_lease(conn: socket.socket, source: SourceAddress, region: str, *, offs
         as `lease`; SourceLostError: the lease was not held to the end.
     """
     granted = lease(conn, source, region, offset=offset, nbytes=nbytes, timeout=timeout,
-                    prefix=prefix)
+                    prefix=prefix, ranges=ranges)
     try:
         yield granted
     except BaseException:

@@ -34,6 +34,9 @@ from weightfabric.fabric.transports.tls import HANDSHAKE_S, TlsConfig
 from weightfabric.fabric.transports.wire import (
     MAGIC,
     MAX_NAME,
+    MAX_RANGES,
+    RANGE,
+    RANGE_COUNT,
     REPLY,
     REQUEST,
     Flag,
@@ -367,6 +370,12 @@ class ReadServer:
                     return
                 name = recv_exact(conn, name_len).decode(errors="replace")
                 cap = recv_exact(conn, cap_len)
+                ranges = None
+                if flags & Flag.RANGES:
+                    ranges = _read_ranges(conn, op, flags, offset, nbytes)
+                    if isinstance(ranges, str):
+                        self._reply(conn, Status.BAD_REQUEST, ranges)
+                        return
                 if op == Op.END:
                     if lease is None:
                         self._reply(conn, Status.BAD_REQUEST, "END without a lease")
@@ -390,7 +399,7 @@ class ReadServer:
                     return
                 try:
                     lease = self._handle(conn, op, name, offset, nbytes, timeout,
-                                         prefix=bool(flags & Flag.PREFIX))
+                                         prefix=bool(flags & Flag.PREFIX), ranges=ranges)
                 finally:
                     if op == Op.LEASE and lease is None:  # not granted: its count goes back
                         self._release_lease_count(who)
@@ -448,8 +457,13 @@ class ReadServer:
                 self._leases.pop(reader, None)
 
     def _handle(self, conn: socket.socket, op: int, name: str, offset: int, nbytes: int,
-                timeout: float, *, prefix: bool = False) -> Exposure | None:
-        """Answer one request; return the region when a shared-memory lease was granted."""
+                timeout: float, *, prefix: bool = False,
+                ranges: list[tuple[int, int]] | None = None) -> Exposure | None:
+        """Answer one request; return the region when a shared-memory lease was granted.
+
+        ``ranges`` (a ``LEASE`` with `Flag.RANGES`, checked inside the span): the bytes
+        counted as served instead of the whole span.
+        """
         region = self._begin(name)
         if region is None:
             self._reply(conn, Status.NOT_FOUND, f"no region {name!r} is exposed here "
@@ -492,7 +506,8 @@ class ReadServer:
                     end = (region.progress.present_through(first, last) + 1) * chunk
                     nbytes = min(offset + nbytes, end) - offset
                 with self._lock:
-                    self.bytes_served += nbytes
+                    self.bytes_served += (nbytes if ranges is None
+                                          else sum(n for _, n in ranges))
                 if op == Op.LEASE:
                     where = {"shm_path": region.shm_path, "gpu": region.gpu, "nbytes": nbytes}
                     self._reply(conn, Status.OK, payload=msgpack.packb(where))
@@ -630,3 +645,23 @@ def _host_bytes(region: Exposure, offset: int, nbytes: int) -> memoryview:
         return region.data[offset:offset + nbytes]
     # numpy's stubs declare ndarray.__buffer__ only for Python 3.12+.
     return memoryview(region.tensor[offset:offset + nbytes].cpu().numpy())  # type: ignore[arg-type]
+
+
+def _read_ranges(conn: socket.socket, op: int, flags: int, offset: int, nbytes: int
+                 ) -> list[tuple[int, int]] | str:
+    """The ranges a ``LEASE`` declares (`Flag.RANGES`), or why they are refused.
+
+    Each must lie inside the request's span ``[offset, offset + nbytes)``.
+    """
+    (count,) = RANGE_COUNT.unpack(recv_exact(conn, RANGE_COUNT.size))
+    if op != Op.LEASE or flags & Flag.PREFIX:
+        return "ranges are declared only by a LEASE without PREFIX"
+    if not 0 < count <= MAX_RANGES:
+        return f"a lease declares 1 to {MAX_RANGES} ranges, not {count}"
+    raw = recv_exact(conn, count * RANGE.size)
+    ranges = [RANGE.unpack_from(raw, i * RANGE.size) for i in range(count)]
+    for o, n in ranges:
+        if n <= 0 or o < offset or o + n > offset + nbytes:
+            return (f"range [{o}, {o + n}) is empty or outside the leased span "
+                    f"[{offset}, {offset + nbytes})")
+    return ranges

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -77,6 +79,29 @@ class ShmTransport(client.ServerTransport):
             else:
                 copy(out[:granted.nbytes], src)
         return granted.nbytes
+
+    @contextmanager
+    def mapped(self, source: SourceAddress, region: str, offset: int, nbytes: int,
+               ranges: list[tuple[int, int]], *, timeout: float) -> Iterator[torch.Tensor]:
+        """Lease bytes ``[offset, offset + nbytes)`` and yield the region's mapped bytes.
+
+        For a reader that copies many blocks of one span (deriving a layout): one lease
+        instead of one per block. The yielded tensor (uint8, the whole region as far as
+        the span reaches: index it with region offsets) may be read only inside the block
+        and only within the span; ``ranges`` declares the parts it copies (what the
+        holder counts as served, `Flag.RANGES`).
+
+        Raises:
+            as `read`; SourceLostError: the lease was not held to the end (discard what
+                was copied).
+        """
+        with (self._pool.connection(source, None) as conn,
+              client.under_lease(conn, source, region, offset=offset, nbytes=nbytes,
+                                 timeout=timeout, ranges=ranges) as granted):
+            if not granted.shm_path:
+                raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} "
+                                       "is not in shared memory; read it over tcp")
+            yield self._mapping(granted.shm_path, offset + nbytes).tensor
 
     def close(self) -> None:
         """Close the connections and unmap every region."""

@@ -43,6 +43,12 @@ With the ``PREFIX`` flag, ``READ`` and ``LEASE`` wait only for the chunk at
 ``offset`` and grant the run of present chunks from there, up to ``nbytes``: a
 partial replica serves what it has in one request. The granted length is the
 ``READ`` payload's length, and the ``LEASE`` payload's ``nbytes``.
+
+With the ``RANGES`` flag (``LEASE`` only, not with ``PREFIX``) the capability is
+followed by ``count u32`` and ``count`` pairs ``offset u64 | nbytes u64``
+(at most `MAX_RANGES`), each inside ``[offset, offset+nbytes)`` of the header: the
+bytes the reader will copy out of the leased span (a reader deriving a layout copies
+many blocks under one lease). The holder counts those as served, not the span.
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ MAGIC = b"WFR4"  # WFR3 had no capability; WFR2 sent END without a reply
 REQUEST = struct.Struct("!4sBBHQQfH")
 REPLY = struct.Struct("!BxxxIQ")
 MAX_NAME = 1024
+RANGE_COUNT = struct.Struct("!I")
+RANGE = struct.Struct("!QQ")
+MAX_RANGES = 4096
+"""Ranges one ``LEASE`` may declare (`Flag.RANGES`)."""
 
 
 class Op(enum.IntEnum):
@@ -71,6 +81,7 @@ class Op(enum.IntEnum):
 class Flag(enum.IntFlag):
     """Request flags."""
     PREFIX = 1         # grant the present prefix of the range (see above)
+    RANGES = 2         # LEASE: the request declares the ranges the reader copies
 
 
 class Status(enum.IntEnum):
