@@ -370,12 +370,13 @@ class ReadServer:
                     return
                 name = recv_exact(conn, name_len).decode(errors="replace")
                 cap = recv_exact(conn, cap_len)
-                ranges = None
+                ranges: list[tuple[int, int]] | None = None
                 if flags & Flag.RANGES:
-                    ranges = _read_ranges(conn, op, flags, offset, nbytes)
-                    if isinstance(ranges, str):
-                        self._reply(conn, Status.BAD_REQUEST, ranges)
+                    declared = _read_ranges(conn, op, flags, offset, nbytes)
+                    if isinstance(declared, str):
+                        self._reply(conn, Status.BAD_REQUEST, declared)
                         return
+                    ranges = declared
                 if op == Op.END:
                     if lease is None:
                         self._reply(conn, Status.BAD_REQUEST, "END without a lease")

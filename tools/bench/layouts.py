@@ -117,7 +117,8 @@ def bench_layouts(*, size: int = 256 << 20, timeout: float = 600.0) -> dict[str,
     config = llama_config(size)
     procs: list[subprocess.Popen[str]] = []
     outs: list[Any] = []
-    with wf.serve("tcp://127.0.0.1:0") as hub, tempfile.TemporaryDirectory() as tmp:
+    with wf.serve("tcp://127.0.0.1:0") as hub, tempfile.TemporaryDirectory() as tmp_:
+        tmp = os.environ.get("WF_LOGDIR", tmp_)
         common = {"url": hub.url, "config": config}
         port = _free_port()
         try:
