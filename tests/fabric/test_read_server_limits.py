@@ -23,7 +23,17 @@ from weightfabric.fabric.transports import (
     client,
 )
 from weightfabric.fabric.transports import server as server_module
-from weightfabric.fabric.transports.wire import MAGIC, REPLY, REQUEST, Op, Status, recv_exact
+from weightfabric.fabric.transports.wire import (
+    MAGIC,
+    RANGE,
+    RANGE_COUNT,
+    REPLY,
+    REQUEST,
+    Flag,
+    Op,
+    Status,
+    recv_exact,
+)
 
 CHUNK = 1 << 20
 
@@ -286,3 +296,42 @@ def test_readers_never_reuse_a_connection_the_holder_may_close_to_make_room(monk
     with hard_timeout(30), ReadServer(max_connections=1) as server:
         server.expose("r", pattern(2 * CHUNK), chunk_size=CHUNK)
         read_twice(server, make_room)
+
+
+def _ranged(server: ReadServer, op: Op, flags: int, ranges: list[tuple[int, int]], *,
+            offset: int = 0, nbytes: int = 2 * CHUNK, count: int | None = None
+            ) -> socket.socket:
+    """A raw request declaring ``ranges`` (`Flag.RANGES`), the count possibly a lie."""
+    conn = socket.create_connection((server.address.host, server.address.port), timeout=5)
+    conn.sendall(REQUEST.pack(MAGIC, op, flags, 1, offset, nbytes, 5.0, 0) + b"r"
+                 + RANGE_COUNT.pack(len(ranges) if count is None else count)
+                 + b"".join(RANGE.pack(o, n) for o, n in ranges))
+    return conn
+
+
+def test_a_lease_with_declared_ranges_counts_only_those_as_served():
+    with hard_timeout(30), ReadServer() as server:
+        server.expose("r", pattern(4 * CHUNK), chunk_size=CHUNK)
+        with _ranged(server, Op.LEASE, Flag.RANGES, [(0, 100), (CHUNK, 50)]) as conn:
+            assert answer(conn)[0] == Status.OK
+            assert server.bytes_served == 150
+            conn.sendall(REQUEST.pack(MAGIC, Op.END, 0, 1, 0, 0, 5.0, 0) + b"r")
+            assert answer(conn) == (Status.OK, "")
+
+
+@pytest.mark.parametrize(("op", "flags", "ranges", "count", "words"), [
+    (Op.LEASE, Flag.RANGES, [(0, 10), (2 * CHUNK - 5, 10)], None, "outside the leased span"),
+    (Op.LEASE, Flag.RANGES, [(0, 0)], None, "is empty"),
+    (Op.LEASE, Flag.RANGES, [], 0, "1 to 4096 ranges, not 0"),
+    (Op.LEASE, Flag.RANGES, [], 1 << 30, "1 to 4096 ranges"),
+    (Op.READ, Flag.RANGES, [(0, 10)], None, "only by a LEASE without PREFIX"),
+    (Op.LEASE, Flag.RANGES | Flag.PREFIX, [(0, 10)], None, "only by a LEASE without PREFIX"),
+])
+def test_bad_declared_ranges_are_refused_with_the_reason(op, flags, ranges, count, words):
+    with hard_timeout(30), ReadServer() as server:
+        server.expose("r", pattern(4 * CHUNK), chunk_size=CHUNK)
+        with _ranged(server, op, flags, ranges, count=count) as conn:
+            status, message = answer(conn)
+        assert status == Status.BAD_REQUEST and words in message, message
+        assert server.bytes_served == 0
+        assert read_ok(server)                   # the holder serves on

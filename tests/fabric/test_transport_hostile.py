@@ -240,8 +240,10 @@ def test_fetch_fails_over_from_a_hostile_source(answer: Answer) -> None:
     ({"timeout": float("inf")}, "timeout must be"),
     ({"timeout": 1e39}, "timeout must be"),
     ({"timeout": -1.0}, "timeout must be"),
+    ({"ranges": []}, "1 to 4096 ranges, not 0"),
+    ({"ranges": [(0, 1)] * 4097}, "1 to 4096 ranges, not 4097"),
 ], ids=["offset-neg", "offset-2^64", "nbytes-neg", "nbytes-2^64", "name-1026", "name-70000",
-        "timeout-nan", "timeout-inf", "timeout-1e39", "timeout-neg"])
+        "timeout-nan", "timeout-inf", "timeout-1e39", "timeout-neg", "ranges-0", "ranges-4097"])
 def test_bad_request_arguments_are_refused_before_sending(args: dict, words: str) -> None:
     """Before: struct.error, OverflowError, a NOT_FOUND from the server, or a read."""
     kwargs = {"region": "v1", "offset": 0, "nbytes": 8, "timeout": 1.0, **args}

@@ -247,3 +247,57 @@ def test_a_copier_derives_itself_when_the_deriver_fails_midway(workers, monkeypa
     stats = copying.result(timeout=30)
     assert stats.derived and set(stats.sources) == {"trainer"}
     _check(b, layout, weights, 0)
+
+
+def test_a_deriver_copies_each_batch_of_a_shard_under_one_lease(workers, monkeypatch):
+    """No lease per block: the trainer counts as served exactly what the deriver copied."""
+    from weightfabric.fabric.transports.shm import ShmTransport
+
+    calls = {"read": 0, "mapped": 0}
+    read, mapped = ShmTransport.read, ShmTransport.mapped
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(ShmTransport, "read", counted("read", read))
+    monkeypatch.setattr(ShmTransport, "mapped", counted("mapped", mapped))
+    trainer, weights, v = _published(workers, 8)
+    served = trainer.bytes_served
+    a = workers.join("a").layout_model("policy", _layout(), rank=1, chunk_size=CHUNK)
+    stats = a.fetch(v)
+    assert stats.derived and calls == {"read": 0, "mapped": 1}    # one batch, one shard
+    assert trainer.bytes_served - served == stats.bytes == stats.sources["trainer"]
+    _check(a, _layout(), weights, 1)
+
+
+def test_a_lease_lost_while_copying_is_read_again_block_by_block(workers, monkeypatch):
+    from contextlib import contextmanager
+
+    from weightfabric.fabric.errors import SourceLostError
+    from weightfabric.fabric.transports.shm import ShmTransport
+
+    real = ShmTransport.mapped
+
+    @contextmanager
+    def lost(self, *args, **kwargs):
+        with real(self, *args, **kwargs) as src:
+            yield src
+        raise SourceLostError("END not acknowledged (test)")
+
+    reads = []
+    read = ShmTransport.read
+
+    def counted(self, *args, **kwargs):
+        reads.append(args[3].numel())
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(ShmTransport, "mapped", lost)
+    monkeypatch.setattr(ShmTransport, "read", counted)
+    _, weights, v = _published(workers, 9)
+    a = workers.join("a").layout_model("policy", _layout(fp8=True), rank=0, chunk_size=CHUNK)
+    stats = a.fetch(v)
+    assert stats.derived and sum(reads) == stats.bytes > 0   # every block read again
+    _check(a, _layout(fp8=True), weights, 0)
