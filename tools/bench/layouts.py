@@ -117,8 +117,7 @@ def bench_layouts(*, size: int = 256 << 20, timeout: float = 600.0) -> dict[str,
     config = llama_config(size)
     procs: list[subprocess.Popen[str]] = []
     outs: list[Any] = []
-    with wf.serve("tcp://127.0.0.1:0") as hub, tempfile.TemporaryDirectory() as tmp_:
-        tmp = os.environ.get("WF_LOGDIR", tmp_)
+    with wf.serve("tcp://127.0.0.1:0") as hub, tempfile.TemporaryDirectory() as tmp:
         common = {"url": hub.url, "config": config}
         port = _free_port()
         try:
@@ -250,6 +249,8 @@ def _trainer(args: dict[str, Any]) -> dict[str, Any]:
                 store.publish(model, group=f"step-{version}", dtype=torch.bfloat16)
                 _barrier(worker.hub, f"layouts-{version}", ENGINES * TP)
                 served = worker.bytes_served - served
+            if rank == 0:               # the readers' plain fetches start together
+                worker.hub.kv_put("plain-go", b"1")
             nbytes = store.layout.nbytes if store.layout is not None else 0
             _barrier(worker.hub, "all-done", ENGINES * TP)
             return {"role": "trainer", "rank": rank, "bytes": nbytes, "served_layouts": served}
@@ -286,8 +287,11 @@ def _reader(args: dict[str, Any]) -> dict[str, Any]:
                 plain.fetch(version)
             hub.kv_put(f"layouts-{version}-{index}", b"1")
             _barrier(hub, f"layouts-{version}", ENGINES * TP)
-        start = time.monotonic()     # timed as the layout fetch is: the whole call
-        plain.fetch(VERSIONS)        # after the trainer counted its layout egress
+        # After the trainer counted its layout egress, all at once (a hub long poll wakes
+        # every reader, as the commit does for the layout fetch), timed the same way.
+        hub.kv_get("plain-go", timeout=300)
+        start = time.monotonic()
+        plain.fetch(VERSIONS)
         plain_s = time.monotonic() - start
         layout_bytes = sum(t.numel() * t.element_size() for t in store.tensors.values())
         fp8_store = worker.layout_model(MODEL, fp8, rank=rank)
