@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable
@@ -95,11 +96,12 @@ class ChunkProgress:
 
 
 class SlotMarks:
-    """Marks the chunks of a buffer as the tensors laid out in it are written, by name.
+    """Marks the chunks of a buffer as the tensors laid out in it are written.
 
-    For a replica made tensor by tensor (a derived layout): `done` names tensors whose
-    bytes are final, and each chunk is marked once every tensor byte in it is. A chunk
-    with no tensor bytes (alignment padding only) is marked at once.
+    For a replica made piece by piece (a derived layout): `done` names tensors whose
+    bytes are final, `written` a byte range that is; each chunk is marked once every
+    tensor byte in it is (bytes reported twice count once). A chunk with no tensor
+    bytes (alignment padding only) is marked at once. Thread-safe.
 
     Args:
         slots: ``(name, offset, nbytes)`` of every tensor in the buffer.
@@ -111,25 +113,54 @@ class SlotMarks:
                  progress: ChunkProgress) -> None:
         self.chunk_size, self.progress = chunk_size, progress
         self._slots = {name: (offset, nbytes) for name, offset, nbytes in slots}
-        self._left = [0] * progress.num_chunks     # tensor bytes not yet written, per chunk
+        self._left = [0] * progress.num_chunks     # tensor bytes not yet final, per chunk
+        self._final: list[tuple[int, int]] = []    # sorted disjoint byte ranges reported
+        self._lock = threading.Lock()
         for offset, nbytes in self._slots.values():
-            for chunk, part in self._parts(offset, nbytes):
+            for chunk, part in self._parts(offset, offset + nbytes):
                 self._left[chunk] += part
         for chunk, left in enumerate(self._left):
             if not left:
                 progress.mark(chunk)
 
     def done(self, names: list[str]) -> None:
-        """The tensors ``names`` are written: mark the chunks they complete."""
+        """The tensors ``names`` are final: mark the chunks they complete."""
         for name in names:
-            offset, nbytes = self._slots.pop(name, (0, 0))
-            for chunk, part in self._parts(offset, nbytes):
-                self._left[chunk] -= part
-                if not self._left[chunk]:
-                    self.progress.mark(chunk)
+            offset, nbytes = self._slots.get(name, (0, 0))
+            self.written(offset, nbytes)
 
-    def _parts(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
-        """(chunk, bytes of ``[offset, offset + nbytes)`` in it), for each chunk it touches."""
-        size, end = self.chunk_size, offset + nbytes
-        return [(c, min(end, (c + 1) * size) - max(offset, c * size))
-                for c in range(offset // size, (end - 1) // size + 1)] if nbytes else []
+    def written(self, offset: int, nbytes: int) -> None:
+        """Bytes ``[offset, offset + nbytes)`` (of tensors) are final: mark what they complete."""
+        with self._lock:
+            for lo, hi in self._add(offset, offset + nbytes):
+                for chunk, part in self._parts(lo, hi):
+                    self._left[chunk] -= part
+                    if not self._left[chunk]:
+                        self.progress.mark(chunk)
+
+    def _add(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Add ``[lo, hi)`` to the reported ranges; return its parts not reported before."""
+        if lo >= hi:
+            return []
+        final = self._final
+        i = bisect.bisect_left(final, (lo, lo))
+        if i and final[i - 1][1] >= lo:
+            i -= 1
+        j, new, at = i, [], lo
+        while j < len(final) and final[j][0] <= hi:
+            a, b = final[j]
+            if a > at:
+                new.append((at, a))
+            at = max(at, b)
+            j += 1
+        if at < hi:
+            new.append((at, hi))
+        merged = (min(lo, final[i][0]) if i < j else lo, max(hi, final[j - 1][1]) if i < j else hi)
+        final[i:j] = [merged]
+        return new
+
+    def _parts(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """(chunk, bytes of ``[lo, hi)`` in it), for each chunk it touches."""
+        size = self.chunk_size
+        return [(c, min(hi, (c + 1) * size) - max(lo, c * size))
+                for c in range(lo // size, (hi - 1) // size + 1)] if hi > lo else []

@@ -210,6 +210,9 @@ class Production:
     place: Callable[[torch.Tensor, torch.Tensor], None]
     """``place(dst, src)``: copy ``src`` into ``dst`` (uint8, a contiguous run of the
     tensors' bytes), checksumming the bytes on the way where it can (CPU)."""
+    written: Callable[[torch.Tensor], None]
+    """Call with a contiguous run of the tensors' bytes that is final (finer than
+    ``done``; a tensor outside the buffer is ignored)."""
 
 
 class ModelStore:
@@ -690,8 +693,13 @@ class ModelStore:
                 # offsets outside the buffer, and those bytes are summed at the end
                 if sums is None or not sums.copy(dst.data_ptr() - base.data_ptr(), dst, src):
                     dst.copy_(src)
+            def written(dst: torch.Tensor) -> None:
+                offset, nbytes = dst.data_ptr() - base.data_ptr(), dst.numel() * dst.element_size()
+                if marks is not None and offset >= 0 and offset + nbytes <= layout.nbytes:
+                    marks.written(offset, nbytes)
             fill(Production(views(layout, buffer.region.tensor),
-                            marks.done if marks is not None else lambda names: None, place))
+                            marks.done if marks is not None else lambda names: None, place,
+                            written))
             with self._lock:
                 buffer.pending = True
             if announce is not None and progress is not None:

@@ -219,3 +219,13 @@ class ModelRecord:
     publish_groups: dict[str, int] = field(default_factory=dict)
     retired_log: dict[int, str] = field(default_factory=dict)
     """Recently retired version numbers and why (newest last, bounded), for status."""
+
+    @classmethod
+    def named(cls, name: str) -> ModelRecord:
+        """A model the hub has not seen, with its default retention.
+
+        A derived model (``base@layout``) keeps no minimum of replicas (``min_replicas``
+        0): its versions can be derived again from the base, so a reader reusing a buffer
+        never waits for another replica of the version it held.
+        """
+        return cls(name, RetentionPolicy(min_replicas=0) if "@" in name else RetentionPolicy())

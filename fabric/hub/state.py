@@ -176,9 +176,9 @@ class HubState:
         for name, policy in {**durable.policies, **(policies or {})}.items():
             self.models[name] = ModelRecord(name, policy)
         for name, reasons in durable.retired.items():
-            self.models.setdefault(name, ModelRecord(name)).retired_log.update(reasons)
+            self.models.setdefault(name, ModelRecord.named(name)).retired_log.update(reasons)
         for name, versions in (durable.versions or {}).items():
-            m = self.models.setdefault(name, ModelRecord(name))
+            m = self.models.setdefault(name, ModelRecord.named(name))
             for n, (state, num_shards) in versions.items():
                 v = VersionRecord(name, n, num_shards, state=state)
                 m.versions[n] = v
@@ -396,7 +396,7 @@ class HubState:
                                   "use begin_derive")
         _check_shard(shard, num_shards)
         check_manifest_size(manifest)
-        m = self.models.setdefault(model, ModelRecord(model))
+        m = self.models.setdefault(model, ModelRecord.named(model))
         v = None
         if group is not None and group in m.publish_groups:
             v = m.versions.get(m.publish_groups[group])
@@ -549,7 +549,7 @@ class HubState:
             raise BadRequestError(f"version must be an int >= 1, got {version!r}")
         self._check_base(base, version)
         check_manifest_size(manifest)
-        m = self.models.setdefault(model, ModelRecord(model))
+        m = self.models.setdefault(model, ModelRecord.named(model))
         v = m.versions.get(version)
         if v is not None and v.state == COMMITTED and not v.servable():
             self._retire(v, "no live holder left: derived again")  # its holders all left
@@ -974,7 +974,7 @@ class HubState:
     def set_retention(self, model: str, *, keep_last: int | None = None,
                       min_replicas: int | None = None) -> PolicyReply:
         """Change a model's retention policy (creates the model if new)."""
-        m = self.models.setdefault(model, ModelRecord(model))
+        m = self.models.setdefault(model, ModelRecord.named(model))
         policy = RetentionPolicy(keep_last if keep_last is not None else m.policy.keep_last,
                                  min_replicas if min_replicas is not None
                                  else m.policy.min_replicas, set(m.policy.pinned))
@@ -1126,7 +1126,7 @@ class HubState:
         derived = derived_base(model) is not None
         if derived and num_shards != 1:
             raise InvalidStateError(f"a derived version has 1 shard, holder says {num_shards}")
-        m = self.models.setdefault(model, ModelRecord(model))
+        m = self.models.setdefault(model, ModelRecord.named(model))
         if number >= self.next_versions.get(model, 1):
             self.next_versions[model] = number + 1
             self.durable_generation += 1

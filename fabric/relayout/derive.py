@@ -184,6 +184,10 @@ MappedFn = Callable[[int, int, int, list[tuple[int, int]]],
 """``mapped(shard, offset, nbytes, ranges)``: one lease on that span of the shard, yielding
 its mapped bytes (indexed by shard offsets) or None (`ShardReader.mapped`)."""
 
+PIECE_BYTES = 4 << 20
+"""A block copied straight from a mapped shard is copied, and reported written, in
+pieces of at most this many bytes."""
+
 BATCH_BYTES = 16 << 20
 """Bytes of consecutive targets read together: from each shard they touch, under one
 lease when the shard is mapped (`MappedFn`)."""
@@ -194,6 +198,7 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
            staging: Sequence[Staging] = (),
            done: Callable[[list[str]], None] | None = None,
            place: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+           written: Callable[[torch.Tensor], None] | None = None,
            mapped: MappedFn | None = None, threads: int = 1) -> DeriveStats:
     """Fill ``dst`` (this rank's tensors of ``bound``) from reads of the version's shards.
 
@@ -219,6 +224,9 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
         place: copies a contiguous block's bytes into the target (``place(dst, src)``,
             e.g. checksumming them on the way: `fabric.store.Production.place`), passed
             to ``read`` as its ``copy``.
+        written: called with each contiguous run of ``dst`` bytes copied straight in, once
+            final (pieces of at most `PIECE_BYTES`), so peers may copy it before its batch
+            is done (`fabric.store.Production.written`).
         mapped: leases a span of a shard for many blocks (`MappedFn`).
         threads: reads in flight at once.
 
@@ -244,6 +252,8 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
         into = _direct_destination(r, stage, r.dtype.itemsize)
         if into is not None:
             read(r.shard, r.offset, into, *(() if place is None else (place,)))
+            if written is not None:
+                written(into)
             return into.numel(), 1
         buffer = spare.get()
         try:
@@ -260,7 +270,7 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
             with mapped(shard, lo, hi - lo, ranges) as src:
                 if src is not None:
                     for r, stage in blocks:
-                        _copy_mapped(r, src, stage, place)
+                        _copy_mapped(r, src, stage, place, written)
                     return sum(n for _, n in ranges), 1
         except TransportError as exc:   # the lease was lost: the copies may be torn
             log.warning("lease of shard %d lost while copying (%s); reading block by block",
@@ -347,16 +357,21 @@ def _span(r: _Read) -> int:
 
 
 def _copy_mapped(r: _Read, src: torch.Tensor, stage: torch.Tensor,
-                 place: Callable[[torch.Tensor, torch.Tensor], None] | None) -> None:
+                 place: Callable[[torch.Tensor, torch.Tensor], None] | None,
+                 written: Callable[[torch.Tensor], None] | None) -> None:
     """Copy block ``r`` from ``src`` (its shard's mapped bytes) where ``stage`` wants it."""
     size = r.dtype.itemsize
     into = _direct_destination(r, stage, size)
     if into is not None:
-        block = src[r.offset:r.offset + into.numel()]
-        if place is None:
-            into.copy_(block)
-        else:
-            place(into, block)
+        for lo in range(0, into.numel(), PIECE_BYTES):
+            part = into[lo:lo + PIECE_BYTES]
+            block = src[r.offset + lo:r.offset + lo + part.numel()]
+            if place is None:
+                part.copy_(block)
+            else:
+                place(part, block)
+            if written is not None:
+                written(part)
         return
     typed = src[r.offset:r.offset + _span(r)].view(r.dtype)
     block = torch.as_strided(typed, (r.rows, r.row_bytes // size), (r.stride // size, 1))

@@ -304,7 +304,7 @@ class LayoutStore:
         def fill(out: Production) -> None:
             stats = derive(bound, published, reader, out.tensors, budget=self.budget,
                            staging=self._staging, done=out.done, place=out.place,
-                           mapped=reader.mapped, threads=self.threads)
+                           written=out.written, mapped=reader.mapped, threads=self.threads)
             log.debug("%s v%d derived: %d bytes in %d reads", self.name, number, stats.bytes,
                       stats.reads)
 

@@ -24,6 +24,21 @@ def test_a_chunk_is_marked_when_every_tensor_in_it_is_done() -> None:
     assert progress.complete
 
 
+def test_written_ranges_count_once_however_they_overlap() -> None:
+    progress = ChunkProgress(3)
+    marks = SlotMarks([("a", 0, 300)], 100, progress)
+    marks.written(0, 50)
+    marks.written(20, 60)                  # overlaps: bytes 50..80 are new
+    assert progress.bitmap() == bytes([0, 0, 0])
+    marks.written(80, 20)                  # touches: chunk 0 complete
+    assert progress.bitmap() == bytes([1, 0, 0])
+    marks.written(150, 100)
+    marks.written(100, 60)
+    assert progress.bitmap() == bytes([1, 1, 0])
+    marks.done(["a"])                      # the rest, once
+    assert progress.complete and marks._left == [0, 0, 0]
+
+
 def test_chunk_sums_copies_from_threads_and_refuses_bytes_outside_the_buffer() -> None:
     g = torch.Generator().manual_seed(0)
     src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=g)

@@ -139,6 +139,23 @@ def test_commit_state_of_an_aborted_derive_says_why() -> None:
     assert out.state == RETIRED and "out of memory" in out.reason and not out.checksums
 
 
+def test_replicas_of_a_derived_version_retract_freely() -> None:
+    """min_replicas 0 by default: it can be derived again, so no retract waits for it."""
+    h = Hub("a", "b")
+    v = h.publish()
+    h.derive("a", v)
+    h.commit("a", v)
+    h.s.begin_fetch(D, v, "b", session="b", fetch_id="fb")
+    h.s.complete_fetch("fb", "b", session="b")
+    assert h.s.models[D].policy.min_replicas == 0 and h.s.models[BASE].policy.min_replicas == 1
+    assert v in h.s.retained(D)
+    assert h.s.retract(D, v, "a", session="a").state == "done"
+    assert h.s.retract(D, v, "b", session="b").state == "done"      # the last one too
+    assert h.derive("a", v).action == "derive"                       # derived again
+    h.s.set_retention(D, keep_last=2, min_replicas=1)               # an operator's choice
+    assert h.s.models[D].policy.min_replicas == 1
+
+
 def test_derived_numbers_are_the_base_numbers() -> None:
     h = Hub("a")
     h.s.set_retention(BASE, keep_last=3)
