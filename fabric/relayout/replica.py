@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -89,19 +90,21 @@ class LayoutStore:
         derive_wait: seconds to wait for another reader deriving the same version.
         timeout: per read while deriving.
         chunk_size: chunks of the derived versions this reader publishes.
-        threads: reads in flight at once while deriving.
+        threads: reads in flight at once while deriving (default: the CPUs this process
+            may use, at most 4; more threads than cores only add contention).
     """
 
     def __init__(self, worker: Worker, model: str, layout: EngineLayout, *, rank: int,
                  device: torch.device | str = "cpu", budget: int = 64 << 20,
                  derive_wait: float = 600.0, timeout: float = 30.0,
-                 chunk_size: int | None = None, threads: int = 4) -> None:
+                 chunk_size: int | None = None, threads: int | None = None) -> None:
         if not 0 <= rank < layout.ranks:
             raise LayoutError(f"layout {layout.name!r} has {layout.ranks} ranks; rank {rank} "
                               "is outside")
         self.worker, self.model, self.layout, self.rank = worker, model, layout, rank
         self.budget, self.derive_wait, self.timeout = budget, derive_wait, timeout
-        self.threads = threads
+        self.threads = threads or min(4, len(os.sched_getaffinity(0))
+                                      if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
         self.name = layout.derived_model(model, rank)
         """The hub's name of this layout and rank's derived replicas."""
         self.store: ModelStore = worker.model(self.name, device=device,
@@ -109,7 +112,7 @@ class LayoutStore:
         """The derived model's store: its buffers, exposure, retract and release."""
         self._chunks = ChunkBuffers()
         self._bound: tuple[object, PublishedVersion, BoundLayout] | None = None
-        self._staging = [Staging() for _ in range(max(1, threads))]
+        self._staging = [Staging() for _ in range(max(1, self.threads))]
 
     # ---------------------------------------------------------------- state
     @property
