@@ -326,7 +326,8 @@ class ChunkSums:
     `copy` writes a range (e.g. one tensor, as a pack does) and sums it in the same pass;
     `finish` sums whatever no `copy` covered (padding, ranges written otherwise) from
     the assembled buffer and returns ``chunk_checksums(buffer, chunk_size)``. CPU only.
-    Copies of disjoint ranges may run on several threads at once.
+    Copies of disjoint ranges may run on several threads at once; a range copied again
+    (a read retried from another source) replaces what its first copy summed.
     """
 
     def __init__(self, nbytes: int, chunk_size: int) -> None:
@@ -336,6 +337,7 @@ class ChunkSums:
         self.nbytes, self.chunk_size = nbytes, chunk_size
         self.sums = torch.zeros(-(-nbytes // chunk_size), dtype=torch.int64)
         self.covered: list[tuple[int, int]] = []
+        self._parts: dict[tuple[int, int], torch.Tensor] = {}  # what each range added
         self._lock = threading.Lock()
 
     def copy(self, offset: int, dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -356,8 +358,13 @@ class ChunkSums:
         if whole < src.numel():
             dst[whole:].copy_(src[whole:])
         with self._lock:
+            again = self._parts.get((offset, whole))
+            if again is not None:
+                self._add(offset, -again)
+            else:
+                self.covered.append((offset, offset + whole))
+            self._parts[(offset, whole)] = part
             self._add(offset, part)
-            self.covered.append((offset, offset + whole))
         return True
 
     def finish(self, buffer: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightfabric.fabric.errors import LayoutMismatchError, TransportError
+from weightfabric.fabric.errors import FetchError, LayoutMismatchError, TransportError
 from weightfabric.fabric.manifest import Manifest
 from weightfabric.fabric.relayout.rules import (
     BoundLayout,
@@ -232,7 +232,8 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
 
     Raises:
         LayoutMismatchError: ``dst`` lacks a target or has another shape or dtype.
-        FetchError, TransportError: from ``read`` (no read is in flight once it raises).
+        FetchError, TransportError: from ``read``, or a lease lost while copying under it
+            (no read is in flight once it raises).
     """
     for name, (shape, dtype) in bound.tensor_specs().items():
         t = dst.get(name)
@@ -272,9 +273,11 @@ def derive(bound: BoundLayout, published: PublishedVersion, read: ReadFn,
                     for r, stage in blocks:
                         _copy_mapped(r, src, stage, place, written)
                     return sum(n for _, n in ranges), 1
-        except TransportError as exc:   # the lease was lost: the copies may be torn
-            log.warning("lease of shard %d lost while copying (%s); reading block by block",
-                        shard, exc)
+        except TransportError as exc:
+            # Some copies were made (checksummed, maybe marked final) and may be torn: this
+            # derivation cannot be trusted; the next one starts afresh.
+            raise FetchError(f"shard {shard}: the lease on bytes [{lo}, {hi}) was lost "
+                             f"while copying them ({exc}); derive again") from exc
         out = [one(r, stage) for r, stage in blocks]
         return sum(n for n, _ in out), sum(k for _, k in out)
 

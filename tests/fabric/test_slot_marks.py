@@ -60,3 +60,15 @@ def test_chunk_sums_copies_from_threads_and_refuses_bytes_outside_the_buffer() -
     outside = torch.empty(64, dtype=torch.uint8)
     assert not sums.copy(-64, outside, src[:64])
     assert not sums.copy(src.numel(), outside, src[:64])
+
+
+def test_a_range_copied_again_replaces_what_its_first_copy_summed() -> None:
+    src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    torn = torch.zeros_like(src)
+    dst = torch.empty_like(src)
+    sums = ChunkSums(src.numel(), 4096)
+    assert sums.copy(1024, dst[1024:9000], torn[1024:9000])     # a read that went wrong
+    assert sums.copy(1024, dst[1024:9000], src[1024:9000])      # retried elsewhere
+    dst[:1024].copy_(src[:1024])
+    dst[9000:].copy_(src[9000:])
+    assert torch.equal(sums.finish(dst), chunk_checksums(src, 4096))
