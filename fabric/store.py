@@ -201,7 +201,7 @@ class FetchFuture:
 
 @dataclass(frozen=True)
 class Production:
-    """What `ModelStore.produce` hands its ``fill``: the tensors to write, and two hooks."""
+    """What `ModelStore.produce` hands its ``fill``: the tensors to write, and three hooks."""
 
     tensors: dict[str, torch.Tensor]
     """Name -> view of the buffer, in the store's layout."""
@@ -663,8 +663,8 @@ class ModelStore:
         ``announce=None`` the version is kept private: not exposed, no checksums. The
         buffer comes back reserved for a `FetchFuture` (see `submit`). If ``fill`` or
         ``announce`` raises, the exposure is withdrawn and the error propagates.
-        ``exposed``: the spare `expose_spare` exposed for ``version`` already (before
-        the hub named this worker to peers), to fill instead of a new one.
+        ``exposed``: a spare buffer `_expose_spare` exposed for ``version`` already
+        (before the hub named this worker to peers), to fill instead of a new one.
 
         Raises:
             FabricError: the store has no layout yet, or is closed.

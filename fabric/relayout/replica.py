@@ -4,17 +4,24 @@ A rollout engine rank opens ``worker.layout_model("policy", layout, rank=r)`` an
 fetches versions of ``policy`` in its own layout (`EngineLayout`: fused, split
 over its tensor/expert-parallel ranks, cast or quantised). For each version N:
 
-1. If some worker already holds N in this layout and rank (the hub's derived model
-   ``policy@<layout key>.r<rank>``, `EngineLayout.derived_model`), the bytes are
-   fetched from it like any replica: striped over the holders, chunk-pipelined with
-   other readers, verified by the checksums the deriving reader published.
-2. Otherwise this reader asks the hub to derive N (`HubClient.begin_derive`): one
-   reader per layout and rank derives, the others wait for it and then copy (a
-   deriver that dies or fails is forgotten by the hub, and the next reader derives).
-   Deriving reads just the blocks of the published shards this rank needs
-   (`fabric.relayout.derive`), checks the layout against the version first (a
-   `LayoutMismatchError` before any byte moves), fills a spare buffer, computes the
-   checksums of what it made and commits it as N of the derived model.
+The reader asks the hub about N in this layout and rank (`HubClient.begin_derive`
+on the hub's derived model ``policy@<layout key>.r<rank>``,
+`EngineLayout.derived_model`; from the second version on, the only hub call before
+bytes move):
+
+1. ``fetch``: some worker holds N already; the bytes are fetched from it like any
+   replica: striped over the holders, chunk-pipelined with other readers, verified
+   by the checksums the deriving reader published.
+2. ``wait``: another reader derives N now; this one copies it from that reader as
+   it is made (the hub plans the uncommitted version, the deriver marks chunks as
+   they are final) and checks the bytes against the checksums the deriver commits
+   before it switches. A deriver that dies or fails is forgotten by the hub, and
+   the next reader derives.
+3. ``derive``: this reader derives N: it reads just the blocks of the published
+   shards this rank needs (`fabric.relayout.derive`), after checking the layout
+   against the version (a `LayoutMismatchError` before any byte moves), into a
+   spare buffer it exposed before asking, checksums what it made on the way and
+   commits it as N of the derived model.
 
 Either way the new version lands in a spare buffer and the store switches to it at
 `FetchFuture.result` (double-buffered, like `ModelStore.fetch`); a version already
