@@ -550,7 +550,8 @@ class HubClient:
                                                          "publishing", publisher=True)
         return v
 
-    def begin_derive(self, model: str, version: int, manifest: Manifest) -> DeriveReply:
+    def begin_derive(self, model: str, version: int, manifest: Manifest, *,
+                     with_base: bool = False) -> DeriveReply:
         """Derive ``version`` of ``model`` (``base@layout``) from the base's, or learn who does.
 
         On ``"derive"`` this worker publishes the derived bytes as version ``version``
@@ -560,13 +561,16 @@ class HubClient:
 
         Args:
             manifest: the derived bytes' layout, normally without checksums.
+            with_base: a ``"derive"`` answer also carries where the base version can be
+                read (``base``: `locate_reply`'s answer), saving the deriver that call.
 
         Raises:
             BadRequestError, UnknownModelError, UnknownVersionError, ManifestMismatchError:
                 see `HubState.begin_derive`.
         """
         out = self.request(BeginDeriveRequest(worker=self._me(), model=model, version=version,
-                                              manifest=ManifestWire.of(manifest)), DeriveReply)
+                                              manifest=ManifestWire.of(manifest),
+                                              with_base=with_base), DeriveReply)
         if out.action == "derive":
             with self._lock:
                 self._holdings[(model, version, 0)] = _Holding(model, version, 0, 1, manifest,

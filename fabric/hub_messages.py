@@ -189,11 +189,13 @@ class DeriveReply(Reply, frozen=True, kw_only=True):
 
     ``derive``: this worker derives it (then commits, or aborts); ``wait``: ``by`` derives
     it now (None: its deriver has a lease to come back after a hub restart), ask again
-    later; ``fetch``: it is committed, fetch it like any version.
+    later; ``fetch``: it is committed, fetch it like any version. ``base``: with
+    ``derive``, where the base version can be read (``locate``'s answer), if asked for.
     """
 
     action: Literal["derive", "wait", "fetch"]
     by: str | None
+    base: LocateReply | None = None
 
 
 class PublishStateReply(Reply, frozen=True, kw_only=True):
@@ -400,7 +402,7 @@ class BeginDeriveRequest(Request, frozen=True, kw_only=True):
     """Derive version ``version`` of ``model`` (``base@layout``) from the base's, or learn who does.
 
     ``manifest``: the derived bytes' layout, normally without checksums (`CommitRequest`
-    brings them).
+    brings them). ``with_base``: a ``derive`` answer says where the base can be read.
     """
 
     op: ClassVar[str] = "begin_derive"
@@ -408,6 +410,7 @@ class BeginDeriveRequest(Request, frozen=True, kw_only=True):
     model: str
     version: int
     manifest: ManifestWire
+    with_base: bool = False
 
 
 class CommitRequest(Request, frozen=True, kw_only=True):

@@ -146,7 +146,7 @@ def op_commit(s: HubState, session: str, a: CommitRequest) -> Answer:
 
 def op_begin_derive(s: HubState, session: str, a: BeginDeriveRequest) -> Answer:
     return s.begin_derive(a.model, a.version, a.worker, parse_manifest(a.manifest),
-                          session=session)
+                          session=session, with_base=a.with_base)
 
 
 def op_abort_publish(s: HubState, session: str, a: AbortPublishRequest) -> Answer:

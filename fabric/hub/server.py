@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -61,6 +61,7 @@ from weightfabric.fabric.hub.persist import load_state, save_state
 from weightfabric.fabric.hub.rights import Rights
 from weightfabric.fabric.hub.state import DEFAULT_LEASE_S, HubState
 from weightfabric.fabric.hub_messages import (
+    DeriveReply,
     ErrorBody,
     LocateReply,
     PlanReply,
@@ -86,6 +87,8 @@ from weightfabric.fabric.protocol import (
 from weightfabric.fabric.zmq_util import encrypted, endpoint, make_socket, url_of
 
 log = logging.getLogger(__name__)
+
+Sourced = TypeVar("Sourced", PlanReply, LocateReply)
 
 TICK_S = 0.05
 STALL_MIN_S = 0.5  # the shortest gap between the loop's looks at its leases that is a stall
@@ -380,14 +383,22 @@ class HubServer:
             return msgspec.structs.replace(result, rejected=[*result.rejected, *refused])
         if isinstance(req, StatusRequest) and isinstance(result, dict):
             return {**result, "auth": self.auth_mode}
-        if isinstance(result, (PlanReply, LocateReply)) and caller is not None:
-            reader = getattr(req, "worker", None) or who.name
-            scope = scope_of(result.model, result.version)
-            workers = {w: msgspec.structs.replace(src, cap=capability(
-                self._serve_keys.get(w, b""), scope, reader, self.cap_ttl_s))
-                for w, src in result.workers.items()}
-            return msgspec.structs.replace(result, workers=workers)
+        reader = getattr(req, "worker", None) or who.name
+        if isinstance(result, PlanReply) and caller is not None:
+            return self._with_caps(result, reader)
+        if isinstance(result, LocateReply) and caller is not None:
+            return self._with_caps(result, reader)
+        if isinstance(result, DeriveReply) and result.base is not None and caller is not None:
+            return msgspec.structs.replace(result, base=self._with_caps(result.base, reader))
         return result
+
+    def _with_caps(self, result: Sourced, reader: str) -> Sourced:
+        """``result`` (a plan or locate answer) with a read capability for each source."""
+        scope = scope_of(result.model, result.version)
+        workers = {w: msgspec.structs.replace(src, cap=capability(
+            self._serve_keys.get(w, b""), scope, reader, self.cap_ttl_s))
+            for w, src in result.workers.items()}
+        return msgspec.structs.replace(result, workers=workers)
 
     def _finish(self, ident: bytes, key: tuple[str, int], data: bytes,
                 caller: Verified | None, *, cache: bool) -> None:

@@ -518,7 +518,7 @@ class HubState:
 
     # ------------------------------------------------------------------ derive
     def begin_derive(self, model: str, version: int, worker: str, manifest: Manifest, *,
-                     session: str) -> DeriveReply:
+                     session: str, with_base: bool = False) -> DeriveReply:
         """Derive version ``version`` of ``model`` (``base@layout``), or learn who does.
 
         A derived version holds the base model's version ``version`` converted to a layout
@@ -533,9 +533,14 @@ class HubState:
             deriver may come back after a hub restart; ask again later), ``"fetch"``
             (committed: fetch it like any version).
 
+            With ``with_base``, a ``"derive"`` answer also says where the base version can be
+            read (`locate`'s answer for this worker: one hub call fewer for the deriver).
+
         Raises:
             BadRequestError: ``model`` is not ``base@layout``, or ``version`` < 1.
             UnknownModelError, UnknownVersionError: the base version is not committed.
+            NoSourceError: with ``with_base``, a shard of the base has no complete live
+                replica (nothing changed).
             ManifestMismatchError: ``manifest`` lays the bytes out otherwise than the
                 version's deriver did.
             ValueError: a manifest over `MAX_CHUNKS` chunks.
@@ -554,7 +559,12 @@ class HubState:
         if v is not None and v.state == COMMITTED and not v.servable():
             self._retire(v, "no live holder left: derived again")  # its holders all left
         if v is not None and v.state != RETIRED:
-            return self._derive_answer(v, worker, manifest)
+            answer = self._derive_answer(v, worker, manifest)
+            if answer.action == "derive" and with_base:
+                return DeriveReply(action="derive", by=None,
+                                   base=self.locate(base, version, worker=worker))
+            return answer
+        where = self.locate(base, version, worker=worker) if with_base else None
         if v is not None:
             self._forget_version(v)
         v = VersionRecord(model, version, 1)
@@ -566,7 +576,7 @@ class HubState:
         self._add_publisher(v, worker, 0, manifest)
         log.info("begin derive model=%s version=%d worker=%s", model, version, worker)
         self._settle()
-        return DeriveReply(action="derive", by=None)
+        return DeriveReply(action="derive", by=None, base=where)
 
     def commit_state(self, model: str, version: int, shard: int = 0) -> CommitWaitReply:
         """A version's state, and ``shard``'s checksums once it is committed (`wait_commit`).

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 from torch import nn
 
@@ -207,7 +208,9 @@ class LayoutStore:
             reply, early = self._claim(number) if known else (None, None)
             if reply is None or reply.action == "derive" or (reply.action == "fetch"
                                                              and copy_failed):
-                where = hub.locate(self.model, number)
+                where = (msgspec.to_builtins(reply.base, builtin_types=(bytes,))
+                         if reply is not None and reply.base is not None
+                         else hub.locate(self.model, number))
                 manifests = [Manifest.from_wire(s["manifest"]) for s in where["shards"]]
                 try:
                     published, bound = self._bind(manifests)
@@ -251,7 +254,8 @@ class LayoutStore:
         early = store._expose_spare(number, store.chunk_size)
         try:
             reply = self.worker.hub.begin_derive(
-                self.name, number, layout_manifest(store.layout, store.chunk_size))
+                self.name, number, layout_manifest(store.layout, store.chunk_size),
+                with_base=True)
         except BaseException:
             store._unexpose(early[0])
             raise

@@ -399,6 +399,22 @@ def test_derive_through_a_hub_server(hub: Any, workers: Any) -> None:
         t.commit(BASE, t.begin_publish(BASE, small_manifest()), checksums=[1, 2, 3, 4])
 
 
+def test_a_derive_answer_says_where_the_base_is_read(hub: Any, workers: Any) -> None:
+    """``with_base``: the deriver needs no locate of its own, capabilities included."""
+    t, a, b = (workers.connect(w, timeout=5) for w in ("t", "a", "b"))
+    v = t.begin_publish(BASE, small_manifest())
+    t.commit(BASE, v)
+    reply = a.begin_derive(D, v, LAYOUT, with_base=True)
+    assert reply.action == "derive" and reply.base is not None
+    assert (reply.base.model, reply.base.version) == (BASE, v)
+    assert [sh.holders for sh in reply.base.shards] == [["t"]]
+    assert reply.base.workers["t"].cap                      # readable as locate's answer is
+    again = a.begin_derive(D, v, LAYOUT, with_base=True)    # its deriver asking again
+    assert again.action == "derive" and again.base is not None
+    other = b.begin_derive(D, v, LAYOUT, with_base=True)
+    assert (other.action, other.by, other.base) == ("wait", "a", None)
+
+
 def test_wait_commit_of_a_retired_derive_raises_its_reason(hub: Any, workers: Any) -> None:
     t, a, b = (workers.connect(w, timeout=5) for w in ("t", "a", "b"))
     v = t.begin_publish(BASE, small_manifest())
