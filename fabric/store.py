@@ -209,7 +209,8 @@ class Production:
     """Call with the names of tensors that are final: peers may copy their chunks now."""
     place: Callable[[torch.Tensor, torch.Tensor], None]
     """``place(dst, src)``: copy ``src`` into ``dst`` (uint8, a contiguous run of the
-    tensors' bytes), checksumming the bytes on the way where it can (CPU)."""
+    tensors' bytes), checksumming the bytes on the way where it can (CPU). ``src``: the
+    same bytes, 1-D, or as 2-D uint8 rows that land end to end (`ChunkSums.copy`)."""
     written: Callable[[torch.Tensor], None]
     """Call with a contiguous run of the tensors' bytes that is final (finer than
     ``done``; a tensor outside the buffer is ignored)."""
@@ -692,7 +693,7 @@ class ModelStore:
                 # dst may lie elsewhere (an fp8 target's staging copy): ChunkSums refuses
                 # offsets outside the buffer, and those bytes are summed at the end
                 if sums is None or not sums.copy(dst.data_ptr() - base.data_ptr(), dst, src):
-                    dst.copy_(src)
+                    dst.view(src.shape).copy_(src)
             def written(dst: torch.Tensor) -> None:
                 offset, nbytes = dst.data_ptr() - base.data_ptr(), dst.numel() * dst.element_size()
                 if marks is not None and offset >= 0 and offset + nbytes <= layout.nbytes:

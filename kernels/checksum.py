@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from weightfabric.kernels.dispatch import choose_backend
-from weightfabric.kernels.native import pair_sums
+from weightfabric.kernels.native import pair_sums, rows_sums
 
 K1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 K4 = -2960836687051489901  # 0xD6E8FEB86659FD93
@@ -343,10 +343,15 @@ class ChunkSums:
     def copy(self, offset: int, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Copy ``src`` into ``dst`` (the buffer's bytes from ``offset``), summing as it goes.
 
-        Both uint8, 1-D, contiguous, on the CPU, the same length. Returns False, having
-        done nothing, where the compiled loop cannot (none built, ``offset`` not a
-        multiple of 8, an address not a multiple of 4): the caller copies instead.
+        ``dst``: uint8, 1-D, contiguous, on the CPU. ``src``: the same bytes as a 1-D
+        contiguous uint8 tensor, or as rows (2-D uint8, each row contiguous, rows any
+        stride apart: a column block of a wider tensor) that land end to end. Returns
+        False, having done nothing, where the compiled loop cannot (none built, ``offset``
+        not a multiple of 8, an address or row stride not a multiple of 4, rows not a
+        multiple of 8 bytes): the caller copies instead.
         """
+        if src.dim() == 2:
+            return self._copy_rows(offset, dst, src)
         whole = src.numel() // 8 * 8
         if (offset % 8 or src.data_ptr() % 4 or dst.data_ptr() % 4 or not whole
                 or offset < 0 or offset + src.numel() > self.nbytes):
@@ -357,6 +362,24 @@ class ChunkSums:
             return False
         if whole < src.numel():
             dst[whole:].copy_(src[whole:])
+        self._record(offset, whole, part)
+        return True
+
+    def _copy_rows(self, offset: int, dst: torch.Tensor, rows: torch.Tensor) -> bool:
+        n, row_bytes = rows.shape
+        nbytes = n * row_bytes
+        if (offset % 8 or row_bytes % 8 or rows.stride(1) != 1 or rows.stride(0) % 4
+                or rows.data_ptr() % 4 or dst.data_ptr() % 4 or not nbytes or offset < 0
+                or offset + nbytes > self.nbytes or dst.numel() != nbytes):
+            return False
+        part = rows_sums(rows, dst, self.chunk_size // 8, offset // 8)
+        if part is None:
+            return False
+        self._record(offset, nbytes, part)
+        return True
+
+    def _record(self, offset: int, whole: int, part: torch.Tensor) -> None:
+        """Add the sums ``part`` of bytes ``[offset, offset + whole)``, copied (again)."""
         with self._lock:
             again = self._parts.get((offset, whole))
             if again is not None:
@@ -365,7 +388,6 @@ class ChunkSums:
                 self.covered.append((offset, offset + whole))
             self._parts[(offset, whole)] = part
             self._add(offset, part)
-        return True
 
     def finish(self, buffer: torch.Tensor) -> torch.Tensor:
         """``chunk_checksums(buffer, chunk_size)``, ``buffer`` being the assembled bytes."""

@@ -105,6 +105,19 @@ void wf_pair_sums(uint32_t *dst, const uint32_t *w, size_t a, size_t b, uint64_t
         k = end;
     }
 }
+
+/* wf_pair_sums over `rows` rows of `row_pairs` pairs each: row r is read at w + r *
+   stride_words and lands (in dst, if not NULL, and in the byte space) right after row
+   r - 1, from position base on; out counts chunks from the one holding base. */
+void wf_rows_sums(uint32_t *dst, const uint32_t *w, size_t rows, size_t row_pairs,
+                  size_t stride_words, uint64_t base, uint64_t chunk_pairs, uint64_t *out) {
+    uint64_t first = base / chunk_pairs;
+    for (size_t r = 0; r < rows; r++) {
+        uint64_t at = base + r * row_pairs;
+        wf_pair_sums(dst == NULL ? NULL : dst + 2 * r * row_pairs, w + r * stride_words, 0,
+                     row_pairs, at, chunk_pairs, out + (at / chunk_pairs - first));
+    }
+}
 """
 
 _MIN_TASK_PAIRS = 1 << 19
@@ -157,6 +170,10 @@ def checksum_library() -> ctypes.CDLL | None:
                 lib.wf_pair_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                              ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64,
                                              ctypes.c_void_p]
+                lib.wf_rows_sums.restype = None
+                lib.wf_rows_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                             ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64,
+                                             ctypes.c_uint64, ctypes.c_void_p]
                 return lib
         except (OSError, subprocess.SubprocessError) as exc:
             log.debug("native checksum with %s unavailable: %s", flags, exc)
@@ -212,4 +229,28 @@ def pair_sums(words: torch.Tensor, dst: torch.Tensor | None, chunk_pairs: int,
     return parts.sum(0)[:num_chunks]
 
 
-__all__ = ["SOURCE", "checksum_library", "pair_sums"]
+def rows_sums(rows: torch.Tensor, dst: torch.Tensor | None, chunk_pairs: int,
+              base: int) -> torch.Tensor | None:
+    """`pair_sums` of a row-strided block, rows laid end to end.
+
+    ``rows`` is a 2-D uint8 CPU view ``[n, row_bytes]`` whose rows are contiguous, ``row_bytes``
+    a multiple of 8 and the row stride a multiple of 4; row ``r`` takes positions ``base +
+    r * row_bytes / 8`` on. With ``dst`` (uint8, contiguous, ``n * row_bytes`` bytes), the
+    rows are also copied there, end to end, in the same pass (one thread). Returns int64
+    sums per chunk from the one holding ``base`` (no length term), or None without the
+    compiled loop.
+    """
+    lib = checksum_library()
+    if lib is None:
+        return None
+    n, row_bytes = rows.shape
+    row_pairs = row_bytes // 8
+    total = n * row_pairs
+    num_chunks = (base + total - 1) // chunk_pairs - base // chunk_pairs + 1 if total else 0
+    out = torch.zeros(max(num_chunks, 1), dtype=torch.int64)
+    lib.wf_rows_sums(None if dst is None else dst.data_ptr(), rows.data_ptr(), n, row_pairs,
+                     rows.stride(0) // 4, base % 2**64, chunk_pairs, out.data_ptr())
+    return out[:num_chunks]
+
+
+__all__ = ["SOURCE", "checksum_library", "pair_sums", "rows_sums"]

@@ -376,7 +376,18 @@ def _copy_mapped(r: _Read, src: torch.Tensor, stage: torch.Tensor,
             if written is not None:
                 written(part)
         return
-    typed = src[r.offset:r.offset + _span(r)].view(r.dtype)
+    raw = src[r.offset:r.offset + _span(r)]
+    rows = _direct_destination(r, stage, size, strided=True)
+    if rows is not None:     # whole rows of the target, read from a wider source: one pass
+        block = torch.as_strided(raw, (r.rows, r.row_bytes), (r.stride, 1))
+        if place is None:
+            rows.view(block.shape).copy_(block)
+        else:
+            place(rows, block)
+        if written is not None:
+            written(rows)
+        return
+    typed = raw.view(r.dtype)
     block = torch.as_strided(typed, (r.rows, r.row_bytes // size), (r.stride // size, 1))
     p = r.piece
     assemble(stage, Piece(p.target, p.source, p.index, (0, r.rows), None, p.entry,
@@ -415,9 +426,14 @@ def _read_bands(r: _Read, read: ReadFn, stage: torch.Tensor, staging: Staging, b
     return total, reads
 
 
-def _direct_destination(r: _Read, stage: torch.Tensor, size: int) -> torch.Tensor | None:
-    """The target's bytes ``r`` fills, if they are one contiguous run of its dtype; else None."""
-    if r.dtype != stage.dtype or r.row_bytes != r.stride:
+def _direct_destination(r: _Read, stage: torch.Tensor, size: int, *, strided: bool = False
+                        ) -> torch.Tensor | None:
+    """The target's bytes ``r`` fills, if they are one contiguous run of its dtype; else None.
+
+    With ``strided``, also when the source rows are wider than the block (a column block
+    that spans whole rows of the target).
+    """
+    if r.dtype != stage.dtype or (r.row_bytes != r.stride and not strided):
         return None
     p = r.piece
     dst = stage[p.entry] if p.entry is not None else stage

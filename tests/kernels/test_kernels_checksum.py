@@ -266,3 +266,35 @@ def test_the_fused_copy_rejects_bad_input():
         checksum.copy_with_checksums(_buf(16), _buf(24), 8)
     with pytest.raises(TypeError, match="dst"):
         checksum.copy_with_checksums(torch.zeros(4), _buf(16), 8)
+
+
+@pytest.mark.parametrize(("rows", "row_bytes", "stride", "offset", "chunk"), [
+    (300, 512, 1024, 4096, 8192),     # a column block, rows crossing chunk edges
+    (7, 24, 40, 8, 64),               # rows of 3 pairs, a chunk every 2.7 rows
+    (1, 4096, 8192, 0, 4096),
+])
+def test_chunk_sums_of_row_strided_copies_equal_copy_then_checksum(rows, row_bytes, stride,
+                                                                   offset, chunk):
+    """`ChunkSums.copy` of a 2-D row-strided source (native `rows_sums`) against the reference."""
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randint(0, 256, (rows * stride,), dtype=torch.uint8, generator=g)
+    block = torch.as_strided(wide, (rows, row_bytes), (stride, 1))
+    nbytes = offset + rows * row_bytes + 24
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    want = buf.clone()
+    want[offset:offset + rows * row_bytes].copy_(block.reshape(-1))
+    sums = checksum.ChunkSums(nbytes, chunk)
+    assert sums.copy(offset, buf[offset:offset + rows * row_bytes], block)
+    assert torch.equal(buf, want)
+    assert torch.equal(sums.finish(buf), chunk_checksums_ref(want, chunk))
+
+
+def test_row_strided_copies_it_cannot_sum_are_left_to_the_caller():
+    wide = torch.zeros(64 * 10, dtype=torch.uint8)
+    sums = checksum.ChunkSums(1024, 64)
+    dst = torch.zeros(10 * 12, dtype=torch.uint8)
+    assert not sums.copy(0, dst, torch.as_strided(wide, (10, 12), (64, 1)))    # 12 % 8
+    dst = torch.zeros(10 * 16, dtype=torch.uint8)
+    assert not sums.copy(0, dst, torch.as_strided(wide, (10, 16), (62, 1)))    # stride % 4
+    assert not sums.copy(4, dst, torch.as_strided(wide, (10, 16), (64, 1)))    # offset % 8
+    assert sums.covered == []
