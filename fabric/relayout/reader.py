@@ -284,26 +284,18 @@ class ShardReader:
             FetchError: no holder of the shard could serve them.
         """
         errors = []
-        for holder in self.holders[shard]:
-            if holder in self.failed or holder not in self.addresses:
-                continue
-            source = Source(holder, self.addresses[holder],
-                            region_name(self.model, self.version, shard))
+        for source in self._sources(shard):
             try:
-                if self.manifests[shard].checksums and self.verify(source):
+                if self._verified(shard, source):
                     with self._verifying:
                         nbytes = self._read_verified(source, shard, offset, out)
                 else:
                     nbytes = self._read(source, offset, out, copy)
             except (TransportError, _BadChunk) as exc:
-                log.warning("resharded read of shard %d from %s failed (%s); trying the next "
-                            "holder", shard, holder, exc)
-                with self._lock:
-                    self.failed.append(holder)
-                errors.append(f"{holder}: {exc}")
+                self._give_up(shard, source, exc)
+                errors.append(f"{source.worker}: {exc}")
                 continue
-            with self._lock:
-                self.sources[holder] = self.sources.get(holder, 0) + nbytes
+            self._served(source, nbytes)
             return
         raise FetchError(f"{self.model!r} v{self.version} shard {shard}: no holder could serve "
                          f"bytes [{offset}, {offset + out.numel()}): {'; '.join(errors) or 'none left'}")
@@ -323,32 +315,45 @@ class ShardReader:
         """
         with contextlib.ExitStack() as stack:
             src, used = None, None
-            for holder in self.holders[shard]:
-                if holder in self.failed or holder not in self.addresses:
-                    continue
-                source = Source(holder, self.addresses[holder],
-                                region_name(self.model, self.version, shard))
+            for source in self._sources(shard):
                 try:
                     transport = self.worker.transport_for(source, timeout=self.timeout)
-                    if (not isinstance(transport, ShmTransport)
-                            or (self.manifests[shard].checksums and self.verify(source))):
+                    if not isinstance(transport, ShmTransport) or self._verified(shard, source):
                         break
                     src = stack.enter_context(transport.mapped(
                         source.address, source.region, offset, nbytes, ranges,
                         timeout=self.timeout))
-                    used = holder
+                    used = source
                     break
                 except TransportError as exc:
-                    log.warning("lease of shard %d from %s failed (%s); trying the next holder",
-                                shard, holder, exc)
-                    with self._lock:
-                        self.failed.append(holder)
+                    self._give_up(shard, source, exc)
             yield src
         if used is not None:     # the lease held to the end
             copied = sum(n for _, n in ranges)
             with self._lock:
                 self.fetched_bytes += copied
-                self.sources[used] = self.sources.get(used, 0) + copied
+            self._served(used, copied)
+
+    def _sources(self, shard: int) -> Iterator[Source]:
+        """The holders of ``shard`` not given up on, best first."""
+        for holder in self.holders[shard]:
+            if holder not in self.failed and holder in self.addresses:
+                yield Source(holder, self.addresses[holder],
+                             region_name(self.model, self.version, shard))
+
+    def _verified(self, shard: int, source: Source) -> bool:
+        """Whether bytes of ``shard`` read from ``source`` are checked against its checksums."""
+        return bool(self.manifests[shard].checksums) and self.verify(source)
+
+    def _give_up(self, shard: int, source: Source, exc: Exception) -> None:
+        log.warning("read of shard %d from %s failed (%s); trying the next holder", shard,
+                    source.worker, exc)
+        with self._lock:
+            self.failed.append(source.worker)
+
+    def _served(self, source: Source, nbytes: int) -> None:
+        with self._lock:
+            self.sources[source.worker] = self.sources.get(source.worker, 0) + nbytes
 
     def _read(self, source: Source, offset: int, out: torch.Tensor,
               copy: CopyFn | None = None) -> int:
