@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from weightfabric.fabric.errors import BadRequestError
+from weightfabric.fabric.errors import BadRequestError, UnknownModelError, UnknownVersionError
+from weightfabric.fabric.hub.records import PUBLISHING, RETIRED
 from weightfabric.fabric.hub.state import HubState, check_manifest_size
 from weightfabric.fabric.hub_messages import (
     AbortPublishRequest,
@@ -24,6 +25,7 @@ from weightfabric.fabric.hub_messages import (
     BeginFetchRequest,
     BeginPublishRequest,
     CommitRequest,
+    CommitWaitReply,
     CompleteFetchRequest,
     CompleteReply,
     DropRequest,
@@ -243,15 +245,21 @@ def op_wait_version(s: HubState, session: str, a: WaitVersionRequest) -> Answer 
 
 def op_wait_commit(s: HubState, session: str, a: WaitCommitRequest) -> Answer | Park:
     model, version, shard = a.model, a.version, a.shard
+    first = s.commit_state(model, version, shard)   # unknown ones raise here, at once
+
+    def state() -> CommitWaitReply:
+        try:
+            return s.commit_state(model, version, shard)
+        except (UnknownModelError, UnknownVersionError) as exc:  # forgotten while parked
+            return CommitWaitReply(state=RETIRED, reason=str(exc))
 
     def check() -> Reply | None:
-        out = s.commit_state(model, version, shard)
-        return None if out.state == "publishing" else out
-    ready = check()
+        out = state()
+        return None if out.state == PUBLISHING else out
     timeout = _wait(a.timeout)
-    if ready is not None or timeout <= 0:
-        return ready or s.commit_state(model, version, shard)
-    return Park(check, timeout, lambda: s.commit_state(model, version, shard))
+    if first.state != PUBLISHING or timeout <= 0:
+        return first
+    return Park(check, timeout, state)
 
 
 def op_kv_put(s: HubState, session: str, a: KvPutRequest) -> Answer:

@@ -123,6 +123,24 @@ def test_a_version_being_derived_is_copied_from_its_deriver_as_it_fills() -> Non
     h.s._check_indexes()
 
 
+def test_a_parked_wait_commit_answers_the_retire_even_of_a_forgotten_version() -> None:
+    from weightfabric.fabric.hub.ops import Park, op_wait_commit
+    from weightfabric.fabric.hub_messages import WaitCommitRequest
+
+    h = Hub("a", "b")
+    v = h.publish()
+    h.derive("a", v)
+    park = op_wait_commit(h.s, "b", WaitCommitRequest(model=D, version=v, timeout=5))
+    assert isinstance(park, Park) and park.check() is None
+    h.s.abort_publish(D, v, "a", session="a", reason="no memory")
+    assert park.check().state == RETIRED
+    del h.s.models[D].versions[v]                    # collected while the reader waited
+    out = park.on_timeout()
+    assert out.state == RETIRED and "no version" in out.reason
+    with pytest.raises(UnknownVersionError):        # asked afresh: unknown at once
+        op_wait_commit(h.s, "b", WaitCommitRequest(model=D, version=v, timeout=5))
+
+
 def test_a_plain_version_is_not_fetchable_before_its_commit() -> None:
     h = Hub("b")
     v = h.publish(commit=False)
