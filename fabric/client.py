@@ -154,6 +154,12 @@ class PlanRange:
     wait: tuple[str, ...]
 
 
+def locate_data(reply: LocateReply) -> dict[str, Any]:
+    """A `LocateReply` as the plain data `HubClient.locate` returns (capabilities as bytes)."""
+    out: dict[str, Any] = msgspec.to_builtins(reply, builtin_types=(bytes,))
+    return out
+
+
 @dataclass(frozen=True)
 class FetchPlan:
     """What `HubClient.begin_fetch` / `replan` return."""
@@ -649,9 +655,7 @@ class HubClient:
         Raises:
             UnknownModelError, UnknownVersionError, NoSourceError.
         """
-        out: dict[str, Any] = msgspec.to_builtins(self.locate_reply(model, version),
-                                                  builtin_types=(bytes,))
-        return out
+        return locate_data(self.locate_reply(model, version))
 
     def locate_reply(self, model: str, version: int | str = "latest") -> LocateReply:
         """`locate`, as the typed `LocateReply`."""
@@ -961,4 +965,4 @@ def connect(url: str, *, worker: str | None = None,
                      secret_file=secret_file, insecure=insecure).open()
 
 
-__all__ = ["FetchPlan", "HubClient", "PlanRange", "SourceInfo", "connect"]
+__all__ = ["FetchPlan", "HubClient", "PlanRange", "SourceInfo", "connect", "locate_data"]

@@ -33,17 +33,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 from torch import nn
 
 from weightfabric.fabric.checks import check_version
+from weightfabric.fabric.client import locate_data
 from weightfabric.fabric.errors import (
     FetchError,
     LayoutError,
@@ -98,8 +97,9 @@ class LayoutStore:
         derive_wait: seconds to wait for another reader deriving the same version.
         timeout: per read while deriving.
         chunk_size: chunks of the derived versions this reader publishes.
-        threads: reads in flight at once while deriving (default: the CPUs this process
-            may use, at most 4; more threads than cores only add contention).
+        threads: reads in flight at once while deriving (default: torch's intra-op thread
+            count, as the native checksum uses, at most 4; more threads than cores only
+            add contention).
     """
 
     def __init__(self, worker: Worker, model: str, layout: EngineLayout, *, rank: int,
@@ -111,8 +111,7 @@ class LayoutStore:
                               "is outside")
         self.worker, self.model, self.layout, self.rank = worker, model, layout, rank
         self.budget, self.derive_wait, self.timeout = budget, derive_wait, timeout
-        self.threads = threads or min(4, len(os.sched_getaffinity(0))
-                                      if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        self.threads = threads or min(4, torch.get_num_threads())
         self.name = layout.derived_model(model, rank)
         """The hub's name of this layout and rank's derived replicas."""
         self.store: ModelStore = worker.model(self.name, device=device,
@@ -208,8 +207,7 @@ class LayoutStore:
             reply, early = self._claim(number) if known else (None, None)
             if reply is None or reply.action == "derive" or (reply.action == "fetch"
                                                              and copy_failed):
-                where = (msgspec.to_builtins(reply.base, builtin_types=(bytes,))
-                         if reply is not None and reply.base is not None
+                where = (locate_data(reply.base) if reply is not None and reply.base is not None
                          else hub.locate(self.model, number))
                 manifests = [Manifest.from_wire(s["manifest"]) for s in where["shards"]]
                 try:
