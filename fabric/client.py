@@ -689,14 +689,17 @@ class HubClient:
                     h.chunks.update(chunks)
         return out
 
-    def complete_fetch(self, fetch_id: str, *, wait: float = 0.0) -> CompleteReply:
+    def complete_fetch(self, fetch_id: str, *, wait: float = 0.0,
+                       traffic: dict[str, list[int]] | None = None) -> CompleteReply:
         """Become a complete replica.
 
         In a group, ``wait`` seconds for the other members; returns ``complete`` (bool) and
-        ``group`` (None, ``"open"``, ``"committed"`` or ``"aborted"``).
+        ``group`` (None, ``"open"``, ``"committed"`` or ``"aborted"``). ``traffic``: source
+        worker -> [bytes delivered, bytes on the wire], for `fabric hub status`.
         """
         out = self.request(CompleteFetchRequest(worker=self._me(), fetch_id=fetch_id,
-                                                timeout=wait), CompleteReply, wait_s=wait)
+                                                timeout=wait, traffic=traffic),
+                           CompleteReply, wait_s=wait)
         with self._lock:
             for h in self._holdings.values():
                 if h.fetch_id == fetch_id:

@@ -36,6 +36,10 @@ class ReadRefusedError(TransportError):
     """
 
 
+class NoBaseError(ReadRefusedError):
+    """A delta read's holder holds none of the reader's base versions whole (read in full)."""
+
+
 class ReadForbiddenError(ReadRefusedError):
     """The holder refused the read for want of a valid capability (none, forged, expired).
 
@@ -227,6 +231,7 @@ __all__ = [
     "ManifestMismatchError",
     "NoSourceError",
     "ProtocolError",
+    "NoBaseError",
     "ReadForbiddenError",
     "ReadRefusedError",
     "ReplicationTimeoutError",

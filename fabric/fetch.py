@@ -49,9 +49,11 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from weightfabric.fabric.errors import FabricError, FetchError, TransportError
+from weightfabric.fabric.deltas import DeltaBase, delta_mode
+from weightfabric.fabric.errors import FabricError, FetchError, NoBaseError, TransportError
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports import ReadAbort, SourceAddress, Transport, local_host_id
+from weightfabric.kernels.delta import DeltaFormatError, decode_delta
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +109,10 @@ class FetchStats:
         chunks_reread: reads of a chunk already tried once (its source failed, or its
             checksum was wrong).
         corrupted_chunks: reads whose checksum did not match.
-        sources: worker -> bytes read from it.
+        sources: worker -> bytes read from it (delivered: a delta counts as what it decodes to).
+        wire_bytes, wire: bytes that crossed to this reader (deltas as encoded), in all and
+            per worker; equal to the delivered bytes without deltas.
+        delta_chunks: chunks that came as deltas (`fabric.deltas`).
         transports: transport name (``"shm"``, ``"tcp"``, ``"cuda_ipc"`` ...) -> bytes.
         failed_sources: workers given up on during this fetch.
     """
@@ -119,6 +124,9 @@ class FetchStats:
     chunks_reread: int = 0
     corrupted_chunks: int = 0
     sources: dict[str, int] = field(default_factory=dict)  # worker -> bytes read from it
+    wire_bytes: int = 0
+    wire: dict[str, int] = field(default_factory=dict)  # worker -> bytes on the wire
+    delta_chunks: int = 0
     transports: dict[str, int] = field(default_factory=dict)  # "shm", "cuda_ipc"... -> bytes
     failed_sources: list[str] = field(default_factory=list)
 
@@ -132,6 +140,8 @@ class FetchStats:
         return {"version": self.version, "bytes": self.bytes, "seconds": self.seconds, "gbps": self.gbps,
                 "chunks": self.chunks, "chunks_reread": self.chunks_reread,
                 "corrupted_chunks": self.corrupted_chunks, "sources": dict(self.sources),
+                "wire_bytes": self.wire_bytes, "wire": dict(self.wire),
+                "delta_chunks": self.delta_chunks,
                 "transports": dict(self.transports),
                 "failed_sources": list(self.failed_sources)}
 
@@ -210,6 +220,9 @@ class FetchOptions:
     goes when the next read finishes, or within a `WAIT_SLICE` if none does; the rest
     when the fetch ends. Peers reading this partial replica are not delayed by it:
     they wait on the local chunk bitmap, which is marked per chunk."""
+    deltas: str | None = None
+    """Ask sources for deltas against a version this reader holds (`fabric.deltas`):
+    ``"auto"``, ``"on"`` or ``"off"``; None: ``$WEIGHTFABRIC_DELTAS``, else ``"auto"``."""
 
 
 def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress,
@@ -221,7 +234,8 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                  on_chunk: Callable[[int, int], None] | None = None,
                  before_write: Callable[[int, int], None] | None = None,
                  cancel: threading.Event | None = None,
-                 deferred: dict[int, int] | None = None) -> FetchStats:
+                 deferred: dict[int, int] | None = None,
+                 delta: DeltaBase | None = None) -> FetchStats:
     """Fill the missing chunks of `dest` (flat ``uint8``) from the planner's sources.
 
     Args:
@@ -249,6 +263,10 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
             still deriving, `ModelStore.fetch`): with ``checksums`` None, the checksum of
             every chunk ``verify`` selects is computed (in the copy where the transport
             fuses it) and stored here by chunk index, for the caller to compare later.
+        delta: a version this reader holds whole, to ask sources for deltas against
+            (`fabric.deltas`; ``options.deltas`` and its policy say from which). Each
+            chunk decoded is verified like any other (its checksum is computed after
+            the decode).
 
     Returns:
         FetchStats of this call.
@@ -262,7 +280,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
                      choose=choose, checksums=checksums, checksum_fn=checksum_fn,
                      copy_checksums=copy_checksums, verify=verify, options=options,
                      on_chunk=on_chunk, before_write=before_write, cancel=cancel,
-                     deferred=deferred).run()
+                     deferred=deferred, delta=delta).run()
 
 
 _Queued = tuple[tuple[int, ...], Source]
@@ -297,12 +315,16 @@ class _FetchRun:
                  verify: Callable[[Source], bool], options: FetchOptions,
                  on_chunk: Callable[[int, int], None] | None,
                  before_write: Callable[[int, int], None] | None,
-                 cancel: threading.Event | None, deferred: dict[int, int] | None) -> None:
+                 cancel: threading.Event | None, deferred: dict[int, int] | None,
+                 delta: DeltaBase | None = None) -> None:
         self.dest, self.chunk_size, self.progress = dest, chunk_size, progress
         self.planner, self.choose, self.options = planner, choose, options
         self.checksums, self.checksum_fn, self.verify = checksums, checksum_fn, verify
         self.copy_checksums, self.deferred = copy_checksums, deferred
         self.on_chunk, self.before_write, self.cancel = on_chunk, before_write, cancel
+        self.delta, self.delta_mode = delta, delta_mode(options.deltas)
+        self.no_base: set[str] = set()  # workers that hold none of the delta's bases
+        self.whole: set[int] = set()  # chunks a delta failed for: read whole from now on
         self.lost_news: Callable[[], set[str]] = getattr(planner, "lost", set)
         self.total = progress.num_chunks
         self.chunks_per_read = max(1, options.read_bytes // chunk_size)
@@ -429,6 +451,15 @@ class _FetchRun:
         if self.deferred is not None:
             self.deferred.update(zip(read.span, read.sums, strict=False))
         for chunk in read.span:
+            if chunk in read.corrupted and read.delta:
+                # decoded over this reader's own base, which may be what is wrong: read the
+                # chunk whole next time, from any source (the sender is not to blame)
+                self.stats.corrupted_chunks += 1
+                self.whole.add(chunk)
+                log.warning("chunk %d decoded from a delta failed its checksum; reading it "
+                            "whole", chunk)
+                bad.append(chunk)
+                continue
             if chunk in read.corrupted:
                 self.stats.corrupted_chunks += 1
                 self.corrupt_from.setdefault(chunk, set()).add(worker)
@@ -441,8 +472,11 @@ class _FetchRun:
             self.stats.chunks += 1
             self.stats.sources[worker] = self.stats.sources.get(worker, 0) + nbytes
             self.stats.transports[read.via] = self.stats.transports.get(read.via, 0) + nbytes
+            self.stats.delta_chunks += read.delta
             kept.append(chunk)
-        if bad:
+        self.stats.wire_bytes += read.wire
+        self.stats.wire[worker] = self.stats.wire.get(worker, 0) + read.wire
+        if bad and not read.delta:
             self.report_corrupt(worker, bad)
         return kept, bad
 
@@ -540,9 +574,17 @@ class _FetchRun:
 
                     def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
                         sums.extend(fused(dst, src, span[0]))
-                got = transport.read(source.address, source.region, lo, self.dest[lo:hi],
-                                     timeout=timeout, prefix=True, abort=claim.abort,
-                                     **({} if copy is None else {"copy": copy}))
+                as_delta = self.delta_read(transport, span, source, timeout, claim.abort)
+                if as_delta is not None:
+                    got, wire = as_delta
+                else:
+                    started = time.monotonic()
+                    got = wire = transport.read(
+                        source.address, source.region, lo, self.dest[lo:hi], timeout=timeout,
+                        prefix=True, abort=claim.abort, **({} if copy is None else {"copy": copy}))
+                    if self.delta is not None:
+                        self.delta.policy.observe(source.address, delivered=got, wire=got,
+                                                  seconds=time.monotonic() - started)
                 if got < hi - lo and got % self.chunk_size:
                     raise TransportError(f"source granted {got} bytes, not whole chunks of "
                                          f"{self.chunk_size}")
@@ -558,7 +600,51 @@ class _FetchRun:
         except TransportError as exc:
             return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
         return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):],
-                     sums=tuple(sums[:len(done)]) if self.deferred is not None else ())
+                     sums=tuple(sums[:len(done)]) if self.deferred is not None else (),
+                     wire=wire, delta=as_delta is not None)
+
+    def delta_read(self, transport: Transport, span: tuple[int, ...], source: Source,
+                   timeout: float, abort: ReadAbort) -> tuple[int, int] | None:
+        """Read `span` as deltas and decode it into `dest`, if this read should.
+
+        Returns (bytes delivered, bytes on the wire), or None: read it in full (no base
+        here, the policy says full is faster, a chunk of it failed its checksum before
+        (as a delta or whole),
+        the transport has no delta reads, or the source holds none of the bases).
+        """
+        delta = self.delta
+        read_delta = getattr(transport, "read_delta", None)
+        if (delta is None or read_delta is None or source.worker in self.no_base
+                or any(c in self.corrupt_from or c in self.whole for c in span)
+                or not delta.policy.use(self.delta_mode, source.address)):
+            return None
+        lo = span[0] * self.chunk_size
+        hi = min((span[-1] + 1) * self.chunk_size, self.dest.numel())
+        started = time.monotonic()
+        try:
+            reply = read_delta(source.address, source.region, lo, hi - lo,
+                               chunk_size=self.chunk_size, width=delta.width, bases=[delta.name],
+                               timeout=timeout, prefix=True, abort=abort)
+        except NoBaseError:
+            self.no_base.add(source.worker)
+            return None
+        decoding = time.monotonic()
+        delivered = 0
+        for i, blob in enumerate(reply.blobs):
+            c_lo = lo + i * self.chunk_size
+            c_hi = min(c_lo + self.chunk_size, hi)
+            out = self.dest[c_lo:c_hi]
+            base = delta.tensor[c_lo:c_hi]
+            try:
+                decode_delta(torch.frombuffer(blob, dtype=torch.uint8),
+                             out if base.data_ptr() == out.data_ptr() else base, out)
+            except DeltaFormatError as exc:
+                raise TransportError(f"chunk {span[i]} from {source.worker}: {exc}") from exc
+            delivered += c_hi - c_lo
+        done = time.monotonic()
+        delta.policy.observe(source.address, delivered=delivered, wire=reply.wire_bytes,
+                             seconds=done - started, decode_seconds=done - decoding)
+        return delivered, reply.wire_bytes
 
     def schedule(self, assignments: list[Assignment], missing: list[int]) -> list[_Queued]:
         """`_schedule` with this fetch's read limits, avoiding corrupt senders."""
@@ -638,6 +724,8 @@ class _Read:
     corrupted: tuple[int, ...] = ()
     rest: tuple[int, ...] = ()
     sums: tuple[int, ...] = ()  # of `span`, when the fetch defers its checks
+    wire: int = 0  # bytes that came over the wire (a delta's encoded size)
+    delta: bool = False  # the span came as deltas
 
 
 def _no_source_left(missing: list[int], failed: dict[str, str],

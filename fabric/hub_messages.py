@@ -488,6 +488,9 @@ class CompleteFetchRequest(Request, frozen=True, kw_only=True):
     worker: str
     fetch_id: str
     timeout: float = 0.0
+    traffic: dict[str, list[int]] | None = None
+    """Source worker -> [bytes delivered, bytes on the wire] of this fetch (shown by
+    `fabric hub status`)."""
 
 
 class GroupStatusRequest(Request, frozen=True, kw_only=True):

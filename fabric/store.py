@@ -63,6 +63,7 @@ from torch import nn
 from weightfabric.fabric.arena import Region
 from weightfabric.fabric.buffer_pool import MAX_BUFFERS, PREPARED_BUFFERS, Buffer, BufferPool
 from weightfabric.fabric.checks import check_model_name, check_version
+from weightfabric.fabric.deltas import DeltaBase, DeltaPolicy, delta_mode, word_width
 from weightfabric.fabric.client import HubClient
 from weightfabric.fabric.dtensors import is_dtensor, local_shards
 from weightfabric.fabric.errors import (
@@ -276,6 +277,8 @@ class ModelStore:
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"wf-fetch-{model}")
         self._cancel = threading.Event()  # set by `close`: the running fetch stops
         self._early_chunk_size = self.chunk_size
+        self.delta_policy = DeltaPolicy()
+        """When this store's fetches ask for deltas; it learns from their reads."""
         """Chunks of the exposure made before `begin_fetch`: the last fetched version's."""
 
     # --- state ---------------------------------------------------------------------
@@ -767,6 +770,8 @@ class ModelStore:
         # peers told to wait on it find the region at once.
         early_chunk = self._early_chunk_size
         in_place = in_place and self.pool.active is not None and self.nvshmem is None
+        held_base = self.pool.active  # a delta base, read before an in-place fetch forgets it
+        base = (held_base.region.tensor, held_base.version) if held_base is not None else None
         if in_place:
             self._drop_spares()
         early = (self._expose_spare(version, early_chunk)  # not in place: keep the old one
@@ -815,6 +820,7 @@ class ModelStore:
         # A derived version its deriver is still making has no checksums yet: the copy
         # computes them and compares them once the deriver commits.
         deferred: dict[int, int] | None = None if manifest.checksums else {}
+        delta = self._delta_base(base, plan.version, manifest, options)
         try:
             stats = fetch_chunks(
                 buffer.region.tensor, chunk_size=manifest.chunk_size, progress=progress,
@@ -826,12 +832,13 @@ class ModelStore:
                 copy_checksums=lambda dst, src, c: copy_with_checksums(
                     dst, src, manifest.chunk_size, first_chunk=c).tolist(),
                 verify=verify_rule(verify), options=options, on_chunk=on_chunk,
-                before_write=populate, cancel=self._cancel)
+                before_write=populate, cancel=self._cancel, delta=delta)
             if deferred is not None:
                 self._check_deferred(plan.version, deferred, options.deadline)
             with self._lock:
                 buffer.pending = True  # before the hub lists it complete: reserved from now
-            hub.complete_fetch(plan.fetch_id)
+            hub.complete_fetch(plan.fetch_id, traffic={
+                w: [n, stats.wire.get(w, n)] for w, n in stats.sources.items()})
         except BaseException as exc:
             _quietly(hub.release, plan.fetch_id)
             self._unexpose(buffer, timeout=min(options.read_timeout, FAILED_DRAIN_S))
@@ -845,6 +852,20 @@ class ModelStore:
                  plan.version, stats.bytes, stats.seconds, stats.gbps,
                  ", ".join(sorted(stats.sources)) or "nobody")
         return buffer, stats
+
+    def _delta_base(self, base: tuple[torch.Tensor, int | None] | None, version: int,
+                    manifest: Manifest, options: FetchOptions) -> DeltaBase | None:
+        """What a fetch of ``version`` may ask for deltas against (`fabric.deltas`).
+
+        The version that was active when the fetch began (held whole, same layout), unless
+        deltas are off, the store is symmetric, or it held none.
+        """
+        if (base is None or base[1] is None or base[1] == version or self.nvshmem is not None
+                or delta_mode(options.deltas) == "off"):
+            return None
+        width = word_width([(getattr(torch, t.dtype), t.nbytes) for t in manifest.tensors])
+        return DeltaBase(region_name(self.model, base[1], self.shard), base[0], width,
+                         self.delta_policy)
 
     def _check_deferred(self, version: int, sums: dict[int, int], timeout: float) -> None:
         """Wait for the commit of ``version`` (copied while derived) and check what was read.

@@ -5,6 +5,16 @@ Triton on CUDA tensors and the torch reference elsewhere (see `kernels.dispatch`
 """
 
 from weightfabric.kernels.checksum import chunk_checksums, chunk_checksums_ref, copy_with_checksums
+from weightfabric.kernels.delta import (
+    DeltaFormatError,
+    DeltaInfo,
+    changed_words,
+    decode_delta,
+    decode_delta_ref,
+    delta_info,
+    encode_delta,
+    encode_delta_ref,
+)
 from weightfabric.kernels.dequant_segments import (
     Fp8Segment,
     dequantize_fp8_segments,
@@ -35,6 +45,8 @@ from weightfabric.kernels.reshard_plan import (
 from weightfabric.kernels.segcopy import SUPPORTED_CASTS, copy_segments, copy_segments_ref
 
 __all__ = [
+    "DeltaFormatError",
+    "DeltaInfo",
     "Fp8Segment",
     "FusedGateUp",
     "FusedQKV",
@@ -51,15 +63,21 @@ __all__ = [
     "PackLayout",
     "Slot",
     "choose_backend",
+    "changed_words",
     "chunk_checksums",
     "chunk_checksums_ref",
     "copy_segments",
     "copy_with_checksums",
     "copy_segments_ref",
+    "decode_delta",
+    "decode_delta_ref",
+    "delta_info",
     "dequantize_fp8",
     "dequantize_fp8_ref",
     "dequantize_fp8_segments",
     "dequantize_fp8_segments_ref",
+    "encode_delta",
+    "encode_delta_ref",
     "interpreting",
     "pack",
     "pack_ref",

@@ -23,10 +23,10 @@ HOPPER = ("cuda", 90, 32)
 
 def kernel_specs() -> list[tuple[Any, dict[str, str], dict[str, int]]]:
     """(kernel, signature, constexprs) of every Triton kernel in `kernels`."""
-    from weightfabric.kernels import checksum, dequant_segments, fp8, segcopy
+    from weightfabric.kernels import checksum, delta, dequant_segments, fp8, segcopy
 
     return [*segcopy.aot_specs(), *checksum.aot_specs(), *fp8.aot_specs(),
-            *dequant_segments.aot_specs()]
+            *dequant_segments.aot_specs(), *delta.aot_specs()]
 
 
 def compile_kernel(kernel: Any, signature: dict[str, str], constexprs: dict[str, int],

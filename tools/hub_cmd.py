@@ -249,6 +249,15 @@ def render_status(snap: dict, console: Console) -> None:
                             str(f["shard"]), f"{f['have']}/{f['num_chunks']} ({pct:.0f}%)",
                             ", ".join(f["sources"]))
         console.print(fetches)
+    if snap.get("recent_fetches"):
+        recent = _table("worker", "model", "ver", "shard", "delivered MB", "wire MB", "wire/delivered",
+                        "from (delivered/wire MB)", title="recent fetches (deltas: fewer wire bytes)")
+        for f in snap["recent_fetches"]:
+            froms = ", ".join(f"{w} {d / 1e6:.1f}/{n / 1e6:.1f}" for w, (d, n) in f["sources"].items())
+            recent.add_row(f["worker"], f["model"], str(f["version"]), str(f["shard"]),
+                           f"{f['delivered'] / 1e6:.1f}", f"{f['wire'] / 1e6:.1f}",
+                           f"{f['wire'] / max(1, f['delivered']):.3f}", froms)
+        console.print(recent)
     workers = _table("worker", "datacenter", "node", "device", "lease left", title="leases")
     for w in snap["workers"]:
         left = w["expires_in"]

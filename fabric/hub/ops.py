@@ -177,7 +177,7 @@ def op_report_progress(s: HubState, session: str, a: ReportProgressRequest) -> A
 
 def op_complete_fetch(s: HubState, session: str, a: CompleteFetchRequest) -> Answer | Park:
     rec = s.fetches.get(a.fetch_id)
-    out = s.complete_fetch(a.fetch_id, a.worker, session=session)
+    out = s.complete_fetch(a.fetch_id, a.worker, session=session, traffic=a.traffic)
     timeout = _wait(a.timeout)
     if out.group != "open" or timeout <= 0 or rec is None or rec.group is None:
         return out

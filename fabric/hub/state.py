@@ -41,8 +41,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
+from typing import Any
 
 from weightfabric.fabric.errors import (
     BadRequestError,
@@ -87,7 +88,7 @@ from weightfabric.fabric.hub.retention import (
     settle,
 )
 from weightfabric.fabric.hub.routing import holders, missing_runs, route, runs
-from weightfabric.fabric.hub.status import status_snapshot
+from weightfabric.fabric.hub.status import RECENT_FETCHES, fetch_traffic, status_snapshot
 from weightfabric.fabric.hub_messages import (
     BeginPublishReply,
     CommitWaitReply,
@@ -157,6 +158,8 @@ class HubState:
         self.workers: dict[str, WorkerRecord] = {}
         self.models: dict[str, ModelRecord] = {}
         self.fetches: dict[str, FetchRecord] = {}
+        self.recent_fetches: deque[dict[str, Any]] = deque(maxlen=RECENT_FETCHES)
+        """The last completed fetches' traffic (`fabric hub status`)."""
         self.groups: OrderedDict[tuple[str, str], FetchGroup] = OrderedDict()
         durable = durable or DurableState()
         self.next_versions: dict[str, int] = {**durable.next_versions, **(next_versions or {})}
@@ -851,10 +854,12 @@ class HubState:
         self._settle()
         return ProgressReply(have=rep.count, num_chunks=len(rep.have), lost=lost)
 
-    def complete_fetch(self, fetch_id: str, worker: str, *, session: str) -> CompleteReply:
+    def complete_fetch(self, fetch_id: str, worker: str, *, session: str,
+                       traffic: dict[str, list[int]] | None = None) -> CompleteReply:
         """The reader holds every chunk, verified: it becomes a complete replica.
 
         In a fetch group the replicas become complete only when every member completed.
+        ``traffic`` (source -> [bytes delivered, bytes on the wire]) joins `recent_fetches`.
 
         Returns:
             ``complete`` (bool), ``group``: None, ``"open"``, ``"committed"`` or ``"aborted"``
@@ -871,6 +876,8 @@ class HubState:
                                     "committed (wait_commit, then check its checksums)")
         rep = v.replicas[(worker, f.shard)]
         rep.fill()
+        if traffic is not None:
+            self.recent_fetches.append(fetch_traffic(f, traffic))
         if f.group is None:
             rep.complete = True
             v.reindex(rep)

@@ -7,10 +7,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from weightfabric.fabric.hub.records import LIVE, RETRACTING
+from weightfabric.fabric.hub.records import LIVE, RETRACTING, FetchRecord
 
 if TYPE_CHECKING:
     from weightfabric.fabric.hub.state import HubState
+
+RECENT_FETCHES = 64
+"""Completed fetches whose traffic the status shows."""
+MAX_TRAFFIC_SOURCES = 64
+"""Sources of one fetch's traffic kept (a reader's report is not trusted to be small)."""
+
+
+def fetch_traffic(f: FetchRecord, traffic: dict[str, list[int]]) -> dict[str, Any]:
+    """One completed fetch's traffic as the status shows it: per source and in all.
+
+    ``traffic``: source -> [bytes delivered, bytes on the wire], as the reader reported it
+    (at most `MAX_TRAFFIC_SOURCES` sources kept; what is not two counts >= 0 is dropped).
+    """
+    sources = {str(w): [int(v[0]), int(v[1])] for w, v in list(traffic.items())[:MAX_TRAFFIC_SOURCES]
+               if len(v) == 2 and v[0] >= 0 and v[1] >= 0}
+    return {"worker": f.worker, "model": f.model, "version": f.version, "shard": f.shard,
+            "delivered": sum(v[0] for v in sources.values()),
+            "wire": sum(v[1] for v in sources.values()), "sources": sources}
 
 
 def status_snapshot(hub: HubState) -> dict[str, Any]:
@@ -49,7 +67,7 @@ def status_snapshot(hub: HubState) -> dict[str, Any]:
                 "expires_in": round(w.expires - now, 3)}
                for w in sorted(hub.workers.values(), key=lambda w: w.expires)]
     return {"lease_s": hub.lease_s, "models": models, "fetches": fetches,
-            "workers": workers}
+            "recent_fetches": list(hub.recent_fetches), "workers": workers}
 
 
 __all__ = ["status_snapshot"]

@@ -16,6 +16,7 @@ import msgpack
 
 from weightfabric.fabric.auth import MAX_CAP_BYTES
 from weightfabric.fabric.errors import (
+    NoBaseError,
     ReadForbiddenError,
     ReadRefusedError,
     SourceLostError,
@@ -24,7 +25,10 @@ from weightfabric.fabric.errors import (
 from weightfabric.fabric.transports.base import ReadAbort, RegionInfo, SourceAddress, Transport
 from weightfabric.fabric.transports.tls import client_context as tls_client_context
 from weightfabric.fabric.transports.wire import (
+    BASE_NAME,
+    DELTA_ASK,
     MAGIC,
+    MAX_BASES,
     MAX_NAME,
     MAX_RANGES,
     RANGE,
@@ -197,12 +201,14 @@ def _watch(conn: socket.socket, abort: ReadAbort | None, key: tuple[str, int]) -
 
 def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, offset: int = 0,
             nbytes: int = 0, timeout: float, prefix: bool = False,
-            ranges: list[tuple[int, int]] | None = None) -> int:
+            ranges: list[tuple[int, int]] | None = None,
+            delta: tuple[int, list[str]] | None = None) -> int:
     """Send one request and read the reply header; return the payload length.
 
     ``prefix`` asks for the present prefix of the range (`Flag.PREFIX`); ``ranges``
-    declares the parts of it a lease's reader copies (`Flag.RANGES`). The reply header
-    must arrive within ``timeout + REPLY_SLACK``.
+    declares the parts of it a lease's reader copies (`Flag.RANGES`); ``delta`` is a
+    ``DELTA``'s word width and base names. The reply header must arrive within
+    ``timeout + REPLY_SLACK``.
 
     Raises:
         ValueError: an argument is out of range (nothing was sent).
@@ -220,6 +226,8 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
         if not 0 < len(ranges) <= MAX_RANGES:
             raise ValueError(f"a lease declares 1 to {MAX_RANGES} ranges, not {len(ranges)}")
         extra = RANGE_COUNT.pack(len(ranges)) + b"".join(RANGE.pack(o, n) for o, n in ranges)
+    if delta is not None:
+        extra = _delta_ask(*delta)
     about = _about(source, op, region)
     conn.settimeout(timeout + REPLY_SLACK)
     with _lost_on_error(about):
@@ -234,11 +242,29 @@ def request(conn: socket.socket, source: SourceAddress, op: Op, region: str, *, 
         code = Status(status)
     except ValueError:
         raise TransportError(f"{about}: unknown reply status {status}") from None
+    if code == Status.NO_BASE:
+        raise NoBaseError(f"{about} refused: {code.name}: {message}")
     if code == Status.FORBIDDEN:
         raise ReadForbiddenError(f"{about} refused: {code.name}: {message}")
     if code != Status.OK:
         raise ReadRefusedError(f"{about} refused: {code.name}: {message}")
     return payload_len
+
+
+def _delta_ask(width: int, bases: list[str]) -> bytes:
+    """A ``DELTA``'s trailer: word width and base names.
+
+    Raises:
+        ValueError: a width, count or name out of range.
+    """
+    names = [b.encode() for b in bases]
+    if width not in (1, 2, 4, 8) or not 0 < len(names) <= MAX_BASES:
+        raise ValueError(f"a delta read has a word width of 1, 2, 4 or 8 bytes and 1 to "
+                         f"{MAX_BASES} bases, not {width} and {len(names)}")
+    if any(len(n) > MAX_NAME for n in names):
+        raise ValueError(f"base name over the limit of {MAX_NAME} bytes")
+    return DELTA_ASK.pack(width, len(names)) + b"".join(BASE_NAME.pack(len(n)) + n
+                                                       for n in names)
 
 
 def _checked_name(region: str, offset: int, nbytes: int, timeout: float) -> bytes:

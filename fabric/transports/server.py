@@ -30,9 +30,15 @@ import torch
 from weightfabric.fabric.auth import MAX_CAP_BYTES, CapabilityCheck
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports.base import SourceAddress, local_host_id
+from weightfabric.fabric.transports.delta_cache import DEFAULT_CACHE_BYTES, DeltaCache, encode_chunk
 from weightfabric.fabric.transports.tls import HANDSHAKE_S, TlsConfig
 from weightfabric.fabric.transports.wire import (
+    BASE_NAME,
+    BLOB_LEN,
+    DELTA_ASK,
+    DELTA_HEAD,
     MAGIC,
+    MAX_BASES,
     MAX_NAME,
     MAX_RANGES,
     RANGE,
@@ -112,6 +118,8 @@ class ReadServer:
             and tests of the transports themselves).
         max_leases_per_reader: leases one reader may hold at once (`MAX_LEASES_PER_READER`).
         tls: serve over mutual TLS only (`fabric.transports.tls`; the address says so).
+        delta_cache_bytes: bytes of encoded delta chunks kept for readers that ask for the
+            same ones (`DeltaCache`).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -119,7 +127,8 @@ class ReadServer:
                  max_connections: int = MAX_CONNECTIONS,
                  capabilities: CapabilityCheck | None = None,
                  max_leases_per_reader: int = MAX_LEASES_PER_READER,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None,
+                 delta_cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if not stall_timeout > 0 or not idle_timeout > 0:
             raise ValueError(f"stall_timeout and idle_timeout must be positive, got "
                              f"{stall_timeout} and {idle_timeout}")
@@ -146,6 +155,10 @@ class ReadServer:
         self._notice_lock = threading.Lock()  # one writer on pin connections at a time
         self._told: set[socket.socket] = set()  # pin connections sent their one notice
         self.bytes_served = 0
+        """Bytes sent to readers (deltas as encoded): the worker's egress."""
+        self.bytes_delivered = 0
+        """What those bytes stand for once decoded (a delta counts as the chunks it encodes)."""
+        self.deltas = DeltaCache(delta_cache_bytes)
         self._thread = threading.Thread(target=self._accept_loop, name="wf-read-server",
                                         daemon=True)
         self._thread.start()
@@ -228,6 +241,7 @@ class ReadServer:
                 if self._regions.get(region.name) is region:
                     del self._regions[region.name]
                 self._superseded = [e for e in self._superseded if e is not region]
+        self.deltas.drop(region.name)
         return done
 
     def regions(self) -> list[str]:
@@ -371,6 +385,13 @@ class ReadServer:
                 name = recv_exact(conn, name_len).decode(errors="replace")
                 cap = recv_exact(conn, cap_len)
                 ranges: list[tuple[int, int]] | None = None
+                delta: tuple[int, list[str]] | None = None
+                if op == Op.DELTA:
+                    asked = _read_delta_ask(conn)
+                    if isinstance(asked, str):
+                        self._reply(conn, Status.BAD_REQUEST, asked)
+                        return
+                    delta = asked
                 if flags & Flag.RANGES:
                     declared = _read_ranges(conn, op, flags, offset, nbytes)
                     if isinstance(declared, str):
@@ -400,7 +421,8 @@ class ReadServer:
                     return
                 try:
                     lease = self._handle(conn, op, name, offset, nbytes, timeout,
-                                         prefix=bool(flags & Flag.PREFIX), ranges=ranges)
+                                         prefix=bool(flags & Flag.PREFIX), ranges=ranges,
+                                         delta=delta)
                 finally:
                     if op == Op.LEASE and lease is None:  # not granted: its count goes back
                         self._release_lease_count(who)
@@ -459,11 +481,13 @@ class ReadServer:
 
     def _handle(self, conn: socket.socket, op: int, name: str, offset: int, nbytes: int,
                 timeout: float, *, prefix: bool = False,
-                ranges: list[tuple[int, int]] | None = None) -> Exposure | None:
+                ranges: list[tuple[int, int]] | None = None,
+                delta: tuple[int, list[str]] | None = None) -> Exposure | None:
         """Answer one request; return the region when a shared-memory lease was granted.
 
         ``ranges`` (a ``LEASE`` with `Flag.RANGES`, checked inside the span): the bytes
-        counted as served instead of the whole span.
+        counted as served instead of the whole span. ``delta`` (a ``DELTA``): the word
+        width and the reader's bases.
         """
         region = self._begin(name)
         if region is None:
@@ -481,13 +505,17 @@ class ReadServer:
                 self._reply(conn, Status.OK, payload=msgpack.packb(info))
             elif op == Op.BITMAP:
                 self._reply(conn, Status.OK, payload=region.progress.bitmap())
-            elif op in (Op.READ, Op.LEASE):
+            elif op in (Op.READ, Op.LEASE, Op.DELTA):
                 if offset + nbytes > size or nbytes <= 0:
                     self._reply(conn, Status.OUT_OF_RANGE,
                                 f"read [{offset}, {offset + nbytes}) of region {name!r} "
                                 f"({size} bytes)")
                     return None
                 chunk = region.chunk_size
+                if op == Op.DELTA and offset % chunk:
+                    self._reply(conn, Status.BAD_REQUEST, f"a delta read starts at a chunk "
+                                f"boundary, not at byte {offset}")
+                    return None
                 first, last = offset // chunk, (offset + nbytes - 1) // chunk
                 needed = first if prefix else last
                 if not region.progress.wait(first, needed, timeout,
@@ -506,9 +534,14 @@ class ReadServer:
                 if prefix:  # the present run from `first`, cut to the request
                     end = (region.progress.present_through(first, last) + 1) * chunk
                     nbytes = min(offset + nbytes, end) - offset
+                if op == Op.DELTA:
+                    assert delta is not None
+                    self._send_delta(conn, region, offset, nbytes, *delta)
+                    return None
+                counted = nbytes if ranges is None else sum(n for _, n in ranges)
                 with self._lock:
-                    self.bytes_served += (nbytes if ranges is None
-                                          else sum(n for _, n in ranges))
+                    self.bytes_served += counted
+                    self.bytes_delivered += counted
                 if op == Op.LEASE:
                     where = {"shm_path": region.shm_path, "gpu": region.gpu, "nbytes": nbytes}
                     self._reply(conn, Status.OK, payload=msgpack.packb(where))
@@ -521,6 +554,44 @@ class ReadServer:
         finally:
             if not keep:
                 self._end(region)
+
+    def _send_delta(self, conn: socket.socket, region: Exposure, offset: int, nbytes: int,
+                    width: int, bases: list[str]) -> None:
+        """Answer a ``DELTA`` for the chunks of ``[offset, offset + nbytes)`` (all present).
+
+        Encoded against the first of ``bases`` exposed here whole, with the region's size;
+        ``NO_BASE`` when none is.
+        """
+        held: Exposure | None = None
+        for index, name in enumerate(bases):
+            held = self._begin(name)
+            if held is None:
+                continue
+            if (held.tensor.numel() == region.tensor.numel() and held.progress.complete
+                    and held.tensor.device == region.tensor.device):
+                break
+            self._end(held)
+            held = None
+        if held is None:
+            self._reply(conn, Status.NO_BASE, f"none of {bases} is held here whole")
+            return
+        try:
+            chunk = region.chunk_size
+            blobs = []
+            for lo in range(offset, offset + nbytes, chunk):
+                hi = min(lo + chunk, offset + nbytes)
+                blobs.append(self.deltas.get(
+                    region.name, held.name, lo // chunk, width,
+                    lambda lo=lo, hi=hi: encode_chunk(held.tensor[lo:hi], region.tensor[lo:hi],
+                                                      width)))
+        finally:
+            self._end(held)
+        head = DELTA_HEAD.pack(index, len(blobs)) + b"".join(BLOB_LEN.pack(len(b)) for b in blobs)
+        payload = head + b"".join(blobs)
+        with self._lock:
+            self.bytes_served += len(payload)
+            self.bytes_delivered += nbytes
+        self._reply(conn, Status.OK, payload=payload)
 
     def _pin(self, conn: socket.socket, name: str) -> None:
         """Keep region `name`'s memory referenced until the reader closes `conn`.
@@ -646,6 +717,22 @@ def _host_bytes(region: Exposure, offset: int, nbytes: int) -> memoryview:
         return region.data[offset:offset + nbytes]
     # numpy's stubs declare ndarray.__buffer__ only for Python 3.12+.
     return memoryview(region.tensor[offset:offset + nbytes].cpu().numpy())  # type: ignore[arg-type]
+
+
+def _read_delta_ask(conn: socket.socket) -> tuple[int, list[str]] | str:
+    """The word width and base names a ``DELTA`` names, or why they are refused."""
+    width, count = DELTA_ASK.unpack(recv_exact(conn, DELTA_ASK.size))
+    if width not in (1, 2, 4, 8):
+        return f"a delta's word width is 1, 2, 4 or 8 bytes, not {width}"
+    if not 0 < count <= MAX_BASES:
+        return f"a delta read names 1 to {MAX_BASES} bases, not {count}"
+    bases = []
+    for _ in range(count):
+        (length,) = BASE_NAME.unpack(recv_exact(conn, BASE_NAME.size))
+        if length > MAX_NAME:
+            return f"a base name of {length} bytes (at most {MAX_NAME})"
+        bases.append(recv_exact(conn, length).decode(errors="replace"))
+    return width, bases
 
 
 def _read_ranges(conn: socket.socket, op: int, flags: int, offset: int, nbytes: int

@@ -44,6 +44,15 @@ With the ``PREFIX`` flag, ``READ`` and ``LEASE`` wait only for the chunk at
 partial replica serves what it has in one request. The granted length is the
 ``READ`` payload's length, and the ``LEASE`` payload's ``nbytes``.
 
+``DELTA`` asks for whole chunks of a version as deltas against an older version the
+reader holds (`kernels.delta`): the header's span starts at a chunk boundary; the
+capability is followed by ``width u8 | count u8`` and ``count`` base region names
+(``len u16 | name``, at most `MAX_BASES`), the reader's bases, best first. The holder
+waits for the chunks as ``READ`` does (``PREFIX`` allowed), encodes each against the
+first base it holds whole (or takes the encoding from its cache) and answers
+``base u16 | chunks u32 | chunks x blob_len u32 | blobs``; ``NO_BASE`` when it holds
+none of them (the reader then reads those chunks whole).
+
 With the ``RANGES`` flag (``LEASE`` only, not with ``PREFIX``) the capability is
 followed by ``count u32`` and ``count`` pairs ``offset u64 | nbytes u64``
 (at most `MAX_RANGES`), each inside ``[offset, offset+nbytes)`` of the header: the
@@ -66,6 +75,12 @@ RANGE_COUNT = struct.Struct("!I")
 RANGE = struct.Struct("!QQ")
 MAX_RANGES = 4096
 """Ranges one ``LEASE`` may declare (`Flag.RANGES`)."""
+DELTA_ASK = struct.Struct("!BB")      # word width, number of bases
+BASE_NAME = struct.Struct("!H")
+DELTA_HEAD = struct.Struct("!HI")     # index of the base used, number of chunks
+BLOB_LEN = struct.Struct("!I")
+MAX_BASES = 4
+"""Bases one ``DELTA`` request may name."""
 
 
 class Op(enum.IntEnum):
@@ -76,6 +91,7 @@ class Op(enum.IntEnum):
     DESCRIBE = 4
     BITMAP = 5
     PIN = 6
+    DELTA = 7
 
 
 class Flag(enum.IntFlag):
@@ -92,6 +108,7 @@ class Status(enum.IntEnum):
     NOT_READY = 3      # the chunks did not arrive within the timeout, or the region stalled
     BAD_REQUEST = 4
     FORBIDDEN = 5      # no valid capability for the region, or too many leases
+    NO_BASE = 6        # DELTA: none of the reader's bases is held here whole
 
 
 def recv_exact(sock: socket.socket, nbytes: int, deadline: float | None = None) -> bytes:
