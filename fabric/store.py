@@ -63,8 +63,8 @@ from torch import nn
 from weightfabric.fabric.arena import Region
 from weightfabric.fabric.buffer_pool import MAX_BUFFERS, PREPARED_BUFFERS, Buffer, BufferPool
 from weightfabric.fabric.checks import check_model_name, check_version
-from weightfabric.fabric.deltas import DeltaBase, DeltaPolicy, delta_mode, word_width
 from weightfabric.fabric.client import HubClient
+from weightfabric.fabric.deltas import DeltaBase, DeltaPolicy, delta_mode, word_width
 from weightfabric.fabric.dtensors import is_dtensor, local_shards
 from weightfabric.fabric.errors import (
     ArenaError,

@@ -118,6 +118,43 @@ void wf_rows_sums(uint32_t *dst, const uint32_t *w, size_t rows, size_t row_pair
                      row_pairs, at, chunk_pairs, out + (at / chunk_pairs - first));
     }
 }
+
+/* The words of n that differ from b (nwords words of `width` bytes, 1, 2, 4 or 8):
+   their indices into pos and their bytes into vals, in order, at most cap of them.
+   64 bytes at a time are compared as eight 64-bit lanes; only a lane that differs is
+   looked at word by word. Returns the number of changed words, or cap + 1 once there
+   are more than cap (then pos and vals hold the first cap). */
+size_t wf_delta_scan(const uint8_t *b, const uint8_t *n, size_t nwords, size_t width,
+                     int64_t *pos, uint8_t *vals, size_t cap) {
+    size_t nbytes = nwords * width, count = 0, i = 0;
+    uint64_t mask = width == 8 ? ~0ULL : (1ULL << (8 * width)) - 1;
+    for (; i + 64 <= nbytes; i += 64) {
+        uint64_t x[8], y[8], any = 0;
+        memcpy(x, b + i, 64);
+        memcpy(y, n + i, 64);
+        for (int k = 0; k < 8; k++) any |= x[k] ^ y[k];
+        if (!any) continue;
+        for (int k = 0; k < 8; k++) {
+            uint64_t d = x[k] ^ y[k];
+            for (size_t w = 0; d != 0 && w < 8; w += width, d = width == 8 ? 0 : d >> (8 * width)) {
+                if (!(d & mask)) continue;
+                if (count == cap) return cap + 1;
+                size_t at = i + 8 * (size_t)k + w;
+                pos[count] = (int64_t)(at / width);
+                memcpy(vals + count * width, n + at, width);
+                count++;
+            }
+        }
+    }
+    for (; i < nbytes; i += width) {
+        if (memcmp(b + i, n + i, width) == 0) continue;
+        if (count == cap) return cap + 1;
+        pos[count] = (int64_t)(i / width);
+        memcpy(vals + count * width, n + i, width);
+        count++;
+    }
+    return count;
+}
 """
 
 _MIN_TASK_PAIRS = 1 << 19
@@ -170,6 +207,10 @@ def checksum_library() -> ctypes.CDLL | None:
                 lib.wf_pair_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                              ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint64,
                                              ctypes.c_void_p]
+                lib.wf_delta_scan.restype = ctypes.c_size_t
+                lib.wf_delta_scan.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                              ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p,
+                                              ctypes.c_size_t]
                 lib.wf_rows_sums.restype = None
                 lib.wf_rows_sums.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                                              ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64,
@@ -253,4 +294,26 @@ def rows_sums(rows: torch.Tensor, dst: torch.Tensor | None, chunk_pairs: int,
     return out[:num_chunks]
 
 
-__all__ = ["SOURCE", "checksum_library", "pair_sums", "rows_sums"]
+def delta_scan(base: torch.Tensor, new: torch.Tensor, width: int, cap: int
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The words of ``new`` that differ from ``base``: (positions int64, their bytes uint8).
+
+    ``base`` and ``new`` are uint8, CPU, contiguous, of equal length, a multiple of
+    ``width`` (1, 2, 4 or 8). One pass over both at memory speed (`kernels.delta`'s
+    sparse encodings). None without the compiled loop, or when more than ``cap`` words
+    differ (the caller's dense path is the better one then).
+    """
+    lib = checksum_library()
+    if lib is None:
+        return None
+    nwords = new.numel() // width
+    pos = torch.empty(cap, dtype=torch.int64)
+    vals = torch.empty(cap * width, dtype=torch.uint8)
+    count = lib.wf_delta_scan(base.data_ptr(), new.data_ptr(), nwords, width, pos.data_ptr(),
+                              vals.data_ptr(), cap)
+    if count > cap:
+        return None
+    return pos[:count], vals[:count * width]
+
+
+__all__ = ["SOURCE", "checksum_library", "delta_scan", "pair_sums", "rows_sums"]

@@ -562,19 +562,11 @@ class ReadServer:
         Encoded against the first of ``bases`` exposed here whole, with the region's size;
         ``NO_BASE`` when none is.
         """
-        held: Exposure | None = None
-        for index, name in enumerate(bases):
-            held = self._begin(name)
-            if held is None:
-                continue
-            if (held.tensor.numel() == region.tensor.numel() and held.progress.complete
-                    and held.tensor.device == region.tensor.device):
-                break
-            self._end(held)
-            held = None
-        if held is None:
+        found = self._base(region, bases)
+        if found is None:
             self._reply(conn, Status.NO_BASE, f"none of {bases} is held here whole")
             return
+        index, held = found
         try:
             chunk = region.chunk_size
             blobs = []
@@ -592,6 +584,22 @@ class ReadServer:
             self.bytes_served += len(payload)
             self.bytes_delivered += nbytes
         self._reply(conn, Status.OK, payload=payload)
+
+    def _base(self, region: Exposure, bases: list[str]) -> tuple[int, Exposure] | None:
+        """The first of ``bases`` exposed here whole, like ``region``: (its index, it, begun).
+
+        Begun: it is not retracted until `_end`, so its bytes stay while they are encoded
+        against.
+        """
+        for index, name in enumerate(bases):
+            held = self._begin(name)
+            if held is None:
+                continue
+            if (held.tensor.numel() == region.tensor.numel() and held.progress.complete
+                    and held.tensor.device == region.tensor.device):
+                return index, held
+            self._end(held)
+        return None
 
     def _pin(self, conn: socket.socket, name: str) -> None:
         """Keep region `name`'s memory referenced until the reader closes `conn`.

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from weightfabric.fabric.errors import TransportError
 from weightfabric.fabric.transports import client
 from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
-from weightfabric.fabric.errors import TransportError
 from weightfabric.fabric.transports.wire import BLOB_LEN, DELTA_HEAD, Op
 
 

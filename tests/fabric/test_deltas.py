@@ -16,7 +16,6 @@ from weightfabric.fabric.deltas import DeltaPolicy, delta_mode, word_width
 from weightfabric.fabric.errors import NoBaseError
 from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.fabric.transports import ReadServer, SourceAddress, TcpTransport
-from weightfabric.fabric.transports import server as server_mod
 from weightfabric.fabric.transports.wire import MAGIC, REPLY, REQUEST, Op, Status
 from weightfabric.kernels.delta import decode_delta
 
@@ -48,8 +47,10 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 @pytest.fixture
 def fabric(monkeypatch):
-    """join(name, host): a worker on "host" (its read server says so); the reader's host is set
-    last, so every other worker is remote to it."""
+    """join(name, host): a worker on "host" (its read server says so).
+
+    The reader joins last, so every other worker is remote to it.
+    """
     server = wf.serve("tcp://127.0.0.1:0", lease_s=5.0)
     workers = []
 

@@ -14,10 +14,12 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
   set the model's retention.
 - ``{"op": "settle"}`` -> ``{}``: wait until the store's buffers prepared in the
   background are populated (start-up done); memory peaks count from here.
-- ``{"op": "publish", "size": N, "seed": S, "inplace": bool}`` -> ``{"version", "bytes",
-  "tensor_bytes", "start", "end"}`` (wall clock of the publish):
+- ``{"op": "publish", "size": N, "seed": S, "inplace": bool, "lr": L}`` -> ``{"version",
+  "bytes", "tensor_bytes", "changed_fraction", "start", "end"}`` (wall clock of the publish):
   publish `bench_tensors(N, S)` (snapshot); each later publish first adds 1 to
-  every byte, so versions differ without generating them again. With ``inplace``,
+  every byte, so versions differ without generating them again. With ``lr``, the
+  tensors are `trained_tensors` instead, and each later publish is one step of
+  `TrainingSteps` (fp32 master weights moved by +-lr, published as bf16). With ``inplace``,
   the tensors are attached (once) and published in place
   (``publish(snapshot=False)``); before changing them for the next version the
   previous one is retracted (not timed: a trainer does that when its readers are done).
@@ -116,6 +118,55 @@ def bench_tensors(nbytes: int, seed: int) -> dict[str, torch.Tensor]:
         take("model.embed_tokens.weight", (rest, hidden), torch.bfloat16)
     take("step", (1,), torch.int64)
     return out
+
+
+def trained_tensors(nbytes: int, seed: int) -> dict[str, torch.Tensor]:
+    """`bench_tensors`' names and shapes with weights as a trained model has them.
+
+    bf16 matrices ~ N(0, 0.02), fp32 norms 1 (random bytes would make a delta
+    benchmark meaningless: their magnitudes span every exponent).
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in bench_tensors(nbytes, seed).items():
+        if t.dtype == torch.bfloat16:
+            out[name] = (torch.randn(t.shape, generator=g) * 0.02).to(torch.bfloat16)
+        elif t.dtype == torch.float32:
+            out[name] = torch.ones(t.shape)
+        else:
+            out[name] = torch.zeros(t.shape, dtype=t.dtype)
+    return out
+
+
+class TrainingSteps:
+    """Versions as a mixed-precision trainer makes them: fp32 master weights, bf16 published.
+
+    Each `step` moves every master weight by ``+-lr`` (the size of an Adam update, whose
+    normalised step is about ``lr`` per weight) and writes the bf16 rounding into the
+    published tensors; fp32 tensors take the step themselves, integer ones count steps.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], lr: float, seed: int) -> None:
+        self.tensors, self.lr = tensors, lr
+        self.master = {n: t.float() for n, t in tensors.items() if t.dtype == torch.bfloat16}
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def step(self) -> float:
+        """One step; returns the fraction of published words that changed."""
+        changed = total = 0
+        for name, t in self.tensors.items():
+            if not t.is_floating_point():
+                t.add_(1)
+                continue
+            target = self.master.get(name, t)
+            sign = torch.randint(0, 2, target.shape, generator=self.gen).mul_(2).sub_(1)
+            target.add_(sign, alpha=self.lr)
+            if target is not t:
+                before = t.clone()
+                t.copy_(target)
+                changed += int((t.view(torch.int16) != before.view(torch.int16)).sum())
+                total += t.numel()
+        return changed / max(1, total)
 
 
 def own_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -252,6 +303,7 @@ class Agent:
         self.store: wf.ModelStore | None = None
         self.device = "cpu"
         self._tensors: dict[str, torch.Tensor] | None = None
+        self._training: TrainingSteps | None = None
         self._published: int | None = None
         self._gloo: Gloo | None = None
         self._nixl: NixlPeer | None = None
@@ -297,15 +349,20 @@ class Agent:
         assert self.worker is not None and self.store is not None, "join first"
         if op == "publish":
             inplace = bool(cmd.get("inplace"))
+            changed: float | None = None
             if self._tensors is None:
-                self._prepare(int(cmd["size"]), int(cmd.get("seed", 0)), inplace=inplace)
+                self._prepare(int(cmd["size"]), int(cmd.get("seed", 0)), inplace=inplace,
+                              lr=cmd.get("lr"))
             elif self._published is not None:
                 if inplace:
                     state = self.store.retract(self._published, wait=300)
                     if state != "done":
                         raise RuntimeError(f"v{self._published} still in use ({state})")
-                for t in self._tensors.values():
-                    t.reshape(-1).view(torch.uint8).add_(1)
+                if self._training is not None:
+                    changed = self._training.step()
+                else:
+                    for t in self._tensors.values():
+                        t.reshape(-1).view(torch.uint8).add_(1)
             tensors = self._tensors
             assert tensors is not None
             start = time.time()
@@ -315,10 +372,10 @@ class Agent:
             assert self.store.layout is not None, "a publish sets the store's layout"
             return {"version": version, "bytes": self.store.layout.nbytes,
                     "tensor_bytes": [t.numel() * t.element_size() for t in tensors.values()],
-                    "start": start, "end": end}
+                    "changed_fraction": changed, "start": start, "end": end}
         if op == "prepare":
             self._prepare(int(cmd["size"]), int(cmd.get("seed", 0)),
-                          inplace=bool(cmd.get("inplace")))
+                          inplace=bool(cmd.get("inplace")), lr=cmd.get("lr"))
             return {}
         if op == "settle":
             self.store.wait_prepared(timeout=float(cmd.get("timeout", 300)))
@@ -346,12 +403,17 @@ class Agent:
             return {"bytes": self.worker.bytes_served}
         raise ValueError(f"unknown op {op!r}")
 
-    def _prepare(self, size: int, seed: int, *, inplace: bool) -> None:
-        """Make the trainer's tensors; attach them (``inplace``) or reserve their buffer."""
+    def _prepare(self, size: int, seed: int, *, inplace: bool, lr: float | None = None) -> None:
+        """Make the trainer's tensors; attach them (``inplace``) or reserve their buffer.
+
+        With ``lr``, `trained_tensors` that `TrainingSteps` change from version to version.
+        """
         assert self.store is not None
-        tensors = bench_tensors(size, seed)
+        tensors = trained_tensors(size, seed) if lr is not None else bench_tensors(size, seed)
         self._tensors = {n: t.to(self.device)
                          for n, t in (own_tensors(tensors) if inplace else tensors).items()}
+        if lr is not None:
+            self._training = TrainingSteps(self._tensors, float(lr), seed)
         if inplace:
             self.store.attach(self._tensors)
         else:

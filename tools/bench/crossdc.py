@@ -14,6 +14,14 @@ Two plans, each on fresh processes:
 - ``origin``: a hub that names only the trainer as a source (what a parameter
   server or a broadcast from the trainer does): every remote rollout crosses it.
 
+With ``--delta``, the trainer publishes as a mixed-precision trainer does (fp32
+master weights moved by an Adam-sized step of ``--lr``, published as bf16:
+`agent.TrainingSteps`) and the two plans, both ranked by locality, are:
+
+- ``delta``: readers that hold the previous version ask for deltas (``auto``,
+  `fabric.deltas`): the WAN carries the words that changed.
+- ``full``: the same with deltas off: every version crosses whole.
+
 Per version: the WAN bytes (veth counters, both directions, control traffic
 included) and each rollout's stall (its fetch time). Needs root and ``ip netns``;
 only touches the namespaces and veth it creates, and removes them on every exit.
@@ -50,6 +58,9 @@ NAMESPACES = {"dc-a": "wf-dca", "dc-b": "wf-dcb"}
 VETH = {"dc-a": "wf-wan-a", "dc-b": "wf-wan-b"}
 ADDRESS = {"dc-a": "10.99.0.1", "dc-b": "10.99.0.2"}
 SEED = 99
+PLANS = ("fabric", "origin")
+DELTA_PLANS = ("delta", "full")
+"""With ``--delta``: the first plan's figures are compared with the second's."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -71,6 +82,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", default="1Gbit/s", help="WAN rate per direction (default 1Gbit/s)")
     p.add_argument("--rtt", default="20ms", help="WAN round-trip time (default 20ms)")
     p.add_argument("--versions", type=int, default=2, help="versions per plan (default 2)")
+    p.add_argument("--delta", action="store_true",
+                   help="publish training steps and compare delta fetches with full ones")
+    p.add_argument("--lr", type=float, default=1e-6,
+                   help="with --delta: the step size of the fp32 master weights (default 1e-6)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -149,8 +164,14 @@ def wan_counters() -> tuple[int, int]:
 
 def run_plan(plan: str, *, remote: int, size: int, chunk_size: int, versions: int,
              on_phase: Callable[[str], None],
-             on_progress: Callable[[str, int, int], None] | None) -> dict[str, Any]:
-    """One plan (``fabric`` or ``origin``) on fresh processes inside the namespaces."""
+             on_progress: Callable[[str, int, int], None] | None,
+             lr: float | None = None) -> dict[str, Any]:
+    """One plan (``fabric``, ``origin``, ``delta`` or ``full``) on fresh processes.
+
+    The processes run inside the namespaces; with ``lr``, the trainer publishes training
+    steps (`agent.TrainingSteps`).
+    """
+    deltas = {"delta": "auto", "full": "off"}.get(plan, "auto")
     agents: list[Agent] = []
 
     def start(name: str, dc: str) -> Agent:
@@ -164,7 +185,7 @@ def run_plan(plan: str, *, remote: int, size: int, chunk_size: int, versions: in
         hub = start("hub", "dc-a")
         hub.reply(120)
         url = hub.ask("hub", host=ADDRESS["dc-a"],
-                      ranking="locality" if plan == "fabric" else "origin")["url"]
+                      ranking="origin" if plan == "origin" else "locality")["url"]
         placed = [("trainer", "dc-a"), ("rollout-a0", "dc-a"),
                   *((f"rollout-b{i}", "dc-b") for i in range(remote))]
         workers = {name: (start(name, dc), dc) for name, dc in placed}
@@ -177,12 +198,13 @@ def run_plan(plan: str, *, remote: int, size: int, chunk_size: int, versions: in
         rounds = []
         for v in range(versions):
             on_phase(f"{plan}: v{v + 1} publish")
-            pub = trainer.ask("publish", size=size, seed=SEED, timeout=300)
+            pub = trainer.ask("publish", size=size, seed=SEED, timeout=300,
+                              **({} if lr is None else {"lr": lr}))
             served = int(trainer.ask("served")["bytes"])
             tx0, rx0 = wan_counters()
             on_phase(f"{plan}: v{v + 1} fetch")
             for r in rollouts:
-                r.send("fetch", version=pub["version"])
+                r.send("fetch", version=pub["version"], options={"deltas": deltas})
             fetched = {r.name: r.reply(600) for r in rollouts}
             tx1, rx1 = wan_counters()
             want = trainer.ask("digest", timeout=120)["sha256"]
@@ -194,23 +216,32 @@ def run_plan(plan: str, *, remote: int, size: int, chunk_size: int, versions: in
                 "wan_copies": (tx1 - tx0) / model_bytes,
                 "trainer_egress_bytes": int(trainer.ask("served")["bytes"]) - served,
                 "stall_seconds": {n: f["end"] - f["start"] for n, f in fetched.items()},
+                "changed_fraction": pub.get("changed_fraction"),
+                "wire_bytes": {n: f["wire_bytes"] for n, f in fetched.items()},
+                "delta_chunks": {n: f["delta_chunks"] for n, f in fetched.items()},
                 "sources": {n: f["sources"] for n, f in fetched.items()},
             })
     finally:
         close_all(agents)
-    remote_stalls = [s for r in rounds for n, s in r["stall_seconds"].items() if "-b" in n]
+    # the first version has no base to take deltas against: compare the later ones
+    steady = rounds[1:] if lr is not None and len(rounds) > 1 else rounds
+    remote_stalls = [s for r in steady for n, s in r["stall_seconds"].items() if "-b" in n]
     return {"plan": plan, "versions": rounds,
             "verified": all(r["verified"] for r in rounds),
-            "wan_bytes_per_version": sum(r["wan_bytes"] for r in rounds) / len(rounds),
-            "wan_copies_per_version": sum(r["wan_copies"] for r in rounds) / len(rounds),
+            "wan_bytes_per_version": sum(r["wan_bytes"] for r in steady) / len(steady),
+            "wan_copies_per_version": sum(r["wan_copies"] for r in steady) / len(steady),
             "max_remote_stall_seconds": max(remote_stalls),
             "mean_remote_stall_seconds": sum(remote_stalls) / len(remote_stalls)}
 
 
 def bench_crossdc(*, remote: int, size: int, chunk_size: int, rate_bps: float, rtt_s: float,
                   versions: int, on_phase: Callable[[str], None] = lambda name: None,
-                  on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+                  on_progress: Callable[[str, int, int], None] | None = None,
+                  lr: float | None = None) -> dict[str, Any]:
     """Both plans over one emulated WAN. See the module docstring.
+
+    With ``lr`` (``--delta``) the plans are ``delta`` and ``full``, and the figures of
+    each plan leave out its first version (no reader holds a base yet).
 
     Raises:
         ValueError: bad arguments.  RuntimeError: the benchmark cannot run here.
@@ -224,17 +255,19 @@ def bench_crossdc(*, remote: int, size: int, chunk_size: int, rate_bps: float, r
     from weightfabric.fabric.arena import remove_stale_regions
 
     result: dict[str, Any] = {"remote": remote, "size": size, "chunk_size": chunk_size,
-                              "rate_bytes_per_s": rate_bps, "rtt_s": rtt_s}
+                              "rate_bytes_per_s": rate_bps, "rtt_s": rtt_s, "lr": lr}
+    plans = PLANS if lr is None else DELTA_PLANS
     try:
         with wan(rate_bps=rate_bps, rtt_s=rtt_s) as shaped:
             result["wan"] = shaped
-            for plan in ("fabric", "origin"):
+            for plan in plans:
                 result[plan] = run_plan(plan, remote=remote, size=size, chunk_size=chunk_size,
                                         versions=versions, on_phase=on_phase,
-                                        on_progress=on_progress)
+                                        on_progress=on_progress, lr=lr)
     finally:
         remove_stale_regions()
-    fab, org = result["fabric"], result["origin"]
+    result["plans"] = list(plans)
+    fab, org = result[plans[0]], result[plans[1]]
     result["verified"] = fab["verified"] and org["verified"]
     result["wan_bytes_ratio"] = org["wan_bytes_per_version"] / fab["wan_bytes_per_version"]
     result["stall_ratio"] = org["max_remote_stall_seconds"] / fab["max_remote_stall_seconds"]
@@ -275,7 +308,8 @@ def _run(args: argparse.Namespace) -> int:
 
             result = bench_crossdc(remote=args.remote, size=size, chunk_size=chunk,
                                    rate_bps=rate, rtt_s=rtt, versions=args.versions,
-                                   on_phase=on_phase, on_progress=on_progress)
+                                   on_phase=on_phase, on_progress=on_progress,
+                                   lr=args.lr if args.delta else None)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return print_result(result, as_json=args.json, table=_table)
@@ -288,7 +322,7 @@ def _table(r: dict[str, Any], console: Console) -> None:
     for col in ("plan", "WAN MB / version", "copies over WAN", "max remote stall s",
                 "mean remote stall s", "bit-exact"):
         table.add_column(col, justify="left" if col == "plan" else "right")
-    for plan in ("fabric", "origin"):
+    for plan in r["plans"]:
         p = r[plan]
         table.add_row(plan, f"{p['wan_bytes_per_version'] / 1e6:.1f}",
                       f"{p['wan_copies_per_version']:.2f}",
@@ -300,5 +334,6 @@ def _table(r: dict[str, Any], console: Console) -> None:
         console.print(f"[yellow]note:[/yellow] this kernel has no sch_netem: the WAN is "
                       f"rate-limited with {r['wan']['qdisc']}, its {r['rtt_s'] * 1e3:g} ms RTT "
                       "is not emulated")
-    console.print(f"origin / fabric: WAN bytes {r['wan_bytes_ratio']:.2f}x, "
+    first, second = r["plans"]
+    console.print(f"{second} / {first}: WAN bytes {r['wan_bytes_ratio']:.2f}x, "
                   f"max remote stall {r['stall_ratio']:.2f}x")
