@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import math
 import socket
@@ -572,10 +573,9 @@ class ReadServer:
             blobs = []
             for lo in range(offset, offset + nbytes, chunk):
                 hi = min(lo + chunk, offset + nbytes)
-                blobs.append(self.deltas.get(
-                    region.name, held.name, lo // chunk, width,
-                    lambda lo=lo, hi=hi: encode_chunk(held.tensor[lo:hi], region.tensor[lo:hi],
-                                                      width)))
+                encode = functools.partial(encode_chunk, held.tensor[lo:hi],
+                                           region.tensor[lo:hi], width)
+                blobs.append(self.deltas.get(region.name, held.name, lo // chunk, width, encode))
         finally:
             self._end(held)
         head = DELTA_HEAD.pack(index, len(blobs)) + b"".join(BLOB_LEN.pack(len(b)) for b in blobs)

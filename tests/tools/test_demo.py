@@ -4,7 +4,12 @@ import json
 import subprocess
 import sys
 
+import torch
 from paths import ROOT
+
+from weightfabric.fabric.tensorset import layout_of, named_tensors
+from weightfabric.tools.demo.model import TinyLlama, TinyLlamaConfig
+from weightfabric.tools.demo.roles import changed_fraction
 
 
 def test_demo_passes_its_checks_with_small_settings():
@@ -20,14 +25,33 @@ def test_demo_passes_its_checks_with_small_settings():
                                   "joined_rollout_pulled_from_peers"}
     assert [v["version"] for v in out["versions"]] == [1, 2, 3, 4]
     for v in out["versions"]:
-        assert {"bytes", "seconds", "trainer_egress_bytes", "stall_seconds"} <= set(v)
+        assert {"bytes", "seconds", "trainer_egress_bytes", "stall_seconds",
+                "changed_fraction"} <= set(v)
         assert v["rollouts"] == v["expected"] and v["bytes"] > 0
+    # the trainer publishes bf16 snapshots of its fp32 weights, and the fraction of bf16
+    # values that changed since the previous version (none for the first)
+    with torch.device("meta"):
+        bf16_bytes = layout_of(named_tensors(
+            TinyLlama(TinyLlamaConfig.scaled("tiny")).to(torch.bfloat16))).nbytes
+    assert all(f["bytes"] == bf16_bytes for v in out["versions"]
+               for f in v["per_rollout"].values())
+    assert out["versions"][0]["changed_fraction"] is None
+    assert all(0 < v["changed_fraction"] < 1 for v in out["versions"][1:]), out["versions"]
     killed, joined = out["killed"], out["joined"]
     assert killed["worker"] not in out["versions"][-1]["rollouts"]
     assert killed["chunks_held"] < killed["chunks"]  # a complete replica is no failover test
     assert sum(killed["reread_by"].values()) > 0
     assert joined["worker"] in out["versions"][-1]["rollouts"]
     assert len(out["rollouts"]) == 4  # 3 at the start, one killed, one joined
+
+
+def test_changed_fraction_counts_values_whose_bits_differ():
+    before = torch.tensor([1.0, 2.0, 3.0, 0.0], dtype=torch.bfloat16)
+    after = torch.tensor([1.0, 2.015625, 3.0, -0.0], dtype=torch.bfloat16)  # +1 ulp; -0 != 0
+    same = torch.zeros(4, dtype=torch.bfloat16)
+    bits = {"a": before.view(torch.int16), "b": same.view(torch.int16)}
+    assert changed_fraction(bits, bits) == 0.0
+    assert changed_fraction(bits, {"a": after.view(torch.int16), "b": same.view(torch.int16)}) == 2 / 8
 
 
 def test_demo_rejects_bad_settings():

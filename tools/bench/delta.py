@@ -65,6 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", default="1Gbit/s", help="WAN part: its rate (default 1Gbit/s)")
     p.add_argument("--wan-versions", type=int, default=3,
                    help="WAN part: versions per plan, the first not counted (default 3)")
+    p.add_argument("--device", default="cpu",
+                   help="where the codec runs: cpu (torch/native path) or cuda (Triton)")
     p.add_argument("--no-wan", action="store_true", help="skip the WAN part")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -105,7 +107,8 @@ def published(model: nn.Module) -> torch.Tensor:
                      ).view(torch.uint8)
 
 
-def bench_model(name: str, *, lr: float, versions: int, seed: int = 0) -> dict[str, Any]:
+def bench_model(name: str, *, lr: float, versions: int, device: torch.device,
+                seed: int = 0) -> dict[str, Any]:
     """Part 1 for one model (see the module docstring)."""
     model, vocab = MODELS[name](seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
@@ -121,24 +124,32 @@ def bench_model(name: str, *, lr: float, versions: int, seed: int = 0) -> dict[s
         loss.backward()
         optimizer.step()
         current = published(model)
-        rows.append(_codec(previous, current) | {"version": v + 1})
+        rows.append(_codec(previous.to(device), current.to(device)) | {"version": v + 1})
         previous = current
     return {"model": name, "parameters": sum(p.numel() for p in model.parameters()),
             "versions": rows, "verified": all(r["verified"] for r in rows)}
 
 
 def _codec(base: torch.Tensor, new: torch.Tensor) -> dict[str, Any]:
-    """One version's delta in chunks: sizes, rates, bit-exactness."""
+    """One version's delta in chunks: sizes, rates (and ``copy_``'s), bit-exactness."""
     spans = [(lo, min(lo + CHUNK, new.numel())) for lo in range(0, new.numel(), CHUNK)]
+    encode_delta(base[:CHUNK], new[:CHUNK], 2)  # warm up (kernels compiled, pages touched)
+    out, copied = base.clone(), torch.empty_like(new)
+    copied.copy_(new)
+    _sync(new)
     t0 = time.perf_counter()
     blobs = [encode_delta(base[lo:hi], new[lo:hi], 2) for lo, hi in spans]
+    _sync(new)
     t1 = time.perf_counter()
-    out = base.clone()
-    t2 = time.perf_counter()
     for (lo, hi), blob in zip(spans, blobs, strict=True):
         decode_delta(blob, out[lo:hi], out[lo:hi])
+    _sync(new)
+    t2 = time.perf_counter()
+    copied.copy_(base)
+    _sync(new)
     t3 = time.perf_counter()
-    raw = b"".join(blob.numpy().tobytes() for blob in blobs)
+    exact = bool(torch.equal(out, new))
+    raw = b"".join(blob.cpu().numpy().tobytes() for blob in blobs)
     t4 = time.perf_counter()
     packed = len(zlib.compress(raw, 1))
     t5 = time.perf_counter()
@@ -146,12 +157,19 @@ def _codec(base: torch.Tensor, new: torch.Tensor) -> dict[str, Any]:
     return {"changed_fraction": changed / (new.numel() // 2), "full_bytes": new.numel(),
             "delta_bytes": len(raw), "ratio": new.numel() / len(raw),
             "encode_gbps": new.numel() / (t1 - t0) / 1e9,
-            "decode_gbps": new.numel() / (t3 - t2) / 1e9,
+            "decode_gbps": new.numel() / (t2 - t1) / 1e9,
+            "copy_gbps": new.numel() / (t3 - t2) / 1e9,
             "zlib_bytes": packed, "zlib_gbps": len(raw) / (t5 - t4) / 1e9,
-            "verified": bool(torch.equal(out, new))}
+            "verified": exact}
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
 
 
 def bench_delta(*, lr: float, versions: int, models: list[str], wan: dict[str, Any] | None,
+                device: str = "cpu",
                 on_phase: Callable[[str], None] = lambda name: None) -> dict[str, Any]:
     """Both parts; ``wan`` holds `crossdc.bench_crossdc`'s arguments, or None to skip it."""
     if versions < 1:
@@ -159,11 +177,12 @@ def bench_delta(*, lr: float, versions: int, models: list[str], wan: dict[str, A
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         raise ValueError(f"--models: choose from {', '.join(MODELS)}, not {unknown or models}")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    result: dict[str, Any] = {"lr": lr, "chunk_size": CHUNK, "models": []}
+    where = torch.device(device)
+    result: dict[str, Any] = {"lr": lr, "chunk_size": CHUNK, "device": _device_name(where),
+                              "models": []}
     for name in models:
         on_phase(f"training {name}")
-        result["models"].append(bench_model(name, lr=lr, versions=versions))
+        result["models"].append(bench_model(name, lr=lr, versions=versions, device=where))
     verified = all(m["verified"] for m in result["models"])
     if wan is None:
         result["wan"] = {"skipped": "--no-wan"}
@@ -187,6 +206,12 @@ def bench_delta(*, lr: float, versions: int, models: list[str], wan: dict[str, A
     return result
 
 
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
 def _run(args: argparse.Namespace) -> int:
     wan = None if args.no_wan else {
         "remote": args.remote, "size": int(parse_size(args.size)), "chunk_size": CHUNK,
@@ -195,22 +220,24 @@ def _run(args: argparse.Namespace) -> int:
     with console.status("") as status:
         result = bench_delta(lr=args.lr, versions=args.versions,
                              models=[m.strip() for m in args.models.split(",") if m.strip()],
-                             wan=wan, on_phase=lambda name: status.update(name))
+                             wan=wan, device=args.device,
+                             on_phase=lambda name: status.update(name))
     return print_result(result, as_json=args.json, table=_table)
 
 
 def _table(r: dict[str, Any], console: Console) -> None:
     table = Table(title=f"fabric bench delta: Adam lr {r['lr']:g}, bf16 published, "
-                        f"chunks of {r['chunk_size'] >> 20} MiB")
+                        f"chunks of {r['chunk_size'] >> 20} MiB, codec on {r['device']}")
     for col in ("model", "v", "changed %", "full MB", "delta MB", "full / delta",
-                "encode GB/s", "decode GB/s", "zlib MB", "bit-exact"):
+                "encode GB/s", "decode GB/s", "copy_ GB/s", "zlib MB", "bit-exact"):
         table.add_column(col, justify="left" if col == "model" else "right")
     for m in r["models"]:
         for v in m["versions"]:
             table.add_row(m["model"], str(v["version"]), f"{100 * v['changed_fraction']:.2f}",
                           f"{v['full_bytes'] / 1e6:.1f}", f"{v['delta_bytes'] / 1e6:.2f}",
                           f"{v['ratio']:.1f}", f"{v['encode_gbps']:.2f}",
-                          f"{v['decode_gbps']:.2f}", f"{v['zlib_bytes'] / 1e6:.2f}",
+                          f"{v['decode_gbps']:.2f}", f"{v['copy_gbps']:.2f}",
+                          f"{v['zlib_bytes'] / 1e6:.2f}",
                           "yes" if v["verified"] else "[red]NO[/red]")
     console.print(table)
     w = r["wan"]

@@ -1,10 +1,10 @@
 """Runs the demo: an embedded hub, a trainer and rollout processes, a kill and a join.
 
-Step by step: the trainer publishes version v in place; the rollouts fetch it
-(pipelining through each other) and generate; the trainer learns from their
-samples and publishes v+1. At `kill_step` one rollout is held after its first
-chunks and SIGKILLed while the others read from it; at `join_step` a new
-rollout joins and catches up from its peers. Every rollout's logits on fixed
+Step by step: the trainer, which keeps fp32 master weights, publishes version v
+as a bf16 snapshot; the rollouts fetch it (pipelining through each other) and
+generate; the trainer learns from their samples and publishes v+1. At `kill_step`
+one rollout is held after its first chunks and SIGKILLed while the others read
+from it; at `join_step` a new rollout joins and catches up from its peers. Every rollout's logits on fixed
 inputs must equal the trainer's at every version, bit for bit.
 """
 
@@ -25,13 +25,19 @@ import weightfabric as wf
 from weightfabric.fabric.arena import remove_stale_regions
 from weightfabric.fabric.tensorset import ALIGNMENT, check_chunk_size, layout_of, named_tensors
 from weightfabric.tools.demo.model import TinyLlama, TinyLlamaConfig
-from weightfabric.tools.demo.roles import RoleConfig, rollout_main, trainer_main
+from weightfabric.tools.demo.roles import (
+    PUBLISHED_DTYPE,
+    RoleConfig,
+    rollout_main,
+    trainer_main,
+)
 
 
 def default_chunk_size(size: str) -> int:
-    """About 1/16 of the model (so a fetch has chunks to pipeline), at most 1 MiB."""
+    """About 1/16 of the published (bf16) model (so a fetch has chunks to pipeline), at most 1 MiB."""
     with torch.device("meta"):
-        nbytes = layout_of(named_tensors(TinyLlama(TinyLlamaConfig.scaled(size)))).nbytes
+        model = TinyLlama(TinyLlamaConfig.scaled(size)).to(PUBLISHED_DTYPE)
+        nbytes = layout_of(named_tensors(model)).nbytes
     return max(ALIGNMENT, min(1 << 20, nbytes // 16 // ALIGNMENT * ALIGNMENT))
 
 
@@ -54,6 +60,11 @@ class DemoConfig:
     join_step: int | None = 3
     event_timeout: float = 120.0
     seed: int = 0
+    lr: float = 3e-3
+    """The trainer's Adam learning rate. At 3e-3 the model learns within a few steps,
+    but Adam's steps (about lr per weight) exceed most weights' bf16 spacing: 94-99.9 %
+    of the bf16 values change per version (small model). At 3e-6 about 2-5 % change,
+    as in large RL runs, and the reward stays at chance level over a few steps."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -67,12 +78,17 @@ class DemoConfig:
 
 @dataclass
 class VersionRecord:
-    """One version: its bytes, the trainer's logits, each rollout's fetch and logits check."""
+    """One version: its bytes, the trainer's logits, each rollout's fetch and logits check.
+
+    ``changed_fraction``: the fraction of its bf16 values whose bits differ from the
+    previous version's (None for the first).
+    """
     version: int
     nbytes: int
     published_at: float
     trainer_logits: np.ndarray
     expected: list[str]
+    changed_fraction: float | None = None
     fetches: dict[str, dict[str, Any]] = field(default_factory=dict)
     logits_match: dict[str, bool] = field(default_factory=dict)
     trainer_egress: int = 0
@@ -153,7 +169,8 @@ class Demo:
         assert hub.authority is not None, "the demo runs authenticated"
         # the trainer signs with the deployment secret; rollouts get a token that may only read
         token = hub.authority.issue_token("rollouts", ["read"])
-        role = RoleConfig(hub.url, cfg.size, cfg.chunk_size, seed=cfg.seed, rollout_token=token)
+        role = RoleConfig(hub.url, cfg.size, cfg.chunk_size, seed=cfg.seed, rollout_token=token,
+                          lr=cfg.lr)
         started = time.perf_counter()
         try:
             self._start("trainer", trainer_main, role)
@@ -177,10 +194,12 @@ class Demo:
         published = self._wait(lambda e: e["kind"] == "published")
         v = published["version"]
         live = self._live_rollouts()
+        changed = published["changed_fraction"]
         record = VersionRecord(v, published["bytes"], published["time"], published["logits"],
-                               expected=list(live))
+                               expected=list(live), changed_fraction=changed)
         self.versions[v] = record
-        self.log(f"v{v} published in place by the trainer ({published['bytes'] / 1e6:.1f} MB)")
+        self.log(f"v{v} published by the trainer (bf16 snapshot, {published['bytes'] / 1e6:.1f} MB"
+                 + ("" if changed is None else f"; {changed:.2%} of its values changed") + ")")
         if step == cfg.kill_step and len(live) >= 2:
             self._kill_mid_fetch(record, live, role.hub_url)
         else:
@@ -208,8 +227,9 @@ class Demo:
             record.tokens.append(event["tokens"])
         if self.joined and self.joined["version"] == v:
             self.joined["sources"] = sorted(record.fetches[self.joined["worker"]]["sources"])
-        retracted = self._wait(lambda e: e["kind"] == "retracted" and e["version"] == v)
-        record.trainer_egress = retracted["egress"]
+        self.commands["trainer"].put({"kind": "served"})
+        served = self._wait(lambda e: e["kind"] == "served" and e["version"] == v)
+        record.trainer_egress = served["egress"]
         if step < cfg.steps:
             self.commands["trainer"].put({"kind": "train", "tokens": record.tokens})
             trained = self._wait(lambda e: e["kind"] == "trained" and e["version"] == v)

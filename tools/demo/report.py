@@ -21,6 +21,7 @@ def result(demo: Demo, seconds: float) -> dict[str, Any]:
         versions.append({
             "version": v,
             "bytes": nbytes,
+            "changed_fraction": rec.changed_fraction,
             "seconds": slowest,
             "gbps": nbytes / slowest / 1e9 if slowest > 0 else 0.0,
             "sources": sorted({s for f in fetches for s in f["sources"]}),
@@ -68,20 +69,23 @@ def result(demo: Demo, seconds: float) -> dict[str, Any]:
 def print_summary(out: dict[str, Any], console: Console) -> None:
     """Print the demo's result `out` as a summary and tables."""
     table = Table(title="per version", title_justify="left")
-    for column in ("v", "rollouts", "MB", "ms", "GB/s", "trainer MB", "stall s", "read from",
+    for column in ("v", "changed %", "rollouts", "MB", "ms", "GB/s", "trainer MB", "stall s", "read from",
                    "logits", "reward"):
         table.add_column(column, justify="left" if column == "read from" else "right")
     for v in out["versions"]:
         peers = [s for s in v["sources"] if s != "trainer"]
         sources = " + ".join((["trainer"] if "trainer" in v["sources"] else [])
                              + ([str(len(peers))] if peers else []))
-        table.add_row(str(v["version"]), str(len(v["rollouts"])), f"{v['bytes'] / 1e6:.1f}",
+        changed = v["changed_fraction"]
+        table.add_row(str(v["version"]), "" if changed is None else f"{changed * 100:.2f}",
+                      str(len(v["rollouts"])), f"{v['bytes'] / 1e6:.1f}",
                       f"{v['seconds'] * 1e3:.0f}", f"{v['gbps']:.2f}",
                       f"{v['trainer_egress_bytes'] / 1e6:.1f}", f"{v['stall_seconds']:.2f}",
                       sources, "equal" if v["logits_match"] else "[red]DIFFER[/]",
                       "" if v["reward"] is None else f"{v['reward']:.2f}")
     console.print(table)
-    console.print("MB: bytes fetched by all rollouts; ms: until the last rollout had the "
+    console.print("changed %: the version's bf16 values whose bits differ from the previous "
+                  "version's; MB: bytes fetched by all rollouts; ms: until the last rollout had the "
                   "version; trainer MB: the trainer's egress; stall s: rollouts' fetch time, "
                   "summed; read from: the trainer and/or N peer rollouts; logits: every "
                   "rollout's logits vs the trainer's, bit for bit.")

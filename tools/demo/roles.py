@@ -33,6 +33,8 @@ MODEL = "policy"
 PROMPT_LEN = 4
 NEW_TOKENS = 12
 BATCH = 16
+PUBLISHED_DTYPE = torch.bfloat16
+"""What the trainer publishes (it trains in fp32) and the rollouts run."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class RoleConfig:
     lease_timeout: float = 60.0
     rollout_token: str | None = None
     """The rollouts' credential: a read-only token the hub issued (None: the secret file)."""
+    lr: float = 3e-3
+    """The trainer's Adam learning rate (it sets how many bf16 values change per version)."""
 
 
 def _setup(cfg: RoleConfig) -> TinyLlamaConfig:
@@ -56,50 +60,86 @@ def _setup(cfg: RoleConfig) -> TinyLlamaConfig:
 def trainer_main(cfg: RoleConfig, commands: Any, events: Any) -> None:
     """Publish a version, wait for samples, take a REINFORCE step, repeat.
 
-    The model's parameters live in the arena (attach); each version is exposed in
-    place (no copy) and retracted as soon as a rollout holds it, before the
-    optimizer writes the next step into the same memory.
+    Mixed precision, as RL trainers run: the model and Adam keep fp32 master weights;
+    each version is a bf16 snapshot of them (`publish(model, dtype=bfloat16)` casts
+    while packing), so training goes on at once. The previous version stays exposed in
+    the store's other buffer until the next publish reuses it: a base that holders of
+    both serve deltas against. The probe logits come from a bf16 model loaded with
+    exactly the published tensors, as the rollouts run them; the ``published`` event
+    also carries the fraction of bf16 values that changed since the previous version.
+
+    Commands: ``served`` (every rollout holds the current version: report the
+    trainer's egress since the last ``served``), ``train`` (samples: step, then
+    publish the next version), ``stop``.
     """
     model_cfg = _setup(cfg)
     model = TinyLlama(model_cfg)
     init_weights(model, cfg.seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     probe = probe_inputs(model_cfg)
+    published_model = TinyLlama(model_cfg).to(PUBLISHED_DTYPE)  # runs what rollouts run
     with wf.join(cfg.hub_url, worker="trainer") as worker:
         store = worker.model(MODEL, chunk_size=cfg.chunk_size)
-        store.attach(model)
+        store.reserve(model, dtype=PUBLISHED_DTYPE)
+        previous: dict[str, torch.Tensor] | None = None
+
+        def publish() -> int:
+            nonlocal previous
+            version = store.publish(model, dtype=PUBLISHED_DTYPE)
+            assert store.layout is not None, "a publish sets the store's layout"
+            tensors = store.tensors  # the active version: the one just published
+            published_model.load_state_dict(tensors)
+            with torch.no_grad():
+                logits = published_model(probe)
+            current = {name: t.view(torch.int16).clone() for name, t in tensors.items()}
+            events.put({"kind": "published", "version": version, "logits": logits.float().numpy(),
+                        "time": time.time(), "bytes": store.layout.nbytes,
+                        "changed_fraction": (None if previous is None
+                                             else changed_fraction(previous, current))})
+            previous = current
+            return version
+
+        version = publish()
         served = 0
         while True:
-            with torch.no_grad():
-                logits = model(probe)
-            version = store.publish(snapshot=False)
-            assert store.layout is not None, "a publish sets the store's layout"
-            events.put({"kind": "published", "version": version, "logits": logits.numpy(),
-                        "time": time.time(), "bytes": store.layout.nbytes})
-            state = store.retract(version, wait=cfg.lease_timeout, delay=True)
-            events.put({"kind": "retracted", "version": version, "state": state,
-                        "egress": worker.bytes_served - served})
-            served = worker.bytes_served
             command = commands.get(timeout=cfg.lease_timeout * 4)
             if command["kind"] == "stop":
                 break
+            if command["kind"] == "served":
+                events.put({"kind": "served", "version": version,
+                            "egress": worker.bytes_served - served})
+                served = worker.bytes_served
+                continue
             tokens = torch.cat([torch.from_numpy(t) for t in command["tokens"]])
             rewards = reward(tokens, PROMPT_LEN)
             loss = reinforce_step(model, optimizer, tokens, PROMPT_LEN, rewards)
             events.put({"kind": "trained", "version": version, "loss": loss,
                         "reward": float(rewards.mean())})
+            version = publish()
+
+
+def changed_fraction(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    """The fraction of values whose bits differ between two versions, over all tensors.
+
+    ``before`` and ``after``: name -> the tensor's bits (e.g. a bf16 tensor's
+    ``view(torch.int16)``), the same names and shapes in both.
+    """
+    changed = sum(int((after[name] != t).sum()) for name, t in before.items())
+    return changed / sum(t.numel() for t in before.values())
 
 
 def rollout_main(cfg: RoleConfig, name: str, commands: Any, events: Any) -> None:
     """Fetch each version the orchestrator names, check it, generate samples.
 
-    Starts from different (random) weights, so matching logits prove the fetch.
+    Runs the bf16 weights the trainer publishes, and starts from different (random)
+    ones, so matching logits prove the fetch.
     A ``pause_after`` in a fetch command makes the rollout stop after that many
     chunks and say so: the orchestrator then kills it while others read from it.
     """
     model_cfg = _setup(cfg)
     model = TinyLlama(model_cfg)
     init_weights(model, 1000 + zlib.crc32(name.encode()) % 1000)
+    model.to(PUBLISHED_DTYPE)
     probe = probe_inputs(model_cfg)
     generator = torch.Generator().manual_seed(cfg.seed + zlib.crc32(name.encode()))
     with wf.join(cfg.hub_url, worker=name, secret=cfg.rollout_token) as worker:
@@ -141,5 +181,5 @@ def rollout_main(cfg: RoleConfig, name: str, commands: Any, events: Any) -> None
                                     generator=generator)
             tokens = sample(model, prompts, NEW_TOKENS, generator=generator)
             events.put({"kind": "rollout", "worker": name, "version": version,
-                        "stats": stats.to_dict(), "stall": stall, "logits": logits.numpy(),
+                        "stats": stats.to_dict(), "stall": stall, "logits": logits.float().numpy(),
                         "tokens": tokens.numpy()})
