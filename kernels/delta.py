@@ -41,16 +41,24 @@ only, ``gap_bytes`` 2). The decoder accepts any blob of this format (``gap_bytes
 before it writes a byte: a hostile blob can neither write out of bounds nor
 leave ``out`` half-written.
 
-Backends: the torch one (the production path on CPU, about 2 GB/s of input on a
-2-core VM) finds changes with ``ne`` / ``nonzero`` and applies them with
-``index_copy_`` / ``masked_scatter_``. On CUDA, Triton kernels over blocks of
-``BLOCK`` words: encode counts changed words per block, takes an exclusive
-prefix over the blocks in torch and compacts positions and values (each block at
-its offset plus the in-block prefix, ``tl.cumsum``), and packs the bitmask;
-decode scatters values at the positions (gaps summed in torch) or, for MASK,
-popcounts per block and expands the bits, gathering value ``offset + in-block
-prefix``. Both backends produce the same blobs, byte for byte. Words are viewed as
-int8 / int16 / int32 / int64 by their width (the host is little-endian).
+Backends: on CPU, sparse changes (a sixteenth of the words or fewer: where GAPS can
+win) are found by one native pass over both buffers (`kernels.native.delta_scan`,
+64 bytes compared at a time; about 2x the torch path), which falls back to the torch
+path for denser ones, or where no C compiler is. The torch one is the reference and
+the CPU's dense path. It works in chunks of
+`CHUNK_WORDS` words (temporaries stay in cache): ``ne`` / ``nonzero`` / a gather
+to encode, ``index_copy_`` at the summed gaps or ``masked_scatter_`` to decode;
+on a 2-core VM, 64 MiB of bf16 at 2 % density encodes at about 1.8 GB/s of input
+and decodes at about 8 GB/s (15+ GB/s in place). On CUDA, Triton kernels over
+blocks of ``BLOCK`` words: encode counts changed words per block, takes an
+exclusive prefix over the blocks in torch and compacts positions and values (each
+block at its offset plus the in-block prefix, ``tl.cumsum``; no positions when the
+count alone rules GAPS out), and packs the bitmask; decode scatters values at the
+positions (gaps summed in torch) or, for MASK, popcounts per block and expands
+the bits, gathering value ``offset + in-block prefix``. On an H100, 1 GiB at 2 %
+encodes in 2.5 ms and decodes in 1.5 ms (0.75 ms in place). Both backends produce
+the same blobs, byte for byte. Words are viewed as int8 / int16 / int32 / int64 by
+their width (the host is little-endian).
 """
 
 from __future__ import annotations
@@ -58,13 +66,13 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from weightfabric.kernels.dispatch import choose_backend
+from weightfabric.kernels.native import delta_scan
 
 MAGIC = b"WFD1"
 HEADER = struct.Struct("<4sBBBBQQ")
@@ -113,7 +121,8 @@ class DeltaInfo:
         return self.count / self.nwords if self.nwords else 0.0
 
 
-class _Header(NamedTuple):
+@dataclass(frozen=True)
+class _Header:
     kind: int
     width: int
     gap_bytes: int
@@ -143,10 +152,11 @@ def _delta_count_kernel(
 def _delta_compact_kernel(
     base_ptr, new_ptr,   # *word [nwords]
     offsets_ptr,         # *i64 [blocks]: changed words before each block
-    pos_ptr,             # *i64 [count]: positions of the changed words (written)
+    pos_ptr,             # *i64 [count]: positions of the changed words (written if POSITIONS)
     vals_ptr,            # *word [count]: their new values (written)
     nwords,
     BLOCK: tl.constexpr,
+    POSITIONS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
@@ -156,7 +166,8 @@ def _delta_compact_kernel(
     changed = a != b  # the padding lanes load equal zeros
     c = changed.to(tl.int32)
     dst = tl.load(offsets_ptr + pid) + (tl.cumsum(c, axis=0) - c)
-    tl.store(pos_ptr + dst, idx, mask=changed)
+    if POSITIONS:
+        tl.store(pos_ptr + dst, idx, mask=changed)
     tl.store(vals_ptr + dst, b, mask=changed)
 
 
@@ -206,7 +217,7 @@ def _mask_bits(mask_ptr, pid, nwords, BLOCK: tl.constexpr):
 @triton.jit
 def _delta_popcount_kernel(
     mask_ptr,            # *u8 [cdiv(nwords, 8)]
-    counts_ptr,          # *i32 [cdiv(nwords, BLOCK)]: set bits per block, padding bits too (written)
+    counts_ptr,          # *i32 [cdiv(nwords, BLOCK)]: set bits per block, padding too (written)
     nwords,
     BLOCK: tl.constexpr,
 ):
@@ -320,13 +331,6 @@ def delta_info(blob: torch.Tensor | bytes | bytearray | memoryview) -> DeltaInfo
     return DeltaInfo(KIND_NAMES[h.kind], h.width, h.nbytes, h.count, h.gap_bytes, wire)
 
 
-def changed_words(base: torch.Tensor, new: torch.Tensor, width: int) -> int:
-    """Number of ``width``-byte words whose bits differ between ``base`` and ``new``."""
-    _check_pair(base, new, "new", width, "changed_words")
-    dt = WORD_DTYPES[width]
-    return int(torch.count_nonzero(torch.ne(base.view(dt), new.view(dt))))
-
-
 # ----------------------------------------------------------------------------- encode
 
 
@@ -343,21 +347,34 @@ def _choose(nwords: int, width: int, count: int, max_gap: int) -> tuple[int, int
     return (FULL, 0) if size >= nwords * width else (kind, gap_bytes)
 
 
-def _assemble(new: torch.Tensor, width: int, pos: torch.Tensor, vals: torch.Tensor,
-              bitmask: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The blob of the changes at ``pos`` (int64, increasing) with values ``vals``."""
-    nbytes, count = new.numel(), pos.numel()
-    gaps = torch.diff(pos, prepend=pos.new_full((1,), -1)) - 1
-    kind, gap_bytes = _choose(nbytes // width, width, count, int(gaps.max()) if count else 0)
+@dataclass
+class _Changes:
+    """The changed words as a backend found them, in position order, in parts."""
+
+    count: int
+    max_gap: int
+    gaps: list[torch.Tensor]  # int64
+    vals: list[torch.Tensor]  # the new words
+    bitmask: Callable[[], torch.Tensor]  # computes the MASK bitmask, uint8
+
+
+_GAP_DTYPES = {2: torch.uint16, 4: torch.uint32}
+
+
+def _assemble(new: torch.Tensor, width: int, changes: _Changes) -> torch.Tensor:
+    """The blob of the smallest kind."""
+    nbytes, count = new.numel(), changes.count
+    kind, gap_bytes = _choose(nbytes // width, width, count, changes.max_gap)
     header = HEADER.pack(MAGIC, kind, width, gap_bytes, 0, nbytes, count)
     parts = [torch.tensor(list(header), dtype=torch.uint8, device=new.device)]
     if kind == FULL:
         parts.append(new)
-    elif kind == GAPS:  # the low gap_bytes bytes of each little-endian int64
-        parts += [gaps.view(torch.uint8).view(-1, 8)[:, :gap_bytes].reshape(-1),
-                  vals.view(torch.uint8)]
     else:
-        parts += [bitmask(), vals.view(torch.uint8)]
+        if kind == GAPS:  # every gap fits: converted exactly, little-endian
+            parts += [g.to(_GAP_DTYPES[gap_bytes]).view(torch.uint8) for g in changes.gaps]
+        else:
+            parts.append(changes.bitmask())
+        parts += [v.view(torch.uint8) for v in changes.vals]
     return torch.cat(parts)
 
 
@@ -370,16 +387,74 @@ def _pack_bits(flags: torch.Tensor) -> torch.Tensor:
     return x.bitwise_and_(0xFF).to(torch.uint8)
 
 
+CHUNK_WORDS = 1 << 20
+"""Words the torch backend handles per step on the CPU, a multiple of 8 (1 MiB of flags:
+the temporaries stay in cache and their allocations are reused); one step elsewhere."""
+
+
+def _chunks(nwords: int, device: torch.device) -> list[tuple[int, int]]:
+    step = CHUNK_WORDS if device.type == "cpu" else max(8, -(-nwords // 8) * 8)
+    return [(start, min(start + step, nwords)) for start in range(0, nwords, step)]
+
+
 def encode_delta_ref(base: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
-    """Torch `encode_delta`: ``ne``, ``nonzero``, a gather; the bitmask by bit folding."""
+    """Torch `encode_delta`: ``ne``, ``nonzero`` and a gather per chunk; bitmask by bit folding."""
     _check_pair(base, new, "new", width, "encode_delta")
     dt = WORD_DTYPES[width]
-    nwords = new.numel() // width
-    flags = torch.empty(-(-nwords // 8) * 8, dtype=torch.bool, device=new.device)
-    flags[nwords:] = False
-    torch.ne(base.view(dt), new.view(dt), out=flags[:nwords])
-    pos = flags[:nwords].nonzero().squeeze(1)
-    return _assemble(new, width, pos, new.view(dt)[pos], lambda: _pack_bits(flags))
+    b, n = base.view(dt), new.view(dt)
+    chunks = _chunks(n.numel(), new.device)
+    flags = torch.empty(-(-chunks[0][1] // 8) * 8 if chunks else 0, dtype=torch.bool,
+                        device=new.device)
+    gaps, vals = [], []
+    count, max_gap, last = 0, 0, -1
+    for start, stop in chunks:
+        f = torch.ne(b[start:stop], n[start:stop], out=flags[:stop - start])
+        p = f.nonzero().squeeze(1)
+        if p.numel():
+            vals.append(n[start:stop][p])
+            g = torch.diff(p.add_(start), prepend=p.new_full((1,), last)).sub_(1)
+            gaps.append(g)
+            count, max_gap, last = count + p.numel(), max(max_gap, int(g.max())), int(p[-1])
+
+    def bitmask() -> torch.Tensor:
+        bits = torch.empty(-(-n.numel() // 8), dtype=torch.uint8, device=new.device)
+        for start, stop in chunks:  # each a multiple of 8 words but the last
+            padded = flags[:-(-(stop - start) // 8) * 8]
+            padded[stop - start:] = False
+            torch.ne(b[start:stop], n[start:stop], out=padded[:stop - start])
+            bits[start // 8:start // 8 + padded.numel() // 8] = _pack_bits(padded)
+        return bits
+
+    return _assemble(new, width, _Changes(count, max_gap, gaps, vals, bitmask))
+
+
+def changed_words(base: torch.Tensor, new: torch.Tensor, width: int, *,
+                  backend: str | None = None) -> int:
+    """Number of ``width``-byte words whose bits differ between ``base`` and ``new``.
+
+    Arguments as for `encode_delta`; the Triton backend runs only the encoder's first
+    kernel (changed words per block).
+    """
+    _check_pair(base, new, "new", width, "changed_words")
+    dt = WORD_DTYPES[width]
+    b, n = base.view(dt), new.view(dt)
+    if choose_backend(backend, base, new, op="changed_words") == "triton":
+        return int(_block_counts(b, n, DEFAULT_BLOCK).sum()) if n.numel() else 0
+    chunks = _chunks(n.numel(), new.device)
+    flags = torch.empty(chunks[0][1] if chunks else 0, dtype=torch.bool, device=new.device)
+    total = 0
+    for start, stop in chunks:
+        f = torch.ne(b[start:stop], n[start:stop], out=flags[:stop - start])
+        total += int(torch.count_nonzero(f))
+    return total
+
+
+def _block_counts(b: torch.Tensor, n: torch.Tensor, block: int) -> torch.Tensor:
+    """Changed words per ``block`` words (int32), of a non-empty pair of word views."""
+    counts = torch.empty(-(-n.numel() // block), dtype=torch.int32, device=n.device)
+    _delta_count_kernel[(counts.numel(),)](b, n, counts, n.numel(), BLOCK=block,
+                                           num_warps=NUM_WARPS)
+    return counts
 
 
 def encode_delta_triton(base: torch.Tensor, new: torch.Tensor, width: int, *,
@@ -391,25 +466,29 @@ def encode_delta_triton(base: torch.Tensor, new: torch.Tensor, width: int, *,
     b, n = base.view(dt), new.view(dt)
     nwords = n.numel()
     grid = (-(-nwords // block),)
-    pos = torch.empty(0, dtype=torch.int64, device=new.device)
-    vals = torch.empty(0, dtype=dt, device=new.device)
-    if nwords:
-        counts = torch.empty(grid, dtype=torch.int32, device=new.device)
-        _delta_count_kernel[grid](b, n, counts, nwords, BLOCK=block, num_warps=NUM_WARPS)
-        ends = torch.cumsum(counts, 0, dtype=torch.int64)
-        count = int(ends[-1])
-        if count:
-            pos = torch.empty(count, dtype=torch.int64, device=new.device)
-            vals = torch.empty(count, dtype=dt, device=new.device)
-            _delta_compact_kernel[grid](b, n, ends - counts, pos, vals, nwords, BLOCK=block,
-                                        num_warps=NUM_WARPS)
+    counts = _block_counts(b, n, block) if nwords else n.new_empty(0, dtype=torch.int32)
+    ends = torch.cumsum(counts, 0, dtype=torch.int64)
+    count = int(ends[-1]) if nwords else 0
+    # GAPS costs at least 2 + width bytes a change, MASK ceil(nwords / 8) + width: past
+    # this, MASK or FULL whatever the gaps, so neither positions nor (FULL) values
+    dense = 2 * count > -(-nwords // 8)
+    full = dense and _choose(nwords, width, count, 0)[0] == FULL
+    pos = torch.empty(0 if dense else count, dtype=torch.int64, device=new.device)
+    vals = torch.empty(0 if full else count, dtype=dt, device=new.device)
+    if count and not full:
+        _delta_compact_kernel[grid](b, n, ends - counts, ends if dense else pos, vals, nwords,
+                                    BLOCK=block, POSITIONS=not dense, num_warps=NUM_WARPS)
 
     def bitmask() -> torch.Tensor:
         bits = torch.empty(-(-nwords // 8), dtype=torch.uint8, device=new.device)
         _delta_bitmask_kernel[grid](b, n, bits, nwords, BLOCK=block, num_warps=NUM_WARPS)
         return bits
 
-    return _assemble(new, width, pos, vals, bitmask)
+    if dense:  # `_assemble` picks the same kind without the gaps
+        return _assemble(new, width, _Changes(count, 0, [], [vals], bitmask))
+    gaps = torch.diff(pos, prepend=pos.new_full((1,), -1)).sub_(1)
+    max_gap = int(gaps.max()) if count else 0
+    return _assemble(new, width, _Changes(count, max_gap, [gaps], [vals], bitmask))
 
 
 def encode_delta(base: torch.Tensor, new: torch.Tensor, width: int, *,
@@ -431,8 +510,35 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor, width: int, *,
         TypeError: not uint8.  ValueError: bad shapes, lengths, width or addresses.
     """
     if choose_backend(backend, base, new, op="encode_delta") == "torch":
+        if new.device.type == "cpu":
+            blob = _encode_native(base, new, width)
+            if blob is not None:
+                return blob
         return encode_delta_ref(base, new, width)
     return encode_delta_triton(base, new, width)
+
+
+def _encode_native(base: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor | None:
+    """`encode_delta` of sparse changes by the native scan; None where it does not apply.
+
+    None without the compiled loop, or when more than a sixteenth of the words changed
+    (GAPS, 2 gap bytes a word, can no longer beat MASK: the torch path encodes those).
+    """
+    _check_pair(base, new, "new", width, "encode_delta")
+    nwords = new.numel() // width
+    found = delta_scan(base, new, width, nwords // 16 + 1)
+    if found is None:
+        return None
+    pos, raw = found
+    gaps = torch.diff(pos, prepend=pos.new_full((1,), -1)).sub_(1)
+
+    def bitmask() -> torch.Tensor:  # rare: gaps of 2**16 or more can make MASK smaller
+        flags = torch.zeros(-(-nwords // 8) * 8, dtype=torch.bool)
+        flags[pos] = True
+        return _pack_bits(flags)
+
+    return _assemble(new, width, _Changes(pos.numel(), int(gaps.max()) if pos.numel() else 0,
+                                          [gaps], [raw.view(WORD_DTYPES[width])], bitmask))
 
 
 # ----------------------------------------------------------------------------- decode
@@ -440,24 +546,34 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor, width: int, *,
 
 def _gap_positions(raw: torch.Tensor, h: _Header) -> torch.Tensor:
     """Positions (int64) from the gap bytes; DeltaFormatError if they run past the chunk."""
-    g = raw.view(h.count, h.gap_bytes).to(torch.int64)
-    gaps = g[:, 0].clone()
-    for i in range(1, h.gap_bytes):
-        gaps |= g[:, i] << (8 * i)
-    # the sum exactly (in two halves: count * 2**32 could wrap int64), before any cumsum
-    lo, hi = torch.stack([(gaps & 0xFFFF).sum(), (gaps >> 16).sum()]).tolist()
-    if hi * 65536 + lo + h.count > h.nbytes // h.width:
+    gaps = _words(raw, h.gap_bytes, torch.uint16 if h.gap_bytes == 2 else torch.uint32)
+    gaps = gaps.to(torch.int64)
+    if h.count < 1 << 31:  # below 2**31 * 2**32: the sum cannot wrap
+        total = int(gaps.sum())
+    else:  # exactly, in two halves
+        lo, hi = torch.stack([(gaps & 0xFFFF).sum(), (gaps >> 16).sum()]).tolist()
+        total = hi * 65536 + lo
+    if total + h.count > h.nbytes // h.width:
         raise DeltaFormatError(f"delta: gaps run past the last of {h.nbytes // h.width} words")
-    return torch.cumsum(gaps + 1, 0).sub_(1)
+    return gaps.add_(1).cumsum_(0).sub_(1)
 
 
 def _unpack_bits(bitmask: torch.Tensor) -> torch.Tensor:
     """Flags (bool, 8 per byte) of a bitmask: bit i of byte j at 8j + i; inverts `_pack_bits`."""
     x = bitmask.to(torch.int64)
-    x = (x | (x << 28)) & 0x0000000F0000000F
-    x = (x | (x << 14)) & 0x0003000300030003
-    x = (x | (x << 7)) & 0x0101010101010101
+    x = (x | (x << 28)).bitwise_and_(0x0000000F0000000F)
+    x = (x | (x << 14)).bitwise_and_(0x0003000300030003)
+    x = (x | (x << 7)).bitwise_and_(0x0101010101010101)
     return x.view(torch.uint8).view(torch.bool)
+
+
+_POPCOUNT = [bin(i).count("1") for i in range(256)]
+
+
+def _popcount(bitmask: torch.Tensor) -> int:
+    """Set bits of a uint8 tensor."""
+    hist = torch.bincount(bitmask, minlength=256)
+    return int((hist * torch.tensor(_POPCOUNT, device=hist.device)).sum())
 
 
 def _check_padding(bitmask: torch.Tensor, nwords: int) -> None:
@@ -465,11 +581,11 @@ def _check_padding(bitmask: torch.Tensor, nwords: int) -> None:
         raise DeltaFormatError("delta: padding bits of the bitmask are set")
 
 
-def _values(raw: torch.Tensor, width: int) -> torch.Tensor:
-    """The value bytes as words, copied where they are not aligned to ``width``."""
+def _words(raw: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """``raw`` bytes viewed as ``width``-byte ``dtype``, copied where not aligned to ``width``."""
     if raw.data_ptr() % width or raw.storage_offset() % width:
         raw = raw.clone()
-    return raw.view(WORD_DTYPES[width])
+    return raw.view(dtype)
 
 
 def _decode(blob: torch.Tensor, base: torch.Tensor, out: torch.Tensor, triton_: bool,
@@ -495,7 +611,7 @@ def _decode(blob: torch.Tensor, base: torch.Tensor, out: torch.Tensor, triton_: 
     if h.kind == GAPS:
         split = HEADER_BYTES + h.count * h.gap_bytes
         pos = _gap_positions(blob[HEADER_BYTES:split], h)
-        vals = _values(blob[split:], h.width)
+        vals = _words(blob[split:], h.width, dt)
         if not in_place:
             out.copy_(base)
         if not h.count:
@@ -507,7 +623,7 @@ def _decode(blob: torch.Tensor, base: torch.Tensor, out: torch.Tensor, triton_: 
             o.index_copy_(0, pos, vals)
         return
     split = HEADER_BYTES + -(-nwords // 8)
-    bitmask, vals = blob[HEADER_BYTES:split], _values(blob[split:], h.width)
+    bitmask, vals = blob[HEADER_BYTES:split], _words(blob[split:], h.width, dt)
     _check_padding(bitmask, nwords)
     if triton_:
         grid = (-(-nwords // block),)
@@ -518,8 +634,7 @@ def _decode(blob: torch.Tensor, base: torch.Tensor, out: torch.Tensor, triton_: 
         ends = torch.cumsum(counts, 0, dtype=torch.int64)
         total = int(ends[-1]) if nwords else 0
     else:
-        flags = _unpack_bits(bitmask)[:nwords]
-        total = int(torch.count_nonzero(flags))
+        total = _popcount(bitmask)
     if total != h.count:
         raise DeltaFormatError(f"delta: the bitmask has {total} bits set, the header says "
                                f"{h.count}")
@@ -530,12 +645,16 @@ def _decode(blob: torch.Tensor, base: torch.Tensor, out: torch.Tensor, triton_: 
     if triton_:
         _delta_expand_kernel[grid](bitmask, ends - counts, vals, o, nwords, BLOCK=block,
                                    num_warps=NUM_WARPS)
-    else:
-        o.masked_scatter_(flags, vals)
+        return
+    done = 0
+    for start, stop in _chunks(nwords, out.device):  # each a multiple of 8 words but the last
+        flags = _unpack_bits(bitmask[start // 8:-(-stop // 8)])[:stop - start]
+        o[start:stop].masked_scatter_(flags, vals[done:])
+        done += int(torch.count_nonzero(flags))
 
 
 def decode_delta_ref(blob: torch.Tensor, base: torch.Tensor, out: torch.Tensor) -> None:
-    """Torch `decode_delta`: ``index_copy_`` at the summed gaps, or ``masked_scatter_``."""
+    """Torch `decode_delta`: ``index_copy_`` at the summed gaps, or chunked ``masked_scatter_``."""
     _decode(blob, base, out, False, DEFAULT_BLOCK)
 
 
@@ -579,9 +698,10 @@ def aot_specs() -> list[tuple[object, dict[str, str], dict[str, int]]]:
         specs += [
             (_delta_count_kernel, {"base_ptr": t, "new_ptr": t, "counts_ptr": "*i32",
                                    "nwords": "i64", "BLOCK": "constexpr"}, const),
-            (_delta_compact_kernel, {"base_ptr": t, "new_ptr": t, "offsets_ptr": "*i64",
-                                     "pos_ptr": "*i64", "vals_ptr": t, "nwords": "i64",
-                                     "BLOCK": "constexpr"}, const),
+            *[(_delta_compact_kernel, {"base_ptr": t, "new_ptr": t, "offsets_ptr": "*i64",
+                                       "pos_ptr": "*i64", "vals_ptr": t, "nwords": "i64",
+                                       "BLOCK": "constexpr", "POSITIONS": "constexpr"},
+               {**const, "POSITIONS": positions}) for positions in (1, 0)],
             (_delta_bitmask_kernel, {"base_ptr": t, "new_ptr": t, "mask_ptr": "*u8",
                                      "nwords": "i64", "BLOCK": "constexpr"}, const),
             (_delta_scatter_kernel, {"pos_ptr": "*i64", "vals_ptr": t, "out_ptr": t,

@@ -14,7 +14,9 @@ import sys
 from paths import ROOT
 
 EXPECTED = {"_segcopy_kernel", "_checksum_kernel", "_quantize_kernel", "_dequantize_kernel",
-            "_dequant_segments_kernel"}
+            "_dequant_segments_kernel", "_delta_count_kernel", "_delta_compact_kernel",
+            "_delta_bitmask_kernel", "_delta_scatter_kernel", "_delta_popcount_kernel",
+            "_delta_expand_kernel"}
 
 
 def test_every_kernel_compiles_for_sm90():
