@@ -11,6 +11,8 @@
 #   bash tools/gpu/session.sh quickbench  # one call of under 6 minutes: the fetch benchmarks
 #   bash tools/gpu/session.sh recheck     # under 6 minutes: GPU tests, kernels, sm_90 build, a fetch
 #   bash tools/gpu/session.sh tune        # under 3 minutes: kernel launch settings, then the bench
+#   bash tools/gpu/session.sh delta       # under 4 minutes: delta kernels and a delta fetch on the
+#                                     # GPU, the delta codec bench, every GPU test, sm_90 build
 #                                     # (a task is lent 15 device minutes in all, starts included)
 #
 # Wheels from tools/gpu/fetch_wheels.sh are installed from .whl/ when present. Each
@@ -174,6 +176,17 @@ tune() {  # launch settings of the segment copy and checksum kernels (each check
     step kernels-cuda 40 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json --repeat 5
 }
 
+delta() {  # deltas on the GPU: the step limits add up to 230 s
+    packed
+    step versions 30 python3 -c "$VERSIONS"
+    step gpu-delta-tests 60 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
+        --timeout=50 tests/fabric/gpu/test_gpu_deltas.py
+    step delta-cuda 50 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench delta --device cuda --no-wan \
+        --models demo --versions 3 --json
+    step gpu-tests 90 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
+        --timeout=60 tests/fabric/gpu
+}
+
 mps_off  # none left over from an earlier call that was cut off
 case "$phase" in
     check) check ;;
@@ -185,7 +198,8 @@ case "$phase" in
     quickbench) quickbench ;;
     recheck) recheck ;;
     tune) tune ;;
-    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all|quick|quickbench|recheck|tune"; exit 2 ;;
+    delta) delta ;;
+    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all|quick|quickbench|recheck|tune|delta"; exit 2 ;;
 esac
 echo "== summary (logs in $OUT)"
 printf '%s\n' "${summary[@]}"
