@@ -568,8 +568,10 @@ class _FetchRun:
                             and self.checksum_fn is not None and self.verify(source))
                 sums: list[int] = []  # of the chunks from span[0], if the copy computed them
                 copy = None
+                # a copy into host memory checksums as it copies; one to a GPU, after
                 if (checking and self.copy_checksums is not None
-                        and getattr(transport, "fuses_copy", False)):
+                        and getattr(transport, "fuses_copy", False)
+                        and self.dest.device.type == "cpu"):
                     fused = self.copy_checksums
 
                     def copy(dst: torch.Tensor, src: torch.Tensor) -> None:

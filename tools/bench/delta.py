@@ -38,7 +38,7 @@ from weightfabric.tools.command import Console, add_command
 from weightfabric.topology.units import parse_bandwidth, parse_size
 
 CHUNK = 4 << 20
-"""Bytes per chunk the versions are encoded in (the fabric's chunks)."""
+"""Bytes per chunk the versions are encoded in by default (`--chunk-size`)."""
 TOKENS = (4, 64)  # batch, sequence of each training step
 
 
@@ -65,6 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rate", default="1Gbit/s", help="WAN part: its rate (default 1Gbit/s)")
     p.add_argument("--wan-versions", type=int, default=3,
                    help="WAN part: versions per plan, the first not counted (default 3)")
+    p.add_argument("--chunk-size", default="4MiB",
+                   help="bytes per encoded chunk, the fabric's chunks (default 4MiB)")
     p.add_argument("--device", default="cpu",
                    help="where the codec runs: cpu (torch/native path) or cuda (Triton)")
     p.add_argument("--no-wan", action="store_true", help="skip the WAN part")
@@ -108,7 +110,7 @@ def published(model: nn.Module) -> torch.Tensor:
 
 
 def bench_model(name: str, *, lr: float, versions: int, device: torch.device,
-                seed: int = 0) -> dict[str, Any]:
+                chunk: int = CHUNK, seed: int = 0) -> dict[str, Any]:
     """Part 1 for one model (see the module docstring)."""
     model, vocab = MODELS[name](seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
@@ -124,16 +126,17 @@ def bench_model(name: str, *, lr: float, versions: int, device: torch.device,
         loss.backward()
         optimizer.step()
         current = published(model)
-        rows.append(_codec(previous.to(device), current.to(device)) | {"version": v + 1})
+        rows.append(_codec(previous.to(device), current.to(device), chunk) | {"version": v + 1})
         previous = current
     return {"model": name, "parameters": sum(p.numel() for p in model.parameters()),
             "versions": rows, "verified": all(r["verified"] for r in rows)}
 
 
-def _codec(base: torch.Tensor, new: torch.Tensor) -> dict[str, Any]:
+def _codec(base: torch.Tensor, new: torch.Tensor, chunk: int) -> dict[str, Any]:
     """One version's delta in chunks: sizes, rates (and ``copy_``'s), bit-exactness."""
-    spans = [(lo, min(lo + CHUNK, new.numel())) for lo in range(0, new.numel(), CHUNK)]
-    encode_delta(base[:CHUNK], new[:CHUNK], 2)  # warm up (kernels compiled, pages touched)
+    spans = [(lo, min(lo + chunk, new.numel())) for lo in range(0, new.numel(), chunk)]
+    warm = base[:chunk].clone()  # kernels compiled, pages touched
+    decode_delta(encode_delta(warm, new[:chunk], 2), warm, warm)
     out, copied = base.clone(), torch.empty_like(new)
     copied.copy_(new)
     _sync(new)
@@ -169,20 +172,21 @@ def _sync(t: torch.Tensor) -> None:
 
 
 def bench_delta(*, lr: float, versions: int, models: list[str], wan: dict[str, Any] | None,
-                device: str = "cpu",
+                device: str = "cpu", chunk: int = CHUNK,
                 on_phase: Callable[[str], None] = lambda name: None) -> dict[str, Any]:
     """Both parts; ``wan`` holds `crossdc.bench_crossdc`'s arguments, or None to skip it."""
-    if versions < 1:
-        raise ValueError("--versions must be >= 1")
+    if versions < 1 or chunk < 1 or chunk % 8:
+        raise ValueError("--versions must be >= 1 and --chunk-size a positive multiple of 8")
     unknown = [m for m in models if m not in MODELS]
     if unknown or not models:
         raise ValueError(f"--models: choose from {', '.join(MODELS)}, not {unknown or models}")
     where = torch.device(device)
-    result: dict[str, Any] = {"lr": lr, "chunk_size": CHUNK, "device": _device_name(where),
+    result: dict[str, Any] = {"lr": lr, "chunk_size": chunk, "device": _device_name(where),
                               "models": []}
     for name in models:
         on_phase(f"training {name}")
-        result["models"].append(bench_model(name, lr=lr, versions=versions, device=where))
+        result["models"].append(bench_model(name, lr=lr, versions=versions, device=where,
+                                            chunk=chunk))
     verified = all(m["verified"] for m in result["models"])
     if wan is None:
         result["wan"] = {"skipped": "--no-wan"}
@@ -214,13 +218,15 @@ def _device_name(device: torch.device) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     wan = None if args.no_wan else {
-        "remote": args.remote, "size": int(parse_size(args.size)), "chunk_size": CHUNK,
+        "remote": args.remote, "size": int(parse_size(args.size)),
+        "chunk_size": int(parse_size(args.chunk_size)),
         "rate_bps": parse_bandwidth(args.rate), "rtt_s": 0.0, "versions": args.wan_versions}
     console = Console(stderr=True)
     with console.status("") as status:
         result = bench_delta(lr=args.lr, versions=args.versions,
                              models=[m.strip() for m in args.models.split(",") if m.strip()],
                              wan=wan, device=args.device,
+                             chunk=int(parse_size(args.chunk_size)),
                              on_phase=lambda name: status.update(name))
     return print_result(result, as_json=args.json, table=_table)
 

@@ -183,6 +183,8 @@ delta() {  # deltas on the GPU: the step limits add up to 230 s
         --timeout=50 tests/fabric/gpu/test_gpu_deltas.py
     step delta-cuda 50 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench delta --device cuda --no-wan \
         --models demo --versions 3 --json
+    step delta-cuda-64MiB 50 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench delta --device cuda \
+        --no-wan --models demo --versions 3 --chunk-size 64MiB --json
     step gpu-tests 90 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
         --timeout=60 tests/fabric/gpu
 }
