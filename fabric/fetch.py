@@ -579,6 +579,9 @@ class _FetchRun:
                 as_delta = self.delta_read(transport, span, source, timeout, claim.abort)
                 if as_delta is not None:
                     got, wire = as_delta
+                    # decoded over this reader's own base: always checked (verify or not)
+                    checking = ((self.checksums is not None or self.deferred is not None)
+                                and self.checksum_fn is not None)
                 else:
                     started = time.monotonic()
                     got = wire = transport.read(

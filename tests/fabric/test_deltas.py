@@ -121,6 +121,20 @@ def test_a_corrupted_base_is_caught_by_the_checksum_and_read_in_full(fabric):
     assert 0 < stats.delta_chunks < stats.chunks
 
 
+def test_chunks_from_deltas_are_verified_even_with_verify_off(fabric):
+    trainer = fabric("trainer", "host-a")
+    reader = fabric("reader", "host-b")
+    t, r = trainer.model("m", chunk_size=CHUNK), reader.model("m", chunk_size=CHUNK)
+    v1 = weights()
+    t.publish(v1)
+    r.fetch("latest", options=ON)
+    r.tensors["w"][-100:] += 1  # the last chunk of the base is wrong
+    v2 = step(v1, 0.02, seed=1)
+    t.publish(v2)
+    stats = r.fetch("latest", verify=False, options=ON)
+    assert equal(r.tensors, v2) and stats.corrupted_chunks == 1
+
+
 def test_an_in_place_fetch_decodes_over_its_base(fabric):
     trainer = fabric("trainer", "host-a")
     reader = fabric("reader", "host-b")

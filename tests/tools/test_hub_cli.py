@@ -80,6 +80,25 @@ def test_status_shows_versions_fetches_and_leases_as_table_and_json(hub, workers
     assert "rollout-7" in text and "dc2" in text and "n1" in text
 
 
+def test_status_shows_the_traffic_of_recent_fetches(hub, workers) -> None:
+    t = workers.connect("trainer", timeout=5)
+    r = workers.connect("rollout-7", timeout=5)
+    v1 = t.begin_publish("policy", small_manifest())
+    t.commit("policy", v1)
+    plan = r.begin_fetch("policy", v1)
+    r.report_progress(plan.fetch_id, [0, 1, 2, 3])
+    r.complete_fetch(plan.fetch_id, traffic={"trainer": [4_000_000, 250_000],
+                                             "bogus": [-1, 5], "short": [7]})
+    out = fabric_cli("hub", "status", hub.url, "--json")
+    assert out.returncode == 0, out.stderr
+    [recent] = json.loads(out.stdout)["recent_fetches"]
+    assert recent == {"worker": "rollout-7", "model": "policy", "version": v1, "shard": 0,
+                      "delivered": 4_000_000, "wire": 250_000,
+                      "sources": {"trainer": [4_000_000, 250_000]}}  # nonsense dropped
+    text = fabric_cli("hub", "status", hub.url).stdout
+    assert "recent fetches" in text and "trainer 4.0/0.2" in text and "0.062" in text
+
+
 def column_text(table: str, column: int) -> str:
     """The cells of `column` (0 = the first) of a rich table's body rows, joined."""
     return "".join(line.split("│")[column + 1].strip() for line in table.splitlines()
