@@ -66,6 +66,17 @@ def fabric(monkeypatch):
     server.stop()
 
 
+def holding_v1(fabric):
+    """(trainer's store, reader's store, v1): the reader, on another host, holds v1."""
+    trainer = fabric("trainer", "host-a")
+    reader = fabric("reader", "host-b")
+    t, r = trainer.model("m", chunk_size=CHUNK), reader.model("m", chunk_size=CHUNK)
+    v1 = weights()
+    t.publish(v1)
+    r.fetch("latest", options=ON)
+    return t, r, v1
+
+
 def test_a_reader_holding_the_previous_version_gets_deltas_bit_exact(fabric):
     trainer = fabric("trainer", "host-a")
     reader = fabric("reader", "host-b")
@@ -89,29 +100,26 @@ def test_a_reader_holding_the_previous_version_gets_deltas_bit_exact(fabric):
 
 
 def test_deltas_off_and_the_same_host_move_whole_chunks(fabric, monkeypatch):
-    trainer = fabric("trainer", "host-a")
-    reader = fabric("reader", "host-b")
-    t, r = trainer.model("m", chunk_size=CHUNK), reader.model("m", chunk_size=CHUNK)
-    t.publish(weights())
-    r.fetch("latest")
-    t.publish(step(weights(), 0.02, seed=1))
+    t, r, v1 = holding_v1(fabric)
+    t.publish(step(v1, 0.02, seed=1))
     stats = r.fetch("latest", options=FetchOptions(deltas="off"))
     assert stats.delta_chunks == 0 and stats.wire_bytes == stats.bytes
     monkeypatch.setenv("WEIGHTFABRIC_DELTAS", "off")
-    t.publish(step(weights(), 0.02, seed=2))
+    t.publish(step(v1, 0.02, seed=2))
     assert r.fetch("latest").delta_chunks == 0
+    monkeypatch.delenv("WEIGHTFABRIC_DELTAS")
+    local = fabric("local", "host-a").model("m", chunk_size=CHUNK)  # the trainer's host
+    local.fetch(2)
+    t.publish(step(v1, 0.02, seed=3))
+    stats = local.fetch("latest")  # auto: shared memory, whole chunks
+    assert stats.delta_chunks == 0 and stats.transports.keys() == {"shm"}
     monkeypatch.setenv("WEIGHTFABRIC_DELTAS", "sometimes")
     with pytest.raises(ValueError, match="WEIGHTFABRIC_DELTAS"):
         delta_mode()
 
 
 def test_a_corrupted_base_is_caught_by_the_checksum_and_read_in_full(fabric):
-    trainer = fabric("trainer", "host-a")
-    reader = fabric("reader", "host-b")
-    t, r = trainer.model("m", chunk_size=CHUNK), reader.model("m", chunk_size=CHUNK)
-    v1 = weights()
-    t.publish(v1)
-    r.fetch("latest", options=ON)
+    t, r, v1 = holding_v1(fabric)
     r.tensors["w"][:100] += 1  # the reader's base no longer is v1 in chunk 0
     v2 = step(v1, 0.02, seed=1)
     t.publish(v2)
@@ -122,12 +130,7 @@ def test_a_corrupted_base_is_caught_by_the_checksum_and_read_in_full(fabric):
 
 
 def test_chunks_from_deltas_are_verified_even_with_verify_off(fabric):
-    trainer = fabric("trainer", "host-a")
-    reader = fabric("reader", "host-b")
-    t, r = trainer.model("m", chunk_size=CHUNK), reader.model("m", chunk_size=CHUNK)
-    v1 = weights()
-    t.publish(v1)
-    r.fetch("latest", options=ON)
+    t, r, v1 = holding_v1(fabric)
     r.tensors["w"][-100:] += 1  # the last chunk of the base is wrong
     v2 = step(v1, 0.02, seed=1)
     t.publish(v2)
@@ -136,12 +139,7 @@ def test_chunks_from_deltas_are_verified_even_with_verify_off(fabric):
 
 
 def test_an_in_place_fetch_decodes_over_its_base(fabric):
-    trainer = fabric("trainer", "host-a")
-    reader = fabric("reader", "host-b")
-    t, r = trainer.model("m", chunk_size=CHUNK), reader.model("m", chunk_size=CHUNK)
-    v1 = weights()
-    t.publish(v1)
-    r.fetch("latest", options=ON)
+    t, r, v1 = holding_v1(fabric)
     v2 = step(v1, 0.05, seed=3)
     t.publish(v2)
     stats = r.fetch("latest", options=ON, in_place=True)
