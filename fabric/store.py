@@ -277,9 +277,9 @@ class ModelStore:
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"wf-fetch-{model}")
         self._cancel = threading.Event()  # set by `close`: the running fetch stops
         self._early_chunk_size = self.chunk_size
+        """Chunks of the exposure made before `begin_fetch`: the last fetched version's."""
         self.delta_policy = DeltaPolicy()
         """When this store's fetches ask for deltas; it learns from their reads."""
-        """Chunks of the exposure made before `begin_fetch`: the last fetched version's."""
 
     # --- state ---------------------------------------------------------------------
 

@@ -13,10 +13,19 @@ import torch
 
 import weightfabric as wf
 from weightfabric.fabric.deltas import DeltaPolicy, delta_mode, word_width
-from weightfabric.fabric.errors import NoBaseError
+from weightfabric.fabric.errors import NoBaseError, TransportError
 from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.fabric.transports import ReadServer, SourceAddress, TcpTransport
-from weightfabric.fabric.transports.wire import MAGIC, REPLY, REQUEST, Op, Status
+from weightfabric.fabric.transports.tcp import DeltaReply
+from weightfabric.fabric.transports.wire import (
+    BLOB_LEN,
+    DELTA_HEAD,
+    MAGIC,
+    REPLY,
+    REQUEST,
+    Op,
+    Status,
+)
 from weightfabric.kernels.delta import decode_delta
 
 CHUNK = 64 * 1024
@@ -299,6 +308,19 @@ def test_hostile_delta_requests_are_refused(holder, trailer, offset):
     server, _, _ = holder
     assert _raw(server, trailer, offset=offset) == Status.BAD_REQUEST
     assert _raw(server, bytes([2, 1, 0, 7]) + b"m/v1/s0") == Status.OK  # still serving
+
+
+@pytest.mark.parametrize("payload,why", [
+    (b"\x00", "shorter than its header"),
+    (DELTA_HEAD.pack(1, 1) + BLOB_LEN.pack(0), "base 1 of 1"),
+    (DELTA_HEAD.pack(0, 3) + BLOB_LEN.pack(0) * 3, "chunks of at most 2"),
+    (DELTA_HEAD.pack(0, 2) + BLOB_LEN.pack(0), "shorter than its blob lengths"),
+    (DELTA_HEAD.pack(0, 1) + BLOB_LEN.pack(10) + b"x" * 4, "add up to 20 bytes"),
+    (DELTA_HEAD.pack(0, 1) + BLOB_LEN.pack(1) + b"xy", "add up to 11 bytes"),
+])
+def test_malformed_delta_replies_are_transport_errors(payload, why):
+    with pytest.raises(TransportError, match=why):
+        DeltaReply.parse(bytearray(payload), ["m/v1/s0"], 2, "m/v2/s0")
 
 
 def test_a_holder_whose_base_differs_in_size_says_no_base(holder):
