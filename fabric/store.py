@@ -961,7 +961,7 @@ class ModelStore:
                 if self.nvshmem is not None:  # symmetric buffers are freed together, in close
                     self.pool.forget(buffer)
                     return
-                self.pool.remove(buffer)
+                self._drop(buffer)
         finally:
             buffer.releasing = False
 
@@ -1000,6 +1000,7 @@ class ModelStore:
             for buffer in self.pool.clear():
                 if buffer.exposed:
                     self.server.retract(buffer.exposed, timeout=5.0)
+                self._forget(buffer)
                 buffer.region.close()
 
     # --- buffers -----------------------------------------------------------------------
@@ -1082,7 +1083,13 @@ class ModelStore:
 
     def _drop(self, buffer: Buffer) -> None:
         with self._lock:
+            self._forget(buffer)
             self.pool.remove(buffer)
+
+    def _forget(self, buffer: Buffer) -> None:
+        """Deregister ``buffer``'s memory from the worker's NIXL agent before it is freed."""
+        if self.server.nixl is not None:
+            self.server.nixl.forget(buffer.region.tensor)
 
     def _prepare_spare(self) -> None:
         """With `prepare_spare`, start populating a spare buffer now.

@@ -21,11 +21,13 @@ from weightfabric.fabric.auth import CapabilityCheck
 from weightfabric.fabric.buffer_pool import PREPARED_BUFFERS
 from weightfabric.fabric.checks import check_model_name
 from weightfabric.fabric.client import HubClient
+from weightfabric.fabric.errors import FabricError
 from weightfabric.fabric.fetch import Source
 from weightfabric.fabric.locality import Location
 from weightfabric.fabric.store import ModelStore, resolve_device
 from weightfabric.fabric.tensorset import DEFAULT_CHUNK_SIZE
 from weightfabric.fabric.transports import ReadServer, Transport, TransportSelector
+from weightfabric.fabric.transports.nixl import NIXL_KV_PREFIX, NixlEngine, nixl_missing
 from weightfabric.fabric.transports.server import STALL_TIMEOUT
 from weightfabric.fabric.transports.tls import TlsConfig, use_for_reads
 
@@ -46,11 +48,14 @@ class Worker:
                  nvshmem: NvshmemRuntime | None = None,
                  stall_timeout: float = STALL_TIMEOUT, secret: str | None = None,
                  secret_file: str | Path | None = None, insecure: bool = False,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, nixl: bool | None = None) -> None:
         removed = remove_stale_regions()
         if removed:
             log.info("removed %d arena files of dead workers", len(removed))
-        self.server = ReadServer(host=host, stall_timeout=stall_timeout, tls=tls)
+        self.nixl = self._nixl_engine(worker, nixl if tls is None or nixl else False)
+        """This worker's NIXL agent (`fabric.transports.nixl`), or None."""
+        self.server = ReadServer(host=host, stall_timeout=stall_timeout, tls=tls,
+                                 nixl=self.nixl)
         if tls is not None:
             use_for_reads(tls)
         try:
@@ -67,12 +72,27 @@ class Worker:
         self.location = self.hub.location
         self.nvshmem = nvshmem
         """The NVSHMEM job this worker's process is a PE of, or None."""
-        self.transports = TransportSelector(timeout=timeout, nvshmem=nvshmem)
+        self.transports = TransportSelector(timeout=timeout, nvshmem=nvshmem, nixl=self.nixl)
         """Picks the transport for each source this worker's stores read."""
         self._stores: dict[str, ModelStore] = {}
         self.hub.on_quarantine = self._quarantine
         self._lock = threading.Lock()
         self._closed = False
+
+    def _nixl_engine(self, worker: str, wanted: bool | None) -> NixlEngine | None:
+        """The worker's NIXL engine: by default when the ``rdma`` extra is installed.
+
+        ``wanted`` False: none; True: one, or `FabricError` saying why not.
+        """
+        missing = "turned off (join(..., nixl=False))" if wanted is False else nixl_missing()
+        if missing is not None:
+            if wanted:
+                raise FabricError(f"worker {worker!r}: no NIXL: {missing}")
+            log.debug("worker %s reads across hosts over tcp: no NIXL: %s", worker, missing)
+            return None
+        return NixlEngine(worker, publish=lambda agent, meta: self.hub.kv_put(
+            f"{NIXL_KV_PREFIX}{agent}", meta), lookup=lambda agent: self.hub.kv_get(
+            f"{NIXL_KV_PREFIX}{agent}", timeout=0))
 
     def model(self, name: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE,
               device: torch.device | str = "cpu", shard: int = 0,
@@ -184,6 +204,8 @@ class Worker:
         self.hub.close()
         self.server.close()
         self.transports.close()
+        if self.nixl is not None:
+            self.nixl.close()
 
     def __enter__(self) -> Worker:
         return self
@@ -197,7 +219,7 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
          nvshmem: NvshmemRuntime | None = None,
          stall_timeout: float = STALL_TIMEOUT, secret: str | None = None,
          secret_file: str | Path | None = None, insecure: bool = False,
-         tls: TlsConfig | None = None) -> Worker:
+         tls: TlsConfig | None = None, nixl: bool | None = None) -> Worker:
     """Join the fabric at hub `url` as `worker`, ready to publish and fetch.
 
     Args:
@@ -221,6 +243,11 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
         tls: serve over mutual TLS with this certificate, and read from TLS holders with
             it (`TlsConfig`: cert, key and the cluster CA's certificate, PEM). For links
             that cross untrusted networks; it costs throughput (docs/security.md).
+        nixl: read from holders on other hosts with NIXL READs (`fabric.transports.nixl`).
+            None (default): when the ``rdma`` extra is installed, ``WEIGHTFABRIC_NIXL`` is
+            not 0 and there is no ``tls`` (NIXL's transfers are not encrypted); False:
+            never (this worker's memory is not registered either: peers read it over
+            TCP); True: always, or `FabricError` saying why it cannot.
 
     Raises:
         HubUnavailableError: no hub answers at `url`.
@@ -234,4 +261,4 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
     """
     return Worker(url, worker=worker, location=location, host=host, timeout=timeout,
                   nvshmem=nvshmem, stall_timeout=stall_timeout, secret=secret,
-                  secret_file=secret_file, insecure=insecure, tls=tls)
+                  secret_file=secret_file, insecure=insecure, tls=tls, nixl=nixl)

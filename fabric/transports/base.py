@@ -54,15 +54,17 @@ def _machine_id() -> str:
 class SourceAddress:
     """Where a holder's `ReadServer` listens, which machine it runs on, and the reader's pass.
 
-    ``tls``: the holder serves over TLS only (`fabric.transports.tls`). ``cap`` is the
-    capability the hub gave this reader to read one version there (it travels with
-    every request; not part of the address: equal addresses compare equal).
+    ``tls``: the holder serves over TLS only (`fabric.transports.tls`). ``nixl``: the
+    name of the holder's NIXL agent, when it has one (`fabric.transports.nixl`). ``cap``
+    is the capability the hub gave this reader to read one version there (it travels
+    with every request; not part of the address: equal addresses compare equal).
     """
 
     host: str
     port: int
     host_id: str
     tls: bool = False
+    nixl: str = field(default="", compare=False)
     cap: bytes = field(default=b"", compare=False, repr=False)
 
     def to_dict(self) -> dict[str, object]:
@@ -70,13 +72,15 @@ class SourceAddress:
         out: dict[str, object] = {"host": self.host, "port": self.port, "host_id": self.host_id}
         if self.tls:
             out["tls"] = True
+        if self.nixl:
+            out["nixl"] = self.nixl
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], cap: bytes = b"") -> SourceAddress:
         """The address `to_dict` gave, with the capability to read there."""
         return cls(host=str(data["host"]), port=int(data["port"]), host_id=str(data["host_id"]),
-                   tls=bool(data.get("tls", False)), cap=cap)
+                   tls=bool(data.get("tls", False)), nixl=str(data.get("nixl") or ""), cap=cap)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ from weightfabric.fabric.transports.base import ReadAbort, RegionInfo, SourceAdd
 from weightfabric.fabric.transports.tls import client_context as tls_client_context
 from weightfabric.fabric.transports.wire import (
     BASE_NAME,
+    BLOB_LEN,
     DELTA_ASK,
+    DELTA_HEAD,
     MAGIC,
     MAX_BASES,
     MAX_NAME,
@@ -359,7 +361,8 @@ def _receive_map(conn: socket.socket, source: SourceAddress, op: Op, region: str
 _FieldTypes = Mapping[str, type | tuple[type, ...]]
 _OPTIONAL_PATH = (str, type(None))
 _OPTIONAL_GPU = (dict, type(None))
-_LEASE_FIELDS: _FieldTypes = {"nbytes": int, "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU}
+_LEASE_FIELDS: _FieldTypes = {"nbytes": int, "shm_path": _OPTIONAL_PATH, "gpu": _OPTIONAL_GPU,
+                              "nixl": _OPTIONAL_GPU}
 _DESCRIBE_FIELDS: _FieldTypes = {"nbytes": int, "chunk_size": int, "num_chunks": int,
                                   "present": int, "shm_path": _OPTIONAL_PATH,
                                   "gpu": _OPTIONAL_GPU}
@@ -376,6 +379,8 @@ class Lease:
     shm_path: str | None
     gpu: dict[str, Any] | None
     nbytes: int
+    nixl: dict[str, Any] | None = None
+    """The region's NIXL descriptor (`fabric.transports.nixl`), when its holder has one."""
 
 
 def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: int, nbytes: int,
@@ -396,7 +401,8 @@ def lease(conn: socket.socket, source: SourceAddress, region: str, *, offset: in
                 prefix=prefix, ranges=ranges)
     where = _receive_map(conn, source, Op.LEASE, region, n, _LEASE_FIELDS)
     granted = check_grant(where["nbytes"], nbytes, prefix)
-    return Lease(shm_path=where["shm_path"] or None, gpu=where["gpu"], nbytes=granted)
+    return Lease(shm_path=where["shm_path"] or None, gpu=where["gpu"], nbytes=granted,
+                 nixl=where["nixl"])
 
 
 @contextmanager
@@ -464,11 +470,45 @@ def bitmap(pool: ConnectionPool, source: SourceAddress, region: str, timeout: fl
         return receive_payload(conn, source, Op.BITMAP, region, n)
 
 
+@dataclass(frozen=True)
+class DeltaReply:
+    """A holder's answer to a delta read: the base it used and one blob per chunk."""
+
+    base: str
+    blobs: list[memoryview]
+    wire_bytes: int
+
+    @classmethod
+    def parse(cls, payload: bytearray, bases: list[str], most: int, region: str) -> DeltaReply:
+        """Split a ``DELTA`` payload; `TransportError` if it is malformed."""
+        def bad(why: str) -> TransportError:
+            return TransportError(f"DELTA of {region!r}: malformed reply: {why}")
+
+        if len(payload) < DELTA_HEAD.size:
+            raise bad("shorter than its header")
+        index, count = DELTA_HEAD.unpack_from(payload)
+        if index >= len(bases) or not 0 < count <= most:
+            raise bad(f"base {index} of {len(bases)}, {count} chunks of at most {most}")
+        at = DELTA_HEAD.size + count * BLOB_LEN.size
+        if len(payload) < at:
+            raise bad("shorter than its blob lengths")
+        view = memoryview(payload)
+        blobs = []
+        for i in range(count):
+            (length,) = BLOB_LEN.unpack_from(payload, DELTA_HEAD.size + i * BLOB_LEN.size)
+            blobs.append(view[at:at + length])
+            at += length
+        if at != len(payload):
+            raise bad(f"blob lengths add up to {at} bytes, the payload has {len(payload)}")
+        return cls(bases[index], blobs, len(payload))
+
+
 class ServerTransport(Transport):
     """Base of the transports whose sources run a `ReadServer`.
 
     It holds the pooled connections and answers `describe` and `progress` through them.
-    Subclasses implement `read` (and extend `close` when they hold more).
+    Subclasses implement `read` (and extend `close` when they hold more); every one can
+    ask for deltas (`read_delta`, over the read server's connection).
     """
 
     def __init__(self) -> None:
@@ -481,6 +521,31 @@ class ServerTransport(Transport):
     def progress(self, source: SourceAddress, region: str, *, timeout: float) -> bytes:
         """The holder's chunk bitmap of `region` (BITMAP)."""
         return bitmap(self._pool, source, region, timeout)
+
+    def read_delta(self, source: SourceAddress, region: str, offset: int, nbytes: int, *,
+                   chunk_size: int, width: int, bases: list[str], timeout: float,
+                   prefix: bool = False, abort: ReadAbort | None = None) -> DeltaReply:
+        """The chunks of ``[offset, offset + nbytes)`` encoded against one of ``bases``.
+
+        ``offset`` is a chunk boundary; the span's chunks (with `prefix`, the run the
+        holder has from the first) come back as one blob each (`kernels.delta`).
+
+        Raises:
+            NoBaseError: the holder holds none of ``bases`` whole.
+            SourceLostError, ReadRefusedError: as `read`.
+            TransportError: the reply is malformed (not whole chunks, sizes that do not add up).
+        """
+        chunks = -(-nbytes // chunk_size)
+        with self._pool.connection(source, abort) as conn:
+            n = request(conn, source, Op.DELTA, region, offset=offset, nbytes=nbytes,
+                               timeout=timeout, prefix=prefix, delta=(width, bases))
+            # no blob is larger than its chunk whole, plus a header
+            if n > DELTA_HEAD.size + chunks * (BLOB_LEN.size + 64) + nbytes:
+                raise TransportError(f"DELTA of {region!r}: a reply of {n} bytes for "
+                                     f"{nbytes} bytes of chunks")
+            payload = bytearray(n)
+            receive_into(conn, source, Op.DELTA, region, memoryview(payload))
+        return DeltaReply.parse(payload, bases, chunks, region)
 
     def close(self) -> None:
         """Close the pooled connections."""

@@ -29,9 +29,11 @@ import msgpack
 import torch
 
 from weightfabric.fabric.auth import MAX_CAP_BYTES, CapabilityCheck
+from weightfabric.fabric.errors import TransportError
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports.base import SourceAddress, local_host_id
 from weightfabric.fabric.transports.delta_cache import DEFAULT_CACHE_BYTES, DeltaCache, encode_chunk
+from weightfabric.fabric.transports.nixl import NixlEngine
 from weightfabric.fabric.transports.tls import HANDSHAKE_S, TlsConfig
 from weightfabric.fabric.transports.wire import (
     BASE_NAME,
@@ -91,6 +93,7 @@ class Exposure:
     progress: ChunkProgress
     shm_path: str | None
     gpu: dict[str, Any] | None
+    nixl: dict[str, Any] | None = None  # its NIXL descriptor, when the server has an engine
     inflight: int = 0
     retracting: bool = False
     drained: threading.Condition = field(default_factory=threading.Condition)
@@ -121,6 +124,8 @@ class ReadServer:
         tls: serve over mutual TLS only (`fabric.transports.tls`; the address says so).
         delta_cache_bytes: bytes of encoded delta chunks kept for readers that ask for the
             same ones (`DeltaCache`).
+        nixl: the worker's NIXL engine: regions are registered with it when exposed, and
+            leases name their NIXL descriptor (`fabric.transports.nixl`); None: no NIXL.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
@@ -129,7 +134,8 @@ class ReadServer:
                  capabilities: CapabilityCheck | None = None,
                  max_leases_per_reader: int = MAX_LEASES_PER_READER,
                  tls: TlsConfig | None = None,
-                 delta_cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+                 delta_cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 nixl: NixlEngine | None = None) -> None:
         if not stall_timeout > 0 or not idle_timeout > 0:
             raise ValueError(f"stall_timeout and idle_timeout must be positive, got "
                              f"{stall_timeout} and {idle_timeout}")
@@ -144,7 +150,8 @@ class ReadServer:
         self._tls = tls.server_context() if tls is not None else None
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = SourceAddress(host=host, port=self._listener.getsockname()[1],
-                                     host_id=local_host_id(), tls=tls is not None)
+                                     host_id=local_host_id(), tls=tls is not None,
+                                     nixl=nixl.name if nixl is not None else "")
         self._regions: dict[str, Exposure] = {}
         self._superseded: list[Exposure] = []  # retracting, replaced under their name, still read
         self._lock = threading.Lock()
@@ -160,6 +167,7 @@ class ReadServer:
         self.bytes_delivered = 0
         """What those bytes stand for once decoded (a delta counts as the chunks it encodes)."""
         self.deltas = DeltaCache(delta_cache_bytes)
+        self.nixl = nixl
         self._thread = threading.Thread(target=self._accept_loop, name="wf-read-server",
                                         daemon=True)
         self._thread.start()
@@ -206,7 +214,8 @@ class ReadServer:
             # numpy's stubs declare ndarray.__buffer__ only for Python 3.12+.
             data = memoryview(tensor.numpy())  # type: ignore[arg-type]
         exposure = Exposure(name, tensor, data, chunk_size, progress, shm_path,
-                            dict(gpu) if gpu is not None else None)
+                            dict(gpu) if gpu is not None else None,
+                            self._nixl_descriptor(name, tensor))
         with self._lock:
             old = self._regions.get(name)
             if old is not None and not old.retracting:
@@ -216,6 +225,19 @@ class ReadServer:
             self._superseded = [e for e in self._superseded if e.inflight]
             self._regions[name] = exposure
         return exposure
+
+    def _nixl_descriptor(self, name: str, tensor: torch.Tensor) -> dict[str, Any] | None:
+        """``tensor`` registered with the NIXL engine (once per buffer); None without one.
+
+        A registration that fails leaves the region to the other transports (logged).
+        """
+        if self.nixl is None:
+            return None
+        try:
+            return self.nixl.register(tensor)
+        except TransportError as exc:
+            log.warning("region %r is not readable over NIXL: %s", name, exc)
+            return None
 
     def retract(self, which: str | Exposure, *, timeout: float = 30.0) -> bool:
         """Stop serving `which`; wait up to `timeout` s for its reads in flight.
@@ -544,7 +566,8 @@ class ReadServer:
                     self.bytes_served += counted
                     self.bytes_delivered += counted
                 if op == Op.LEASE:
-                    where = {"shm_path": region.shm_path, "gpu": region.gpu, "nbytes": nbytes}
+                    where = {"shm_path": region.shm_path, "gpu": region.gpu, "nbytes": nbytes,
+                             "nixl": region.nixl}
                     self._reply(conn, Status.OK, payload=msgpack.packb(where))
                     keep = True
                     return region

@@ -16,7 +16,7 @@ from weightfabric.fabric.deltas import DeltaPolicy, delta_mode, word_width
 from weightfabric.fabric.errors import NoBaseError, TransportError
 from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.fabric.transports import ReadServer, SourceAddress, TcpTransport
-from weightfabric.fabric.transports.tcp import DeltaReply
+from weightfabric.fabric.transports.client import DeltaReply
 from weightfabric.fabric.transports.wire import (
     BLOB_LEN,
     DELTA_HEAD,

@@ -43,6 +43,8 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
   ``end`` (wall clock). While it runs, ``{"progress": [done, total]}`` lines come first.
 - ``{"op": "digest"}`` -> ``{"sha256": hex}`` of the active version's bytes.
 - ``{"op": "served"}`` -> ``{"bytes": N}`` this worker served (egress).
+- ``{"op": "cpu"}`` -> ``{"seconds": S}``: this process's CPU time so far (every
+  thread, NIXL's and UCX's included).
 - ``{"op": "exit"}``: leave the fabric and exit.
 
 Errors come back as ``{"error": "TypeName", "message": ...}``.
@@ -326,6 +328,8 @@ class Agent:
             return self._nixl.bump() if op == "nixl_bump" else self._nixl.read(cmd["served"])
         if op == "memory":
             return _WATCH.report() if _WATCH is not None else {}
+        if op == "cpu":
+            return {"seconds": time.process_time()}
         if op == "hub":
             self.hub = wf.serve(f"tcp://{cmd['host']}:{cmd.get('port', 0)}",
                                     lease_s=cmd.get("lease_s", 30.0),

@@ -22,6 +22,14 @@ Gloo: readers x bytes / slowest reader's time, from tensors ready on rank 0.
 ``--verify both`` alternates verified and unverified versions after the cold one
 and reports each one's median fetch phase and ``verify_cost`` (1 - verified /
 unverified GB/s): what checking every same-host read costs.
+
+``--distinct-hosts`` gives every process its own ``WEIGHTFABRIC_HOST_ID``, so every
+read crosses "hosts": over TCP, or NIXL where both sides run an agent.
+``--transport nixl,nixl-tcp,tcp`` runs the whole benchmark once per transport on
+fresh processes (``tcp``: NIXL off; ``nixl``: NIXL with UCX's default transports;
+``nixl-tcp``: NIXL with ``UCX_TLS=tcp``) and reports each under ``"runs"`` with
+``cpu_s_per_gb``: the CPU seconds of the trainer and every reader during the fetch
+phase (every thread) per GB delivered. Deltas are off in those runs (whole chunks).
 """
 
 from __future__ import annotations
@@ -95,6 +103,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "the cost of verifying (verify_cost)")
     p.add_argument("--no-baselines", action="store_true",
                    help="skip memcpy and gloo (for profiling the fetch alone)")
+    p.add_argument("--distinct-hosts", action="store_true",
+                   help="every process its own host id: reads cross hosts (tcp or nixl)")
+    p.add_argument("--transport", default=None,
+                   help="comma-separated runs: nixl (UCX defaults), nixl-tcp (UCX_TLS=tcp), "
+                        "tcp (NIXL off); implies --distinct-hosts")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -102,10 +115,13 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
                 versions: int = 3, baselines: bool = True, report_interval: float | None = None,
                 read_bytes: int | None = None,
                 device: str = "cpu", nvshmem_pes: int = 0, attach: bool = False,
-                verify: str = "default",
+                verify: str = "default", distinct_hosts: bool = False,
+                env: dict[str, str] | None = None,
                 on_phase: Callable[[str, int | None], None] = lambda name, total: None,
                 on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Run the benchmark once; returns the JSON result (see the module docstring).
+
+    ``env``: extra environment variables of every process (a transport's settings).
 
     Raises:
         ValueError: bad sizes or reader count, or ``device="cuda"`` without a usable GPU.
@@ -141,7 +157,9 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
                               "attach": attach,
                               "chunk_size": chunk_size, "max_inflight": max_inflight,
                               "read_bytes": read_bytes or FetchOptions.read_bytes}
-    options: dict[str, float] = {"max_inflight": max_inflight}
+    options: dict[str, Any] = {"max_inflight": max_inflight}
+    if distinct_hosts:
+        options["deltas"] = "off"  # whole chunks: what the transports move
     if read_bytes is not None:
         options["read_bytes"] = read_bytes
     if report_interval is not None:
@@ -156,7 +174,10 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
         agents.append(hub)
         url = hub.ask("hub", host="127.0.0.1")["url"]
         names = ["trainer", *(f"reader-{i}" for i in range(readers))]
-        started = [Agent(n, on_progress=on_progress, ready_timeout=None) for n in names]
+        started = [Agent(n, on_progress=on_progress, ready_timeout=None,
+                         env={**(env or {}), **({"WEIGHTFABRIC_HOST_ID": n}
+                                                if distinct_hosts else {})})
+                   for n in names]
         agents.extend(started)
         for a in started:
             a.reply(120)
@@ -170,15 +191,18 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
             served = int(trainer.ask("served")["bytes"])
             on_phase(f"v{i + 1}: fetch", None)
             checks = _verify_flag(verify, i)
+            cpu = sum(a.ask("cpu")["seconds"] for a in started)
             for r in reader_agents:
                 r.send("fetch", version=pub["version"], options=options, verify=checks)
             fetched = [r.reply(600) for r in reader_agents]
+            cpu = sum(a.ask("cpu")["seconds"] for a in started) - cpu
             egress = int(trainer.ask("served")["bytes"]) - served
             on_phase(f"v{i + 1}: verify", None)
             want = trainer.ask("digest", timeout=300)["sha256"]
             digests = [r.ask("digest", timeout=300)["sha256"] for r in reader_agents]
             rounds.append({**_round(pub, fetched, egress, all(d == want for d in digests)),
-                           "verify": checks})
+                           "verify": checks, "cpu_s_per_gb": cpu / (readers * pub["bytes"] / 1e9),
+                           "transports": [f["transports"] for f in fetched]})
     finally:
         close_all(agents)
         remove_stale_regions()
@@ -218,6 +242,45 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
 
 
 VERIFY_MODES = ("default", "all", "none", "both")
+TRANSPORTS = {"nixl": {}, "nixl-tcp": {"UCX_TLS": "tcp"}, "tcp": {"WEIGHTFABRIC_NIXL": "0"}}
+"""``--transport`` runs: each one's environment."""
+
+
+def bench_transports(transports: list[str], **kwargs: Any) -> dict[str, Any]:
+    """`bench_fetch` once per transport, across "hosts", on fresh processes each.
+
+    Returns the first run's result with every run's figures under ``"runs"``.
+
+    Raises:
+        ValueError: an unknown transport, or NIXL asked for where it is not installed.
+    """
+    unknown = [t for t in transports if t not in TRANSPORTS]
+    if unknown or not transports:
+        raise ValueError(f"--transport: choose from {', '.join(TRANSPORTS)}, not "
+                         f"{unknown or transports}")
+    from weightfabric.fabric.transports.nixl import nixl_missing
+
+    missing = nixl_missing()
+    if missing is not None and any(t.startswith("nixl") for t in transports):
+        raise ValueError(f"--transport nixl: {missing}")
+    runs: dict[str, Any] = {}
+    result: dict[str, Any] = {}
+    baselines = kwargs.pop("baselines", True)
+    for i, name in enumerate(transports):
+        out = bench_fetch(**kwargs, distinct_hosts=True, env=TRANSPORTS[name],
+                          baselines=baselines and i == 0)
+        moved = {t for per_reader in out["transports"] for t in per_reader}
+        runs[name] = {"per_reader_gbps": out["per_reader_gbps"],
+                      "aggregate_gbps": out["aggregate_gbps"],
+                      "verified": out["verified"], "cpu_s_per_gb": out["cpu_s_per_gb"],
+                      "bytes_by": sorted(moved),
+                      "versions": [{k: v[k] for k in ("aggregate_gbps", "per_reader_gbps",
+                                                        "cpu_s_per_gb")}
+                                   for v in out["versions"]]}
+        result = result or out
+    result["runs"] = runs
+    result["verified"] = all(r["verified"] for r in runs.values())
+    return result
 
 
 def _verify_flag(mode: str, index: int) -> bool | None:
@@ -301,14 +364,17 @@ def _run(args: argparse.Namespace) -> int:
                 bars[name] = progress.add_task(name, total=total)
             progress.update(bars[name], completed=done)
 
-        result = bench_fetch(readers=args.readers, size=size, chunk_size=chunk,
-                             max_inflight=args.max_inflight, read_bytes=read_bytes,
-                             versions=args.versions,
-                             report_interval=args.report_interval, device=args.device,
-                             nvshmem_pes=args.nvshmem_pes, attach=args.attach,
-                             verify=args.verify,
-                             baselines=not args.no_baselines, on_phase=on_phase,
-                             on_progress=on_progress)
+        common: dict[str, Any] = dict(
+            readers=args.readers, size=size, chunk_size=chunk, max_inflight=args.max_inflight,
+            read_bytes=read_bytes, versions=args.versions,
+            report_interval=args.report_interval, device=args.device,
+            nvshmem_pes=args.nvshmem_pes, attach=args.attach, verify=args.verify,
+            baselines=not args.no_baselines, on_phase=on_phase, on_progress=on_progress)
+        if args.transport is not None:
+            result = bench_transports([t.strip() for t in args.transport.split(",")
+                                       if t.strip()], **common)
+        else:
+            result = bench_fetch(**common, distinct_hosts=args.distinct_hosts)
     return print_result(result, as_json=args.json, table=_table)
 
 
@@ -351,4 +417,10 @@ def _table(r: dict[str, Any], console: Console) -> None:
     for name, t in r.get("targets", {}).items():
         mark = "[green]met[/green]" if t["met"] else "[red]missed[/red]"
         table.add_row(f"target {name} {t['goal']}", f"{t['value']:.2f} {mark}")
+    for name, run in r.get("runs", {}).items():
+        table.add_row(f"--transport {name}: aggregate GB/s, per reader, CPU s/GB",
+                      f"{run['aggregate_gbps']:.2f}; "
+                      + ", ".join(f"{g:.2f}" for g in run["per_reader_gbps"])
+                      + f"; {run['cpu_s_per_gb']:.2f}"
+                      + ("" if run["verified"] else "  [red]NOT bit-exact[/red]"))
     console.print(table)

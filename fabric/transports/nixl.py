@@ -1,0 +1,324 @@
+"""`NixlTransport`: one-sided READs across hosts with NVIDIA NIXL (UCX underneath).
+
+Each worker runs one NIXL agent (`NixlEngine`), started lazily and only when the
+``rdma`` extra (``nixl-cu13``) is installed and neither ``WEIGHTFABRIC_NIXL=0`` nor
+``fabric.join(..., nixl=False)`` opts out. Its name is unique per process
+(``wf-<worker>-<pid>-<random>``): a worker that restarts is a new agent, so nothing
+a reader cached about the old one can be used for the new one.
+
+Memory. The holder's read server registers each region it exposes with the agent
+(host memory as ``DRAM``, GPU memory as ``VRAM``), once per buffer: a store reuses
+its buffers across versions, and a registration is cached by address and size until
+the store frees the buffer (`NixlEngine.forget`). A reader registers its
+destination buffers the same way, on first use.
+
+Metadata. NIXL peers need each other's agent metadata (connection info and the
+remote keys of registered memory). A worker puts its own in the hub's rendezvous
+store under ``nixl/<agent>`` whenever it registers new memory, prefixed by the number
+of registrations made so far (its generation, 8 bytes); its registered read endpoint
+names the agent. A reader loads a holder's metadata on first use, and again when a
+lease's descriptor carries a newer generation than the one it loaded (memory
+registered since). Endpoints come from the
+hub, which drops a worker's when its lease ends, so a holder that left is never
+asked; a reader also forgets an agent whose READ failed.
+
+Reads. The read server's leases guard a NIXL READ exactly as they guard a
+shared-memory copy: the reader takes a ``LEASE`` over TCP (capability checked,
+chunks waited for, egress counted), whose answer carries the region's NIXL
+descriptor (agent, address, device, memory kind); it READs ``[offset, offset +
+granted)`` into its own registered buffer, then sends ``END``; without an
+acknowledged ``END`` (the lease ran out and the holder may have reused the memory)
+the bytes are discarded (`SourceLostError`). A READ that fails (``ERR``: the peer
+died) or does not finish within the read's timeout is a `SourceLostError`; the
+fetch engine reads those chunks elsewhere, as for any source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from weightfabric.fabric.errors import ReadRefusedError, SourceLostError, TransportError
+from weightfabric.fabric.transports import client
+from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
+
+log = logging.getLogger(__name__)
+
+NIXL_ENV = "WEIGHTFABRIC_NIXL"
+NIXL_KV_PREFIX = "nixl/"
+"""Hub kv keys of agents' metadata: ``nixl/<agent>``."""
+POLL_S = 0.0002
+"""Seconds between looks at a READ in progress (it runs on NIXL's progress thread)."""
+SLOW_POLL_S = 0.005
+"""The same once a READ has taken longer than `SLOW_AFTER_S`."""
+SLOW_AFTER_S = 0.05
+GENERATION = struct.Struct("!Q")
+RETRY_UNREACHABLE_S = 10.0
+"""Seconds before an agent whose metadata could not be had is asked for again."""
+
+
+def nixl_api() -> Any:
+    """``nixl_cu13._api``, imported without its side effects on this process's logging.
+
+    On import NIXL sends its ``nixl`` logger to stdout at INFO (which would corrupt the
+    output of a program that speaks on stdout) and turns off `logging.raiseExceptions`;
+    both are undone: its records go to the application's handlers, at WARNING unless
+    ``NIXL_LOG_LEVEL`` says otherwise.
+    """
+    raise_exceptions = logging.raiseExceptions
+    from nixl_cu13 import _api
+
+    logging.raiseExceptions = raise_exceptions
+    nixl_log = logging.getLogger("nixl")
+    for handler in list(nixl_log.handlers):
+        nixl_log.removeHandler(handler)
+    nixl_log.propagate = True
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_log.setLevel(logging.WARNING)
+    return _api
+
+
+def nixl_missing() -> str | None:
+    """Why this process cannot use NIXL (None when it can)."""
+    if os.environ.get(NIXL_ENV, "1") in ("0", ""):
+        return f"turned off with {NIXL_ENV}=0"
+    try:
+        nixl_api()
+    except ImportError as exc:
+        return f"nixl-cu13 is not installed (pip install 'weightfabric[rdma]'): {exc}"
+    except Exception as exc:  # a broken install: its native libraries did not load
+        return f"nixl-cu13 did not load: {type(exc).__name__}: {exc}"
+    return None
+
+
+class NixlUnreachable(SourceLostError):
+    """A holder's NIXL agent cannot be reached from here: read it over TCP instead."""
+
+
+class NixlEngine:
+    """A worker's NIXL agent: its registrations, the remote agents it knows, its READs.
+
+    Thread-safe. The agent starts on first use.
+
+    Args:
+        worker: the worker's name (part of the agent's).
+        publish: stores this agent's metadata where readers find it (the hub's kv).
+        lookup: the metadata of a remote agent, by name (from the hub's kv).
+    """
+
+    def __init__(self, worker: str, *, publish: Callable[[str, bytes], None],
+                 lookup: Callable[[str], bytes]) -> None:
+        self.name = f"wf-{worker}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._publish, self._lookup = publish, lookup
+        self._agent: Any = None
+        self._registered: dict[tuple[int, int], Any] = {}  # (address, bytes) -> reg list
+        self._remotes: dict[str, int] = {}  # agent name -> generation of its metadata loaded
+        self._generation = 0  # registrations made
+        self._unreachable: dict[str, tuple[float, str]] = {}  # name -> (when, why)
+        self._lock = threading.RLock()
+
+    @property
+    def agent(self) -> Any:
+        """The NIXL agent (started now if it was not)."""
+        with self._lock:
+            if self._agent is None:
+                api = nixl_api()
+                self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+                if "UCX" not in self._agent.backends:
+                    raise TransportError("NIXL has no UCX backend here")
+            return self._agent
+
+    # --- registrations ----------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor) -> dict[str, Any]:
+        """Register ``tensor``'s memory (flat, contiguous) once; its descriptor for readers.
+
+        The descriptor: ``{"agent", "addr", "dev", "mem", "gen"}`` (``mem``: ``"DRAM"``
+        or ``"VRAM"``; ``gen``: the registrations made so far). A new registration
+        publishes this agent's metadata again.
+        """
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        mem = "VRAM" if tensor.is_cuda else "DRAM"
+        dev = tensor.get_device() if tensor.is_cuda else 0
+        with self._lock:
+            if key not in self._registered:
+                agent = self.agent
+                try:
+                    self._registered[key] = agent.register_memory([(*key, dev, "")], mem)
+                except Exception as exc:  # NIXL's own error types
+                    raise TransportError(f"NIXL could not register {key[1]} bytes of {mem}: "
+                                         f"{exc}") from exc
+                self._generation += 1
+                self._publish(self.name, GENERATION.pack(self._generation)
+                              + agent.get_agent_metadata())
+            return {"agent": self.name, "addr": key[0], "dev": dev, "mem": mem,
+                    "gen": self._generation}
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Deregister ``tensor``'s memory (before it is freed); nothing if it was not."""
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        with self._lock:
+            reg = self._registered.pop(key, None)
+            if reg is not None and self._agent is not None:
+                with contextlib.suppress(Exception):
+                    self._agent.deregister_memory(reg)
+
+    def _covering(self, tensor: torch.Tensor) -> None:
+        """Register the storage ``tensor`` is a view of, if it is not yet."""
+        storage = tensor.untyped_storage()
+        base = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        self.register(base)
+
+    # --- reads ------------------------------------------------------------------------
+
+    def read(self, remote: dict[str, Any], offset: int, out: torch.Tensor, *,
+             timeout: float, abort: ReadAbort | None = None) -> None:
+        """READ ``out.numel()`` bytes at ``offset`` of the remote region ``remote`` into ``out``.
+
+        Raises:
+            SourceLostError: the READ failed, timed out, or was aborted.
+            TransportError: the descriptor is malformed.
+        """
+        try:
+            agent_name, addr = str(remote["agent"]), int(remote["addr"])
+            dev, mem, gen = int(remote["dev"]), str(remote["mem"]), int(remote["gen"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransportError(f"malformed NIXL descriptor {remote!r}") from exc
+        if mem not in ("DRAM", "VRAM"):
+            raise TransportError(f"NIXL descriptor of unknown memory {mem!r}")
+        self._covering(out)
+        nbytes = out.numel()
+        local_dev = out.get_device() if out.is_cuda else 0
+        self.remote(agent_name, generation=gen)
+        agent = self.agent
+        try:
+            local = agent.get_xfer_descs([(out.data_ptr(), nbytes, local_dev)],
+                                         "VRAM" if out.is_cuda else "DRAM")
+            far = agent.get_xfer_descs([(addr + offset, nbytes, dev)], mem)
+            handle = agent.initialize_xfer("READ", local, far, agent_name)
+        except Exception as exc:
+            self.drop(agent_name)
+            raise SourceLostError(f"NIXL READ from {agent_name} could not start: {exc}") from exc
+        self._complete(agent, handle, agent_name, timeout, abort)
+
+    def _complete(self, agent: Any, handle: Any, peer: str, timeout: float,
+                  abort: ReadAbort | None) -> None:
+        """Post ``handle`` and wait for it; SourceLostError unless it is DONE in time."""
+        start = time.monotonic()
+        try:
+            state = agent.transfer(handle)
+            while state == "PROC":
+                waited = time.monotonic() - start
+                if waited > timeout or (abort is not None and abort.aborted):
+                    raise SourceLostError(f"NIXL READ from {peer}: not done after "
+                                          f"{waited:.1f} s" + (" (aborted)" if abort is not None
+                                                               and abort.aborted else ""))
+                time.sleep(POLL_S if waited < SLOW_AFTER_S else SLOW_POLL_S)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                self.drop(peer)
+                raise SourceLostError(f"NIXL READ from {peer} failed ({state}): the peer "
+                                      "is gone or its memory no longer registered")
+        finally:
+            with contextlib.suppress(Exception):  # refused while still in flight: leaked
+                agent.release_xfer_handle(handle)
+
+    def remote(self, name: str, *, generation: int = 0) -> None:
+        """Load remote agent ``name``'s metadata from the hub, unless it is loaded already.
+
+        Loaded again when ``generation`` (a lease's) is newer than what was loaded.
+
+        Raises:
+            NixlUnreachable: no metadata for it (its worker left, or the hub restarted
+                and it has not published since), or it did not load.
+        """
+        with self._lock:
+            if self._remotes.get(name, -1) >= generation:
+                return
+            when, why = self._unreachable.get(name, (-RETRY_UNREACHABLE_S, ""))
+            if time.monotonic() - when < RETRY_UNREACHABLE_S:
+                raise NixlUnreachable(why)
+        try:
+            meta = self._lookup(name)
+        except Exception as exc:
+            why = f"no NIXL metadata for agent {name}: {exc}"
+            with self._lock:
+                self._unreachable[name] = (time.monotonic(), why)
+            raise NixlUnreachable(why) from exc
+        with self._lock:
+            agent = self.agent
+            try:
+                (loaded_gen,) = GENERATION.unpack_from(meta)
+                loaded = agent.add_remote_agent(meta[GENERATION.size:])
+                loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            except Exception as exc:
+                raise NixlUnreachable(f"NIXL metadata of {name} did not load: {exc}") from exc
+            if loaded != name:
+                with contextlib.suppress(Exception):
+                    agent.remove_remote_agent(loaded)
+                raise NixlUnreachable(f"the hub's NIXL metadata for {name} names {loaded}")
+            self._remotes[name] = loaded_gen
+
+    def drop(self, name: str) -> None:
+        """Forget remote agent ``name`` (it left, or its READ failed)."""
+        with self._lock:
+            if self._remotes.pop(name, None) is not None and self._agent is not None:
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+
+    def close(self) -> None:
+        """Deregister everything and drop the agent."""
+        with self._lock:
+            for name in list(self._remotes):
+                self.drop(name)
+            if self._agent is not None:
+                for reg in self._registered.values():
+                    with contextlib.suppress(Exception):
+                        self._agent.deregister_memory(reg)
+            self._registered.clear()
+            self._agent = None
+
+
+class NixlTransport(client.ServerTransport):
+    """Reads a remote holder's region with a NIXL READ under a lease of its read server."""
+
+    name = "nixl"
+
+    def __init__(self, engine: NixlEngine) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def reachable(self, source: SourceAddress) -> str | None:
+        """Why ``source``'s agent cannot be read from here (None: it can; loads it)."""
+        try:
+            self.engine.remote(source.nixl)
+        except NixlUnreachable as exc:
+            return str(exc)
+        return None
+
+    def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
+             timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
+        """READ bytes of the holder's region into `out` (see `Transport.read`)."""
+        if out.dtype != torch.uint8 or not out.is_contiguous():
+            raise ValueError("read into a contiguous uint8 tensor")
+        with (self._pool.connection(source, abort) as conn,
+              client.under_lease(conn, source, region, offset=offset, nbytes=out.numel(),
+                                 timeout=timeout, prefix=prefix) as granted):
+            if granted.nixl is None:
+                raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} is "
+                                       "not registered with NIXL; read it over tcp")
+            self.engine.read(granted.nixl, offset, out[:granted.nbytes], timeout=timeout,
+                             abort=abort)
+        return granted.nbytes
+
+
+__all__ = ["NIXL_ENV", "NIXL_KV_PREFIX", "NixlEngine", "NixlTransport", "NixlUnreachable", "nixl_missing"]
