@@ -54,6 +54,7 @@ from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
 log = logging.getLogger(__name__)
 
 NIXL_ENV = "WEIGHTFABRIC_NIXL"
+PROGRESS_ENV = "WEIGHTFABRIC_NIXL_PROGRESS_US"
 NIXL_KV_PREFIX = "nixl/"
 """Hub kv keys of agents' metadata: ``nixl/<agent>``."""
 POLL_S = 0.0002
@@ -62,6 +63,12 @@ SLOW_POLL_S = 0.005
 """The same once a READ has taken longer than `SLOW_AFTER_S`."""
 SLOW_AFTER_S = 0.05
 GENERATION = struct.Struct("!Q")
+PROGRESS_DELAY_US = 50
+"""Microseconds NIXL's progress thread pauses between polls (``WEIGHTFABRIC_NIXL_PROGRESS_US``).
+
+NIXL's Python agent sets 0: the thread spins, a core per process, which on a host
+with few cores starves the readers it serves (`fabric bench fetch --transport nixl`,
+2 readers on 2 cores: 1.3-1.5 GB/s spinning, 2.1-2.3 pausing 20-50 us)."""
 RETRY_UNREACHABLE_S = 10.0
 """Seconds before an agent whose metadata could not be had is asked for again."""
 
@@ -100,6 +107,27 @@ def nixl_missing() -> str | None:
     return None
 
 
+_PACE_LOCK = threading.Lock()
+
+
+def _paced(api: Any, make: Callable[[], Any]) -> Any:
+    """``make()`` (a `nixl_agent`) with its progress thread pausing `PROGRESS_DELAY_US`."""
+    real = api.nixlBind.nixlAgentConfig
+
+    class Paced(real):  # type: ignore[misc, valid-type]
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "pthrDelay":
+                value = max(int(value), int(os.environ.get(PROGRESS_ENV, PROGRESS_DELAY_US)))
+            super().__setattr__(name, value)
+
+    with _PACE_LOCK:
+        api.nixlBind.nixlAgentConfig = Paced
+        try:
+            return make()
+        finally:
+            api.nixlBind.nixlAgentConfig = real
+
+
 class NixlUnreachable(SourceLostError):
     """A holder's NIXL agent cannot be reached from here: read it over TCP instead."""
 
@@ -132,7 +160,10 @@ class NixlEngine:
         with self._lock:
             if self._agent is None:
                 api = nixl_api()
-                self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+                config = api.nixl_agent_config(
+                    backends=["UCX"],
+                    sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)  # reads from threads
+                self._agent = _paced(api, lambda: api.nixl_agent(self.name, config))
                 if "UCX" not in self._agent.backends:
                     raise TransportError("NIXL has no UCX backend here")
             return self._agent
