@@ -84,7 +84,8 @@ class Worker:
 
         ``wanted`` False: none; True: one, or `FabricError` saying why not.
         """
-        missing = "turned off (join(..., nixl=False))" if wanted is False else nixl_missing()
+        missing = ("turned off (join(..., nixl=False))" if wanted is False
+                   else nixl_missing(wanted))
         if missing is not None:
             if wanted:
                 raise FabricError(f"worker {worker!r}: no NIXL: {missing}")
@@ -244,10 +245,11 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
             it (`TlsConfig`: cert, key and the cluster CA's certificate, PEM). For links
             that cross untrusted networks; it costs throughput (docs/security.md).
         nixl: read from holders on other hosts with NIXL READs (`fabric.transports.nixl`).
-            None (default): when the ``rdma`` extra is installed, ``WEIGHTFABRIC_NIXL`` is
-            not 0 and there is no ``tls`` (NIXL's transfers are not encrypted); False:
-            never (this worker's memory is not registered either: peers read it over
-            TCP); True: always, or `FabricError` saying why it cannot.
+            None (default): when the ``rdma`` extra is installed, the host has an RDMA
+            device (or ``WEIGHTFABRIC_NIXL=1``), ``WEIGHTFABRIC_NIXL`` is not 0 and there
+            is no ``tls`` (NIXL's transfers are not encrypted); False: never (this
+            worker's memory is not registered either: peers read it over TCP); True:
+            whenever it is installed, or `FabricError` saying why it cannot.
 
     Raises:
         HubUnavailableError: no hub answers at `url`.

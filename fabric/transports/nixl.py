@@ -1,8 +1,12 @@
 """`NixlTransport`: one-sided READs across hosts with NVIDIA NIXL (UCX underneath).
 
-Each worker runs one NIXL agent (`NixlEngine`), started lazily and only when the
-``rdma`` extra (``nixl-cu13``) is installed and neither ``WEIGHTFABRIC_NIXL=0`` nor
-``fabric.join(..., nixl=False)`` opts out. Its name is unique per process
+Each worker runs one NIXL agent (`NixlEngine`), started lazily, when the ``rdma``
+extra (``nixl-cu13``) is installed and the host has an RDMA device
+(``/sys/class/infiniband``), unless ``WEIGHTFABRIC_NIXL=0`` or
+``fabric.join(..., nixl=False)`` opts out; ``WEIGHTFABRIC_NIXL=1`` or ``nixl=True``
+use it without an RDMA device too. Without one, UCX carries NIXL's READs over TCP
+sockets, which on the machines measured was half as fast as the fabric's own TCP
+reads at 2.5x their CPU (`docs/benchmarks.md`, "NIXL"), so it is not the default there. Its name is unique per process
 (``wf-<worker>-<pid>-<random>``): a worker that restarts is a new agent, so nothing
 a reader cached about the old one can be used for the new one.
 
@@ -94,16 +98,33 @@ def nixl_api() -> Any:
     return _api
 
 
-def nixl_missing() -> str | None:
-    """Why this process cannot use NIXL (None when it can)."""
-    if os.environ.get(NIXL_ENV, "1") in ("0", ""):
-        return f"turned off with {NIXL_ENV}=0"
+def rdma_devices() -> list[str]:
+    """The RDMA devices of this host (``/sys/class/infiniband``: InfiniBand, RoCE)."""
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
+def nixl_missing(wanted: bool | None = None) -> str | None:
+    """Why this process does not use NIXL (None when it does).
+
+    ``wanted`` True: only whether it can (installed, loads, not turned off); None: the
+    default as well (``WEIGHTFABRIC_NIXL=1``, or an RDMA device on this host).
+    """
+    mode = os.environ.get(NIXL_ENV, "auto").strip().lower()
+    if mode in ("0", "off", "false", ""):
+        return f"turned off with {NIXL_ENV}={os.environ.get(NIXL_ENV)}"
     try:
         nixl_api()
     except ImportError as exc:
         return f"nixl-cu13 is not installed (pip install 'weightfabric[rdma]'): {exc}"
     except Exception as exc:  # a broken install: its native libraries did not load
         return f"nixl-cu13 did not load: {type(exc).__name__}: {exc}"
+    if wanted is None and mode not in ("1", "on", "true") and not rdma_devices():
+        return (f"no RDMA device here (/sys/class/infiniband is empty): UCX would carry NIXL "
+                f"over TCP, slower than the fabric's own TCP reads; {NIXL_ENV}=1 or "
+                "join(..., nixl=True) uses it anyway")
     return None
 
 
@@ -352,4 +373,4 @@ class NixlTransport(client.ServerTransport):
         return granted.nbytes
 
 
-__all__ = ["NIXL_ENV", "NIXL_KV_PREFIX", "NixlEngine", "NixlTransport", "NixlUnreachable", "nixl_missing"]
+__all__ = ["NIXL_ENV", "NIXL_KV_PREFIX", "NixlEngine", "rdma_devices", "NixlTransport", "NixlUnreachable", "nixl_missing"]

@@ -19,7 +19,7 @@ from weightfabric.fabric.errors import FabricError
 from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.fabric.transports.nixl import NIXL_KV_PREFIX, nixl_missing
 
-MISSING = nixl_missing()
+MISSING = nixl_missing(True)
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no NIXL: {MISSING}")
 
 CHUNK = 1 << 20
@@ -40,6 +40,7 @@ def fabric(monkeypatch):
     """join(name, host, **kw): a worker on "host"; the last joined is the reader's host."""
     server = wf.serve("tcp://127.0.0.1:0", lease_s=5.0)
     workers = []
+    monkeypatch.setenv("WEIGHTFABRIC_NIXL", "1")  # also without an RDMA device here
 
     def join(name: str, host: str, **kwargs):
         monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", host)
@@ -127,7 +128,8 @@ def test_a_source_killed_mid_read_leaves_the_reader_to_another_and_is_never_aske
     hub, spawn = cluster
 
     def on(host: str) -> dict[str, str]:
-        return {"WEIGHTFABRIC_HOST_ID": host, "WEIGHTFABRIC_DELTAS": "off"}
+        return {"WEIGHTFABRIC_HOST_ID": host, "WEIGHTFABRIC_DELTAS": "off",
+                "WEIGHTFABRIC_NIXL": "1"}
 
     trainer = spawn("trainer", env=on("host-t"))
     a, d = spawn("holder-a", env=on("host-a")), spawn("holder-d", env=on("host-d"))
@@ -153,3 +155,13 @@ def test_a_source_killed_mid_read_leaves_the_reader_to_another_and_is_never_aske
     again = late.ask("fetch", version=version)
     assert again["exact"] and "holder-a" not in again["sources"], again
     assert not again["failed_sources"], again  # holder-a was never asked
+
+
+def test_by_default_nixl_waits_for_an_rdma_device(fabric, monkeypatch):
+    monkeypatch.setenv("WEIGHTFABRIC_NIXL", "auto")
+    monkeypatch.setattr("weightfabric.fabric.transports.nixl.rdma_devices", lambda: [])
+    assert "no RDMA device" in nixl_missing() and nixl_missing(True) is None
+    assert fabric("plain", "host-a").nixl is None
+    assert fabric("forced", "host-a", nixl=True).nixl is not None
+    monkeypatch.setattr("weightfabric.fabric.transports.nixl.rdma_devices", lambda: ["mlx5_0"])
+    assert nixl_missing() is None and fabric("rdma", "host-b").nixl is not None

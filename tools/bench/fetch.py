@@ -242,7 +242,9 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
 
 
 VERIFY_MODES = ("default", "all", "none", "both")
-TRANSPORTS = {"nixl": {}, "nixl-tcp": {"UCX_TLS": "tcp"}, "tcp": {"WEIGHTFABRIC_NIXL": "0"}}
+TRANSPORTS = {"nixl": {"WEIGHTFABRIC_NIXL": "1"},
+              "nixl-tcp": {"WEIGHTFABRIC_NIXL": "1", "UCX_TLS": "tcp"},
+              "tcp": {"WEIGHTFABRIC_NIXL": "0"}}
 """``--transport`` runs: each one's environment."""
 
 
@@ -260,7 +262,7 @@ def bench_transports(transports: list[str], **kwargs: Any) -> dict[str, Any]:
                          f"{unknown or transports}")
     from weightfabric.fabric.transports.nixl import nixl_missing
 
-    missing = nixl_missing()
+    missing = nixl_missing(True)
     if missing is not None and any(t.startswith("nixl") for t in transports):
         raise ValueError(f"--transport nixl: {missing}")
     runs: dict[str, Any] = {}

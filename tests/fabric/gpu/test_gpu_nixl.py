@@ -13,7 +13,7 @@ from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.fabric.gpu.probe import probe
 from weightfabric.fabric.transports.nixl import nixl_missing
 
-MISSING = probe().missing("cuda") or nixl_missing()
+MISSING = probe().missing("cuda") or nixl_missing(True)
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
 
 CHUNK = 4 << 20
@@ -28,6 +28,7 @@ def hub():
 def test_gpu_stores_on_two_hosts_read_each_other_over_nixl(hub, monkeypatch):
     g = torch.Generator().manual_seed(5)
     weights = {"w": torch.randn(64 << 20, generator=g).to(torch.bfloat16).cuda()}
+    monkeypatch.setenv("WEIGHTFABRIC_NIXL", "1")  # also without an RDMA device
     monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "gpu-host-a")
     with wf.join(hub.url, worker="trainer") as trainer:
         monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "gpu-host-b")
