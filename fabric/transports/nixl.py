@@ -115,16 +115,16 @@ def nixl_missing(wanted: bool | None = None) -> str | None:
     mode = os.environ.get(NIXL_ENV, "auto").strip().lower()
     if mode in ("0", "off", "false", ""):
         return f"turned off with {NIXL_ENV}={os.environ.get(NIXL_ENV)}"
+    if wanted is None and mode not in ("1", "on", "true") and not rdma_devices():
+        return (f"no RDMA device here (/sys/class/infiniband is empty): UCX would carry NIXL "
+                f"over TCP, slower than the fabric's own TCP reads; {NIXL_ENV}=1 or "
+                "join(..., nixl=True) uses it anyway")
     try:
         nixl_api()
     except ImportError as exc:
         return f"nixl-cu13 is not installed (pip install 'weightfabric[rdma]'): {exc}"
     except Exception as exc:  # a broken install: its native libraries did not load
         return f"nixl-cu13 did not load: {type(exc).__name__}: {exc}"
-    if wanted is None and mode not in ("1", "on", "true") and not rdma_devices():
-        return (f"no RDMA device here (/sys/class/infiniband is empty): UCX would carry NIXL "
-                f"over TCP, slower than the fabric's own TCP reads; {NIXL_ENV}=1 or "
-                "join(..., nixl=True) uses it anyway")
     return None
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from procs import running_cluster
+from test_data_plane import fetch_progress
 
 import weightfabric as wf
 from weightfabric.fabric.errors import FabricError
@@ -116,11 +117,6 @@ def test_nixl_true_without_the_extra_says_why(fabric, monkeypatch):
 def cluster():
     with running_cluster(lease_s=2.0, limit=240) as (hub, spawn):
         yield hub, spawn
-
-
-def fetch_progress(url: str, worker: str) -> int:
-    with wf.connect(url, timeout=5) as observer:
-        return sum(f["have"] for f in observer.status()["fetches"] if f["worker"] == worker)
 
 
 def test_a_source_killed_mid_read_leaves_the_reader_to_another_and_is_never_asked_again(
