@@ -74,7 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "bytes per version and each rollout's stall. Needs root and ip netns;\n"
                     "without them it prints why and exits 0. Exits 1 if a rollout's bytes\n"
                     "differ from the trainer's or a process fails, 2 on bad options.",
-        examples=["sudo fabric bench crossdc --remote 3 --size 64MB --rate 1Gbit/s "
+        examples=["sudo fabric bench crossdc --delta --remote 2 --size 256MB --versions 3",
+                  "sudo fabric bench crossdc --remote 3 --size 64MB --rate 1Gbit/s "
                   "--rtt 20ms --json"])
     p.add_argument("--remote", type=int, default=3, help="rollouts in dc-b (default 3)")
     p.add_argument("--size", default="64MB", help="model bytes (default 64MB)")

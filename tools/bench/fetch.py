@@ -67,7 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "trainer's or a process fails, 2 on bad options (or --device cuda\n"
                     "without a usable GPU).",
         examples=["fabric bench fetch --readers 4 --size 1GB --json",
-                  "fabric bench fetch --device cuda --readers 1 --size 4GB --chunk-size 64MiB"])
+                  "fabric bench fetch --device cuda --readers 1 --size 4GB --chunk-size 64MiB",
+                  "fabric bench fetch --readers 2 --size 256MB --transport nixl,nixl-tcp,tcp "
+                  "--json"])
     p.add_argument("--readers", type=int, default=4, help="reader processes (default 4)")
     p.add_argument("--size", default="1GB", help="model bytes, e.g. 256MB, 1GB (default 1GB)")
     p.add_argument("--chunk-size", default="16MiB", help="fetch chunk size (default 16MiB, the "
@@ -98,7 +100,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "prepared at attach)")
     p.add_argument("--verify", choices=("default", "all", "none", "both"), default="default",
                    help="which reads check chunk checksums: 'default' (the library's rule: "
-                        "reads from other hosts), 'all', 'none', or 'both': versions after the "
+                        "every read), 'all', 'none', or 'both': versions after the "
                         "first alternate all / none, and the medians of each are reported with "
                         "the cost of verifying (verify_cost)")
     p.add_argument("--no-baselines", action="store_true",
