@@ -6,6 +6,7 @@ deployment secret nor a token; a rollout holds a ``read`` token only.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import socket
@@ -239,6 +240,18 @@ def test_an_expired_token_is_refused(hub, tmp_path):
         wf.connect(hub.url, secret_file=path)
 
 
+def serve_again(url: str, within: float = 10.0) -> wf.HubServer:
+    """A hub on the ``url`` a stopped one used: its socket may take a moment to let go."""
+    end = time.monotonic() + within
+    while True:
+        try:
+            return wf.serve(url)
+        except zmq.error.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > end:
+                raise
+            time.sleep(0.1)
+
+
 def test_a_reader_cannot_recreate_an_unknown_version_after_a_hub_restart(tmp_path):
     url = "tcp://127.0.0.1:0"
     with wf.serve(url) as hub:
@@ -254,7 +267,7 @@ def test_a_reader_cannot_recreate_an_unknown_version_after_a_hub_restart(tmp_pat
             msgpack.unpackb(msgpack.packb(_builtins(h))) for h in holdings]})
         assert reply.get("rejected", []) == []        # a version the hub knows: restored
         rollout.close()
-    with wf.serve(url.replace(":0", f":{hub.url.rsplit(':', 1)[1]}")) as fresh:
+    with serve_again(url.replace(":0", f":{hub.url.rsplit(':', 1)[1]}")) as fresh:
         rollout = wf.connect(fresh.url, worker="rollout-again",
                              secret_file=token_file(tmp_path, "rollouts", ["read"]))
         try:
