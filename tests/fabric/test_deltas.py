@@ -7,6 +7,8 @@ Readers and holders are in one process; ``WEIGHTFABRIC_HOST_ID`` puts them on di
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -209,10 +211,11 @@ def test_the_holder_of_the_base_dying_mid_fetch_leaves_the_reader_to_another(fab
         s.fetch("latest")
     assert t.retract(2) == "done"  # only the peers hold v2, and both hold v1
     died: list[str] = []
+    once = threading.Lock()  # both peers may be asked at once: only one dies
 
     def dying(worker):
         def send_delta(*args, **kwargs):  # the first peer asked goes down mid-read
-            if not died:
+            if once.acquire(blocking=False):
                 died.append(worker.name)
                 worker.server.close()
                 raise ConnectionError("killed")
@@ -328,3 +331,36 @@ def test_a_holder_whose_base_differs_in_size_says_no_base(holder):
     server.expose("m/v3/s0", new[:CHUNK].clone(), chunk_size=CHUNK)
     assert _raw(server, bytes([2, 1, 0, 7]) + b"m/v3/s0") == Status.NO_BASE
 
+
+
+def test_a_partial_replica_serves_deltas_of_the_chunks_it_has_as_they_arrive():
+    """Deltas chain like whole chunks: a holder still fetching waits for the chunk, then encodes."""
+    from weightfabric.fabric.progress import ChunkProgress
+
+    server = ReadServer()
+    tcp = TcpTransport()
+    base = torch.randint(0, 256, (2 * CHUNK,), dtype=torch.uint8)
+    new = base.clone()
+    new[::501] += 1
+    progress = ChunkProgress(2)
+    server.expose("m/v1/s0", base, chunk_size=CHUNK)
+    server.expose("m/v2/s0", new, chunk_size=CHUNK, progress=progress)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(tcp.read_delta(
+        server.address, "m/v2/s0", 0, 2 * CHUNK, chunk_size=CHUNK, width=2,
+        bases=["m/v1/s0"], timeout=10, prefix=True)))
+    try:
+        reader.start()
+        time.sleep(0.3)
+        assert not got  # waiting for chunk 0
+        progress.mark(0)
+        reader.join(10)
+        [reply] = got
+        assert len(reply.blobs) == 1  # the run it has: chunk 0
+        out = base[:CHUNK].clone()
+        decode_delta(torch.frombuffer(reply.blobs[0], dtype=torch.uint8), out, out)
+        assert torch.equal(out, new[:CHUNK])
+    finally:
+        reader.join(10)
+        tcp.close()
+        server.close()
