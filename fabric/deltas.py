@@ -68,7 +68,7 @@ def word_width(dtypes: list[tuple[torch.dtype, int]]) -> int:
     """
     by_size: dict[int, int] = {}
     for dtype, nbytes in dtypes:
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         by_size[size] = by_size.get(size, 0) + nbytes
     best = max(by_size, key=lambda s: by_size[s], default=1)
     return best if best in (1, 2, 4, 8) else 1

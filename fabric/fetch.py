@@ -564,8 +564,9 @@ class _FetchRun:
                 if self.before_write is not None:
                     self.before_write(lo, hi)
                 timeout = max(0.0, min(self.options.read_timeout, self.time_left()))
-                checking = ((self.checksums is not None or self.deferred is not None)
-                            and self.checksum_fn is not None and self.verify(source))
+                checkable = ((self.checksums is not None or self.deferred is not None)
+                             and self.checksum_fn is not None)
+                checking = checkable and self.verify(source)
                 sums: list[int] = []  # of the chunks from span[0], if the copy computed them
                 copy = None
                 # a copy into host memory checksums as it copies; one to a GPU, after
@@ -579,9 +580,7 @@ class _FetchRun:
                 as_delta = self.delta_read(transport, span, source, timeout, claim.abort)
                 if as_delta is not None:
                     got, wire = as_delta
-                    # decoded over this reader's own base: always checked (verify or not)
-                    checking = ((self.checksums is not None or self.deferred is not None)
-                                and self.checksum_fn is not None)
+                    checking = checkable  # decoded over our own base: checked, verify or not
                 else:
                     started = time.monotonic()
                     got = wire = transport.read(

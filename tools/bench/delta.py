@@ -31,7 +31,7 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from weightfabric.kernels.delta import decode_delta, encode_delta
+from weightfabric.kernels.delta import changed_words, decode_delta, encode_delta
 from weightfabric.tools.bench import crossdc
 from weightfabric.tools.bench.launch import AgentError, print_result
 from weightfabric.tools.command import Console, add_command
@@ -156,7 +156,7 @@ def _codec(base: torch.Tensor, new: torch.Tensor, chunk: int) -> dict[str, Any]:
     t4 = time.perf_counter()
     packed = len(zlib.compress(raw, 1))
     t5 = time.perf_counter()
-    changed = int((base.view(torch.int16) != new.view(torch.int16)).sum())
+    changed = changed_words(base, new, 2)
     return {"changed_fraction": changed / (new.numel() // 2), "full_bytes": new.numel(),
             "delta_bytes": len(raw), "ratio": new.numel() / len(raw),
             "encode_gbps": new.numel() / (t1 - t0) / 1e9,
