@@ -27,7 +27,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,3 +102,18 @@ def workers(hub: Any) -> Iterator[Workers]:
         yield members
     finally:
         members.close_all()
+
+
+@pytest.fixture
+def on_hosts(workers: Workers, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """``join(name, host, **kwargs)``: a worker of the ``hub`` fixture on "host".
+
+    Hosts are ``WEIGHTFABRIC_HOST_ID`` values: a worker's read server records the one
+    it was created under, and a reader compares it with the one set last, so the
+    worker joined last reads every worker joined on another host over the network.
+    """
+    def join(name: str, host: str, **kwargs: Any) -> Any:
+        monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", host)
+        return workers.join(name, timeout=5, **kwargs)
+
+    return join

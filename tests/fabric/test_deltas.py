@@ -56,31 +56,13 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
                                                     b[k].view(torch.uint8).flatten()) for k in a)
 
 
-@pytest.fixture
-def fabric(monkeypatch):
-    """join(name, host): a worker on "host" (its read server says so).
-
-    The reader joins last, so every other worker is remote to it.
-    """
-    server = wf.serve("tcp://127.0.0.1:0", lease_s=5.0)
-    workers = []
-
-    def join(name: str, host: str):
-        monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", host)
-        workers.append(wf.join(server.url, worker=name, timeout=5))
-        return workers[-1]
-
-    join.hub = server
-    yield join
-    for w in workers:
-        w.close()
-    server.stop()
+pytestmark = pytest.mark.hub(lease_s=5.0)
 
 
-def holding_v1(fabric):
+def holding_v1(on_hosts):
     """(trainer's store, reader's store, v1): the reader, on another host, holds v1."""
-    trainer = fabric("trainer", "host-a")
-    reader = fabric("reader", "host-b")
+    trainer = on_hosts("trainer", "host-a")
+    reader = on_hosts("reader", "host-b")
     t, r = trainer.model("m", chunk_size=CHUNK), reader.model("m", chunk_size=CHUNK)
     v1 = weights()
     t.publish(v1)
@@ -88,9 +70,9 @@ def holding_v1(fabric):
     return t, r, v1
 
 
-def test_a_reader_holding_the_previous_version_gets_deltas_bit_exact(fabric):
-    trainer = fabric("trainer", "host-a")
-    reader = fabric("reader", "host-b")
+def test_a_reader_holding_the_previous_version_gets_deltas_bit_exact(on_hosts, hub):
+    trainer = on_hosts("trainer", "host-a")
+    reader = on_hosts("reader", "host-b")
     t = trainer.model("m", chunk_size=CHUNK)
     r = reader.model("m", chunk_size=CHUNK)
     v1 = weights()
@@ -105,13 +87,13 @@ def test_a_reader_holding_the_previous_version_gets_deltas_bit_exact(fabric):
     assert stats.wire_bytes < stats.bytes / 8, stats.to_dict()
     assert stats.wire == {"trainer": stats.wire_bytes}
     assert trainer.server.bytes_served < 2 * stats.bytes  # the first full, then the delta
-    recent = fabric.hub.state.snapshot()["recent_fetches"][-1]
+    recent = hub.state.snapshot()["recent_fetches"][-1]
     assert recent["worker"] == "reader" and recent["version"] == version
     assert recent["sources"]["trainer"] == [stats.bytes, stats.wire_bytes]
 
 
-def test_deltas_off_and_the_same_host_move_whole_chunks(fabric, monkeypatch):
-    t, r, v1 = holding_v1(fabric)
+def test_deltas_off_and_the_same_host_move_whole_chunks(on_hosts, monkeypatch):
+    t, r, v1 = holding_v1(on_hosts)
     t.publish(step(v1, 0.02, seed=1))
     stats = r.fetch("latest", options=FetchOptions(deltas="off"))
     assert stats.delta_chunks == 0 and stats.wire_bytes == stats.bytes
@@ -119,7 +101,7 @@ def test_deltas_off_and_the_same_host_move_whole_chunks(fabric, monkeypatch):
     t.publish(step(v1, 0.02, seed=2))
     assert r.fetch("latest").delta_chunks == 0
     monkeypatch.delenv("WEIGHTFABRIC_DELTAS")
-    local = fabric("local", "host-a").model("m", chunk_size=CHUNK)  # the trainer's host
+    local = on_hosts("local", "host-a").model("m", chunk_size=CHUNK)  # the trainer's host
     local.fetch(2)
     t.publish(step(v1, 0.02, seed=3))
     stats = local.fetch("latest")  # auto: shared memory, whole chunks
@@ -129,8 +111,8 @@ def test_deltas_off_and_the_same_host_move_whole_chunks(fabric, monkeypatch):
         delta_mode()
 
 
-def test_a_corrupted_base_is_caught_by_the_checksum_and_read_in_full(fabric):
-    t, r, v1 = holding_v1(fabric)
+def test_a_corrupted_base_is_caught_by_the_checksum_and_read_in_full(on_hosts):
+    t, r, v1 = holding_v1(on_hosts)
     r.tensors["w"][:100] += 1  # the reader's base no longer is v1 in chunk 0
     v2 = step(v1, 0.02, seed=1)
     t.publish(v2)
@@ -140,8 +122,8 @@ def test_a_corrupted_base_is_caught_by_the_checksum_and_read_in_full(fabric):
     assert 0 < stats.delta_chunks < stats.chunks
 
 
-def test_chunks_from_deltas_are_verified_even_with_verify_off(fabric):
-    t, r, v1 = holding_v1(fabric)
+def test_chunks_from_deltas_are_verified_even_with_verify_off(on_hosts):
+    t, r, v1 = holding_v1(on_hosts)
     r.tensors["w"][-100:] += 1  # the last chunk of the base is wrong
     v2 = step(v1, 0.02, seed=1)
     t.publish(v2)
@@ -149,8 +131,8 @@ def test_chunks_from_deltas_are_verified_even_with_verify_off(fabric):
     assert equal(r.tensors, v2) and stats.corrupted_chunks == 1
 
 
-def test_an_in_place_fetch_decodes_over_its_base(fabric):
-    t, r, v1 = holding_v1(fabric)
+def test_an_in_place_fetch_decodes_over_its_base(on_hosts):
+    t, r, v1 = holding_v1(on_hosts)
     v2 = step(v1, 0.05, seed=3)
     t.publish(v2)
     stats = r.fetch("latest", options=ON, in_place=True)
@@ -158,10 +140,10 @@ def test_an_in_place_fetch_decodes_over_its_base(fabric):
     assert len(r.pool) == 1
 
 
-def test_a_holder_without_the_base_is_read_in_full(fabric):
+def test_a_holder_without_the_base_is_read_in_full(on_hosts):
     """The reader's base is older than what the trainer keeps (it keeps two versions)."""
-    trainer = fabric("trainer", "host-a")
-    reader = fabric("reader", "host-b")
+    trainer = on_hosts("trainer", "host-a")
+    reader = on_hosts("reader", "host-b")
     t, r = trainer.model("m", chunk_size=CHUNK), reader.model("m", chunk_size=CHUNK)
     v = weights()
     t.publish(v)
@@ -174,10 +156,10 @@ def test_a_holder_without_the_base_is_read_in_full(fabric):
     assert stats.delta_chunks == 0 and stats.wire_bytes == stats.bytes
 
 
-def test_a_base_older_than_the_previous_version_is_used_where_it_is_held(fabric):
+def test_a_base_older_than_the_previous_version_is_used_where_it_is_held(on_hosts):
     """A peer that holds v1 and v3 serves v3 as deltas against v1."""
-    trainer, peer = fabric("trainer", "host-a"), fabric("peer", "host-c")
-    reader = fabric("reader", "host-b")
+    trainer, peer = on_hosts("trainer", "host-a"), on_hosts("peer", "host-c")
+    reader = on_hosts("reader", "host-b")
     t = trainer.model("m", chunk_size=CHUNK)
     p, r = peer.model("m", chunk_size=CHUNK), reader.model("m", chunk_size=CHUNK)
     v = weights()
@@ -194,10 +176,10 @@ def test_a_base_older_than_the_previous_version_is_used_where_it_is_held(fabric)
     assert stats.sources.keys() == {"peer"}
 
 
-def test_the_holder_of_the_base_dying_mid_fetch_leaves_the_reader_to_another(fabric, monkeypatch):
-    trainer = fabric("trainer", "host-a")
-    peers = [fabric("peer1", "host-c"), fabric("peer2", "host-d")]
-    reader = fabric("reader", "host-b")
+def test_the_holder_of_the_base_dying_mid_fetch_leaves_the_reader_to_another(on_hosts, monkeypatch):
+    trainer = on_hosts("trainer", "host-a")
+    peers = [on_hosts("peer1", "host-c"), on_hosts("peer2", "host-d")]
+    reader = on_hosts("reader", "host-b")
     t = trainer.model("m", chunk_size=CHUNK)
     stores = [w.model("m", chunk_size=CHUNK) for w in peers]
     r = reader.model("m", chunk_size=CHUNK)

@@ -15,13 +15,13 @@ import torch
 from procs import running_cluster
 from test_data_plane import fetch_progress
 
-import weightfabric as wf
 from weightfabric.fabric.errors import FabricError
 from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.fabric.transports.nixl import NIXL_KV_PREFIX, nixl_missing
 
 MISSING = nixl_missing(True)
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"no NIXL: {MISSING}")
+pytestmark = [pytest.mark.skipif(MISSING is not None, reason=f"no NIXL: {MISSING}"),
+              pytest.mark.hub(lease_s=5.0)]
 
 CHUNK = 1 << 20
 FULL = FetchOptions(deltas="off")  # whole chunks: what NIXL moves
@@ -36,27 +36,15 @@ def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture
-def fabric(monkeypatch):
-    """join(name, host, **kw): a worker on "host"; the last joined is the reader's host."""
-    server = wf.serve("tcp://127.0.0.1:0", lease_s=5.0)
-    workers = []
-    monkeypatch.setenv("WEIGHTFABRIC_NIXL", "1")  # also without an RDMA device here
-
-    def join(name: str, host: str, **kwargs):
-        monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", host)
-        workers.append(wf.join(server.url, worker=name, timeout=5, **kwargs))
-        return workers[-1]
-
-    yield join
-    for w in workers:
-        w.close()
-    server.stop()
+@pytest.fixture(autouse=True)
+def nixl_on(monkeypatch):
+    """NIXL also without an RDMA device here."""
+    monkeypatch.setenv("WEIGHTFABRIC_NIXL", "1")
 
 
-def test_a_reader_on_another_host_reads_over_nixl_bit_exact(fabric):
-    trainer = fabric("trainer", "host-a")
-    reader = fabric("reader", "host-b")
+def test_a_reader_on_another_host_reads_over_nixl_bit_exact(on_hosts):
+    trainer = on_hosts("trainer", "host-a")
+    reader = on_hosts("reader", "host-b")
     assert trainer.nixl is not None and reader.nixl is not None
     assert trainer.server.address.nixl == trainer.nixl.name  # the endpoint names the agent
     t, r = trainer.model("m", chunk_size=CHUNK), reader.model("m", chunk_size=CHUNK)
@@ -68,49 +56,49 @@ def test_a_reader_on_another_host_reads_over_nixl_bit_exact(fabric):
     assert trainer.server.bytes_served == 3 * stats.bytes  # leases count the egress
 
 
-def test_a_reader_joining_later_finds_the_holders_agents_through_the_hub(fabric):
-    trainer = fabric("trainer", "host-a")
-    first = fabric("first", "host-b")
+def test_a_reader_joining_later_finds_the_holders_agents_through_the_hub(on_hosts):
+    trainer = on_hosts("trainer", "host-a")
+    first = on_hosts("first", "host-b")
     t = trainer.model("m", chunk_size=CHUNK)
     for seed in (1, 2, 3, 4):
         t.publish(weights(seed))
         first.model("m", chunk_size=CHUNK).fetch("latest", options=FULL)
     assert first.hub.kv_get(NIXL_KV_PREFIX + trainer.nixl.name, timeout=0)
-    late = fabric("late", "host-c")
+    late = on_hosts("late", "host-c")
     stats = late.model("m", chunk_size=CHUNK).fetch("latest", options=FULL)
     assert equal(late.model("m", chunk_size=CHUNK).tensors, weights(4))
     assert stats.transports == {"nixl": stats.bytes}
 
 
-def test_a_peer_without_nixl_is_read_and_reads_over_tcp(fabric):
-    plain = fabric("plain", "host-a", nixl=False)
+def test_a_peer_without_nixl_is_read_and_reads_over_tcp(on_hosts):
+    plain = on_hosts("plain", "host-a", nixl=False)
     assert plain.nixl is None and plain.server.address.nixl == ""
     t = plain.model("m", chunk_size=CHUNK)
     t.publish(weights(1))
-    reader = fabric("reader", "host-b")
+    reader = on_hosts("reader", "host-b")
     stats = reader.model("m", chunk_size=CHUNK).fetch("latest", options=FULL)
     assert stats.transports == {"tcp": stats.bytes}  # the holder has no agent
     t.publish(weights(2))
-    other = fabric("other", "host-c", nixl=False)  # a reader without one reads a NIXL holder
+    other = on_hosts("other", "host-c", nixl=False)  # a reader without one reads a NIXL holder
     stats = other.model("m", chunk_size=CHUNK).fetch("latest", options=FULL)
     assert set(stats.transports) == {"tcp"}
 
 
-def test_a_holder_whose_metadata_the_hub_lacks_is_read_over_tcp(fabric):
-    trainer = fabric("trainer", "host-a")
+def test_a_holder_whose_metadata_the_hub_lacks_is_read_over_tcp(on_hosts):
+    trainer = on_hosts("trainer", "host-a")
     t = trainer.model("m", chunk_size=CHUNK)
     trainer.nixl._publish = lambda agent, meta: None  # never reaches the hub
     t.publish(weights(1))
-    reader = fabric("reader", "host-b")
+    reader = on_hosts("reader", "host-b")
     stats = reader.model("m", chunk_size=CHUNK).fetch("latest", options=FULL)
     assert stats.transports == {"tcp": stats.bytes}
 
 
-def test_nixl_true_without_the_extra_says_why(fabric, monkeypatch):
+def test_nixl_true_without_the_extra_says_why(on_hosts, monkeypatch):
     monkeypatch.setenv("WEIGHTFABRIC_NIXL", "0")
     with pytest.raises(FabricError, match="WEIGHTFABRIC_NIXL"):
-        fabric("w", "host-a", nixl=True)
-    assert fabric("w2", "host-a").nixl is None
+        on_hosts("w", "host-a", nixl=True)
+    assert on_hosts("w2", "host-a").nixl is None
 
 
 @pytest.fixture
@@ -153,11 +141,11 @@ def test_a_source_killed_mid_read_leaves_the_reader_to_another_and_is_never_aske
     assert not again["failed_sources"], again  # holder-a was never asked
 
 
-def test_by_default_nixl_waits_for_an_rdma_device(fabric, monkeypatch):
+def test_by_default_nixl_waits_for_an_rdma_device(on_hosts, monkeypatch):
     monkeypatch.setenv("WEIGHTFABRIC_NIXL", "auto")
     monkeypatch.setattr("weightfabric.fabric.transports.nixl.rdma_devices", lambda: [])
     assert "no RDMA device" in nixl_missing() and nixl_missing(True) is None
-    assert fabric("plain", "host-a").nixl is None
-    assert fabric("forced", "host-a", nixl=True).nixl is not None
+    assert on_hosts("plain", "host-a").nixl is None
+    assert on_hosts("forced", "host-a", nixl=True).nixl is not None
     monkeypatch.setattr("weightfabric.fabric.transports.nixl.rdma_devices", lambda: ["mlx5_0"])
-    assert nixl_missing() is None and fabric("rdma", "host-b").nixl is not None
+    assert nixl_missing() is None and on_hosts("rdma", "host-b").nixl is not None

@@ -15,7 +15,8 @@ from weightfabric.fabric.gpu.probe import probe
 from weightfabric.kernels.delta import decode_delta, delta_info, encode_delta, encode_delta_ref
 
 MISSING_CUDA = probe().missing("cuda")
-pytestmark = pytest.mark.skipif(MISSING_CUDA is not None, reason=str(MISSING_CUDA))
+pytestmark = [pytest.mark.skipif(MISSING_CUDA is not None, reason=str(MISSING_CUDA)),
+              pytest.mark.hub(lease_s=10.0)]
 
 CHUNK = 4 << 20
 
@@ -41,12 +42,6 @@ def test_triton_blobs_equal_the_reference_and_decode_bit_exact(width, fraction):
     other = torch.empty_like(out)
     decode_delta(blob.cpu(), base.cuda(), other)
     assert torch.equal(other.cpu(), new)
-
-
-@pytest.fixture
-def hub():
-    with wf.serve("tcp://127.0.0.1:0", lease_s=10.0) as server:
-        yield server
 
 
 def test_a_gpu_reader_on_another_host_fetches_deltas_bit_exact(hub, monkeypatch):

@@ -14,15 +14,10 @@ from weightfabric.fabric.gpu.probe import probe
 from weightfabric.fabric.transports.nixl import nixl_missing
 
 MISSING = probe().missing("cuda") or nixl_missing(True)
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
+pytestmark = [pytest.mark.skipif(MISSING is not None, reason=str(MISSING)),
+              pytest.mark.hub(lease_s=10.0)]
 
 CHUNK = 4 << 20
-
-
-@pytest.fixture
-def hub():
-    with wf.serve("tcp://127.0.0.1:0", lease_s=10.0) as server:
-        yield server
 
 
 def test_gpu_stores_on_two_hosts_read_each_other_over_nixl(hub, monkeypatch):
