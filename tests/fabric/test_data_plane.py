@@ -46,22 +46,31 @@ def test_four_readers_bit_exact_and_pipelined(cluster):
     assert sum(len(s["sources"]) for s in stats) > 4  # readers read from each other
 
 
-def test_source_killed_mid_fetch_survivors_complete_rereading_only_missing(cluster):
-    hub, spawn = cluster
-    trainer = spawn("trainer")
-    a, d = spawn("holder-a"), spawn("holder-d")
+def striping_over_two_holders(hub, spawn, env=lambda name: None):
+    """(holder-a, reader, version), once a slowed reader has 4 chunks of the version.
+
+    A 64 MB version only holder-a and holder-d hold (the trainer retracted it): the
+    reader stripes over both. ``env(name)``: each process's extra environment.
+    """
+    trainer = spawn("trainer", env=env("trainer"))
+    a, d = spawn("holder-a", env=env("holder-a")), spawn("holder-d", env=env("holder-d"))
     version = trainer.ask("publish", seed=2, mb=64)["version"]
     for h in (a, d):
         h.ask("expect", seed=2, mb=64)
         assert h.ask("fetch", version=version)["exact"]
     assert trainer.ask("retract", version=version)["state"] == "done"
-    reader = spawn("reader", read_delay=0.1)  # 64 chunks, 4 in flight: about 1.6 s
+    reader = spawn("reader", read_delay=0.1, env=env("reader"))  # 64 chunks, 4 in flight
     reader.ask("expect", seed=2, mb=64)
     reader.send("fetch", version=version)
     deadline = time.monotonic() + 60
-    while fetch_progress(hub.url, "reader") < 4:  # it is striping over a and d
+    while fetch_progress(hub.url, "reader") < 4:
         assert time.monotonic() < deadline, "the reader made no progress"
         time.sleep(0.05)
+    return a, reader, version
+
+
+def test_source_killed_mid_fetch_survivors_complete_rereading_only_missing(cluster):
+    a, reader, _ = striping_over_two_holders(*cluster)
     a.kill()
     stats = reader.reply()
     assert stats["exact"]

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from procs import running_cluster
-from test_data_plane import fetch_progress
+from test_data_plane import striping_over_two_holders
 
 from weightfabric.fabric.errors import FabricError
 from weightfabric.fabric.fetch import FetchOptions
@@ -115,20 +115,7 @@ def test_a_source_killed_mid_read_leaves_the_reader_to_another_and_is_never_aske
         return {"WEIGHTFABRIC_HOST_ID": host, "WEIGHTFABRIC_DELTAS": "off",
                 "WEIGHTFABRIC_NIXL": "1"}
 
-    trainer = spawn("trainer", env=on("host-t"))
-    a, d = spawn("holder-a", env=on("host-a")), spawn("holder-d", env=on("host-d"))
-    version = trainer.ask("publish", seed=2, mb=64)["version"]
-    for h in (a, d):
-        h.ask("expect", seed=2, mb=64)
-        assert h.ask("fetch", version=version)["exact"]
-    assert trainer.ask("retract", version=version)["state"] == "done"
-    reader = spawn("reader", read_delay=0.1, env=on("host-r"))  # 64 chunks, 4 in flight
-    reader.ask("expect", seed=2, mb=64)
-    reader.send("fetch", version=version)
-    deadline = time.monotonic() + 60
-    while fetch_progress(hub.url, "reader") < 4:  # it is striping over a and d
-        assert time.monotonic() < deadline, "the reader made no progress"
-        time.sleep(0.05)
+    a, reader, version = striping_over_two_holders(hub, spawn, lambda name: on(f"host-{name}"))
     a.kill()
     stats = reader.reply()
     assert stats["exact"] and stats["failed_sources"] == ["holder-a"], stats
