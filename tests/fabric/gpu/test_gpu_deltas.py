@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import weightfabric as wf
 from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.fabric.gpu.probe import probe
 from weightfabric.kernels.delta import decode_delta, delta_info, encode_delta, encode_delta_ref
@@ -44,18 +43,15 @@ def test_triton_blobs_equal_the_reference_and_decode_bit_exact(width, fraction):
     assert torch.equal(other.cpu(), new)
 
 
-def test_a_gpu_reader_on_another_host_fetches_deltas_bit_exact(hub, monkeypatch):
+def test_a_gpu_reader_on_another_host_fetches_deltas_bit_exact(on_hosts):
     base, new = versions(16 * CHUNK, 0.02)
-    monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "gpu-host-a")
-    with wf.join(hub.url, worker="trainer") as trainer:
-        monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "gpu-host-b")
-        with wf.join(hub.url, worker="reader") as reader:
-            t = trainer.model("m", chunk_size=CHUNK, device="cuda:0")
-            r = reader.model("m", chunk_size=CHUNK, device="cuda:0")
-            t.publish({"w": base.view(torch.bfloat16).cuda()})
-            r.fetch("latest")
-            t.publish({"w": new.view(torch.bfloat16).cuda()})
-            stats = r.fetch("latest", options=FetchOptions(deltas="on"))
-            assert stats.delta_chunks == stats.chunks > 0
-            assert stats.wire_bytes < stats.bytes / 8
-            assert torch.equal(r.tensors["w"].view(torch.uint8).cpu(), new)
+    trainer, reader = on_hosts("trainer", "gpu-host-a"), on_hosts("reader", "gpu-host-b")
+    t = trainer.model("m", chunk_size=CHUNK, device="cuda:0")
+    r = reader.model("m", chunk_size=CHUNK, device="cuda:0")
+    t.publish({"w": base.view(torch.bfloat16).cuda()})
+    r.fetch("latest")
+    t.publish({"w": new.view(torch.bfloat16).cuda()})
+    stats = r.fetch("latest", options=FetchOptions(deltas="on"))
+    assert stats.delta_chunks == stats.chunks > 0
+    assert stats.wire_bytes < stats.bytes / 8
+    assert torch.equal(r.tensors["w"].view(torch.uint8).cpu(), new)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import weightfabric as wf
 from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.fabric.gpu.probe import probe
 from weightfabric.fabric.transports.nixl import nixl_missing
@@ -20,21 +19,17 @@ pytestmark = [pytest.mark.skipif(MISSING is not None, reason=str(MISSING)),
 CHUNK = 4 << 20
 
 
-def test_gpu_stores_on_two_hosts_read_each_other_over_nixl(hub, monkeypatch):
+def test_gpu_stores_on_two_hosts_read_each_other_over_nixl(on_hosts, monkeypatch):
     g = torch.Generator().manual_seed(5)
     weights = {"w": torch.randn(64 << 20, generator=g).to(torch.bfloat16).cuda()}
     monkeypatch.setenv("WEIGHTFABRIC_NIXL", "1")  # also without an RDMA device
-    monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "gpu-host-a")
-    with wf.join(hub.url, worker="trainer") as trainer:
-        monkeypatch.setenv("WEIGHTFABRIC_HOST_ID", "gpu-host-b")
-        with wf.join(hub.url, worker="reader") as reader:
-            t = trainer.model("m", chunk_size=CHUNK, device="cuda:0")
-            r = reader.model("m", chunk_size=CHUNK, device="cuda:0")
-            t.publish(weights)
-            stats = r.fetch("latest", options=FetchOptions(deltas="off"))
-            assert stats.transports == {"nixl": stats.bytes} and stats.bytes > 0
-            assert torch.equal(r.tensors["w"], weights["w"])
-            assert t.server.nixl is not None
-            assert t.server.regions() and all(
-                e.nixl is not None and e.nixl["mem"] == "VRAM"
-                for e in t.server._regions.values())
+    trainer, reader = on_hosts("trainer", "gpu-host-a"), on_hosts("reader", "gpu-host-b")
+    t = trainer.model("m", chunk_size=CHUNK, device="cuda:0")
+    r = reader.model("m", chunk_size=CHUNK, device="cuda:0")
+    t.publish(weights)
+    stats = r.fetch("latest", options=FetchOptions(deltas="off"))
+    assert stats.transports == {"nixl": stats.bytes} and stats.bytes > 0
+    assert torch.equal(r.tensors["w"], weights["w"])
+    assert t.server.nixl is not None
+    assert t.server.regions() and all(
+        e.nixl is not None and e.nixl["mem"] == "VRAM" for e in t.server._regions.values())
