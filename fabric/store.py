@@ -757,6 +757,7 @@ class ModelStore:
                ) -> tuple[Buffer | None, FetchStats]:
         if self.nvshmem is not None and not len(self.pool):
             raise self._no_symmetric_buffer()
+        delta_mode(options.deltas)  # a bad mode (or $WEIGHTFABRIC_DELTAS) before the hub hears
         hub = self.hub
         if version == "latest":
             version = hub.latest(self.model) or "latest"

@@ -346,3 +346,16 @@ def test_a_partial_replica_serves_deltas_of_the_chunks_it_has_as_they_arrive():
         reader.join(10)
         tcp.close()
         server.close()
+
+
+def test_a_bad_delta_mode_is_refused_before_the_hub_hears_of_the_fetch(on_hosts, monkeypatch):
+    t, r, v1 = holding_v1(on_hosts)
+    t.publish(step(v1, 0.02, seed=1))
+
+    def never(*args, **kwargs):
+        raise AssertionError("begin_fetch was called")
+
+    monkeypatch.setattr(r.hub, "begin_fetch", never)
+    with pytest.raises(ValueError, match="deltas must be one of"):
+        r.fetch("latest", options=FetchOptions(deltas="sometimes"))
+    assert r.version == 1
