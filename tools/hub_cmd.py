@@ -57,9 +57,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", help="directory keeping version numbers monotonic across "
                                        "restarts (default: none, numbers restart from the "
                                        "holders' versions)")
-    p.add_argument("--cluster", help="cluster YAML: rank sources by the widest path to each "
-                                     "reader on this topology (workers name their datacenter, "
-                                     "node and device as in the file); default: by locality")
+    p.add_argument("--cluster", help="cluster YAML: plan each version's broadcast on this "
+                                     "topology and route readers along the plan (workers name "
+                                     "their datacenter, node and device as in the file); "
+                                     "default: rank sources by locality")
+    p.add_argument("--routing", choices=["plan", "ranked"], default="plan",
+                   help="with --cluster: 'plan' (default) routes the workers that fetched the "
+                        "model before along each version's planned forest, the others by "
+                        "widest path; 'ranked' ranks every reader's sources by widest path")
+    p.add_argument("--plan-start-bound", type=float, default=2.0, metavar="SECONDS",
+                   help="with --routing plan: how long a reader waits for its planned "
+                        "upstreams to begin their fetches before it is routed around them "
+                        "(default 2)")
     p.add_argument("--lease", type=_seconds, default=10.0,
                    help="seconds a worker stays alive without heartbeat (default 10)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
@@ -137,14 +146,18 @@ def _seconds(text: str) -> float:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from weightfabric.fabric.hub.planned import PlanRouter, plan_router
     from weightfabric.fabric.hub.server import HubServer
-    from weightfabric.fabric.locality import RankSources, rank_by_locality
+    from weightfabric.fabric.locality import RankSources
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        rank_sources: RankSources = rank_by_locality    # HubServer's default
-        if args.cluster:
+        rank_sources: RankSources | None = None    # HubServer's default: by locality
+        routing: PlanRouter | None = None
+        if args.cluster and args.routing == "plan":
+            routing = plan_router(args.cluster, start_bound_s=args.plan_start_bound)
+        elif args.cluster:
             from weightfabric.fabric.hub.ranking import topology_ranker
 
             rank_sources = topology_ranker(args.cluster)
@@ -154,6 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise BadInput("--encrypt needs authentication: drop --insecure")
         server = HubServer(f"{scheme}://{args.host}:{args.port}", state_dir=args.state_dir,
                            lease_s=args.lease, rank_sources=rank_sources,
+                           plan_routing=routing,
                            secret_file=args.secret_file, insecure=args.insecure, **extra)
     except (ValueError, HubError) as exc:
         raise BadInput(exc) from exc
@@ -258,6 +272,14 @@ def render_status(snap: dict, console: Console) -> None:
                            f"{f['delivered'] / 1e6:.1f}", f"{f['wire'] / 1e6:.1f}",
                            f"{f['wire'] / max(1, f['delivered']):.3f}", froms)
         console.print(recent)
+    if snap.get("plans"):
+        plans = _table("model", "ver", "shard", "sources", "planned readers", "predicted s",
+                       "routed around", title="broadcast plans (routing: plan)")
+        for p in snap["plans"]:
+            plans.add_row(p["model"], str(p["version"]), str(p["shard"]), ", ".join(p["sources"]),
+                          str(p["readers"]), f"{p['predicted_s']:.3f}",
+                          ", ".join(p["routed_around"]) or "-")
+        console.print(plans)
     workers = _table("worker", "datacenter", "node", "device", "lease left", title="leases")
     for w in snap["workers"]:
         left = w["expires_in"]

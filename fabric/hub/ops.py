@@ -155,10 +155,21 @@ def op_abort_publish(s: HubState, session: str, a: AbortPublishRequest) -> Answe
     return s.abort_publish(a.model, a.version, a.worker, session=session, reason=a.reason)
 
 
-def op_begin_fetch(s: HubState, session: str, a: BeginFetchRequest) -> Answer:
-    return s.begin_fetch(a.model, a.version, a.worker, session=session, fetch_id=a.fetch_id,
-                         shard=a.shard, fingerprint=a.fingerprint, group=a.group,
-                         group_size=a.group_size, have=a.have)
+def op_begin_fetch(s: HubState, session: str, a: BeginFetchRequest) -> Answer | Park:
+    reply = s.begin_fetch(a.model, a.version, a.worker, session=session, fetch_id=a.fetch_id,
+                          shard=a.shard, fingerprint=a.fingerprint, group=a.group,
+                          group_size=a.group_size, have=a.have)
+    router, fetch_id, worker = s.plan_routing, reply.fetch_id, a.worker
+    if router is None or router.start_bound_s <= 0 or not s.unstarted_upstreams(fetch_id):
+        return reply
+
+    # A planned reader whose upstreams have not begun their fetches waits for them, at
+    # most the router's bound; then it is routed around those still missing.
+    def check() -> Reply | None:
+        if s.unstarted_upstreams(fetch_id):
+            return None
+        return s.plan(fetch_id, worker, session=session)
+    return Park(check, router.start_bound_s, lambda: s.plan(fetch_id, worker, session=session))
 
 
 def op_locate(s: HubState, session: str, a: LocateRequest) -> Answer:

@@ -23,6 +23,7 @@ Use `serve` for a hub on a background thread, `HubServer.serve_forever` for the
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -58,6 +59,7 @@ from weightfabric.fabric.errors import (
 )
 from weightfabric.fabric.hub.ops import OPS, READ_ONLY, Answer, Park
 from weightfabric.fabric.hub.persist import load_state, save_state
+from weightfabric.fabric.hub.planned import PlanRouter
 from weightfabric.fabric.hub.rights import Rights
 from weightfabric.fabric.hub.state import DEFAULT_LEASE_S, HubState
 from weightfabric.fabric.hub_messages import (
@@ -106,6 +108,8 @@ class _Parked:
     deadline: float
     cache: bool
     caller: Verified | None
+    after: Callable[[Answer], Answer]
+    """What authentication adds to the reply (`HubServer._after`)."""
 
 
 class HubServer:
@@ -117,7 +121,10 @@ class HubServer:
         state_dir: where version counters and retention policies survive restarts.
         lease_s: worker lease; heartbeats every ``lease_s / 3`` keep it.
         clock: monotonic time source (tests inject one).
-        rank_sources: source ranking for plans (default: locality).
+        rank_sources: source ranking for plans (default: locality; with ``plan_routing``, its
+            topology ranker).
+        plan_routing: plan each version's broadcast over a cluster and route its planned
+            readers along it (`fabric.hub.planned.plan_router`).
         max_message_size: bytes; larger frames are dropped by zmq and refused by the codec.
         secret_file: the deployment secret (default `fabric.auth.default_secret_path`),
             created (mode 0600) if missing.
@@ -133,7 +140,8 @@ class HubServer:
 
     def __init__(self, url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,
                  lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic,
-                 rank_sources: RankSources = rank_by_locality,
+                 rank_sources: RankSources | None = None,
+                 plan_routing: PlanRouter | None = None,
                  max_message_size: int = MAX_MESSAGE_SIZE,
                  secret_file: str | Path | None = None, insecure: bool = False,
                  cap_ttl_s: float = CAP_TTL_S) -> None:
@@ -157,8 +165,11 @@ class HubServer:
             if not os.access(self.state_dir, os.W_OK | os.X_OK):
                 raise ValueError(f"state dir {self.state_dir}: not writable")
         durable = load_state(self.state_dir) if self.state_dir else None
+        if rank_sources is None:
+            rank_sources = plan_routing.ranker if plan_routing is not None else rank_by_locality
         self.state = HubState(clock=clock, lease_s=lease_s, rank_sources=rank_sources,
-                              durable=durable, stall_after=max(lease_s / 3, STALL_MIN_S))
+                              durable=durable, stall_after=max(lease_s / 3, STALL_MIN_S),
+                              plan_routing=plan_routing)
         self.clock = clock
         self.max_message_size = max_message_size
         self.epoch = secrets.token_hex(8)
@@ -326,7 +337,7 @@ class HubServer:
                                              _request(msg, op.request))
             result = op.handler(self.state, msg.tag, req)
             if not isinstance(result, Park):
-                result = self._after(req, who, caller, result, refused)
+                result = self._after(req, who, caller, result, refused=refused)
         except HubError as exc:
             self._finish(ident, key, self._error_bytes(msg.req_id, exc), caller, cache=cache)
             return
@@ -340,8 +351,9 @@ class HubServer:
                 f"internal hub error in {msg.name}: {exc!r}")), caller, cache=cache)
             return
         if isinstance(result, Park):
-            self._parked[key] = _Parked(ident, msg.req_id, msg.tag, result,
-                                        self.clock() + result.timeout, cache, caller)
+            self._parked[key] = _Parked(
+                ident, msg.req_id, msg.tag, result, self.clock() + result.timeout, cache,
+                caller, functools.partial(self._after, req, who, caller, refused=refused))
             return
         self._finish(ident, key, self._reply_bytes(msg.req_id, result), caller, cache=cache)
 
@@ -368,7 +380,7 @@ class HubServer:
             self._sessions.popitem(last=False)
         return caller
 
-    def _after(self, req: Request, who: Principal, caller: Verified | None, result: Answer,
+    def _after(self, req: Request, who: Principal, caller: Verified | None, result: Answer, *,
                refused: list[tuple[str, int, int, str]]) -> Answer:
         """An operation's reply completed with what authentication adds.
 
@@ -432,17 +444,19 @@ class HubServer:
         changed = self.state.generation != self._seen_generation
         self._seen_generation = self.state.generation
         for key, p in list(self._parked.items()):
-            body = None
-            if changed:
-                try:
+            body: Answer | None = None
+            try:
+                if changed:
                     body = p.park.check()
-                except HubError as exc:
-                    del self._parked[key]
-                    self._finish(p.ident, key, self._error_bytes(p.req_id, exc), p.caller,
-                                 cache=p.cache)
-                    continue
-            if body is None and now >= p.deadline:
-                body = p.park.on_timeout()
+                if body is None and now >= p.deadline:
+                    body = p.park.on_timeout()
+                if body is not None:
+                    body = p.after(body)
+            except HubError as exc:   # e.g. the parked fetch ended meanwhile
+                del self._parked[key]
+                self._finish(p.ident, key, self._error_bytes(p.req_id, exc), p.caller,
+                             cache=p.cache)
+                continue
             if body is not None:
                 del self._parked[key]
                 self._finish(p.ident, key, self._reply_bytes(p.req_id, body), p.caller,
@@ -514,7 +528,7 @@ def _request(msg: Message, request: type[Request]) -> Request:
 
 def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,
           lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic,
-          rank_sources: RankSources = rank_by_locality,
+          rank_sources: RankSources | None = None, plan_routing: PlanRouter | None = None,
           max_message_size: int = MAX_MESSAGE_SIZE, secret_file: str | Path | None = None,
           insecure: bool = False, cap_ttl_s: float = CAP_TTL_S) -> HubServer:
     """Start a hub on a background thread.
@@ -524,7 +538,7 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
             ``memory://NAME`` (same process only).
         state_dir: directory keeping version counters monotonic across restarts.
         lease_s: seconds a worker stays alive without a heartbeat.
-        clock, rank_sources, max_message_size: see `HubServer`.
+        clock, rank_sources, plan_routing, max_message_size: see `HubServer`.
         secret_file, insecure, cap_ttl_s: authentication (`HubServer`, `fabric.auth`): by
             default requests must be signed with the secret at
             `fabric.auth.default_secret_path` (created if missing).
@@ -539,7 +553,8 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
         >>> hub.stop()
     """
     return HubServer(url, state_dir=state_dir, lease_s=lease_s, clock=clock,
-                     rank_sources=rank_sources, max_message_size=max_message_size,
+                     rank_sources=rank_sources, plan_routing=plan_routing,
+                     max_message_size=max_message_size,
                      secret_file=secret_file, insecure=insecure, cap_ttl_s=cap_ttl_s).start()
 
 

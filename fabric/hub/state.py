@@ -62,6 +62,7 @@ from weightfabric.fabric.hub.index import HubIndex
 from weightfabric.fabric.hub.kv import MAX_KV_KEY, MAX_KV_KEYS, MAX_KV_VALUE, KvStore
 from weightfabric.fabric.hub.leases import Leases
 from weightfabric.fabric.hub.persist import MAX_RETIRED_KEPT, DurableState
+from weightfabric.fabric.hub.planned import PlanRouter, VersionPlan
 from weightfabric.fabric.hub.records import (
     COMMITTED,
     GROUP_ABORTED,
@@ -141,19 +142,22 @@ class HubState:
         stall_after: for a caller that reads `lease_clock` often (the server's loop, every
             `TICK_S`): real seconds between two readings beyond which the hub counts as
             stalled (`forgive_stall`). None: never.
+        plan_routing: plans each version's broadcast over a cluster and routes its planned
+            readers along it (`fabric.hub.planned`); None: every plan is ranked.
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  lease_s: float = DEFAULT_LEASE_S, rank_sources: RankSources = rank_by_locality,
                  max_sources: int = 4, next_versions: dict[str, int] | None = None,
                  policies: dict[str, RetentionPolicy] | None = None,
-                 durable: DurableState | None = None, stall_after: float | None = None
-                 ) -> None:
+                 durable: DurableState | None = None, stall_after: float | None = None,
+                 plan_routing: PlanRouter | None = None) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
         self.clock = clock
         self.lease_s = float(lease_s)
         self.rank_sources = rank_sources
+        self.plan_routing = plan_routing
         self.max_sources = max(1, int(max_sources))
         self.workers: dict[str, WorkerRecord] = {}
         self.models: dict[str, ModelRecord] = {}
@@ -767,6 +771,8 @@ class HubState:
         self._index.add_fetch(f)
         if g is not None:
             g.members[fetch_id] = False
+        if self.plan_routing is not None and not _being_derived(v):
+            self.plan_routing.begin(v, shard, worker, workers=self.workers, now=self.clock())
         self._touch()
         try:
             return self.plan(fetch_id, worker, session=session)
@@ -806,11 +812,19 @@ class HubState:
         need = (runs(_check_chunks(chunks, manifest.num_chunks)) if chunks is not None
                 else missing_runs(rep.have))
         banned = set(exclude or ())
-        ranges, named, missing = route(v, f.shard, worker, need, banned=banned,
-                                       workers=self.workers, load=self._index.load,
-                                       rank_sources=self.rank_sources,
-                                       max_sources=self.max_sources,
-                                       wait_only=_being_derived(v))
+        planned = self._version_plan(f)
+        if planned is not None:
+            router, vp = planned
+            ranges, named, missing = router.route(
+                vp, v, f.shard, worker, need, banned=banned, workers=self.workers,
+                load=self._index.load, rank_sources=self.rank_sources,
+                max_sources=self.max_sources, now=self.clock())
+        else:
+            ranges, named, missing = route(v, f.shard, worker, need, banned=banned,
+                                           workers=self.workers, load=self._index.load,
+                                           rank_sources=self.rank_sources,
+                                           max_sources=self.max_sources,
+                                           wait_only=_being_derived(v))
         if missing:
             raise NoSourceError(
                 f"{f.model!r} v{f.version} shard {f.shard}: no live replica holds chunks "
@@ -828,6 +842,27 @@ class HubState:
                                    complete=v.replicas[(w, f.shard)].complete)
                      for w in sorted(named)},
             manifest=ManifestWire.of(manifest) if with_manifest else None)
+
+    def _version_plan(self, f: FetchRecord) -> tuple[PlanRouter, VersionPlan] | None:
+        """The plan router and broadcast plan routing fetch ``f``, when its reader is planned."""
+        router = self.plan_routing
+        vp = router.plan_of(f.model, f.version, f.shard) if router is not None else None
+        return (router, vp) if router is not None and vp is not None \
+            and f.worker in vp.readers else None
+
+    def unstarted_upstreams(self, fetch_id: str) -> list[str]:
+        """The planned upstreams of a fetch that are live but have not begun theirs.
+
+        A planned reader waits for them in ``begin_fetch`` (`fabric.hub.planned`); empty
+        for a fetch routed by ranking.
+        """
+        f = self.fetches.get(fetch_id)
+        planned = self._version_plan(f) if f is not None else None
+        if f is None or planned is None:
+            return []
+        router, vp = planned
+        return router.waits_for(vp, self._version(f.model, f.version), f.shard, f.worker,
+                                self.workers)
 
     def report_progress(self, fetch_id: str, worker: str, *, session: str,
                         chunks: list[int], sources: list[str] | None = None

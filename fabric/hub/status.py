@@ -66,8 +66,10 @@ def status_snapshot(hub: HubState) -> dict[str, Any]:
     workers = [{"worker": w.worker_id, "location": w.location.to_wire(),
                 "expires_in": round(w.expires - now, 3)}
                for w in sorted(hub.workers.values(), key=lambda w: w.expires)]
+    plans = hub.plan_routing.summary() if hub.plan_routing is not None else []
     return {"lease_s": hub.lease_s, "models": models, "fetches": fetches,
-            "recent_fetches": list(hub.recent_fetches), "workers": workers}
+            "recent_fetches": list(hub.recent_fetches), "workers": workers,
+            "routing": "plan" if hub.plan_routing is not None else "ranked", "plans": plans}
 
 
 __all__ = ["status_snapshot"]
