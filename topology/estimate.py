@@ -22,16 +22,24 @@ def share_rates(graph: nx.DiGraph, transfers: list[Transfer]) -> list[float]:
     """Each transfer's rate under equal sharing of every arc, capped by upstream.
 
     Each transfer's rate if every arc were shared equally by all transfers on it, capped by
-    the rate of its upstream (a relay cannot forward faster than it gets).
+    the rate of its upstream (a relay cannot forward faster than it gets). A WAN gateway's
+    link to its spine is left out: it carries the sum of the datacenter's WAN links, so
+    those bind first (sharing it equally would slow the flows of a fast WAN link down to
+    those of a slow one).
     """
     count: dict[tuple[str, str], int] = defaultdict(int)
     for t in transfers:
         for arc in zip(t.path, t.path[1:], strict=False):
             count[arc] += 1
-    edges = graph.edges
+    edges, kinds = graph.edges, graph.nodes
+    for a in [a for a in count if edges[a]["tier"] != "wan"
+              and "wan" in (kinds[a[0]].get("kind"), kinds[a[1]].get("kind"))]:
+        del count[a]  # a gateway's link to its spine: its WAN links bind first
     rates: list[float] = []
     for t in transfers:
-        r = min(edges[a]["bandwidth"] / count[a] for a in zip(t.path, t.path[1:], strict=False))
+        r = min((edges[a]["bandwidth"] / count[a]
+                 for a in zip(t.path, t.path[1:], strict=False) if a in count),
+                default=float("inf"))
         if t.upstream is not None:
             r = min(r, rates[t.upstream])
         rates.append(r)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Final, Literal
 
 from weightfabric.topology.fanout import FanOut
@@ -45,6 +46,7 @@ from weightfabric.topology.plan import (
     covers,
     intersect,
 )
+from weightfabric.topology.wan import WanTree
 
 Group = tuple[str, str | None]  # (datacenter, leaf), or (datacenter, "") for all of it
 
@@ -67,16 +69,40 @@ class Slot:
     devices: list[str]  # its devices that hold the stripe
 
 
+# a recorded hop: (the datacenter it enters or None, source, reader, egress, ingress)
+Call = tuple[str | None, str, str, int | None, int | None]
+
+
+class _Recorder(StripeTransfers):
+    """Records the hops of a datacenter's stripe tree (`add`), to replay for each part."""
+
+    def __init__(self, layout: Layout, need: dict[str, list[Interval]],
+                 stripes: list[Interval]) -> None:
+        super().__init__(layout, need, stripes)
+        self.calls: list[Call] = []
+        self.into: str | None = None  # the datacenter the hops being added enter
+
+    def add(self, s: int, source: str, reader: str, *, egress: int | None = None,
+            ingress: int | None = None, path: tuple[str, ...] | None = None,
+            span: Interval | None = None, wan: tuple[str, ...] | None = None) -> None:
+        """Record the hop (routes are found on replay)."""
+        assert path is None and span is None and wan is None
+        self.calls.append((self.into, source, reader, egress, ingress))
+
+
 class ForestBuilder:
     """Builds the transfers of every stripe tree (see the module docstring)."""
 
     def __init__(self, layout: Layout, held: dict[str, list[Interval]],
                  need: dict[str, list[Interval]], stripes: list[Interval],
-                 planes: list[str], leaf_aware: bool = True) -> None:
+                 planes: list[str], leaf_aware: bool = True, *, wan_paths: int = 4,
+                 align: int = 4096) -> None:
         self.layout, self.held, self.need, self.stripes = layout, held, need, stripes
         self.planes = planes
         self.k = len(stripes)
+        self.wan_paths, self.align = wan_paths, align
         self.out = StripeTransfers(layout, need, stripes)
+        self.shape = _Recorder(layout, need, stripes)
         self.egress_load: dict[str, list[int]] = {}
         self.order = {m: i for i, m in enumerate(layout.machines)}
         self.readers = [[d for d, r in need.items() if intersect(r, lo, hi)]
@@ -116,22 +142,63 @@ class ForestBuilder:
         for m in sorted(by_machine, key=self.order.__getitem__):
             dcs[lay.machines[m].datacenter].append(m)
         roots = {lay.machines[m].datacenter for m in holder_machines}
-        parents = lay.wan_tree(roots, set(dcs))
+        trees = lay.wan_trees(roots, set(dcs), most=self.wan_paths)
         for dc in dcs:
-            if dc not in roots and dc not in parents:
+            if dc not in roots and dc not in trees[0].parent:
                 raise UnreachableReaderError(
                     f"readers in datacenter {dc!r} (e.g. {by_machine[dcs[dc][0]][0]!r}) "
                     f"cannot be reached from any source of bytes [{lo}, {hi}); add a WAN "
                     "link to that datacenter or a source inside it")
-        children: dict[str, list[str]] = defaultdict(list)
-        for dc, p in parents.items():
-            children[p].append(dc)
+        children: dict[str, list[str]] = defaultdict(list)  # over all the trees
+        for tree in trees:
+            for dc, p in tree.parent.items():
+                if dc not in children[p]:
+                    children[p].append(dc)
+        # each datacenter's tree once, recorded; then replayed for each tree's part
+        shapes: dict[str, list[Call]] = {}
         entry_slot: dict[str, list[Slot]] = {}
         queue = deque(sorted(roots))
         while queue:
             dc = queue.popleft()
+            if dc in shapes:
+                continue
+            self.shape.calls = shapes[dc] = []
             self._datacenter(s, dc, dcs.get(dc, []), holder_machines, by_machine,
                              children.get(dc, []), entry_slot)
+            queue.extend(children.get(dc, []))
+        for tree, span in zip(trees, self._spans(lo, hi, trees), strict=True):
+            if span[1] > span[0]:
+                self._replay(s, span, tree, roots, shapes)
+
+    def _spans(self, lo: int, hi: int, trees: list[WanTree]) -> list[Interval]:
+        """Stripe ``[lo, hi)`` cut in proportion to the trees' widths, at multiples of `align`.
+
+        Parts may be empty (a stripe shorter than the alignment goes whole to one tree).
+        """
+        total = sum(t.width for t in trees)
+        cuts = [lo]
+        for acc in accumulate(t.width for t in trees[:-1]):
+            at = round((lo + (hi - lo) * acc / total) / self.align) * self.align
+            cuts.append(min(hi, max(cuts[-1], at)))
+        return list(zip(cuts, cuts[1:] + [hi], strict=True))
+
+    def _replay(self, s: int, span: Interval, tree: WanTree, roots: set[str],
+                shapes: dict[str, list[Call]]) -> None:
+        """The transfers of part `span` of stripe `s`, datacenter by datacenter down `tree`.
+
+        A datacenter's recorded hops all, but a hop into another datacenter only where
+        `tree` has this one feed it (along `tree`'s WAN path).
+        """
+        children: dict[str, list[str]] = defaultdict(list)
+        for dc, p in tree.parent.items():
+            children[p].append(dc)
+        queue = deque(sorted(roots))
+        while queue:
+            dc = queue.popleft()
+            for into, source, reader, egress, ingress in shapes[dc]:
+                if into is None or tree.parent.get(into) == dc:
+                    self.out.add(s, source, reader, egress=egress, ingress=ingress, span=span,
+                                 wan=tree.path[into] if into is not None else None)
             queue.extend(children.get(dc, []))
 
     def _datacenter(self, s: int, dc: str, machines: list[str],
@@ -156,7 +223,7 @@ class ForestBuilder:
         inner = {m for m in machines if m in holder_machines or m == entry}
         for m in machines:
             if m in inner and m != entry:
-                self.out.inside(s, m, by_machine[m], holder_machines[m])
+                self.shape.inside(s, m, by_machine[m], holder_machines[m])
         groups: dict[Group, list[str]] = defaultdict(list)
         for m in machines:
             if m not in inner:
@@ -189,7 +256,9 @@ class ForestBuilder:
                     target = self._entry(child[1], by_machine)
                 else:
                     target = child[1]
+                self.shape.into = child[1] if child[0] == DATACENTER else None
                 self._land(s, sender, target, by_machine[target], egress)
+                self.shape.into = None
                 if child[0] == DATACENTER:
                     entry_slot[child[1]] = [Slot(target, 1, s, by_machine[target])]
                 elif child[0] == MACHINE and q.get(target):
@@ -338,8 +407,8 @@ class ForestBuilder:
         ingress = s % len(m.nics) if m.nics else 0
         rail = m.rail_gpu.get(ingress) if m.nics else None
         landing = rail if rail in devices else devices[s % len(devices)]
-        self.out.add(s, sender, landing, egress=egress, ingress=ingress)
-        self.out.fan_out(s, m, landing, [d for d in devices if d != landing])
+        self.shape.add(s, sender, landing, egress=egress, ingress=ingress)
+        self.shape.fan_out(s, m, landing, [d for d in devices if d != landing])
         return landing
 
 

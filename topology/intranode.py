@@ -33,7 +33,8 @@ class StripeTransfers:
                  stripes: list[Interval]) -> None:
         self.layout, self.need, self.stripes = layout, need, stripes
         self.transfers: list[Transfer] = []
-        self.incoming: dict[tuple[str, int], int] = {}  # (device, stripe) -> its feed
+        # (device, stripe, start of the part) -> the transfer that feeds it
+        self.incoming: dict[tuple[str, int, int], int] = {}
 
     def side_plane(self, s: int, lo: int, hi: int, holders: list[str], plane: str) -> bool:
         """Stripe `s` over the host or the NIC loopback of one machine.
@@ -123,16 +124,21 @@ class StripeTransfers:
             prev = d
 
     def add(self, s: int, source: str, reader: str, *, egress: int | None = None,
-             ingress: int | None = None, path: tuple[str, ...] | None = None) -> None:
-        """Add the transfers of stripe `s` from `source` that `reader` needs."""
-        lo, hi = self.stripes[s]
+            ingress: int | None = None, path: tuple[str, ...] | None = None,
+            span: Interval | None = None, wan: tuple[str, ...] | None = None) -> None:
+        """Add the transfers of stripe `s` from `source` that `reader` needs.
+
+        Of the stripe's part `span` (default all of it), fed by the transfer that brought
+        that part to `source`; `wan` fixes the WAN gateways of the route (see `Layout.route`).
+        """
+        lo, hi = span if span is not None else self.stripes[s]
         if path is None:
-            path = self.layout.route(source, reader, egress=egress, ingress=ingress)
+            path = self.layout.route(source, reader, egress=egress, ingress=ingress, wan=wan)
         if path is None:
             raise UnreachableReaderError(
                 f"reader {reader!r} has no route from {source!r} (no NIC, leaf or WAN link "
                 "joins their machines); give its machine a NIC or add a source next to it")
-        up = self.incoming.get((source, s))
+        up = self.incoming.get((source, s, lo))
         depth = self.transfers[up].depth + 1 if up is not None else 1
         first = None
         for a, b in intersect(self.need[reader], lo, hi):
@@ -140,7 +146,7 @@ class StripeTransfers:
                                            stripe=s, path=path, upstream=up, depth=depth))
             first = len(self.transfers) - 1 if first is None else first
         if first is not None:
-            self.incoming[(reader, s)] = len(self.transfers) - 1
+            self.incoming[(reader, s, lo)] = len(self.transfers) - 1
 
 
 __all__ = ["StripeTransfers"]

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from weightfabric.topology.wan import WanTree, datacenter_graph, wan_trees
+
 DEVICE_KINDS = ("gpu", "host")
 
 
@@ -85,6 +87,8 @@ class Layout:
                 self.downlink[v] = self.downlink.get(v, 0.0) + bw
         gateways = [v for v, k in kinds.items() if k == "wan"]
         self._wan = graph.subgraph(gateways).copy()
+        self.wan = datacenter_graph(self._wan)  # datacenters and their WAN links
+        self._wan_trees: dict[tuple[frozenset[str], frozenset[str], int], list[WanTree]] = {}
 
     # --- devices ------------------------------------------------------------------
     def is_device(self, v: str) -> bool:
@@ -132,11 +136,13 @@ class Layout:
 
     # --- routes -------------------------------------------------------------------
     def route(self, src: str, dst: str, *, egress: int | None = None,
-              ingress: int | None = None) -> tuple[str, ...] | None:
+              ingress: int | None = None, wan: tuple[str, ...] | None = None
+              ) -> tuple[str, ...] | None:
         """Vertices from device `src` to device `dst`, or None when there is no route.
 
         `egress` / `ingress` pick the NIC index used to leave `src`'s node and to
-        enter `dst`'s node (default: each device's own rail).
+        enter `dst`'s node (default: each device's own rail); `wan` the WAN gateways
+        from `src`'s datacenter to `dst`'s (default: the fewest hops).
         """
         g = self.graph
         if g.has_edge(src, dst):
@@ -151,7 +157,7 @@ class Layout:
             return None
         nic_s = ms.nics[(self.rail_of(src) if egress is None else egress) % len(ms.nics)]
         nic_d = md.nics[(self.rail_of(dst) if ingress is None else ingress) % len(md.nics)]
-        middle = self._network(ms, md)
+        middle = self._network(ms, md, wan)
         if middle is None:
             return None
         return dedupe(self.to_nic(ms, src, nic_s) + (ms.leaf,) + middle + (md.leaf,)
@@ -208,13 +214,17 @@ class Layout:
         """The GPU on NIC `nic`'s rail in `m`, if any."""
         return m.rail_gpu.get(m.nics.index(nic))
 
-    def _network(self, ms: Machine, md: Machine) -> tuple[str, ...] | None:
+    def _network(self, ms: Machine, md: Machine,
+                 wan: tuple[str, ...] | None = None) -> tuple[str, ...] | None:
         if ms.leaf == md.leaf:
             return ()
         sa, sb = f"{ms.datacenter}/spine", f"{md.datacenter}/spine"
         if ms.datacenter == md.datacenter:
             return (sa,)
         wa, wb = f"{ms.datacenter}/wan", f"{md.datacenter}/wan"
+        if wan is not None:
+            assert wan[0] == wa and wan[-1] == wb, (wan, wa, wb)
+            return (sa, *wan, sb)
         if wa not in self._wan or wb not in self._wan:
             return None
         try:
@@ -223,36 +233,16 @@ class Layout:
             return None
         return (sa, *hops, sb)
 
-    def wan_tree(self, roots: set[str], needed: set[str]) -> dict[str, str]:
-        """Parent datacenter of each datacenter in `needed` that is not a root.
+    def wan_trees(self, roots: set[str], needed: set[str], *, most: int) -> list[WanTree]:
+        """Trees over the datacenters that carry a stripe from `roots` to `needed`.
 
-        A maximum-bottleneck (widest-path) tree over the WAN gateways, grown from the
-        `roots`; the parent of a datacenter is the last datacenter with a role (root
-        or needed) on its widest path, so each WAN link is crossed once per datacenter.
-        Datacenters that cannot be reached are left out.
+        Their widths add up to the WAN's broadcast rate (`topology.wan.wan_trees`), up to
+        `most` trees; computed once per (roots, needed, most).
         """
-        import heapq
-
-        best: dict[str, float] = {}
-        parent: dict[str, str | None] = {}
-        # (-width of the widest path so far, datacenter, last datacenter with a role on it)
-        heap: list[tuple[float, str, str | None]] = [(-float("inf"), dc, None)
-                                                     for dc in sorted(roots)]
-        while heap:
-            neg, dc, via = heapq.heappop(heap)
-            if dc in best:
-                continue
-            best[dc], parent[dc] = -neg, via
-            gw = f"{dc}/wan"
-            if gw not in self._wan:
-                continue
-            for nxt in self._wan.successors(gw):
-                other = nxt[: -len("/wan")]
-                if other not in best:
-                    width = min(-neg, self._wan.edges[gw, nxt]["bandwidth"])
-                    role = dc if dc in roots or dc in needed else parent[dc]
-                    heapq.heappush(heap, (-width, other, role))
-        return {dc: p for dc, p in parent.items() if dc in needed and dc not in roots and p}
+        key = (frozenset(roots), frozenset(needed), most)
+        if key not in self._wan_trees:
+            self._wan_trees[key] = wan_trees(self.wan, roots, needed, most=most)
+        return self._wan_trees[key]
 
 
 def dedupe(path: tuple[str, ...]) -> tuple[str, ...]:

@@ -91,16 +91,20 @@ from weightfabric.topology.planes import cut_stripes, side_planes
 from weightfabric.topology.schema import Cluster
 from weightfabric.topology.simulator import check_chunk, min_chunk
 
-__all__ = ["HOP_OVERHEAD", "MAX_CHUNK", "MIN_CHUNK", "SourceSpec", "choose_chunk",
-           "default_endpoints", "path_latency", "plan_broadcast", "predict", "replan",
-           "resolve", "share_rates", "side_planes"]
+WAN_PATHS = 4  # the most WAN trees a stripe is split over
+WAN_ALIGN = 4096  # where a stripe's parts on different WAN trees may start
+
+__all__ = ["HOP_OVERHEAD", "MAX_CHUNK", "MIN_CHUNK", "WAN_ALIGN", "WAN_PATHS", "SourceSpec",
+           "choose_chunk", "default_endpoints", "path_latency", "plan_broadcast", "predict",
+           "replan", "resolve", "share_rates", "side_planes"]
 
 
 def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
                    sources: SourceSpec = None, readers: Iterable[str] | None = None,
                    needs: Mapping[str, list[Interval]] | None = None,
                    chunk: int | None = None, stripes: list[Interval] | None = None,
-                   planes: list[str] | None = None, leaf_aware: bool = True) -> Plan:
+                   planes: list[str] | None = None, leaf_aware: bool = True,
+                   wan_paths: int = WAN_PATHS, wan_align: int = WAN_ALIGN) -> Plan:
     """Plan how every reader gets the bytes it needs of a version of `size` bytes.
 
     Args:
@@ -124,6 +128,10 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
         leaf_aware (bool): Group machines by leaf under oversubscribed leaves, each leaf getting
             each stripe over the spine once (default); False treats a datacenter's machines as
             one group, in machine order (for comparison).
+        wan_paths (int): The most WAN trees a stripe is split over (1: one widest tree, as
+            before 2026-11; see `topology.wan`).
+        wan_align (int): The parts of a stripe that take different WAN trees start at
+            multiples of this many bytes (so that they map onto chunks of that size).
 
     Returns:
         Plan: Transfers (upstream first), stripes, chunk and predicted times per reader.
@@ -132,8 +140,9 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
         EmptyTransferError: `size` is not positive, or there are no readers.
         UnknownDeviceError: A name is neither a device nor a node of the cluster.
         UnreachableReaderError: A reader has no route from any holder of some bytes it needs.
-        PlanError: Some bytes are held by no source, a reader is also a full source, or `chunk`
-            is not positive or cuts a transfer into more than 2**20 chunks.
+        PlanError: Some bytes are held by no source, a reader is also a full source, `chunk`
+            is not positive or cuts a transfer into more than 2**20 chunks, or `wan_paths` or
+            `wan_align` is below 1.
 
     Notes:
         See the module docstring for the algorithm and its complexity.
@@ -145,6 +154,10 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
         (24, 0.35)
     """
     started = time.perf_counter()
+    if wan_paths < 1 or wan_align < 1:
+        raise PlanError(f"wan_paths and wan_align must be at least 1, got {wan_paths} and "
+                        f"{wan_align}")
+    wan = {"wan_paths": int(wan_paths), "align": int(wan_align)}
     layout = _layout(cluster)
     held, need = endpoints(cluster, layout, int(size), sources, readers, needs)
     rebalance = stripes is None
@@ -153,19 +166,21 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
     planes = list(planes or [])
     if planes and len(planes) != len(stripes):
         raise PlanError(f"{len(planes)} planes for {len(stripes)} stripes; pass one per stripe")
-    plan = _build(layout, int(size), held, need, stripes, planes, chunk, leaf_aware)
+    plan = _build(layout, int(size), held, need, stripes, planes, chunk, leaf_aware, **wan)
     if rebalance and any(p != TREE for p in planes):
         # second pass: move bytes off the planes that finish late (deep chains lag)
         stripes, planes = _rebalance(layout, plan, need, held)
-        plan = _build(layout, int(size), held, need, stripes, planes, chunk, leaf_aware)
+        plan = _build(layout, int(size), held, need, stripes, planes, chunk, leaf_aware, **wan)
     plan.plan_seconds = time.perf_counter() - started
     return plan
 
 
 def _build(layout: Layout, size: int, held: dict[str, list[Interval]],
            need: dict[str, list[Interval]], stripes: list[Interval], planes: list[str],
-           chunk: int | None, leaf_aware: bool = True) -> Plan:
-    transfers = ForestBuilder(layout, held, need, stripes, planes, leaf_aware).build()
+           chunk: int | None, leaf_aware: bool = True, *, wan_paths: int = WAN_PATHS,
+           align: int = WAN_ALIGN) -> Plan:
+    transfers = ForestBuilder(layout, held, need, stripes, planes, leaf_aware,
+                              wan_paths=wan_paths, align=align).build()
     plan = Plan(size=size, chunk=0, stripes=list(stripes), transfers=transfers,
                 sources=held, needs=need, planes=planes)
     rates = share_rates(layout.graph, transfers)
