@@ -23,6 +23,8 @@ from weightfabric.topology.units import human_bandwidth
 
 BAD_CLUSTER = (ClusterConfigError,)
 """Errors that mean a bad cluster file: exit 2 with their 'file:line: field: ...'."""
+PLAN_SIZE = "140GB"
+"""The version `fabric topo draw --plan` plans a broadcast of, unless --size says."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,13 +58,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help="print JSON (keys: datacenters, nodes, gpus, nics, per_datacenter, tiers, wan)")
 
-    p = add_command(sub, "draw", help="draw a cluster to a PNG", handler=_draw,
-                    bad_input=BAD_CLUSTER,
-                    description="Draw datacenters, nodes, GPUs, NICs and link tiers.",
+    from weightfabric.tools import plan_cmd  # plan, simulate; `draw --plan`
+
+    p = add_command(sub, "draw", help="draw a cluster, or a broadcast plan over it, to a PNG",
+                    handler=_draw, bad_input=plan_cmd.BAD_INPUT,
+                    description="Draw datacenters, nodes, GPUs, NICs and link tiers.\n\n"
+                                "With --plan, plan a broadcast first (as 'fabric topo plan "
+                                "--draw' does, printing the same figures) and draw it over the "
+                                "faded cluster: each stripe's tree in its own colour, the links "
+                                "as wide as the bytes they carry, the WAN lines labelled with "
+                                "their bytes.",
                     examples=["fabric topo draw topology/clusters/two-datacenters.yaml "
-                              "-o two-dc.png"])
+                              "-o two-dc.png",
+                              "fabric topo draw topology/clusters/two-datacenters.yaml --plan "
+                              "-o plan.png",
+                              "fabric topo draw c.yaml --plan --size 14GB --sources trainer "
+                              "--readers b-0 b-1 -o plan.png"])
     p.add_argument("file", type=Path, help="cluster YAML file")
     p.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
+    p.add_argument("--plan", action="store_true",
+                   help="plan a broadcast of --size bytes from --sources to --readers (default: "
+                        "the YAML roles, trainer -> rollouts) and draw it over the cluster, one "
+                        "colour per stripe, e.g. 'fabric topo draw c.yaml --plan -o plan.png'")
+    p.add_argument("--size", help=f"with --plan: bytes of the version (default {PLAN_SIZE})")
+    p.add_argument("--sources", nargs="+", help="with --plan: devices or nodes holding the version")
+    p.add_argument("--readers", nargs="+", help="with --plan: devices or nodes that need it")
 
     p = add_command(sub, "discover", help="describe this machine as cluster YAML",
                     handler=_discover,
@@ -73,7 +93,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               "fabric topo validate local.yaml"])
     p.add_argument("-o", "--output", type=Path, help="file to write (default: standard output)")
     p.add_argument("--name", help="node name (default: this host's name)")
-    from weightfabric.tools import plan_cmd  # plan, simulate
     plan_cmd.register(sub)
 
 
@@ -114,6 +133,12 @@ def _counts(s: dict) -> str:
 def _draw(args: argparse.Namespace) -> int:
     from weightfabric.topology.draw import draw_cluster
 
+    if args.plan:
+        return _draw_plan(args)
+    given = [f"--{name}" for name in ("size", "sources", "readers") if getattr(args, name)]
+    if given:
+        raise BadInput(f"{', '.join(given)}: only with --plan (add --plan to draw a "
+                       "broadcast plan over the cluster)")
     cluster = load_cluster(args.file)
     try:
         draw_cluster(cluster, args.output)
@@ -121,6 +146,15 @@ def _draw(args: argparse.Namespace) -> int:
         raise cannot_write(args.output, exc) from exc
     print(f"wrote {args.output}")
     return EXIT_OK
+
+
+def _draw_plan(args: argparse.Namespace) -> int:
+    """`fabric topo plan FILE --size S [--sources ...] [--readers ...] --draw OUTPUT`."""
+    from weightfabric.tools import plan_cmd
+
+    return plan_cmd._plan(argparse.Namespace(
+        file=args.file, size=args.size or PLAN_SIZE, sources=args.sources, readers=args.readers,
+        chunk=None, json=False, output=None, draw=args.output))
 
 
 def _discover(args: argparse.Namespace) -> int:

@@ -10,7 +10,11 @@ white veil, then draws on top what the plan uses:
   `NODE_W` inside machines (NVLink bars carry up to twice the version);
 - the network hops, NIC to NIC (through the WAN line where they cross it), as
   arrows of the same width scale: the route through leaf and spine switches is not
-  drawn, and the NIC links carry what the arrows at them carry;
+  drawn, and the NIC links carry what the arrows at them carry. A stripe whose byte
+  sub-ranges reach a datacenter over several WAN paths keeps its colour on each; the
+  WAN lines leaving one side of a datacenter meet its hops at one point, so the arrow
+  on from there is as wide as the sub-ranges together, and each WAN line is labelled
+  with the bytes it carries;
 - the NICs and network bars in use, unfaded; sources (black) and readers (in their
   GPU colour);
 - a legend of the above, under the cluster's.
@@ -23,7 +27,7 @@ among folded nodes are left out.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -53,6 +57,7 @@ TIER_INK = {"nvlink": NVLINK, "pcie": PCIE_INK, "wan": WAN}
 
 Waypoint = str | tuple[str, str]  # a NIC, or a WAN line's end: (gateway, other gateway)
 Leg = tuple[Waypoint, Waypoint, int]  # from, to, stripe
+PlacedLeg = tuple[Point, Point, int]  # from, to (where the picture shows them), stripe
 
 
 def draw_plan(cluster: Cluster, plan: Plan, path: str | Path, *, title: str | None = None,
@@ -113,6 +118,57 @@ def network_legs(transfers: Iterable[Transfer], kinds: Mapping[str, str]) -> Cou
     return out
 
 
+def split_stripes(transfers: Iterable[Transfer], kinds: Mapping[str, str]) -> list[int]:
+    """The stripes whose bytes enter some datacenter over more than one WAN link, sorted."""
+    came_from: defaultdict[tuple[int, str], set[str]] = defaultdict(set)
+    for t in transfers:
+        for u, v in zip(t.path, t.path[1:], strict=False):
+            if kinds[u] == kinds[v] == "wan":
+                came_from[(t.stripe, v)].add(u)
+    return sorted({stripe for (stripe, _), gateways in came_from.items() if len(gateways) > 1})
+
+
+def wan_points(anchors: Anchors, graph: nx.DiGraph) -> dict[tuple[str, str], Point]:
+    """Where hops meet each WAN line's end: level with the middle of its network bar.
+
+    The WAN lines leaving one side of a datacenter all start at the bar's end, so they
+    share this point whatever their height.
+    """
+    out: dict[tuple[str, str], Point] = {}
+    for (gateway, other), (x, _) in anchors.wan_ends.items():
+        _, y, _, h = anchors.networks[graph.nodes[gateway]["datacenter"]]
+        out[(gateway, other)] = (x, y + h / 2)
+    return out
+
+
+def placed_legs(legs: Counter[Leg], anchors: Anchors, graph: nx.DiGraph) -> Counter[PlacedLeg]:
+    """The legs between the points the picture shows their ends at, summed.
+
+    A NIC is shown by its mark, or by the bottom edge of the box its node is folded
+    into; a WAN line's end by its `wan_points` point, so the legs of a stripe that
+    reaches a datacenter over several WAN links from one side join there. Legs between
+    nodes folded into "+N more" boxes are left out, and so are those through a gateway
+    that enter and leave on one side (the WAN lines show their bytes).
+    """
+    ends = wan_points(anchors, graph)
+    folded = {(x + w / 2, y + h) for x, y, w, h in set(anchors.folded.values())}
+
+    def point(waypoint: Waypoint) -> Point | None:
+        if isinstance(waypoint, tuple):
+            return ends.get(waypoint)
+        if waypoint in anchors.nics:
+            return centre(anchors.nics[waypoint])
+        box = anchors.box(graph.nodes[waypoint]["node"])
+        return (box[0] + box[2] / 2, box[1] + box[3]) if box is not None else None  # bottom
+
+    out: Counter[PlacedLeg] = Counter()
+    for (a, b, stripe), nbytes in legs.items():
+        pa, pb = point(a), point(b)
+        if pa is not None and pb is not None and pa != pb and not (pa in folded and pb in folded):
+            out[(pa, pb, stripe)] += nbytes
+    return out
+
+
 def line_width(nbytes: float, size: int, full: float = FULL_W) -> float:
     """Points for a line carrying `nbytes` of a version of `size` bytes."""
     return max(MIN_W, full * nbytes / size)
@@ -130,7 +186,10 @@ class _Overlay:
                  graph: nx.DiGraph) -> None:
         self.p, self.a, self.plan, self.graph = painter, anchors, plan, graph
         self.loads = link_bytes(plan.transfers)
-        legs = self._placed_legs(network_legs(plan.transfers, graph.nodes(data="kind")))
+        kinds = graph.nodes(data="kind")
+        self.wan_ends = set(wan_points(anchors, graph).values())
+        self.split = split_stripes(plan.transfers, kinds)
+        legs = placed_legs(network_legs(plan.transfers, kinds), anchors, graph)
         hops = Counter(stripe for _, _, stripe in legs)
         self.stripes = sorted(hops)  # those with network hops
         if len(legs) > MAX_ARCS:  # one tree: the stripe with the most hops, the first
@@ -201,32 +260,10 @@ class _Overlay:
 
     def _hops(self) -> None:
         """The network legs, NIC to NIC or to and from the WAN line."""
-        wan_ends = set(self.a.wan_ends.values())
         for (a, b, stripe), nbytes in self.legs.items():
-            bend = -0.1 if a in wan_ends or b in wan_ends else 0.25  # up to the WAN line
+            bend = -0.1 if a in self.wan_ends or b in self.wan_ends else 0.25  # up to the WAN
             self.p.arc(a, b, color=stripe_colour(stripe), lw=line_width(nbytes, self.plan.size),
                        z=5.8, bend=bend)
-
-    def _placed_legs(self, legs: Counter[Leg]) -> Counter[tuple[Point, Point, int]]:
-        """The legs between the points the picture shows their ends at, summed.
-
-        Legs between nodes folded into "+N more" boxes left out.
-        """
-        folded = {(x + w / 2, y + h) for x, y, w, h in set(self.a.folded.values())}
-        out: Counter[tuple[Point, Point, int]] = Counter()
-        for (a, b, stripe), nbytes in legs.items():
-            pa, pb = self._point(a), self._point(b)
-            if pa is not None and pb is not None and not (pa in folded and pb in folded):
-                out[(pa, pb, stripe)] += nbytes
-        return out
-
-    def _point(self, waypoint: Waypoint) -> Point | None:
-        if isinstance(waypoint, tuple):
-            return self.a.wan_ends.get(waypoint)
-        if waypoint in self.a.nics:
-            return centre(self.a.nics[waypoint])
-        box = self.a.box(self.graph.nodes[waypoint]["node"])
-        return (box[0] + box[2] / 2, box[1] + box[3]) if box is not None else None  # bottom
 
     # -- legend --------------------------------------------------------------------
 
@@ -246,6 +283,14 @@ class _Overlay:
             table.add(f"tree:{drawn[0]}", "network hops", f"stripe {drawn[0]}'s tree, NIC to NIC"
                       + (f"; the other {plural(others, 'stripe')}' trees, alike on other NICs, "
                          "are not drawn" if others else ""))
+        if self.split:
+            split = self.split
+            listed = ", ".join(str(k) for k in split[:8]) + (
+                f" and {len(split) - 8} more" if len(split) > 8 else "")
+            table.add(f"split:{split[0]}", "split stripes",
+                      f"{'stripe' if len(split) == 1 else 'stripes'} {listed}: byte ranges reach "
+                      "a datacenter over several WAN links, in the stripe's colour on each; each "
+                      "WAN line is labelled with the bytes it carries")
         table.add("full", "line width", f"{FULL_W:g} pt = {size_text(size)} between machines, "
                   f"{NODE_W:g} pt inside them (both directions)")
         table.add("faint", "faint", "not used by this plan")
@@ -265,6 +310,11 @@ class _Overlay:
         elif kind.startswith("tree:"):
             p.arc((x, cy - 0.05), (x + w, cy - 0.05), color=stripe_colour(int(kind[5:])),
                   lw=1.5, z=6)
+        elif kind.startswith("split:"):  # two paths joining
+            colour = stripe_colour(int(kind[6:]))
+            for dy in (-0.07, 0.07):
+                p.lines([((x, cy + dy), (x + w / 2, cy))], color=colour, lw=1.2, z=6)
+            p.arc((x + w / 2, cy), (x + w, cy), color=colour, lw=1.5, z=6, bend=0)
         elif kind == "full":
             p.lines([((x, cy), (x + w, cy))], color=WAN, lw=FULL_W, z=6)
         else:  # faint
@@ -272,4 +322,4 @@ class _Overlay:
 
 
 __all__ = ["FULL_W", "MAX_ARCS", "NODE_W", "draw_plan", "line_width", "network_legs",
-           "plan_line", "stripe_colour"]
+           "placed_legs", "plan_line", "split_stripes", "stripe_colour", "wan_points"]
