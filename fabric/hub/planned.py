@@ -138,8 +138,8 @@ class PlanRouter:
             del members[gone]
         readers: dict[str, str] = {}
         for w in members:
-            rep = v.replicas.get((w, shard))
-            if (rep is None or not rep.complete) and self._vertex(w, workers) not in sources:
+            held = v.replicas.get((w, shard))
+            if (held is None or not held.complete) and self._vertex(w, workers) not in sources:
                 self._claim(readers, w, workers)
         if not sources or not readers:
             return None
