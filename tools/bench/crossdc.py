@@ -2,7 +2,8 @@
 
 Two network namespaces (``wf-dca``, ``wf-dcb``) are joined by a veth pair whose
 both ends are shaped with ``tc netem`` (``--rate``, ``--rtt``: half the RTT is added
-in each direction). dc-a runs the hub, the trainer and one rollout; dc-b runs
+in each direction), or with ``tbf`` (the rate only) on a kernel without ``sch_netem``
+(`cluster_net.qdisc` shapes both this link and those of `cluster_net.emulate`). dc-a runs the hub, the trainer and one rollout; dc-b runs
 ``--remote`` rollouts. Every process is started with ``ip netns exec`` and a
 ``WEIGHTFABRIC_HOST_ID`` of its datacenter, so processes of one datacenter share
 memory and the WAN is crossed over TCP.
@@ -32,11 +33,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,6 +48,13 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from weightfabric.tools.bench.cluster_net import (
+    link_stats,
+    netem_missing,
+    qdisc,
+    sh,
+    unavailable,
+)
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
 from weightfabric.tools.command import EXIT_OK, Console, add_command
 from weightfabric.topology.units import parse_bandwidth, parse_latency, parse_size
@@ -90,25 +95,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def unavailable() -> str | None:
-    """Why the benchmark cannot run here, or None."""
-    if sys.platform != "linux":
-        return "needs Linux network namespaces"
-    if os.geteuid() != 0:
-        return "needs root (ip netns add, tc)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"needs the {tool!r} command (iproute2)"
-    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"ip netns is unavailable: {probe.stderr.strip()}"
-    return None
-
-
-def _sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, text=True)
-
-
 def _netns(dc: str) -> list[str]:
     return ["ip", "netns", "exec", NAMESPACES[dc]]
 
@@ -118,32 +104,25 @@ def wan(*, rate_bps: float, rtt_s: float) -> Iterator[dict[str, Any]]:
     """Create the two namespaces and the shaped veth between them; remove them after.
 
     Yields what was shaped: ``{"qdisc", "rate_bytes_per_s", "rtt_emulated"}``. Each end
-    gets ``netem`` (half the RTT + the rate); on a kernel without ``sch_netem`` it
-    falls back to ``tbf`` (the rate only) and says the delay is not emulated.
+    gets `cluster_net.qdisc`: ``netem`` (half the RTT + the rate); on a kernel without
+    ``sch_netem``, ``tbf`` (the rate only), and it says the delay is not emulated.
     """
     remove_wan()  # leftovers of a run that was killed
     try:
         for ns in NAMESPACES.values():
-            _sh("ip", "netns", "add", ns)
+            sh("ip", "netns", "add", ns)
         # both ends are created inside the namespaces: nothing appears on the host
-        _sh("ip", "link", "add", VETH["dc-a"], "netns", NAMESPACES["dc-a"], "type", "veth",
-            "peer", "name", VETH["dc-b"], "netns", NAMESPACES["dc-b"])
-        bdp_packets = int(rate_bps * rtt_s / 1500) * 4 + 1000  # queue room for the window
-        shaped = {"qdisc": "netem", "rate_bytes_per_s": rate_bps, "rtt_emulated": rtt_s > 0}
+        sh("ip", "link", "add", VETH["dc-a"], "netns", NAMESPACES["dc-a"], "type", "veth",
+           "peer", "name", VETH["dc-b"], "netns", NAMESPACES["dc-b"])
+        no_netem = netem_missing(NAMESPACES["dc-a"])
+        shaped = {"qdisc": "tbf" if no_netem else "netem", "rate_bytes_per_s": rate_bps,
+                  "rtt_emulated": rtt_s > 0 and not no_netem}
         for dc, ns in NAMESPACES.items():
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "-n", ns, "addr", "add", f"{ADDRESS[dc]}/24", "dev", VETH[dc])
-            _sh("ip", "-n", ns, "link", "set", VETH[dc], "up")
-            tc = [*_netns(dc), "tc", "qdisc", "add", "dev", VETH[dc], "root"]
-            netem = subprocess.run([*tc, "netem", "delay", f"{rtt_s * 1e3 / 2:g}ms", "rate",
-                                    f"{int(rate_bps * 8)}bit", "limit", str(bdp_packets)],
-                                   capture_output=True, text=True)
-            if netem.returncode != 0:
-                if "unknown" not in netem.stderr:
-                    raise RuntimeError(f"tc netem failed: {netem.stderr.strip()}")
-                shaped.update(qdisc="tbf", rtt_emulated=False)
-                _sh(*tc, "tbf", "rate", f"{int(rate_bps * 8)}bit", "burst",
-                    str(max(256 << 10, int(rate_bps / 250))), "latency", "100ms")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{ADDRESS[dc]}/24", "dev", VETH[dc])
+            sh("ip", "-n", ns, "link", "set", VETH[dc], "up")
+            sh("tc", "-n", ns, "qdisc", "add", "dev", VETH[dc], "root",
+               *qdisc(rate_bps, rtt_s / 2, netem=not no_netem))
         yield shaped
     finally:
         remove_wan()
@@ -157,10 +136,7 @@ def remove_wan() -> None:
 
 def wan_counters() -> tuple[int, int]:
     """(bytes dc-a -> dc-b, bytes dc-b -> dc-a) sent over the veth so far."""
-    out = subprocess.run(["ip", "-n", NAMESPACES["dc-a"], "-j", "-s", "link", "show", "dev",
-                          VETH["dc-a"]], check=True, capture_output=True, text=True).stdout
-    stats = json.loads(out)[0]["stats64"]
-    return int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"])
+    return link_stats(NAMESPACES["dc-a"])[VETH["dc-a"]]
 
 
 def run_plan(plan: str, *, remote: int, size: int, chunk_size: int, versions: int,
