@@ -11,7 +11,8 @@ maxflow(r -> d)`` exist when every datacenter is needed), peeling them off the r
 capacities one at a time:
 
 1. Grow a tree from the roots, widest extension first (an arc, or a path through
-   datacenters without readers). An extension is taken only if, with a sliver
+   datacenters without readers; among equally wide ones, the one with the most
+   capacity left of its own, so that trees share few links). An extension is taken only if, with a sliver
    ``delta0`` of width taken from the tree and it, every needed datacenter keeps a
    max-flow of ``F - delta0`` (Lovász's proof of Edmonds' theorem: such an arc
    exists when every datacenter is needed); if none qualifies, the widest.
@@ -19,8 +20,9 @@ capacities one at a time:
    at its bottleneck and, while the minimum cut ``C`` of some needed datacenter falls
    short, move to the root of ``cap(C) - delta m(C) = F - delta`` (``m(C)``: tree arcs
    across ``C``; a few Dinkelbach-like steps).
-3. Subtract ``delta`` from the arcs it uses and repeat, up to `most` trees or until
-   under 1% of the first ``F`` is left.
+3. Subtract ``delta`` from the arcs it uses and repeat until under 1% of the first
+   ``F`` is left. The `most`-th tree is the widest one on what is left, as wide as
+   its bottleneck (``most=1``: the single widest tree).
 
 On the example: ``{train -> west, train -> east}`` of width 100 and ``{train -> west
 -> east}`` of width 50. The planner cuts each stripe into sub-ranges in proportion to
@@ -100,8 +102,9 @@ def wan_trees(wan: nx.DiGraph, roots: set[str], needed: set[str], *,
     first = rate = _rate(resid, roots, needed)
     trees: list[WanTree] = []
     while len(trees) < most and rate > LEFTOVER * first:
-        parent, paths, uses, safe = _grow(resid, roots, needed, transit, rate)
-        width = _width(resid, roots, needed, uses, rate) if safe else 0.0
+        last = len(trees) == most - 1  # the widest tree, all it can carry
+        parent, paths, uses, safe = _grow(resid, roots, needed, transit, rate, check=not last)
+        width = _width(resid, roots, needed, uses, rate) if safe and not last else 0.0
         if width <= SLIVER * rate:
             width = min(resid[a] / m for a, m in uses.items())
         for a, m in uses.items():
@@ -127,8 +130,12 @@ def _rate(resid: dict[Arc, float], roots: set[str], needed: set[str]) -> float:
 
 
 def _grow(resid: dict[Arc, float], roots: set[str], needed: set[str], transit: set[str],
-          rate: float) -> tuple[dict[str, str], dict[str, list[str]], Counter[Arc], bool]:
-    """One tree from the roots: parents, paths, arc uses, and whether every step was safe."""
+          rate: float, *, check: bool = True
+          ) -> tuple[dict[str, str], dict[str, list[str]], Counter[Arc], bool]:
+    """One tree from the roots: parents, paths, arc uses, and whether every step was safe.
+
+    Without `check`, the widest tree (every extension the widest).
+    """
     reached = {r: float("inf") for r in roots}  # datacenter -> bottleneck from the roots
     parent: dict[str, str] = {}
     paths: dict[str, list[str]] = {}
@@ -141,14 +148,14 @@ def _grow(resid: dict[Arc, float], roots: set[str], needed: set[str], transit: s
             for u in sorted(reached):
                 for p in _paths(resid, u, d, transit, floor):
                     arcs = list(zip(p, p[1:], strict=False))
-                    w = min(reached[u], *(resid[a] / (uses[a] + 1) for a in arcs))
-                    candidates.append((-w, len(p), p, arcs))
+                    own = min(resid[a] / (uses[a] + 1) for a in arcs)
+                    candidates.append((-min(reached[u], own), -own, len(p), p, arcs))
         candidates.sort()
-        pick = next((c for c in candidates
-                     if _keeps(resid, roots, needed, uses + Counter(c[3]), rate)), None)
+        pick = next((c for c in candidates if not check
+                     or _keeps(resid, roots, needed, uses + Counter(c[4]), rate)), None)
         if pick is None:  # no extension keeps the rate (a datacenter without readers)
             safe, pick = False, candidates[0]
-        neg, _, p, arcs = pick
+        neg, _, _, p, arcs = pick
         reached[p[-1]], parent[p[-1]], paths[p[-1]] = -neg, p[0], p
         uses.update(arcs)
     return parent, paths, uses, safe
