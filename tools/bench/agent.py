@@ -4,9 +4,13 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
 `tools.bench.launch`, possibly inside a network namespace). It prints
 ``{"ready": true}``, then answers each command line with one JSON line:
 
-- ``{"op": "hub", "host": H, "port": P, "ranking": "locality" | "origin"}`` ->
-  ``{"url": U}``: serve a hub in this process. ``origin`` ranks only the worker
-  named ``trainer`` as a source (every reader pulls from the trainer).
+- ``{"op": "hub", "host": H, "port": P, "ranking": "locality" | "origin" | "ranked" |
+  "plan", "cluster": YAML, "start_bound_s": S}`` -> ``{"url": U}``: serve a hub in this
+  process. ``origin`` ranks only the worker named ``trainer`` as a source (every
+  reader pulls from the trainer); ``ranked`` ranks sources by widest path on the
+  ``cluster``; ``plan`` routes along each version's planned forest on it
+  (`fabric.hub.planned`).
+- ``{"op": "plans"}`` -> ``{"plans": [...]}``: the hub's broadcast plans (`PlanRouter.summary`).
 - ``{"op": "join", "url", "name", "location", "host", "chunk_size", "device", "attach",
   "keep_last", "prepare_spare"}`` -> ``{}``: join, and open the model's store on ``device`` (default
   ``cpu``; ``prepare_spare`` as `Worker.model`'s); with ``attach: N``, attach
@@ -39,8 +43,10 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
 - ``{"op": "memory"}`` -> `MemoryWatch.report`: the peak of this process's own memory
   (anonymous RSS plus the /dev/shm files it owns), the same at start-up, and RSS's
   peak (which also counts peers' shared pages it read).
-- ``{"op": "fetch", "version": V, "in_place": bool}`` -> fetch stats plus ``start`` /
-  ``end`` (wall clock). While it runs, ``{"progress": [done, total]}`` lines come first.
+- ``{"op": "fetch", "version": V, "in_place": bool, "samples": bool}`` -> fetch stats plus
+  ``start`` / ``end`` (wall clock); with ``samples``, ``samples``: ``[[time, chunks held],
+  ...]`` at every chunk (wall clock). While it runs, ``{"progress": [done, total]}`` lines
+  come first.
 - ``{"op": "digest"}`` -> ``{"sha256": hex}`` of the active version's bytes.
 - ``{"op": "served"}`` -> ``{"bytes": N}`` this worker served (egress).
 - ``{"op": "cpu"}`` -> ``{"seconds": S}``: this process's CPU time so far (every
@@ -67,6 +73,8 @@ import torch
 
 import weightfabric as wf
 from weightfabric.fabric.fetch import FetchOptions
+from weightfabric.fabric.hub.planned import plan_router
+from weightfabric.fabric.hub.ranking import topology_ranker
 from weightfabric.fabric.locality import Location, SourceCandidate, rank_by_locality
 
 if TYPE_CHECKING:
@@ -331,10 +339,18 @@ class Agent:
         if op == "cpu":
             return {"seconds": time.process_time()}
         if op == "hub":
+            ranking = cmd.get("ranking", "locality")
+            router = (plan_router(cmd["cluster"], start_bound_s=float(cmd.get("start_bound_s", 2.0)))
+                      if ranking == "plan" else None)
+            rank = (None if router is not None else topology_ranker(cmd["cluster"])
+                    if ranking == "ranked" else RANKINGS[ranking])
             self.hub = wf.serve(f"tcp://{cmd['host']}:{cmd.get('port', 0)}",
-                                    lease_s=cmd.get("lease_s", 30.0),
-                                    rank_sources=RANKINGS[cmd.get("ranking", "locality")])
+                                lease_s=cmd.get("lease_s", 30.0), rank_sources=rank,
+                                plan_routing=router)
             return {"url": self.hub.url}
+        if op == "plans":
+            router = self.hub.state.plan_routing if self.hub is not None else None
+            return {"plans": router.summary() if router is not None else []}
         if op == "join":
             self.worker = wf.join(cmd["url"], worker=cmd["name"],
                                       location=cmd.get("location"),
@@ -388,8 +404,11 @@ class Agent:
             return {}
         if op == "fetch":
             last = [0.0]
+            samples: list[tuple[float, int]] = []
 
             def on_chunk(done: int, total: int) -> None:
+                if cmd.get("samples"):
+                    samples.append((time.time(), done))
                 now = time.monotonic()
                 if now - last[0] > 0.1 or done == total:
                     last[0] = now
@@ -400,7 +419,8 @@ class Agent:
                                      options=FetchOptions(**cmd.get("options", {})),
                                      on_chunk=on_chunk, in_place=bool(cmd.get("in_place")))
             end = time.time()
-            return {**stats.to_dict(), "start": start, "end": end}
+            return {**stats.to_dict(), "start": start, "end": end,
+                    **({"samples": samples} if cmd.get("samples") else {})}
         if op == "digest":
             return {"sha256": digest(self.store.tensors)}
         if op == "served":
