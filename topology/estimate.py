@@ -31,15 +31,18 @@ def share_rates(graph: nx.DiGraph, transfers: list[Transfer]) -> list[float]:
     for t in transfers:
         for arc in zip(t.path, t.path[1:], strict=False):
             count[arc] += 1
-    edges, kinds = graph.edges, graph.nodes
-    for a in [a for a in count if edges[a]["tier"] != "wan"
-              and "wan" in (kinds[a[0]].get("kind"), kinds[a[1]].get("kind"))]:
-        del count[a]  # a gateway's link to its spine: its WAN links bind first
+    edges = graph.edges
+    share = {a: edges[a]["bandwidth"] / n for a, n in count.items()}
+    for gateway, kind in graph.nodes(data="kind"):
+        if kind == "wan":  # its link to the spine: the WAN links bind first
+            for spine in graph.successors(gateway):
+                if graph.nodes[spine].get("kind") == "spine":
+                    for a in ((gateway, spine), (spine, gateway)):
+                        if a in share:
+                            share[a] = float("inf")
     rates: list[float] = []
     for t in transfers:
-        r = min((edges[a]["bandwidth"] / count[a]
-                 for a in zip(t.path, t.path[1:], strict=False) if a in count),
-                default=float("inf"))
+        r = min((share[a] for a in zip(t.path, t.path[1:], strict=False)), default=float("inf"))
         if t.upstream is not None:
             r = min(r, rates[t.upstream])
         rates.append(r)
