@@ -1,8 +1,17 @@
 """The stripe trees of a broadcast: datacenters, then groups of machines, then devices.
 
-`ForestBuilder` places every stripe's tree across datacenters (a widest-path
-tree over the WAN gateways), across the machines of a datacenter, and hands each
-machine's inside to `topology.intranode.StripeTransfers`.
+`ForestBuilder` places every stripe's tree across datacenters, across the
+machines of a datacenter, and hands each machine's inside to
+`topology.intranode.StripeTransfers`.
+
+Across datacenters a stripe takes the WAN trees of `topology.wan` (one on a
+single-path WAN): it is cut into parts in proportion to the trees' widths, at
+multiples of `align` bytes, each part going down its own tree. The tree inside each
+datacenter is built once per stripe and recorded (`_Recorder`), with every hop into
+another datacenter marked; it is then replayed for each part, down that part's tree,
+keeping only the hops into the datacenters that tree has this one feed (routed over
+its WAN path). Every part of a stripe lands on the same entry machine of a datacenter
+and follows the same tree inside it, each part fed by its own upstream.
 
 Inside a datacenter a stripe goes two levels deep. The machines are *grouped*: by
 leaf switch where the leaves are oversubscribed (leaf-aware placement), else the

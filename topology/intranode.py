@@ -1,7 +1,8 @@
 """The transfers of a broadcast forest as they are added, and the hops inside one machine.
 
 `StripeTransfers.add` appends a stripe's transfer from a source to a reader (each
-one fed by the transfer that brought the stripe to its source); `inside` and
+one fed by the transfer that brought the stripe, or the part of it that takes one
+WAN tree, to its source); `inside` and
 `fan_out` forward a stripe from the device it landed on to a machine's other
 readers (one hop over NVSwitch, else a chain over NVLink / PCIe pairs), and
 `side_plane` sends a stripe over the host or NIC-loopback plane of one machine.

@@ -7,7 +7,8 @@ through the host otherwise (``GPU -> its PCIe port -> host -> PCIe port -> GPU``
 and between nodes ``device -> [PCIe port ->] NIC -> leaf [-> spine [-> WAN
 gateways] -> spine] -> leaf -> NIC [-> PCIe port] -> device``. A device reaches a
 NIC that is not on its own rail through an NVLink peer on that rail (NCCL's PXN)
-or through the host.
+or through the host. Between datacenters a route takes the WAN gateways it is
+given (a WAN tree's path, `wan_trees`), else the fewest WAN hops.
 """
 
 from __future__ import annotations

@@ -6,11 +6,17 @@ The version's bytes are cut into ``K`` stripes (``K`` = the largest NIC count of
 reading machine, so every rail carries one stripe). Each stripe is distributed by
 its own tree, built in three levels:
 
-1. **Datacenters.** A maximum-bottleneck (widest-path) tree over the WAN gateways,
-   grown from the datacenters holding the stripe (`Layout.wan_tree`). Every other
-   datacenter with readers gets one parent and one *entry machine*; each stripe
-   crosses the WAN once into it, so a remote datacenter receives exactly S bytes
-   over the WAN per version.
+1. **Datacenters.** Trees over the datacenters whose widths add up to the WAN's
+   max-flow from the datacenters holding the stripe (`topology.wan`, via
+   `Layout.wan_trees`): where the direct link into a datacenter is slower than what a
+   relay through a third one adds, one tree cannot reach the max-flow, several can.
+   Each stripe is cut into *parts*, one per tree, in proportion to the trees' widths,
+   at multiples of ``wan_align`` bytes; in each part's tree every other datacenter with
+   readers has one parent, from which that part crosses the WAN once into its *entry
+   machine* (the same machine for every part), so a remote datacenter receives exactly
+   S bytes over the WAN per version and each byte crosses each WAN link at most once.
+   A datacenter's tree of machines (level 2) is built once per stripe and carries every
+   part. A single-path WAN (two datacenters, a star) gives one tree: the widest.
 2. **Machines inside a datacenter.** The SplitStream / rail-aligned construction,
    two levels deep (`topology.forest`): machines are grouped by leaf switch where
    the leaves are oversubscribed (else the datacenter is one group); each group
@@ -45,17 +51,18 @@ a failure) are placed in the trees of the stripes they need and read only those
 ranges; `replan` uses this to route around vanished sources, keeping what every
 reader already has.
 
-Complexity: O(V + E) to index the graph, then O(R·K·h) for R readers, K stripes
-and routes of h ≤ 15 hops; predicted times are an equal-share estimate in
+Complexity: O(V + E) to index the graph, then O(R·K·P·h) for R readers, K stripes,
+P WAN trees (1 on a single-path WAN, at most ``wan_paths``) and routes of h ≤ 15 hops; predicted times are an equal-share estimate in
 O(transfers·h). No max-flow, arborescence or shortest-path search runs per reader
 (a 10,000-GPU plan takes a few seconds; see docs/benchmarks.md). The quotas add
-O(machines) per stripe and datacenter; the one-machine planes plan twice
+O(machines) per stripe and datacenter; the WAN trees O(D) max-flows per step on the
+graph of D datacenters, once per plan; the one-machine planes plan twice
 (O(readers²) transfers at most).
 
 Modules: this one holds the entry points (`plan_broadcast`, `replan`);
 `topology.endpoints` resolves sources and readers, `topology.planes` cuts the
-stripes (and a one-machine broadcast's planes), `topology.forest` builds the
-stripe trees with the quotas of `topology.fanout`, `topology.intranode` the hops
+stripes (and a one-machine broadcast's planes), `topology.wan` packs the WAN trees,
+`topology.forest` builds the stripe trees with the quotas of `topology.fanout`, `topology.intranode` the hops
 inside a machine, and `topology.estimate` predicts times and picks the chunk.
 """
 
