@@ -84,9 +84,8 @@ def wan_trees(wan: nx.DiGraph, roots: set[str], needed: set[str], *,
         most (int): The most trees (1: the widest tree only).
 
     Returns:
-        list of WanTree: In the order found, the first one the widest. Needed
-            datacenters that cannot be reached are left out; one tree without parents
-            when nothing needs to cross the WAN.
+        list of WanTree: In the order found. Needed datacenters that cannot be reached
+            are left out; one tree without parents when nothing needs to cross the WAN.
 
     Raises:
         ValueError: `most` is below 1.
