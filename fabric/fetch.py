@@ -38,6 +38,7 @@ destination again, before its chunks are read elsewhere or the fetch returns.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -363,6 +364,7 @@ class _FetchRun:
                         finished += kept
                         retry += bad
                     self.requeue(rests, retry)
+                    self.launch()  # before the report: a hub far away must not idle the links
                     self.report(finished)
                 self.flush_reports()
         finally:
@@ -756,22 +758,26 @@ def _no_source_left(missing: list[int], failed: dict[str, str],
 
 def _schedule(assignments: list[Assignment], missing: list[int], avoid: dict[int, set[str]], *,
               chunks_per_read: int, inflight: int) -> list[tuple[tuple[int, ...], Source]]:
-    """Reads as (span of consecutive chunks, source), in chunk order.
+    """Reads as (span of consecutive chunks, source), the assignments' spans interleaved.
 
     Each assignment's chunks are cut into spans of at most `chunks_per_read`, and
     of an even share per stripe source or read in flight (so small fetches still
     read in parallel); spans go round-robin over the assignment's best `stripe`
-    sources. A chunk that some source already sent corrupted is read alone, from a
-    source that did not.
+    sources. The reads take the assignments in turn, each in chunk order: the
+    assignments of a planned reader are its stripes' trees, which carry bytes at
+    the same time, so each gets a read in flight (in chunk order, a reader would
+    drain one tree before it asked the next). A chunk that some source already
+    sent corrupted is read alone, from a source that did not.
     """
     wanted = set(missing)
     taken: set[int] = set()
-    reads: list[tuple[tuple[int, ...], Source]] = []
+    queues: list[list[tuple[tuple[int, ...], Source]]] = []
     for a in assignments:
         chunks = [c for c in a.chunks if c in wanted and c not in taken]
         best = a.sources[:max(1, a.stripe)]
         if not best:
             continue
+        reads: list[tuple[tuple[int, ...], Source]] = []
         plain = [c for c in chunks if not avoid.get(c)]
         share = -(-len(plain) // max(len(best), inflight))
         most = max(1, min(chunks_per_read, share))
@@ -783,7 +789,8 @@ def _schedule(assignments: list[Assignment], missing: list[int], avoid: dict[int
             if usable:
                 reads.append(((chunk,), usable[chunk % len(usable)]))
                 taken.add(chunk)
-    return sorted(reads, key=lambda read: read[0][0])
+        queues.append(sorted(reads, key=lambda read: read[0][0]))
+    return [read for turn in itertools.zip_longest(*queues) for read in turn if read is not None]
 
 
 def _spans(chunks: list[int], most: int) -> list[tuple[int, ...]]:

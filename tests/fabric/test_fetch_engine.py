@@ -443,14 +443,21 @@ def test_schedule_reads_each_servable_chunk_once_in_spans(case):
     servable = {c for a in assignments for c in a.chunks if c in missing
                 and any(s.worker not in avoid.get(c, ()) for s in a.sources)}
     assert set(scheduled) == servable
+    turns: dict[int, list[int]] = {}     # assignment -> the starts of its reads, in order
     for span, source in reads:
         assert list(span) == list(range(span[0], span[0] + len(span))) and len(span) <= per_read
         assert all(source.worker not in avoid.get(c, ()) for c in span)
         assert len(span) == 1 or not any(avoid.get(c) for c in span)
-        owner = next(a for a in assignments if span[0] in a.chunks
+        owner = next(i for i, a in enumerate(assignments) if span[0] in a.chunks
                      and any(s.worker not in avoid.get(span[0], ()) for s in a.sources))
-        assert source in owner.sources[:max(1, owner.stripe)] or avoid.get(span[0])
-    assert [span[0] for span, _ in reads] == sorted(span[0] for span, _ in reads)
+        a = assignments[owner]
+        assert source in a.sources[:max(1, a.stripe)] or avoid.get(span[0])
+        turns.setdefault(owner, []).append(span[0])
+    # each assignment's reads in chunk order, the assignments taking turns
+    assert all(starts == sorted(starts) for starts in turns.values())
+    rank = [turns[i].index(span[0]) for span, _ in reads
+            for i in [next(i for i in turns if span[0] in turns[i])]]
+    assert rank == sorted(rank)
 
 
 # --- time limits and lost sources ---------------------------------------------------------

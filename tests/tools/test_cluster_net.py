@@ -245,7 +245,7 @@ def test_remove_leftovers_deletes_only_its_prefix(prefix):
 def test_a_failing_command_names_itself_and_cleans_up(prefix, monkeypatch):
     from weightfabric.tools.bench import cluster_net
 
-    monkeypatch.setattr(cluster_net, "qdisc", lambda rate, delay, netem: ["nosuchqdisc"])
+    monkeypatch.setattr(cluster_net, "qdisc", lambda rate, delay, netem, queue: ["nosuchqdisc"])
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="(?s)tc -n .* -batch - failed.*nosuchqdisc"), \
             emulate(loads_cluster(ONE_DC), scale=1.0, prefix=prefix):

@@ -302,6 +302,7 @@ def bench_cluster(name: str, *, scale: float | None, budget: float, size: int, c
             "predicted_vs_measured": predicted / seconds if predicted else None,
             "wan_bytes": wan, "verified": all(r["verified"] for r in run["versions"]),
             "measured_s_per_version": [r["measured_s"] for r in measured],
+            "reader_s": measured[-1]["reader_s"],
             **({"routed_around": run["versions"][-1]["routed_around"]}
                if "routed_around" in run["versions"][-1] else {})}
         if timeline:
