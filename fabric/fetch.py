@@ -256,7 +256,9 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
         options: concurrency and time limits.
         on_chunk: called with (chunks done, chunks total) as chunks arrive: once for
             each batch of chunks verified together (the reads that finished in one
-            wait), after that batch is marked (and reported, if a report is due).
+            wait), after that batch is marked (its report to the planner goes out on a
+            thread of its own, so a slow hub holds up no read; every chunk is reported
+            before the fetch returns).
         before_write: called with the byte range ``[lo, hi)`` of `dest` a read is about
             to write (e.g. to populate fresh pages first); what it raises ends the fetch.
         cancel: set from another thread to stop the fetch within `WAIT_SLICE`.
@@ -340,6 +342,10 @@ class _FetchRun:
         self.pool = self._new_pool()
         self.unreported: list[int] = []  # verified chunks not yet told to the planner
         self.last_report = self.start
+        # Reports go out on their own thread: a hub far away (another datacenter) must not
+        # hold up the loop that starts the next reads.
+        self.reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wf-report")
+        self.reporting: Future[None] | None = None
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -364,9 +370,8 @@ class _FetchRun:
                         finished += kept
                         retry += bad
                     self.requeue(rests, retry)
-                    self.launch()  # before the report: a hub far away must not idle the links
                     self.report(finished)
-                self.flush_reports()
+                self.flush_reports(wait=True)
         finally:
             self.close()
         self.stats.seconds = time.monotonic() - self.start
@@ -531,11 +536,21 @@ class _FetchRun:
         if finished and self.on_chunk is not None:
             self.on_chunk(self.progress.count, self.total)
 
-    def flush_reports(self) -> None:
-        """Report every chunk verified and not reported yet."""
-        if self.unreported:
-            self.planner.report(sorted(self.unreported))
+    def flush_reports(self, *, wait: bool = False) -> None:
+        """Report every chunk verified and not reported yet, on the reporter thread.
+
+        While the previous report is still on its way the chunks wait for the next one,
+        unless ``wait``: then every chunk is reported before this returns. What a report
+        raised is raised here, at the next flush.
+        """
+        if self.reporting is not None and (wait or self.reporting.done()):
+            done, self.reporting = self.reporting, None
+            done.result()
+        if self.unreported and self.reporting is None:
+            self.reporting = self.reporter.submit(self.planner.report, sorted(self.unreported))
             self.unreported.clear()
+            if wait:
+                self.flush_reports(wait=True)
         self.last_report = time.monotonic()
 
     def close(self) -> None:
@@ -546,6 +561,7 @@ class _FetchRun:
         """
         self.revoke(list(self.inflight))
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.reporter.shutdown(wait=False)
 
     # --- the parts ------------------------------------------------------------------------
 

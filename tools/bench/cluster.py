@@ -87,7 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--budget", default="300MB/s",
                    help="with the default --scale: what this host's processes can move in "
                         "all (default 300MB/s)")
-    p.add_argument("--size", default="64MB", help="model bytes (default 64MB)")
+    p.add_argument("--size", default="128MB", help="model bytes (default 128MB)")
     p.add_argument("--chunk-size", default="1MiB", help="fetch chunk size (default 1MiB)")
     p.add_argument("--routing", default=",".join(ROUTINGS),
                    help="comma-separated routings to run (default plan,ranked,star)")
@@ -244,10 +244,13 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
 
 def bench_cluster(name: str, *, scale: float | None, budget: float, size: int, chunk: int,
                   routings: list[str], versions: int, start_bound: float,
-                  timeline: str | None = None,
+                  timeline: str | None = None, prefix: str = PREFIX,
                   on_phase: Callable[[str], None] = lambda name: None,
                   on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Every routing in ``routings`` over one emulated cluster. See the module docstring.
+
+    ``prefix`` names the namespaces (`cluster_net.emulate`); a run removes them however it
+    ends.
 
     Raises:
         ValueError: bad arguments.  RuntimeError: the benchmark cannot run here.
@@ -275,7 +278,7 @@ def bench_cluster(name: str, *, scale: float | None, budget: float, size: int, c
                               "runs": {}}
     on_phase("build the namespaces")
     try:
-        with emulate(cluster, scale=scale, nodes=[trainer, *readers], prefix=PREFIX) as net, \
+        with emulate(cluster, scale=scale, nodes=[trainer, *readers], prefix=prefix) as net, \
                 tempfile.TemporaryDirectory(prefix="wf-cluster-") as tmp:
             result["shaping"] = net.shaping
             scaled = emulated(cluster, scale, latency=bool(net.shaping.get("delay_emulated")))

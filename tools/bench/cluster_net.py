@@ -30,11 +30,13 @@ Links (each one veth pair, each end shaped on its egress, so both directions are
   WAN bandwidth x scale, delay its latency.
 
 Latencies are physical and not scaled. Each end gets a ``tbf`` (rate; burst
-``max(16 KiB, 1 ms at the rate)``: above an MTU-sized frame plus headers, small enough
-that short transfers are not mostly burst, and tbf's timer is high-resolution, so it
-needs no ``rate/HZ`` of burst; limit ``max(8 MiB, 0.5 s at the rate) + 2 x delay at the
-rate`` bytes, at most 1 GiB: room for the windows of several TCP flows, so TCP does not
-see drops). The host itself moves well under a cluster's bandwidth (on a 2-core machine
+``max(16 KiB, 10 ms at the rate)``: a shaper whose timer fires late on a busy host
+loses no capacity, and a transfer of a few MB is still mostly shaped; limit
+``max(256 KiB, 20 ms at the rate) + 2 x delay at the rate`` bytes: switches' buffers
+are shallow, and a deep queue would add its delay to every request of a pipelined
+read). Links run jumbo frames (MTU 9000) and every namespace keeps a TCP window over
+idle periods (``tcp_slow_start_after_idle=0``), as datacenter hosts are tuned.
+The host itself moves well under a cluster's bandwidth (on a 2-core machine
 a tbf-shaped veth path held 8-200 MB/s within 5 %, but topped out near 0.7 GB/s):
 choose ``scale`` so that the fastest link stays below what the host can carry.
 Where a link has a latency and the kernel has ``sch_netem``, ``netem delay ... rate ...``
