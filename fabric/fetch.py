@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 WAIT_SLICE = 0.25
 """Seconds between the engine's looks at the deadline, the cancel event and lost sources."""
+MAX_STREAMS = 16
+"""Most reads in flight a plan's assignments raise `FetchOptions.max_inflight` to."""
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,8 @@ class FetchOptions:
     """Concurrency and time limits of one fetch (``ModelStore.fetch(options=...)``).
 
     Attributes:
-        max_inflight: reads in flight at once.
+        max_inflight: reads in flight at once; at least one per assignment of the plan (a
+            planned reader's stripe trees each keep a read in flight), up to `MAX_STREAMS`.
         read_bytes: the most bytes one read asks a source for (see below).
         read_timeout: seconds to wait for one read (a partial source may still be
             fetching its chunks).
@@ -340,6 +343,7 @@ class _FetchRun:
         self.queue: list[_Queued] = []  # reads of this round not started yet, in order
         self.inflight: dict[Future[_Read], _InFlight] = {}
         self.pool = self._new_pool()
+        self.streams = options.max_inflight  # reads in flight at most (`schedule` raises it)
         self.unreported: list[int] = []  # verified chunks not yet told to the planner
         self.last_report = self.start
         # Reports go out on their own thread: a hub far away (another datacenter) must not
@@ -396,7 +400,7 @@ class _FetchRun:
 
     def launch(self) -> None:
         """Start queued reads, up to `max_inflight` in flight (skipping failed sources)."""
-        while self.queue and len(self.inflight) < self.options.max_inflight:
+        while self.queue and len(self.inflight) < self.streams:
             span, source = self.queue.pop(0)
             if source.worker in self.failed:
                 continue
@@ -669,9 +673,14 @@ class _FetchRun:
         return delivered, reply.wire_bytes
 
     def schedule(self, assignments: list[Assignment], missing: list[int]) -> list[_Queued]:
-        """`_schedule` with this fetch's read limits, avoiding corrupt senders."""
+        """`_schedule` with this fetch's read limits, avoiding corrupt senders.
+
+        The reads in flight are raised to one per assignment (at most `MAX_STREAMS`; never
+        lowered during a fetch).
+        """
+        self.streams = max(self.streams, min(len(assignments), MAX_STREAMS))
         return _schedule(assignments, missing, self.corrupt_from,
-                         chunks_per_read=self.chunks_per_read, inflight=self.options.max_inflight)
+                         chunks_per_read=self.chunks_per_read, inflight=self.streams)
 
     def revoke(self, futures: Iterable[Future[_Read]]) -> None:
         """Abandon these reads.
@@ -702,7 +711,7 @@ class _FetchRun:
         return self.options.deadline - (time.monotonic() - self.start)
 
     def _new_pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=self.options.max_inflight,
+        return ThreadPoolExecutor(max_workers=max(self.options.max_inflight, MAX_STREAMS),
                                   thread_name_prefix="wf-fetch")
 
 

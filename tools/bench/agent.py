@@ -6,7 +6,7 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
 
 - ``{"op": "hub", "host": H, "port": P, "ranking": "locality" | "origin" | "ranked" |
   "plan", "cluster": YAML, "start_bound_s": S}`` -> ``{"url": U}``: serve a hub in this
-  process. ``origin`` ranks only the worker named ``trainer`` as a source (every
+  process. ``origin`` ranks only the worker named ``trainer`` (or ``"origin": NAME``) as a source (every
   reader pulls from the trainer); ``ranked`` ranks sources by widest path on the
   ``cluster``; ``plan`` routes along each version's planned forest on it
   (`fabric.hub.planned`).
@@ -59,6 +59,7 @@ Errors come back as ``{"error": "TypeName", "message": ...}``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -199,9 +200,10 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def origin_only(reader: Location, candidates: Sequence[SourceCandidate]) -> list[SourceCandidate]:
-    """A hub ranking that names only the trainer: the no-fabric baseline."""
-    return [c for c in candidates if c.worker == "trainer"]
+def origin_only(reader: Location, candidates: Sequence[SourceCandidate], *,
+                origin: str = "trainer") -> list[SourceCandidate]:
+    """A hub ranking that names only the trainer (worker ``origin``): the no-fabric baseline."""
+    return [c for c in candidates if c.worker == origin]
 
 
 RANKINGS = {"locality": rank_by_locality, "origin": origin_only}
@@ -344,6 +346,8 @@ class Agent:
                       if ranking == "plan" else None)
             rank = (None if router is not None else topology_ranker(cmd["cluster"])
                     if ranking == "ranked" else RANKINGS[ranking])
+            if ranking == "origin" and "origin" in cmd:
+                rank = functools.partial(origin_only, origin=cmd["origin"])
             self.hub = wf.serve(f"tcp://{cmd['host']}:{cmd.get('port', 0)}",
                                 lease_s=cmd.get("lease_s", 30.0), rank_sources=rank,
                                 plan_routing=router)

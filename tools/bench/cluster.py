@@ -206,7 +206,7 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
         workers = {name: start(name) for name in (trainer, *readers)}
         hub.reply(120)
         url = hub.ask("hub", host=net.address(trainer), ranking=HUB_RANKING[routing],
-                      cluster=yaml_path, start_bound_s=start_bound)["url"]
+                      cluster=yaml_path, start_bound_s=start_bound, origin=trainer)["url"]
         for agent in workers.values():
             agent.reply(120)
         for name, agent in workers.items():
