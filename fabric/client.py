@@ -172,6 +172,8 @@ class FetchPlan:
     manifest: Manifest
     ranges: tuple[PlanRange, ...]
     workers: dict[str, SourceInfo]
+    planned: bool = False
+    """The ranges follow the version's broadcast plan (`PlanReply.planned`)."""
 
     @classmethod
     def from_reply(cls, reply: PlanReply, manifest: Manifest | None = None) -> FetchPlan:

@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 WAIT_SLICE = 0.25
 """Seconds between the engine's looks at the deadline, the cancel event and lost sources."""
 MAX_STREAMS = 16
-"""Most reads in flight a plan's assignments raise `FetchOptions.max_inflight` to."""
+"""Most reads in flight a broadcast plan's assignments raise `FetchOptions.max_inflight` to."""
 
 
 @dataclass(frozen=True)
@@ -189,8 +189,9 @@ class FetchOptions:
     """Concurrency and time limits of one fetch (``ModelStore.fetch(options=...)``).
 
     Attributes:
-        max_inflight: reads in flight at once; at least one per assignment of the plan (a
-            planned reader's stripe trees each keep a read in flight), up to `MAX_STREAMS`.
+        max_inflight: reads in flight at once; for a planner whose ``planned`` is true (the
+            hub routes the fetch along a broadcast plan), at least one per assignment, up to
+            `MAX_STREAMS`: each stripe tree keeps a read in flight.
         read_bytes: the most bytes one read asks a source for (see below).
         read_timeout: seconds to wait for one read (a partial source may still be
             fetching its chunks).
@@ -675,10 +676,11 @@ class _FetchRun:
     def schedule(self, assignments: list[Assignment], missing: list[int]) -> list[_Queued]:
         """`_schedule` with this fetch's read limits, avoiding corrupt senders.
 
-        The reads in flight are raised to one per assignment (at most `MAX_STREAMS`; never
-        lowered during a fetch).
+        Along a broadcast plan, the reads in flight are raised to one per assignment (at
+        most `MAX_STREAMS`; never lowered during a fetch).
         """
-        self.streams = max(self.streams, min(len(assignments), MAX_STREAMS))
+        if getattr(self.planner, "planned", False):
+            self.streams = max(self.streams, min(len(assignments), MAX_STREAMS))
         return _schedule(assignments, missing, self.corrupt_from,
                          chunks_per_read=self.chunks_per_read, inflight=self.streams)
 

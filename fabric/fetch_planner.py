@@ -88,6 +88,15 @@ class HubPlanner:
                 out.append(Assignment(chunks, sources, max(1, stripe)))
         return out
 
+    @property
+    def planned(self) -> bool:
+        """Whether the hub routes this fetch along the version's broadcast plan.
+
+        Then each range names the one upstream of a stripe tree's part, and the engine
+        keeps a read in flight for each.
+        """
+        return self.current.planned
+
     def report(self, chunks: list[int]) -> None:
         """Report verified `chunks` to the hub and note the sources it dropped."""
         out = self.hub.report_progress(self.current.fetch_id, chunks)

@@ -220,6 +220,9 @@ class PlanReply(Reply, frozen=True, kw_only=True):
     ranges: list[PlanRangeWire]
     workers: dict[str, PlanSource]
     manifest: ManifestWire | None = None    # left off when the reader kept it
+    planned: bool = False
+    """The ranges follow the version's broadcast plan (`fabric.hub.planned`): each names
+    the one upstream of a stripe tree's part, all of which carry bytes at once."""
 
 
 class LocateReply(Reply, frozen=True, kw_only=True):

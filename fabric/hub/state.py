@@ -841,7 +841,8 @@ class HubState:
                                    endpoints=self.workers[w].endpoints,
                                    complete=v.replicas[(w, f.shard)].complete)
                      for w in sorted(named)},
-            manifest=ManifestWire.of(manifest) if with_manifest else None)
+            manifest=ManifestWire.of(manifest) if with_manifest else None,
+            planned=planned is not None)
 
     def _version_plan(self, f: FetchRecord) -> tuple[PlanRouter, VersionPlan] | None:
         """The plan router and broadcast plan routing fetch ``f``, when its reader is planned."""

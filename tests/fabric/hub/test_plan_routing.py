@@ -91,6 +91,7 @@ def test_readers_plans_follow_the_forests_parents():
                     if NODES[up] == "dc-a")
     assert wan_reads == CHUNKS                  # ... exactly once
     assert not vp.routed_around
+    assert all(p.planned for p in plans.values())    # the engine keeps a read per tree
     assert hub.snapshot()["plans"][0]["readers"] == len(READERS)
 
 
@@ -161,7 +162,7 @@ def test_a_reader_not_in_the_plan_gets_a_ranked_plan():
         hub.begin_fetch(MODEL, version, r, session=r, fetch_id=f"{r}-f")
     late = hub.begin_fetch(MODEL, version, "b-late", session="b-late", fetch_id="late")
     vp = router.plan_of(MODEL, version, 0)
-    assert "b-late" not in vp.readers
+    assert "b-late" not in vp.readers and not late.planned
     # ranked: partial replicas in its own datacenter to wait on, striped, not one upstream
     # per range of the forest
     assert late.ranges and all(r.wait or r.sources for r in late.ranges)
