@@ -93,9 +93,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="comma-separated routings to run (default plan,ranked,star)")
     p.add_argument("--versions", type=int, default=3,
                    help="versions per routing, the first a warm-up (default 3)")
-    p.add_argument("--start-bound", type=float, default=2.0,
+    p.add_argument("--start-bound", type=float, default=5.0,
                    help="plan routing: seconds a reader waits for its planned upstreams to "
-                        "begin (default 2)")
+                        "begin (default 5: dozens of processes on a few cores begin their "
+                        "fetches up to seconds apart; the hub's own default is 2)")
     p.add_argument("--timeline", help="write each routing's timeline PNG here (the routing's "
                                       "name is added before the suffix)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
