@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hub_helpers import FakeClock, small_manifest
 
-from tests.hub_helpers import FakeClock, small_manifest
 from weightfabric.fabric.hub.ops import Park, op_begin_fetch
 from weightfabric.fabric.hub.planned import PlanRouter, plan_router
 from weightfabric.fabric.hub.state import HubState
