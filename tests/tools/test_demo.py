@@ -1,9 +1,11 @@
 """`fabric demo` and the example run end to end and pass their own checks."""
 
+import ast
 import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from paths import ROOT
 
@@ -72,3 +74,19 @@ def test_example_rl_loop_runs():
     # unbuffered (PYTHONUNBUFFERED) prints write a line and its newline separately.
     assert result.stdout.count("rollout: v") == 3
     assert result.stdout.count("trainer: published v") == 3
+
+
+def test_example_planned_broadcast_runs_along_the_plan():
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "planned_broadcast.py")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert out.count("read MB from") == 3 * 4 and "NOT BIT-EXACT" not in out
+    # versions 2 and 3 are planned over the four rollouts, nobody routed around
+    assert out.count("readers, predicted") == 2 and "routed around: none" in out
+    # along the plan, dc-b's rollouts together read the version once from dc-a
+    v3 = out.split("v3:")[1].split("plan of")[0]
+    crossed = sum(mb for line in v3.splitlines() if "(dc-b)" in line
+                  for src, mb in ast.literal_eval(line.split("read MB from ")[1]).items()
+                  if src in ("trainer", "a-0"))
+    assert crossed == pytest.approx(4 * 4 * 2**20 / 1e6, abs=0.2), v3
