@@ -30,7 +30,7 @@ BAD_INPUT = (ClusterConfigError, UnitError, PlanError)
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `fabric topo plan` and `fabric topo simulate` to `fabric topo`'s sub-parsers."""
     p = add_command(
-        sub, "plan", help="plan a broadcast of one version", handler=_plan, bad_input=BAD_INPUT,
+        sub, "plan", help="plan a broadcast of one version", handler=plan_and_report, bad_input=BAD_INPUT,
         description="Plan who reads which bytes from whom (a forest of pipelined stripe "
                     "trees), check it against the max-flow lower bound and simulate it.\n"
                     "Sources and readers default to the YAML roles (trainer, rollout).",
@@ -97,7 +97,12 @@ def plan_summary(plan: Plan, layout: Layout) -> dict[str, object]:
             "bound_method": bound.method}
 
 
-def _plan(args: argparse.Namespace) -> int:
+def plan_and_report(args: argparse.Namespace) -> int:
+    """`fabric topo plan`: plan, then print the figures, write ``-o`` and ``--draw``.
+
+    Reads ``file, size, sources, readers, chunk, draw, output, json`` from `args` (also
+    `fabric topo draw --plan`'s handler).
+    """
     cluster = load_cluster(args.file)
     size = int(parse_size(args.size))
     chunk = int(parse_size(args.chunk)) if args.chunk is not None else None

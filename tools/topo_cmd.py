@@ -152,7 +152,7 @@ def _draw_plan(args: argparse.Namespace) -> int:
     """`fabric topo plan FILE --size S [--sources ...] [--readers ...] --draw OUTPUT`."""
     from weightfabric.tools import plan_cmd
 
-    return plan_cmd._plan(argparse.Namespace(
+    return plan_cmd.plan_and_report(argparse.Namespace(
         file=args.file, size=args.size or PLAN_SIZE, sources=args.sources, readers=args.readers,
         chunk=None, json=False, output=None, draw=args.output))
 
