@@ -68,7 +68,6 @@ class VersionPlan:
     """Worker -> cluster vertex of the planned readers."""
     predicted: dict[str, float]
     """Per planned reader, its predicted finish (s after the plan's start)."""
-    made_at: float
     began: dict[str, float] = field(default_factory=dict)
     """When each planned reader began its fetch (the hub's clock)."""
     routed_around: set[str] = field(default_factory=set)
@@ -107,7 +106,7 @@ class PlanRouter:
         """Note ``reader``'s fetch of ``v``; the version's plan (made at its first fetch)."""
         key = (v.model, v.number, shard)
         if key not in self.plans:
-            self.plans[key] = self._make(v, shard, workers, now)
+            self.plans[key] = self._make(v, shard, workers)
             while len(self.plans) > MAX_PLANS:
                 self.plans.popitem(last=False)
         self.members.setdefault((v.model, shard), {})[reader] = None
@@ -120,8 +119,8 @@ class PlanRouter:
         """The plan of a version's shard, if one was made."""
         return self.plans.get((model, version, shard))
 
-    def _make(self, v: VersionRecord, shard: int, workers: dict[str, WorkerRecord],
-              now: float) -> VersionPlan | None:
+    def _make(self, v: VersionRecord, shard: int, workers: dict[str, WorkerRecord]
+              ) -> VersionPlan | None:
         from weightfabric.topology.plan import PlanError
         from weightfabric.topology.planner import plan_broadcast
 
@@ -166,8 +165,7 @@ class PlanRouter:
         return VersionPlan(
             reads=reads, sources={w: x for x, w in sources.items()},
             readers={w: x for x, w in readers.items()},
-            predicted={readers[x]: s for x, s in plan.predicted.items() if x in readers},
-            made_at=now)
+            predicted={readers[x]: s for x, s in plan.predicted.items() if x in readers})
 
     def _vertex(self, worker: str, workers: dict[str, WorkerRecord]) -> str | None:
         return self.ranker.vertex(workers[worker].location)
