@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
+import os
 import socket
 import threading
 import time
@@ -44,6 +47,8 @@ from weightfabric.fabric.transports.wire import (
     recv_into_exact,
 )
 
+log = logging.getLogger(__name__)
+
 CONNECT_TIMEOUT = 5.0
 # Slack on top of the server-side wait so the server's NOT_READY answer arrives
 # before the client gives up on the socket. Small: a holder that does not answer
@@ -63,8 +68,26 @@ request never races that close."""
 # purpose, so that honest slow links are not cut: a holder fanning a version out
 # shares its link among all its readers' reads (100 reads over 1 Gbit/s get about
 # 1.2 MB/s each), and a cut read's bytes are read again elsewhere. A 64 MiB read
-# (`FetchOptions.read_bytes`) may take 66 s.
-MIN_RATE = 1 << 20
+# (`FetchOptions.read_bytes`) may take 66 s. $WEIGHTFABRIC_MIN_READ_RATE (bytes/s)
+# replaces it, for a network emulated at a small fraction of real links' bandwidth
+# (`fabric bench cluster` scales it with the links).
+MIN_RATE_ENV = "WEIGHTFABRIC_MIN_READ_RATE"
+
+
+def _min_rate() -> float:
+    text = os.environ.get(MIN_RATE_ENV, "").strip()
+    try:
+        value = float(text) if text else float(1 << 20)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        log.warning("$%s=%r is not a positive number of bytes per second; using 1 MiB/s",
+                    MIN_RATE_ENV, text)
+        value = float(1 << 20)
+    return value
+
+
+MIN_RATE = _min_rate()
 # The longest wait a request may ask for: longer is a caller's mistake (and would
 # overflow socket timeouts).
 MAX_TIMEOUT = 7 * 24 * 3600.0

@@ -32,6 +32,7 @@ from weightfabric.fabric.auth import MAX_CAP_BYTES, CapabilityCheck
 from weightfabric.fabric.errors import TransportError
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports.base import SourceAddress, local_host_id
+from weightfabric.fabric.transports.client import MIN_RATE
 from weightfabric.fabric.transports.delta_cache import DEFAULT_CACHE_BYTES, DeltaCache, encode_chunk
 from weightfabric.fabric.transports.nixl import NixlEngine
 from weightfabric.fabric.transports.tls import HANDSHAKE_S, TlsConfig
@@ -72,7 +73,7 @@ idle it is answered BAD_REQUEST."""
 MIN_IDLE_TO_CLOSE = 2.0
 """Readers reuse a pooled connection only within `client.POOL_IDLE_S` (0.5 s) of its
 last reply, so one idle this long gets no more requests: closing it races none."""
-SEND_GRACE, MIN_SEND_RATE = 30.0, float(1 << 20)  # the reader cuts first: client.MIN_RATE
+SEND_GRACE, MIN_SEND_RATE = 30.0, MIN_RATE  # the reader cuts first (client.MIN_RATE)
 """A reply must be taken by the reader within SEND_GRACE s + its bytes / MIN_SEND_RATE
 (bytes/s), else the connection is cut: a reader that stops reading cannot keep a
 region in flight."""

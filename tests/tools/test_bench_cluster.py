@@ -68,12 +68,17 @@ def test_the_emulated_cluster_is_the_yaml_scaled_with_latencies_only_where_emula
     assert scaled.wan[0].bandwidth == pytest.approx(cluster.wan[0].bandwidth * 0.5)
     assert bench.emulated(cluster, 0.5, latency=True).wan[0].latency == pytest.approx(0.01)
     assert bench.roles(cluster) == ("trainer", ["a-0", "b-0"])
-    # the default scale: the readers together receive the budget at the lower bound
-    size, chunk, budget = 8 << 20, 1 << 20, 30e6
+    # the default scale: the readers together receive the budget at the lower bound ...
+    size, chunk, budget = 128 << 20, 1 << 20, 30e6
     scale = bench.auto_scale(cluster, "trainer", ["a-0", "b-0"], size, chunk, budget)
     bound = bench.model(bench.emulated(cluster, scale, latency=False), "trainer",
                         ["a-0", "b-0"], size, chunk)["lower_bound_s"]
     assert 2 * size / bound == pytest.approx(budget, rel=1e-6)
+    # ... unless that bound would be short: then it lasts MIN_BOUND_S
+    scale = bench.auto_scale(cluster, "trainer", ["a-0", "b-0"], 8 << 20, chunk, budget)
+    bound = bench.model(bench.emulated(cluster, scale, latency=False), "trainer",
+                        ["a-0", "b-0"], 8 << 20, chunk)["lower_bound_s"]
+    assert bound == pytest.approx(bench.MIN_BOUND_S, rel=1e-6)
 
 
 def test_a_cluster_without_a_second_node_or_a_trainer_is_refused():
@@ -103,7 +108,9 @@ def test_every_routing_delivers_bit_exact_and_leaves_nothing_behind(tiny, prefix
     assert out["verified"] and set(out["runs"]) == {"plan", "star"}
     for run in out["runs"].values():
         assert run["verified"] and run["measured_s"] > 0
-        assert 0 < run["efficiency"] <= 1.0
+        # at most a little above 1: each shaper lets 10 ms of its rate through at once,
+        # a few percent of a version this small
+        assert 0 < run["efficiency"] < 1.3
         # one reader across the WAN: each version crosses it once, whatever the routing
         assert run["wan_bytes"]["dc-a->dc-b"] >= out["bytes"]
         assert run["wan_bytes"]["dc-a->dc-b"] < 1.1 * out["bytes"]

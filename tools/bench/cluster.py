@@ -5,7 +5,9 @@ node, a node's NICs as one link of their summed rate, oversubscribed leaves and 
 links shaped with ``tc``; all bandwidths x ``scale``). One process per node runs a
 host-memory store (``WEIGHTFABRIC_HOST_ID`` = the node, so every read crosses the
 emulated network over TCP): the first node of the YAML's ``trainer`` role publishes,
-every other ``rollout`` node fetches; the hub runs in the trainer's namespace.
+every other ``rollout`` node fetches; the hub runs in the trainer's namespace. The
+slowest rate a read may have before its source is failed over (1 MiB/s,
+`fabric.transports.client.MIN_RATE`) is scaled like the links.
 
 Each routing runs on fresh processes over the same namespaces, in one invocation:
 
@@ -49,6 +51,7 @@ from typing import Any
 
 from rich.table import Table
 
+from weightfabric.fabric.transports.client import MIN_RATE, MIN_RATE_ENV
 from weightfabric.tools.bench.cluster_net import emulate, unavailable
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
 from weightfabric.tools.command import EXIT_OK, Console, add_command
@@ -60,6 +63,8 @@ HUB_RANKING = {"plan": "plan", "ranked": "ranked", "star": "origin"}
 SEED = 24
 PREFIX = "wfc"
 MAX_NODES = 32
+MIN_BOUND_S = 4.0
+"""The default scale keeps the lower bound at least this long (`auto_scale`)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,7 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("cluster", help="cluster YAML (path, or a reference cluster's name)")
     p.add_argument("--scale", type=float, default=None,
                    help="factor on every bandwidth (default: so that the readers together "
-                        "receive about --budget at the lower bound)")
+                        f"receive about --budget at the lower bound, and the bound is at "
+                        f"least {MIN_BOUND_S:g} s)")
     p.add_argument("--budget", default="300MB/s",
                    help="with the default --scale: what this host's processes can move in "
                         "all (default 300MB/s)")
@@ -181,9 +187,15 @@ def model(cluster: Cluster, trainer: str, readers: list[str], size: int, chunk: 
 
 def auto_scale(cluster: Cluster, trainer: str, readers: list[str], size: int, chunk: int,
                budget: float) -> float:
-    """The scale at which the readers receive ``budget`` bytes/s in all, at the bound."""
+    """The scale at which the readers receive ``budget`` bytes/s in all, at the bound.
+
+    Lower where that bound would be under `MIN_BOUND_S`: a fetch's fixed start (a few
+    hub calls and a first chunk per hop, about 0.2 s on a busy 2-core host) would weigh
+    on a bound of one second.
+    """
     at_one = model(emulated(cluster, 1.0, latency=False), trainer, readers, size, chunk)
-    return budget * at_one["lower_bound_s"] / (len(readers) * size)
+    bound = at_one["lower_bound_s"]
+    return min(budget * bound / (len(readers) * size), bound / MIN_BOUND_S)
 
 
 # -------------------------------------------------------------------- the run
@@ -191,13 +203,18 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
                 dc_of: dict[str, str], size: int, chunk: int, versions: int,
                 start_bound: float, on_phase: Callable[[str], None],
                 on_progress: Callable[[str, int, int], None] | None) -> dict[str, Any]:
-    """One routing on fresh processes over the emulated network ``net``."""
+    """One routing on fresh processes over the emulated network ``net``.
+
+    A read's slowest acceptable rate (`transports.client.MIN_RATE`, 1 MiB/s) is scaled
+    with the links, as every other rate is.
+    """
     agents: list[Agent] = []
+    min_rate = max(1.0, MIN_RATE * net.shaping["scale"])
 
     def start(name: str) -> Agent:
         agent = Agent(name, prefix=net.exec_prefix(trainer if name == "hub" else name),
-                      env={"WEIGHTFABRIC_HOST_ID": name}, on_progress=on_progress,
-                      ready_timeout=None)
+                      env={"WEIGHTFABRIC_HOST_ID": name, MIN_RATE_ENV: f"{min_rate:g}"},
+                      on_progress=on_progress, ready_timeout=None)
         agents.append(agent)
         return agent
 
