@@ -18,7 +18,9 @@ Each routing runs on fresh processes over the same namespaces, in one invocation
 - ``star``: every reader reads from the trainer.
 
 The first version is a warm-up (buffers, connections; a worker's first fetch of a
-model is never planned); the later ones are measured. Per measured version:
+model is never planned); the later ones are measured, each once every process has
+settled (the spare buffers its store prepares in the background are ready). Per
+measured version:
 
 - ``measured_s``: from the moment the version is committed (every fetch is sent then)
   until the last reader holds it, verified by its checksums and bit-exact
@@ -232,6 +234,11 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
                       location={"datacenter": dc_of[name], "node": name, "device": "host"})
         rounds = []
         for v in range(versions):
+            on_phase(f"{routing}: v{v + 1} settle")
+            for agent in workers.values():   # the buffers a store prepares in the background
+                agent.send("settle")
+            for agent in workers.values():
+                agent.reply(300)
             on_phase(f"{routing}: v{v + 1} publish")
             pub = workers[trainer].ask("publish", size=size, seed=SEED, timeout=300)
             on_phase(f"{routing}: v{v + 1} fetch" + (" (warm-up)" if v == 0 else ""))
