@@ -95,7 +95,9 @@ def test_a_cluster_without_a_second_node_or_a_trainer_is_refused():
 def test_without_root_it_says_why_and_exits_0(monkeypatch, capsys):
     from weightfabric.tools.cli import main
 
-    monkeypatch.setattr(bench, "unavailable", lambda: "needs root (ip netns add, tc)")
+    from weightfabric.tools.bench import cluster_net
+
+    monkeypatch.setattr(cluster_net, "unavailable", lambda: "needs root (ip netns add, tc)")
     assert main(["bench", "cluster", "relay-wan", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"skipped": "needs root (ip netns add, tc)"}
 

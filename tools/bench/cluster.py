@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import signal
 import statistics
 import tempfile
 import time
@@ -54,7 +52,7 @@ from typing import Any
 from rich.table import Table
 
 from weightfabric.fabric.transports.client import MIN_RATE, MIN_RATE_ENV
-from weightfabric.tools.bench.cluster_net import emulate, unavailable
+from weightfabric.tools.bench.cluster_net import emulate, sigterm_unwinds, skipped, unavailable
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
 from weightfabric.tools.command import EXIT_OK, Console, add_command
 from weightfabric.topology.schema import Cluster, NodeType
@@ -357,29 +355,18 @@ def _timeline(path: str, routing: str, last: dict[str, Any], m: dict[str, Any],
 
 
 # ------------------------------------------------------------------ the command
-def _sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds through every finally: processes, namespaces
-
-
 def _run(args: argparse.Namespace) -> int:
     size, chunk = int(parse_size(args.size)), int(parse_size(args.chunk_size))
     routings = [r.strip() for r in args.routing.split(",") if r.strip()]
-    reason = unavailable()
-    if reason is not None:
-        msg = f"fabric bench cluster: skipped: {reason}"
-        print(json.dumps({"skipped": reason}) if args.json else msg)
+    if skipped("fabric bench cluster", as_json=args.json):
         return EXIT_OK
-    previous = signal.signal(signal.SIGTERM, _sigterm)
     console = Console(stderr=True)
-    try:
-        with console.status("") as status:
-            result = bench_cluster(
-                args.cluster, scale=args.scale, budget=parse_bandwidth(args.budget), size=size,
-                chunk=chunk, routings=routings, versions=args.versions,
-                start_bound=args.start_bound, timeline=args.timeline,
-                on_phase=lambda name: status.update(name))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with sigterm_unwinds(), console.status("") as status:
+        result = bench_cluster(
+            args.cluster, scale=args.scale, budget=parse_bandwidth(args.budget), size=size,
+            chunk=chunk, routings=routings, versions=args.versions,
+            start_bound=args.start_bound, timeline=args.timeline,
+            on_phase=lambda name: status.update(name))
     return print_result(result, as_json=args.json, table=_table)
 
 

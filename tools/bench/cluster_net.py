@@ -71,6 +71,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -119,6 +120,26 @@ def unavailable() -> str | None:
     if probe.returncode != 0:
         return f"ip netns is unavailable: {probe.stderr.strip()}"
     return None
+
+
+def skipped(command: str, *, as_json: bool) -> bool:
+    """Print why `command` cannot run here (``{"skipped": why}`` with `as_json`); True then."""
+    reason = unavailable()
+    if reason is not None:
+        print(json.dumps({"skipped": reason}) if as_json else f"{command}: skipped: {reason}")
+    return reason is not None
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Inside, SIGTERM raises KeyboardInterrupt: every ``finally`` runs (processes, namespaces)."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def sh(*args: str, stdin: str | None = None) -> str:

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,6 +51,8 @@ from weightfabric.tools.bench.cluster_net import (
     netem_missing,
     qdisc,
     sh,
+    sigterm_unwinds,
+    skipped,
     unavailable,
 )
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
@@ -251,44 +251,33 @@ def bench_crossdc(*, remote: int, size: int, chunk_size: int, rate_bps: float, r
     return result
 
 
-def _sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # unwinds through every finally: processes, namespaces
-
-
 def _run(args: argparse.Namespace) -> int:
     size, chunk = int(parse_size(args.size)), int(parse_size(args.chunk_size))
     rate, rtt = parse_bandwidth(args.rate), parse_latency(args.rtt)
-    reason = unavailable()
-    if reason is not None:
-        msg = f"fabric bench crossdc: skipped: {reason}"
-        print(json.dumps({"skipped": reason}) if args.json else msg)
+    if skipped("fabric bench crossdc", as_json=args.json):
         return EXIT_OK
-    previous = signal.signal(signal.SIGTERM, _sigterm)
     console = Console(stderr=True)
     columns = (TextColumn("{task.description:<24}"), BarColumn(), TaskProgressColumn(),
                TimeElapsedColumn())
-    try:
-        with Progress(*columns, console=console, transient=True,
-                      disable=not console.is_terminal) as progress:
-            phase = progress.add_task("", total=None)
-            bars: dict[str, TaskID] = {}
+    with sigterm_unwinds(), Progress(*columns, console=console, transient=True,
+                  disable=not console.is_terminal) as progress:
+        phase = progress.add_task("", total=None)
+        bars: dict[str, TaskID] = {}
 
-            def on_progress(name: str, done: int, total: int) -> None:
-                if name not in bars:
-                    bars[name] = progress.add_task(name, total=total)
-                progress.update(bars[name], completed=done)
+        def on_progress(name: str, done: int, total: int) -> None:
+            if name not in bars:
+                bars[name] = progress.add_task(name, total=total)
+            progress.update(bars[name], completed=done)
 
-            def on_phase(name: str) -> None:
-                progress.update(phase, description=name)
-                for task in bars.values():
-                    progress.update(task, completed=0)
+        def on_phase(name: str) -> None:
+            progress.update(phase, description=name)
+            for task in bars.values():
+                progress.update(task, completed=0)
 
-            result = bench_crossdc(remote=args.remote, size=size, chunk_size=chunk,
-                                   rate_bps=rate, rtt_s=rtt, versions=args.versions,
-                                   on_phase=on_phase, on_progress=on_progress,
-                                   lr=args.lr if args.delta else None)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        result = bench_crossdc(remote=args.remote, size=size, chunk_size=chunk,
+                               rate_bps=rate, rtt_s=rtt, versions=args.versions,
+                               on_phase=on_phase, on_progress=on_progress,
+                               lr=args.lr if args.delta else None)
     return print_result(result, as_json=args.json, table=_table)
 
 
