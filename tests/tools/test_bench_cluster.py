@@ -93,9 +93,8 @@ def test_a_cluster_without_a_second_node_or_a_trainer_is_refused():
 
 
 def test_without_root_it_says_why_and_exits_0(monkeypatch, capsys):
-    from weightfabric.tools.cli import main
-
     from weightfabric.tools.bench import cluster_net
+    from weightfabric.tools.cli import main
 
     monkeypatch.setattr(cluster_net, "unavailable", lambda: "needs root (ip netns add, tc)")
     assert main(["bench", "cluster", "relay-wan", "--json"]) == 0
