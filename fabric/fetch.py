@@ -400,7 +400,7 @@ class _FetchRun:
         return queue
 
     def launch(self) -> None:
-        """Start queued reads, up to `max_inflight` in flight (skipping failed sources)."""
+        """Start queued reads, up to `streams` in flight (skipping failed sources)."""
         while self.queue and len(self.inflight) < self.streams:
             span, source = self.queue.pop(0)
             if source.worker in self.failed:
