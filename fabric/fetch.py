@@ -100,6 +100,9 @@ class FetchPlanner(Protocol):
         without it hears of none.
         """
 
+    # Also optional: ``planned`` (bool attribute, `HubPlanner.planned`): the assignments
+    # follow a broadcast plan, and the engine keeps a read in flight for each.
+
 
 @dataclass
 class FetchStats:

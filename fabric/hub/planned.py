@@ -40,7 +40,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from weightfabric.fabric.hub.ranking import TopologyRanker, _graph
+from weightfabric.fabric.hub.ranking import TopologyRanker, cluster_graph
 from weightfabric.fabric.hub.records import LIVE, VersionRecord, WorkerRecord
 from weightfabric.fabric.hub.routing import route
 from weightfabric.fabric.hub_messages import PlanRangeWire
@@ -262,7 +262,7 @@ def plan_router(cluster: object, *, start_bound_s: float = DEFAULT_START_BOUND_S
         >>> router.start_bound_s
         2.0
     """
-    return PlanRouter(TopologyRanker(_graph(cluster)), start_bound_s=start_bound_s)
+    return PlanRouter(TopologyRanker(cluster_graph(cluster)), start_bound_s=start_bound_s)
 
 
 def _chunk(offset: int, manifest: Manifest, size: int) -> int:

@@ -46,7 +46,13 @@ _HOST = {"", "host", "cpu"}
 MAX_CACHE = 1 << 20  # (reader, source) pairs kept before the cache is cleared
 
 
-def _graph(cluster: object) -> nx.DiGraph:
+def cluster_graph(cluster: object) -> nx.DiGraph:
+    """The graph of a Cluster, a cluster YAML path, a Layout or a graph (as given).
+
+    Raises:
+        TypeError: `cluster` is none of those.
+        topology.ClusterConfigError: the YAML file cannot be read or is invalid.
+    """
     from weightfabric.topology import load_cluster
     from weightfabric.topology.layout import Layout
     from weightfabric.topology.schema import Cluster
@@ -188,7 +194,7 @@ def topology_ranker(cluster: object) -> RankSources:
         >>> [c.worker for c in rank(Location("dc-b", "b-0", "gpu0"), [far, near])]
         ['b', 't']
     """
-    return TopologyRanker(_graph(cluster))
+    return TopologyRanker(cluster_graph(cluster))
 
 
-__all__ = ["TopologyRanker", "topology_ranker"]
+__all__ = ["TopologyRanker", "cluster_graph", "topology_ranker"]
