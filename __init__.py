@@ -143,4 +143,8 @@ def __getattr__(name: str) -> object:
         from weightfabric.fabric import hub
 
         return getattr(hub, name)
+    if name == "vllm":  # the vLLM backend's helpers (vLLM itself loads only when used)
+        import importlib
+
+        return importlib.import_module("weightfabric.fabric.integrations.vllm")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
