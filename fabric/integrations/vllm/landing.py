@@ -170,7 +170,7 @@ class LoaderLanding:
 
 def reload_with_vllm(model: nn.Module, model_config: Any,
                      weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """vLLM's layerwise reload: its ``load_weights`` of ``weights``, then its post-processing.
+    """Reload through vLLM: its ``load_weights`` of ``weights``, then its post-processing.
 
     What vLLM's own checkpoint-format backends do between ``start_weight_update`` and
     ``finish_weight_update``, in one call.
@@ -183,7 +183,8 @@ def reload_with_vllm(model: nn.Module, model_config: Any,
     initialize_layerwise_reload(model)
     try:
         with _no_mtp_check():
-            model.load_weights(weights)
+            load: Any = model.load_weights  # vLLM models define it; nn.Module does not
+            load(weights)
     finally:
         finalize_layerwise_reload(model, model_config)
 

@@ -27,18 +27,18 @@ the four phases:
 ``finish_weight_update(weight_version=...)``
     Nothing here; vLLM records the version string.
 
-Errors are the fabric's typed errors (`fabric.errors`); vLLM carries them to the caller
-as text that starts with the error's class name, which the fabric's clients
-(`fabric.integrations.vllm.clients`) raise again as the same type.
+Errors are the fabric's typed errors (`fabric.errors`). The ranks agree on the outcome
+first, and only the engine's last rank raises (`_one_rank_raises` says why); vLLM carries
+the error to the caller as text that starts with the error's class name, which the
+fabric's clients (`fabric.integrations.vllm.clients`) raise again as the same type. After
+any error every rank serves the weights it had.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -175,10 +175,93 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
         self._store_key: object = None
 
     # ------------------------------------------------------------------ phases
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        """`WeightfabricInitInfo` of ``init_dict``; a bad one is raised by `init_transfer_engine`."""
+        try:
+            return super().parse_init_info(init_dict)
+        except Exception as exc:
+            return _Refused(exc)
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
+        """`WeightfabricUpdateInfo` of ``update_dict``; a bad one is raised by `receive_weights`."""
+        try:
+            return super().parse_update_info(update_dict)
+        except Exception as exc:
+            return _Refused(exc)
+
     def init_transfer_engine(self, init_info: WeightfabricInitInfo) -> None:
-        """Join the fabric and choose how versions land here (module docstring)."""
-        with named_errors():
-            self._init(init_info)
+        """Join the fabric and choose how versions land here (module docstring).
+
+        Every rank of the engine joins, or none does (a rank that joined leaves again).
+
+        Raises:
+            BadRequestError: bad ``init_info`` (no hub, an unknown ``load``, ...).
+            HubUnavailableError, AuthenticationError: from joining the fabric.
+            LayoutMismatchError: ``load="direct"`` and the parameters are not vLLM's layout.
+        """
+        failure = init_info.error if isinstance(init_info, _Refused) else None
+        if failure is None:
+            try:
+                self._init(init_info)
+            except Exception as exc:
+                failure = exc
+        first = _first_failure(failure)
+        if first is not None:
+            if failure is None:  # another rank failed: leave too
+                self.shutdown()
+            _one_rank_raises(first)
+
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: `receive_weights` fetches, then lands, in one step."""
+
+    def finish_weight_update(self) -> None:
+        """Nothing to finish (vLLM records the ``weight_version`` string)."""
+
+    def receive_weights(self, update_info: WeightfabricUpdateInfo) -> None:
+        """Fetch the version in this rank's layout, agree with the other ranks, land it.
+
+        Raises:
+            BadRequestError: a bad version (e.g. 0); from `WeightfabricUpdateInfo`.
+            InvalidStateError: `init_transfer_engine` has not run.
+            UnknownVersionError: no such committed version (or it was retired).
+            HubUnavailableError: the hub does not answer.
+            LayoutMismatchError: the version is another model than the engine's.
+            FetchError: its bytes could not be read from any holder.
+            FabricError: the landing failed (the message says what the engine serves).
+        """
+        failure = update_info.error if isinstance(update_info, _Refused) else None
+        version: int | None = None
+        if failure is None:
+            version, failure = self._agree_version(update_info.version)
+        fetched: tuple[UpdateRecord, Any] | None = None
+        if failure is None and version is not None and version != self.landed:
+            try:
+                fetched = self._fetch(version, self._require_init())
+            except Exception as exc:
+                failure = exc
+        first = _first_failure(failure)
+        if first is not None:
+            _one_rank_raises(first)
+            return
+        assert version is not None and self.landing is not None
+        if fetched is None:  # landed already, on every rank
+            self.last = UpdateRecord(version, self.landing.mode, noop=True)
+            return
+        record, tensors = fetched
+        start = time.monotonic()
+        try:
+            self.landing.land(tensors)
+        except Exception as exc:
+            failure = self._landing_failed(version, exc)
+        first = _first_failure(failure)
+        if first is not None:
+            _one_rank_raises(first)
+            return
+        record.land_s = time.monotonic() - start
+        self.landed, self.last = version, record
+        log.info("%s: v%d landed (%s): fetched %d bytes in %.3f s, landed in %.3f s",
+                 self.worker.name if self.worker else "?", version, record.mode,
+                 record.bytes, record.fetch_s, record.land_s)
 
     def _init(self, init_info: WeightfabricInitInfo) -> None:
         if self.worker is not None:
@@ -224,68 +307,6 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
         log.info("%s joined %s for %r: lands versions %s (%s)", worker_name, init_info.hub,
                  init_info.model, choice.mode, choice.reason)
 
-    def start_weight_update(self) -> None:
-        """Nothing to prepare: `receive_weights` fetches, then lands, in one step."""
-        self._require_init()
-
-    def finish_weight_update(self) -> None:
-        """Nothing to finish (vLLM records the ``weight_version`` string)."""
-
-    def parse_update_info(self, update_dict: dict[str, Any]) -> WeightfabricUpdateInfo:
-        """`WeightfabricUpdateInfo` of ``update_dict`` (errors named as in `named_errors`)."""
-        with named_errors():
-            return super().parse_update_info(update_dict)
-
-    def parse_init_info(self, init_dict: dict[str, Any]) -> WeightfabricInitInfo:
-        """`WeightfabricInitInfo` of ``init_dict`` (errors named as in `named_errors`)."""
-        with named_errors():
-            return super().parse_init_info(init_dict)
-
-    def receive_weights(self, update_info: WeightfabricUpdateInfo) -> None:
-        """Fetch the version in this rank's layout, agree with the other ranks, land it.
-
-        Raises:
-            BadRequestError: a bad version (e.g. 0); from `WeightfabricUpdateInfo`.
-            UnknownVersionError: no such committed version (or it was retired).
-            HubUnavailableError: the hub does not answer.
-            LayoutMismatchError: the version is another model than the engine's.
-            FetchError: its bytes could not be read from any holder.
-            FabricError: another rank of the engine failed (its error's type and text).
-        """
-        with named_errors():
-            self._receive(update_info)
-
-    def _receive(self, update_info: WeightfabricUpdateInfo) -> None:
-        info = self._require_init()
-        version, failure = self._agree_version(update_info.version)
-        fetched: Any = None
-        if failure is None:
-            assert version is not None
-            if version == self.landed:
-                self.last = UpdateRecord(version, self.landing.mode if self.landing else "",
-                                         noop=True)
-                failure = None
-            else:
-                try:
-                    fetched = self._fetch(version, info)
-                except Exception as exc:
-                    failure = exc
-        self._all_or_none(failure)
-        if fetched is None:  # a no-op on every rank
-            return
-        assert version is not None and self.landing is not None
-        record, tensors = fetched
-        start = time.monotonic()
-        try:
-            self.landing.land(tensors)
-        except Exception as exc:
-            raise self._landing_failed(version, exc) from exc
-        record.land_s = time.monotonic() - start
-        self.landed, self.last = version, record
-        log.info("%s: v%d landed (%s): fetched %d bytes in %.3f s, landed in %.3f s",
-                 self.worker.name if self.worker else "?", version, record.mode,
-                 record.bytes, record.fetch_s, record.land_s)
-
     def shutdown(self) -> None:
         """Leave the fabric (the engine keeps serving the weights it has)."""
         if self.worker is not None:
@@ -310,16 +331,17 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
 
     def _agree_version(self, asked: int | str) -> tuple[int | None, Exception | None]:
         """The version every rank updates to: ``asked``, or rank 0's ``"latest"``."""
-        assert self.worker is not None and self.info is not None
         if asked != "latest":
             return int(asked), None
         number: int | None = None
         error: Exception | None = None
         if _rank() == 0:
             try:
-                number = self.worker.hub.latest(self.info.model)
+                info = self._require_init()
+                assert self.worker is not None
+                number = self.worker.hub.latest(info.model)
                 if number is None:
-                    raise UnknownVersionError(f"{self.info.model!r} has no committed version yet")
+                    raise UnknownVersionError(f"{info.model!r} has no committed version yet")
             except Exception as exc:
                 error = exc
         number, why = _broadcast((number, _describe(error)))
@@ -330,7 +352,7 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
     def _fetch(self, version: int, info: WeightfabricInitInfo) -> tuple[UpdateRecord, Any]:
         """Fetch ``version`` into this rank's store, verified; return its record and tensors."""
         start = time.monotonic()
-        options = FetchOptions(deltas=info.deltas)  # type: ignore[arg-type]
+        options = FetchOptions(deltas=info.deltas)
         store = self.store if self._store_key == "direct" else self._loader_store(version)
         assert store is not None and self.landing is not None
         stats = store.fetch(version, verify=info.verify, options=options)
@@ -365,16 +387,6 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
         self._store_key = key
         return self.store
 
-    def _all_or_none(self, failure: Exception | None) -> None:
-        """Raise on every rank if any rank failed: the first failure's type and text."""
-        mine = _describe(failure)
-        first = next((w for w in _gather(mine) if w is not None), None)
-        if first is None:
-            return
-        if failure is not None and mine == first:
-            raise failure
-        raise _rebuild(first)
-
     def _landing_failed(self, version: int, exc: Exception) -> FabricError:
         """A landing that raised: restore the previous version where possible; the error."""
         what = f"{type(exc).__name__}: {exc}"
@@ -391,21 +403,44 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
                            "may be mixed: update it to a good version")
 
 
-@contextlib.contextmanager
-def named_errors() -> Iterator[None]:
-    """Re-raise a fabric error with its type's name leading its text.
+@dataclass
+class _Refused:
+    """An init or update info that could not be parsed; its error is raised later."""
 
-    vLLM hands a worker's error to the caller as ``Worker failed with error '<text>'``,
-    without its type; with the name in the text, the fabric's clients raise the same type
-    again (`clients.fabric_error`).
+    error: Exception
+
+
+def _first_failure(failure: Exception | None) -> Exception | None:
+    """The first failure among the engine's ranks (its type and text), or None.
+
+    Every rank calls this at the same point (a collective): ``failure`` is its own.
     """
-    try:
-        yield
-    except FabricError as exc:
-        prefix = f"{type(exc).__name__}: "
-        if str(exc).startswith(prefix):
-            raise
-        raise type(exc)(prefix + str(exc)) from exc
+    mine = _describe(failure)
+    first = next((w for w in _gather(mine) if w is not None), None)
+    if first is None:
+        return None
+    return failure if failure is not None and mine == first else _rebuild(first)
+
+
+def _one_rank_raises(exc: Exception) -> None:
+    """Raise ``exc`` on the engine's last rank, with its type's name leading its text.
+
+    vLLM's multiprocess executor reads its workers' replies in rank order and stops at
+    the first failure, leaving the later ranks' replies queued, where the next call
+    reads them as its own (a stale answer, then every call off by one). With only the
+    last rank failing, every reply is read. vLLM hands the error to the caller as
+    ``Worker failed with error '<text>'``, without its type: with the name in the text
+    the fabric's clients raise the same type again (`clients.fabric_error`).
+    """
+    group = _group()
+    if group is not None and group.rank_in_group != group.world_size - 1:
+        log.warning("update refused (%s); the engine's last rank reports it", _describe(exc))
+        return
+    text = _describe(exc) or ""
+    if isinstance(exc, FabricError) and str(exc).startswith(f"{type(exc).__name__}: "):
+        raise exc
+    named = type(exc)(text) if isinstance(exc, FabricError) else FabricError(text)
+    raise named from exc
 
 
 def _model_type(model_config: Any) -> str:
@@ -426,7 +461,7 @@ def _rebuild(text: str) -> FabricError:
 
 
 def _group() -> Any:
-    """vLLM's world group of this engine (its CPU process group), or None alone."""
+    """The world group of this vLLM engine (its CPU process group), or None alone."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
