@@ -171,6 +171,8 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
         self.landing: Landing | None = None
         self.landed: int | None = None
         """The fabric version the engine's parameters hold (None: its checkpoint's)."""
+        self.landed_from: tuple[str, str] | None = None
+        """The (hub, model) whose version `landed` is."""
         self.last: UpdateRecord | None = None
         self._store_key: object = None
 
@@ -259,6 +261,7 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
             return
         record.land_s = time.monotonic() - start
         self.landed, self.last = version, record
+        self.landed_from = (self.info.hub, self.info.model) if self.info else None
         log.info("%s: v%d landed (%s): fetched %d bytes in %.3f s, landed in %.3f s",
                  self.worker.name if self.worker else "?", version, record.mode,
                  record.bytes, record.fetch_s, record.land_s)
@@ -268,6 +271,8 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
             if init_info == self.info:
                 return  # the same trainer, again: nothing to do
             self.shutdown()
+        if self.landed_from != (init_info.hub, init_info.model):
+            self.landed = None  # version numbers of another model say nothing of these weights
         from vllm.distributed import parallel_state as ps
 
         tp_group, world = ps.get_tp_group(), ps.get_world_group()
