@@ -54,11 +54,11 @@ _LAZY = {
 }
 
 
-def connect(engine: Any, hub: str, model: str = "policy", **options: Any) -> None:
+def connect(llm: Any, hub: str, model: str = "policy", **options: Any) -> None:
     """Join every worker of a vLLM engine to the fabric (``init_weight_transfer_engine``).
 
     Args:
-        engine: an offline ``vllm.LLM`` started with the ``weightfabric`` backend, or a
+        llm: an offline ``vllm.LLM`` started with the ``weightfabric`` backend, or a
             client (`HTTPClient` for ``vllm serve``, `FanOut` for several).
         hub: the hub's URL.
         model: the published model's name.
@@ -68,10 +68,10 @@ def connect(engine: Any, hub: str, model: str = "policy", **options: Any) -> Non
     Raises:
         HubUnavailableError, AuthenticationError, BadRequestError, LayoutMismatchError.
     """
-    _client(engine).init_weight_transfer_engine({"hub": hub, "model": model, **options})
+    _client(llm).init_weight_transfer_engine({"hub": hub, "model": model, **options})
 
 
-def update(engine: Any, version: int | str = "latest") -> None:
+def update(llm: Any, version: int | str = "latest") -> None:
     """Switch a connected engine to ``version``: start, update, finish (`clients.switch`).
 
     Every worker fetches its shard of the version and lands it; on any error the engine
@@ -81,14 +81,12 @@ def update(engine: Any, version: int | str = "latest") -> None:
         BadRequestError: ``version`` is not an ``int > 0`` or ``"latest"``.
         UnknownVersionError, HubUnavailableError, LayoutMismatchError, FetchError.
     """
-    switch(_client(engine), version)
+    switch(_client(llm), version)
 
 
-def _client(engine: Any) -> Any:
-    if all(hasattr(engine, m) for m in ("start_weight_update", "update_weights")) \
-            and not hasattr(engine, "llm_engine"):
-        return engine
-    return LLMClient(engine)
+def _client(llm: Any) -> Any:
+    """``llm`` itself if it is a client, else an `LLMClient` of the offline engine."""
+    return llm if isinstance(llm, LLMClient | HTTPClient | FanOut) else LLMClient(llm)
 
 
 def __getattr__(name: str) -> object:

@@ -33,9 +33,12 @@ from vllm_helpers import (
 
 import weightfabric as wf
 
-# (family, tensor-parallel size, landing): both families at both sizes, both landings
+# (family, tensor-parallel size, landing): both families at both sizes, both landings, and
+# GPT-2, which has no ready-made layout (``auto`` lands it through vLLM's load_weights)
 ENGINES = [("llama", 1, "auto"), ("qwen2", 2, "auto"), ("qwen2", 1, "load_weights"),
-           ("llama", 2, "load_weights")]
+           ("llama", 2, "load_weights"), ("gpt2", 1, "auto")]
+MISFIT = {"llama": {"intermediate_size": 384}, "qwen2": {"intermediate_size": 384},
+          "gpt2": {"n_inner": 512}}  # another model's sizes
 
 
 class Rig:
@@ -91,7 +94,7 @@ def test_every_version_lands_bit_exact_as_vllms_own_loader(rig: Rig) -> None:
             assert not differing(ours, theirs), f"v{version}: {differing(ours, theirs)[:5]}"
             assert generate(rig.llm) == tokens
         modes = {r["choice"] for r in records}
-        if rig.load == "load_weights":
+        if rig.load == "load_weights" or rig.family == "gpt2":
             assert modes == {"load_weights"}
         elif all(rig.llm.collective_rpc(linears_unpacked)):
             assert modes == {"direct"}, records  # vLLM kept the weights as loaded: straight in
@@ -139,7 +142,7 @@ def test_refused_updates_raise_typed_errors_and_keep_the_old_tokens(rig: Rig) ->
             with pytest.raises(wf.UnknownVersionError):
                 wf.vllm.update(rig.llm, newer[0])
             # another model's weights (other sizes) under another name
-            other = hf_model(rig.family, seed=3, intermediate_size=384)
+            other = hf_model(rig.family, seed=3, **MISFIT[rig.family])
             side.model("other").publish(other, dtype=torch.bfloat16)
             wf.vllm.connect(rig.llm, rig.hub.url, "other", load=rig.load)
             with pytest.raises(wf.LayoutMismatchError):
