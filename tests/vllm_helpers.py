@@ -135,6 +135,14 @@ def record_of(worker: Any) -> dict[str, Any] | None:
                                         "worker": e.worker.name if e.worker else None}
 
 
+def params_in_fabric_memory(worker: Any) -> bool:
+    """True when every parameter is a view of the weightfabric store's active buffer."""
+    buffer = worker.weight_transfer_engine.store.store.pool.active.region.tensor
+    lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    return all(lo <= p.data_ptr() < hi
+               for p in worker.model_runner.get_model().parameters())
+
+
 def linears_unpacked(worker: Any) -> bool:
     """True when vLLM kept its linear layers' weights as loaded (no prepacked kernel)."""
     model = worker.model_runner.get_model()

@@ -62,6 +62,7 @@ from weightfabric.fabric.integrations.vllm.landing import (
     check_against_checkpoint,
     checkpoint_shapes,
     choose,
+    rank_specs,
 )
 from weightfabric.fabric.manifest import Manifest
 from weightfabric.fabric.relayout.derive import PublishedVersion
@@ -175,6 +176,7 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
         """The (hub, model) whose version `landed` is."""
         self.last: UpdateRecord | None = None
         self._store_key: object = None
+        self._attached: dict[str, torch.Tensor] | None = None  # in_place: the parameters
 
     # ------------------------------------------------------------------ phases
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
@@ -306,14 +308,21 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
             assert choice.layout is not None
             store = worker.layout_model(init_info.model, choice.layout, rank=choice.rank,
                                         device=self._store_device(), derive_wait=init_info.timeout)
-            if init_info.in_place:
-                store.attach(params)
+            if init_info.in_place:  # in the layout's order, as the store lays versions out
+                specs = rank_specs(choice.layout, choice.rank, self.model_config.dtype)
+                self._attached = {n: params[n] for n in specs}
+                store.attach(self._attached)
             self.store, self._store_key = store, "direct"
         log.info("%s joined %s for %r: lands versions %s (%s)", worker_name, init_info.hub,
                  init_info.model, choice.mode, choice.reason)
 
     def shutdown(self) -> None:
         """Leave the fabric (the engine keeps serving the weights it has)."""
+        if self._attached is not None:  # in_place: move the weights out of the fabric's memory
+            with torch.no_grad():
+                for param in self._attached.values():
+                    param.data = param.data.clone()
+            self._attached = None
         if self.worker is not None:
             self.worker.close()
         self.worker = self.store = self.landing = self.choice = self.info = None

@@ -24,6 +24,7 @@ from vllm_helpers import (
     generate,
     hf_model,
     linears_unpacked,
+    params_in_fabric_memory,
     params_of,
     record_of,
     save_bf16,
@@ -115,6 +116,23 @@ def test_each_rank_reads_only_its_shard_and_ranks_serve_each_other(rig: Rig) -> 
     if rig.tp > 1 and records[0]["choice"] == "load_weights":
         # both ranks hold the same published tensors: one reads the trainer, one its peer
         assert sum("trainer-0" in r["sources"] for r in records) == 1, records
+
+
+def test_in_place_parameters_live_in_the_fabrics_buffer_and_land_exact(rig: Rig) -> None:
+    if (rig.family, rig.tp, rig.load) != ("llama", 1, "auto"):
+        pytest.skip("in_place runs on the llama TP=1 engine")
+    if not all(rig.llm.collective_rpc(linears_unpacked)):
+        pytest.skip("this CPU's kernels prepack the weights: no direct landing here")
+    with hard_timeout(240):
+        for in_place in (True, False):  # and back: the weights move out of the fabric first
+            wf.vllm.connect(rig.llm, rig.hub.url, "policy", in_place=in_place)
+            train_step(rig.model, seed=30 + in_place)
+            rig.sender.send_weights()
+            assert all(rig.llm.collective_rpc(params_in_fabric_memory)) == in_place
+            ours, tokens = rig.llm.collective_rpc(params_of), generate(rig.llm)
+            theirs = vllm_own_load(rig.llm, save_bf16(rig.model, rig.tmp / f"ip{in_place}"))
+            assert not differing(ours, theirs)
+            assert generate(rig.llm) == tokens
 
 
 def test_a_version_already_landed_is_a_no_op(rig: Rig) -> None:
