@@ -102,6 +102,10 @@ class _Engine:
     def __init__(self, fail: Exception | None = None) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.fail = fail
+        self.init_info: dict[str, Any] | None = None
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.init_info = init_info
 
     def start_weight_update(self) -> None:
         self.calls.append(("start", None))
@@ -172,3 +176,41 @@ def test_importing_weightfabric_or_its_vllm_helpers_loads_no_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_sharded_trainer_ranks_publish_one_version_and_rank_0_drives_the_engines(hub):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from weightfabric.fabric.integrations.vllm.trainer_engine import WeightfabricTrainerEngine
+
+    engine = _Engine()
+    shards = [{"a.weight": torch.full((4, 4), float(r)), f"b{r}.weight": torch.ones(3)}
+              for r in range(2)]
+    senders = [WeightfabricTrainerEngine.trainer_init(
+        wf.vllm.TrainerInitInfo(hub=hub.url, model="sharded", rank=r, world_size=2),
+        client=engine, source=shards[r]) for r in range(2)]
+    try:
+        assert engine.init_info is not None and engine.init_info["model"] == "sharded"
+        assert engine.init_info["token"].startswith("wft1.")  # a read token, not the secret
+        with ThreadPoolExecutor(2) as pool:
+            for f in [pool.submit(s.send_weights) for s in senders]:
+                f.result(timeout=60)
+        version = senders[0].version
+        assert version == senders[1].version == 1
+        assert engine.calls == [("start", None), ("update", {"version": 1}), ("finish", "1")]
+        with wf.connect(hub.url) as client:
+            assert len(client.locate("sharded", version)["shards"]) == 2
+    finally:
+        for s in senders:
+            s.shutdown()
+
+
+def test_the_trainer_gives_the_engines_a_read_token_it_mints():
+    from weightfabric.fabric.integrations.vllm.trainer_engine import _engine_token
+
+    token = _engine_token(wf.vllm.TrainerInitInfo(hub="tcp://h:1", rank=0))
+    assert token is not None and token.startswith("wft1.")
+    assert _engine_token(wf.vllm.TrainerInitInfo(hub="tcp://h:1", rank=0, engine_token=None)) \
+        is None
+    with pytest.raises(wf.BadRequestError):
+        wf.vllm.TrainerInitInfo(hub="tcp://h:1", rank=2, world_size=2)
