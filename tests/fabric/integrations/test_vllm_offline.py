@@ -12,6 +12,8 @@ engine generating the old version's exact tokens.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +35,18 @@ from vllm_helpers import (
 )
 
 import weightfabric as wf
+from weightfabric.fabric.arena import remove_stale_regions
+
+# publishes one version of a model, prints its number, then waits to be killed
+HOLDER = """
+import sys, torch, weightfabric as wf
+from vllm_helpers import hf_model
+with wf.join(sys.argv[1], worker="doomed-holder") as worker:
+    version = worker.model("policy").publish(hf_model(sys.argv[2], seed=77),
+                                             dtype=torch.bfloat16)
+    print(version, flush=True)
+    sys.stdin.read()
+"""
 
 # (family, tensor-parallel size, landing): both families at both sizes, both landings, and
 # GPT-2, which has no ready-made layout (``auto`` lands it through vLLM's load_weights)
@@ -133,6 +147,28 @@ def test_in_place_parameters_live_in_the_fabrics_buffer_and_land_exact(rig: Rig)
             theirs = vllm_own_load(rig.llm, save_bf16(rig.model, rig.tmp / f"ip{in_place}"))
             assert not differing(ours, theirs)
             assert generate(rig.llm) == tokens
+
+
+def test_a_version_whose_only_holder_was_killed_fails_typed_and_keeps_the_old_tokens(
+        rig: Rig) -> None:
+    from paths import child_env
+
+    with hard_timeout(240):
+        rig.served()
+        before = generate(rig.llm)
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, rig.hub.url, rig.family],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env=child_env())
+        try:
+            assert holder.stdout is not None
+            version = int(holder.stdout.readline())
+        finally:
+            holder.kill()
+            holder.wait()
+            remove_stale_regions()
+        with pytest.raises((wf.FetchError, wf.NoSourceError)):
+            wf.vllm.update(rig.llm, version)   # the hub still lists it: no one can serve it
+        assert generate(rig.llm) == before
 
 
 def test_a_version_already_landed_is_a_no_op(rig: Rig) -> None:

@@ -214,3 +214,21 @@ def test_the_trainer_gives_the_engines_a_read_token_it_mints():
         is None
     with pytest.raises(wf.BadRequestError):
         wf.vllm.TrainerInitInfo(hub="tcp://h:1", rank=2, world_size=2)
+
+
+def test_a_module_source_is_published_as_its_module_so_dtensors_stay_shards():
+    from vllm.distributed.weight_transfer import ModuleSource
+
+    from weightfabric.fabric.integrations.vllm.trainer_engine import _publishable
+
+    module = torch.nn.Linear(4, 4)
+    assert _publishable(ModuleSource(module)) is module
+    assert _publishable(module) is module
+    state = {"w": torch.ones(2)}
+    assert _publishable(state) is state
+
+    class Pairs:
+        def __iter__(self):
+            yield "x", torch.zeros(3)
+
+    assert set(_publishable(Pairs())) == {"x"}
