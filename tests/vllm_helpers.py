@@ -75,6 +75,7 @@ def engine(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[Any]:
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
+    shm_before = set(mp_shm())
     saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if tp > 1:  # one core per worker (without it: "Not enough allowed NUMA nodes")
         cores = os.cpu_count() or 1
@@ -97,15 +98,35 @@ def engine(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[Any]:
             del llm
             gc.collect()
         kill_new_children(me, before)
+        for path in set(mp_shm()) - shm_before:  # the engine's queues, now unused
+            path.unlink(missing_ok=True)
+
+
+def mp_shm() -> list[Path]:
+    """Shared memory and semaphores of Python's multiprocessing (vLLM's message queues)."""
+    shm = Path("/dev/shm")
+    return [*shm.glob("psm_*"), *shm.glob("sem.mp-*")] if shm.is_dir() else []
 
 
 def kill_new_children(me: psutil.Process, before: set[int]) -> None:
-    """Kill the processes under ``me`` that were not there ``before``; wait for them."""
-    left = [p for p in me.children(recursive=True) if p.pid not in before]
+    """Kill the processes under ``me`` that were not there ``before``; wait for them.
+
+    Python's multiprocessing resource tracker is spared: it removes the shared memory
+    vLLM registered with it once its users are gone.
+    """
+    left = [p for p in me.children(recursive=True)
+            if p.pid not in before and not _is_resource_tracker(p)]
     for p in left:
         with contextlib.suppress(psutil.Error):
             p.kill()
     psutil.wait_procs(left, timeout=30)
+
+
+def _is_resource_tracker(p: psutil.Process) -> bool:
+    try:
+        return any("resource_tracker" in part for part in p.cmdline())
+    except psutil.Error:
+        return False
 
 
 def generate(llm: Any) -> list[tuple[list[int], list[float]]]:

