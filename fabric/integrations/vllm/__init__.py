@@ -32,6 +32,7 @@ from weightfabric.fabric.integrations.vllm.clients import (
     switch,
     typed_errors,
 )
+from weightfabric.fabric.integrations.vllm.plugin import BACKEND
 
 if TYPE_CHECKING:
     from weightfabric.fabric.integrations.vllm.trainer_engine import (
@@ -44,8 +45,6 @@ if TYPE_CHECKING:
         WeightfabricInitInfo,
     )
 
-BACKEND = "weightfabric"
-"""The backend's name in ``WeightTransferConfig(backend=...)``."""
 
 _LAZY = {
     "TrainerInitInfo": "trainer_engine", "WeightfabricTrainerEngine": "trainer_engine",

@@ -9,6 +9,7 @@ the user. The engine classes load lazily, when vLLM first builds one.
 from __future__ import annotations
 
 BACKEND = "weightfabric"
+"""The backend's name in ``WeightTransferConfig(backend=...)``."""
 _MODULE = "weightfabric.fabric.integrations.vllm"
 
 
