@@ -121,6 +121,9 @@ class FetchStats:
         delta_chunks: chunks that came as deltas (`fabric.deltas`).
         transports: transport name (``"shm"``, ``"tcp"``, ``"cuda_ipc"`` ...) -> bytes.
         failed_sources: workers given up on during this fetch.
+        leases: lease round trips this fetch took from its holders (a held lease covers
+            every read of one holder's region: at most one per holder unless it had to be
+            taken again after a failure).
     """
 
     version: int | None = None
@@ -135,6 +138,7 @@ class FetchStats:
     delta_chunks: int = 0
     transports: dict[str, int] = field(default_factory=dict)  # "shm", "cuda_ipc"... -> bytes
     failed_sources: list[str] = field(default_factory=list)
+    leases: int = 0
 
     @property
     def gbps(self) -> float:
@@ -149,7 +153,7 @@ class FetchStats:
                 "wire_bytes": self.wire_bytes, "wire": dict(self.wire),
                 "delta_chunks": self.delta_chunks,
                 "transports": dict(self.transports),
-                "failed_sources": list(self.failed_sources)}
+                "failed_sources": list(self.failed_sources), "leases": self.leases}
 
 
 def verify_rule(verify: bool | None) -> Callable[[Source], bool]:
