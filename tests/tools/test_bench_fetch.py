@@ -6,6 +6,8 @@ override the cross-datacenter benchmark relies on.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from weightfabric.fabric.transports import local_host_id
@@ -32,6 +34,16 @@ def test_bench_fetch_two_readers_is_bit_exact_and_reports_every_key():
     # the readers pipeline: the trainer serves each version at most twice
     assert 0 < result["trainer_egress_bytes"] <= 2 * result["bytes"]
     assert [v["version"] for v in result["versions"]] == [1, 2]
+    # per reader and version: the time beyond copying the bytes, and the leases taken
+    for v in result["versions"]:
+        assert len(v["per_reader_fixed_ms"]) == len(v["per_reader_leases"]) == 2
+        for ms, secs, leases in zip(v["per_reader_fixed_ms"], v["per_reader_seconds"],
+                                    v["per_reader_leases"], strict=True):
+            assert ms == pytest.approx(
+                (secs - v["bytes"] / (result["memcpy_gbps"] * 1e9)) * 1e3, rel=0.05)
+            assert isinstance(leases, int) and leases >= 0
+    assert result["per_reader_fixed_ms"] == result["versions"][-1]["per_reader_fixed_ms"]
+    assert "per_reader_leases" in json.loads(json.dumps(result))  # what --json prints
 
 
 def test_bench_fetch_verify_both_alternates_and_reports_the_cost():
@@ -39,6 +51,7 @@ def test_bench_fetch_verify_both_alternates_and_reports_the_cost():
                          baselines=False, verify="both")
     assert result["verified"] is True
     assert [v["verify"] for v in result["versions"]] == [True, False, True, False]
+    assert result["per_reader_fixed_ms"] == [None]  # no copy_ measured: no rate to take off
     assert result["verify_cost"] == pytest.approx(
         1 - result["verified_aggregate_gbps"] / result["unverified_aggregate_gbps"])
 
@@ -80,3 +93,10 @@ def test_host_id_override_makes_peers_on_one_machine_use_tcp(monkeypatch):
     assert local_host_id() == "dc-b"
     monkeypatch.delenv("WEIGHTFABRIC_HOST_ID")
     assert local_host_id() == machine
+
+
+def test_fixed_ms_is_the_wall_time_beyond_copying_the_bytes():
+    from weightfabric.tools.bench.fetch import fixed_ms
+
+    assert fixed_ms(0.5, 10**9, 4.0) == pytest.approx(250.0)
+    assert fixed_ms(0.5, 10**9, None) is None

@@ -16,10 +16,12 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
   ``cpu``; ``prepare_spare`` as `Worker.model`'s); with ``attach: N``, attach
   `bench_tensors(N, 0)` to it, as a rollout attaches its model; with ``keep_last``,
   set the model's retention.
-- ``{"op": "settle"}`` -> ``{}``: wait until the store's buffers prepared in the
-  background are populated (start-up done); memory peaks count from here.
+- ``{"op": "settle", "wait": bool}`` -> ``{}``: wait until the store's buffers prepared in
+  the background are populated (start-up done); memory peaks count from here.
+  ``"wait": false``: only count memory peaks from here (a cold start waits for nothing).
 - ``{"op": "publish", "size": N, "seed": S, "inplace": bool, "lr": L}`` -> ``{"version",
-  "bytes", "tensor_bytes", "changed_fraction", "start", "end"}`` (wall clock of the publish):
+  "bytes", "tensor_bytes", "changed_fraction", "start", "end"}`` (wall clock of the publish;
+  on a GPU both ends after a device synchronize):
   publish `bench_tensors(N, S)` (snapshot); each later publish first adds 1 to
   every byte, so versions differ without generating them again. With ``lr``, the
   tensors are `trained_tensors` instead, and each later publish is one step of
@@ -27,9 +29,10 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
   the tensors are attached (once) and published in place
   (``publish(snapshot=False)``); before changing them for the next version the
   previous one is retracted (not timed: a trainer does that when its readers are done).
-- ``{"op": "prepare", "size": N, "seed": S, "inplace": bool}`` -> ``{}``: what a trainer
-  does at start-up: make the tensors and attach them (``inplace``) or reserve the
-  buffer of their first snapshot (`ModelStore.reserve`).
+- ``{"op": "prepare", "size": N, "seed": S, "inplace": bool, "reserve": bool}`` -> ``{}``:
+  what a trainer does at start-up: make the tensors (on the store's device) and attach
+  them (``inplace``) or reserve the buffer of their first snapshot (`ModelStore.reserve`;
+  ``"reserve": false``: only make them, as a trainer that follows the README does).
 - ``{"op": "gloo", "rank", "world", "store", "size", "seed", "flat"}`` -> ``{"start",
   "end", "sha256", "bytes"}``: one ``torch.distributed`` gloo broadcast of `bench_tensors` from
   rank 0 (the process group is set up on the first call, the receivers' tensors
@@ -46,8 +49,17 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
 - ``{"op": "fetch", "version": V, "in_place": bool, "samples": bool}`` -> fetch stats plus
   ``start`` / ``end`` (wall clock); with ``samples``, ``samples``: ``[[time, chunks held],
   ...]`` at every chunk (wall clock). While it runs, ``{"progress": [done, total]}`` lines
-  come first.
+  come first. On a GPU, ``end`` is taken after a device synchronize.
+- ``{"op": "sync", "in_place": bool}`` -> the same as ``fetch``, through ``store.sync``:
+  wait for a version newer than the one held, fetch it and switch (a rollout's loop);
+  ``start`` is when the call began, before the wait.
 - ``{"op": "digest"}`` -> ``{"sha256": hex}`` of the active version's bytes.
+- ``{"op": "ipc_prepare", "size", "seed", "device", "trainer": bool}`` /
+  ``{"op": "ipc_export"}`` / ``{"op": "ipc_load", "handles"}`` / ``{"op": "ipc_digest"}``:
+  the ``ipc-per-tensor`` baseline on a GPU (`peers.IpcPeer`, vLLM's CUDA IPC weight
+  transfer): the trainer exports one handle per tensor of each version (``start``,
+  ``end``, ``handles``), a reader rebuilds them and copies into its own tensors
+  (``start``, ``end``).
 - ``{"op": "served"}`` -> ``{"bytes": N}`` this worker served (egress).
 - ``{"op": "cpu"}`` -> ``{"seconds": S}``: this process's CPU time so far (every
   thread, NIXL's and UCX's included).
@@ -79,7 +91,7 @@ from weightfabric.fabric.hub.ranking import topology_ranker
 from weightfabric.fabric.locality import Location, SourceCandidate, rank_by_locality
 
 if TYPE_CHECKING:
-    from weightfabric.tools.bench.peers import NixlPeer
+    from weightfabric.tools.bench.peers import IpcPeer, NixlPeer
 
 _print_lock = threading.Lock()
 
@@ -319,6 +331,12 @@ class Agent:
         self._published: int | None = None
         self._gloo: Gloo | None = None
         self._nixl: NixlPeer | None = None
+        self._ipc: IpcPeer | None = None
+
+    def _synchronize(self) -> None:
+        """Wait for this process's work on its GPU (nothing on CPU): times end after it."""
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """The answer to one command; raises if it fails (`main` reports the error)."""
@@ -336,6 +354,8 @@ class Agent:
             if op == "nixl_serve":
                 return self._nixl.serve(int(cmd["size"]), int(cmd.get("seed", 0)))
             return self._nixl.bump() if op == "nixl_bump" else self._nixl.read(cmd["served"])
+        if op in ("ipc_prepare", "ipc_export", "ipc_load", "ipc_digest"):
+            return self._ipc_op(op, cmd)
         if op == "memory":
             return _WATCH.report() if _WATCH is not None else {}
         if op == "cpu":
@@ -389,8 +409,10 @@ class Agent:
                         t.reshape(-1).view(torch.uint8).add_(1)
             tensors = self._tensors
             assert tensors is not None
+            self._synchronize()  # the new weights are ready (their bump done)
             start = time.time()
             version = self.store.publish(None if inplace else tensors, snapshot=not inplace)
+            self._synchronize()
             end = time.time()
             self._published = version
             assert self.store.layout is not None, "a publish sets the store's layout"
@@ -399,14 +421,16 @@ class Agent:
                     "changed_fraction": changed, "start": start, "end": end}
         if op == "prepare":
             self._prepare(int(cmd["size"]), int(cmd.get("seed", 0)),
-                          inplace=bool(cmd.get("inplace")), lr=cmd.get("lr"))
+                          inplace=bool(cmd.get("inplace")), lr=cmd.get("lr"),
+                          reserve=bool(cmd.get("reserve", True)))
             return {}
         if op == "settle":
-            self.store.wait_prepared(timeout=float(cmd.get("timeout", 300)))
+            if cmd.get("wait", True):
+                self.store.wait_prepared(timeout=float(cmd.get("timeout", 300)))
             if _WATCH is not None:
                 _WATCH.reset()
             return {}
-        if op == "fetch":
+        if op in ("fetch", "sync"):
             last = [0.0]
             samples: list[tuple[float, int]] = []
 
@@ -418,10 +442,17 @@ class Agent:
                     last[0] = now
                     emit({"progress": [done, total]})
 
+            options = FetchOptions(**cmd.get("options", {}))
             start = time.time()
-            stats = self.store.fetch(cmd.get("version", "latest"), verify=cmd.get("verify"),
-                                     options=FetchOptions(**cmd.get("options", {})),
-                                     on_chunk=on_chunk, in_place=bool(cmd.get("in_place")))
+            if op == "sync":
+                stats = self.store.sync(timeout=float(cmd.get("timeout", 600)),
+                                        verify=cmd.get("verify"), options=options,
+                                        on_chunk=on_chunk, in_place=bool(cmd.get("in_place")))
+            else:
+                stats = self.store.fetch(cmd.get("version", "latest"), verify=cmd.get("verify"),
+                                         options=options, on_chunk=on_chunk,
+                                         in_place=bool(cmd.get("in_place")))
+            self._synchronize()
             end = time.time()
             return {**stats.to_dict(), "start": start, "end": end,
                     **({"samples": samples} if cmd.get("samples") else {})}
@@ -431,10 +462,28 @@ class Agent:
             return {"bytes": self.worker.bytes_served}
         raise ValueError(f"unknown op {op!r}")
 
-    def _prepare(self, size: int, seed: int, *, inplace: bool, lr: float | None = None) -> None:
+    def _ipc_op(self, op: str, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The ``ipc-per-tensor`` baseline's commands (`peers.IpcPeer`)."""
+        from weightfabric.tools.bench.peers import IpcPeer
+
+        if op == "ipc_prepare":
+            self._ipc = IpcPeer(int(cmd["size"]), int(cmd.get("seed", 0)), cmd["device"],
+                                trainer=bool(cmd.get("trainer")))
+            return {}
+        assert self._ipc is not None, "ipc_prepare first"
+        if op == "ipc_export":
+            return self._ipc.export()
+        if op == "ipc_load":
+            return self._ipc.load(cmd["handles"])
+        return {"sha256": digest(self._ipc.tensors)}
+
+    def _prepare(self, size: int, seed: int, *, inplace: bool, lr: float | None = None,
+                 reserve: bool = True) -> None:
         """Make the trainer's tensors; attach them (``inplace``) or reserve their buffer.
 
-        With ``lr``, `trained_tensors` that `TrainingSteps` change from version to version.
+        With ``lr``, `trained_tensors` that `TrainingSteps` change from version to version;
+        without ``reserve`` a snapshot publisher only makes them (its first publish then
+        allocates the buffer, as a trainer that never called `ModelStore.reserve` does).
         """
         assert self.store is not None
         tensors = trained_tensors(size, seed) if lr is not None else bench_tensors(size, seed)
@@ -444,8 +493,9 @@ class Agent:
             self._training = TrainingSteps(self._tensors, float(lr), seed)
         if inplace:
             self.store.attach(self._tensors)
-        else:
+        elif reserve:
             self.store.reserve(self._tensors)
+        self._synchronize()
 
     def close(self) -> None:
         """Close the agent's worker, hub and process group."""

@@ -23,6 +23,14 @@ Gloo: readers x bytes / slowest reader's time, from tensors ready on rank 0.
 and reports each one's median fetch phase and ``verify_cost`` (1 - verified /
 unverified GB/s): what checking every same-host read costs.
 
+Per reader and version (``per_reader_fixed_ms``, ``per_reader_leases``, in ``versions``;
+the last version's at the top level): ``fixed_ms``, the reader's fetch wall time less
+what moving its bytes costs at the same run's ``copy_`` rate on the same device
+(``memcpy_gbps``: wall - bytes / rate; the cost that does not scale with the bytes:
+hub round trips, leases, waits, checksums; null with ``--no-baselines``, which skips
+the ``copy_``), and ``leases``, the lease round trips its fetch took
+(`FetchStats.leases`).
+
 ``--distinct-hosts`` gives every process its own ``WEIGHTFABRIC_HOST_ID``, so every
 read crosses "hosts": over TCP, or NIXL where both sides run an agent.
 ``--transport nixl,nixl-tcp,tcp`` runs the whole benchmark once per transport on
@@ -202,7 +210,8 @@ def bench_fetch(*, readers: int, size: int, chunk_size: int, max_inflight: int =
             on_phase(f"v{i + 1}: verify", None)
             want = trainer.ask("digest", timeout=300)["sha256"]
             digests = [r.ask("digest", timeout=300)["sha256"] for r in reader_agents]
-            rounds.append({**_round(pub, fetched, egress, all(d == want for d in digests)),
+            rounds.append({**_round(pub, fetched, egress, all(d == want for d in digests),
+                                    copy_gbps=result.get("memcpy_gbps")),
                            "verify": checks, "cpu_s_per_gb": cpu / (readers * pub["bytes"] / 1e9),
                            "transports": [f["transports"] for f in fetched]})
     finally:
@@ -308,9 +317,19 @@ def _verify_cost(warm: list[dict[str, Any]]) -> dict[str, float]:
             "verify_cost": 1 - verified / unverified}
 
 
+def fixed_ms(wall_s: float, nbytes: int, copy_gbps: float | None) -> float | None:
+    """Milliseconds of ``wall_s`` beyond copying ``nbytes`` at ``copy_gbps`` (None: no rate)."""
+    if copy_gbps is None or copy_gbps <= 0:
+        return None
+    return (wall_s - nbytes / (copy_gbps * 1e9)) * 1e3
+
+
 def _round(pub: dict[str, Any], fetched: list[dict[str, Any]], egress: int,
-           verified: bool) -> dict[str, Any]:
-    """The figures of one version: every reader's fetch, the trainer's egress."""
+           verified: bool, *, copy_gbps: float | None = None) -> dict[str, Any]:
+    """The figures of one version: every reader's fetch, the trainer's egress.
+
+    ``copy_gbps``: the run's ``copy_`` rate on the device, for each reader's `fixed_ms`.
+    """
     model_bytes = int(pub["bytes"])
     span = max(f["end"] for f in fetched) - min(f["start"] for f in fetched)
     from_publish = max(f["end"] for f in fetched) - pub["start"]
@@ -325,6 +344,9 @@ def _round(pub: dict[str, Any], fetched: list[dict[str, Any]], egress: int,
         "per_reader_seconds": [f["end"] - f["start"] for f in fetched],
         "per_reader_engine_seconds": [f["seconds"] for f in fetched],
         "per_reader_sources": [f["sources"] for f in fetched],
+        "per_reader_fixed_ms": [fixed_ms(f["end"] - f["start"], int(f["bytes"]), copy_gbps)
+                                for f in fetched],
+        "per_reader_leases": [int(f.get("leases", 0)) for f in fetched],
         "aggregate_gbps": len(fetched) * model_bytes / span / 1e9,
         "seconds": span,
         "trainer_egress_bytes": egress,
@@ -396,6 +418,11 @@ def _table(r: dict[str, Any], console: Console) -> None:
     for i, (gbps, src) in enumerate(zip(r["per_reader_gbps"], r["per_reader_sources"], strict=True)):
         origin = ", ".join(f"{w} {b / r['bytes']:.0%}" for w, b in sorted(src.items()))
         table.add_row(f"  reader-{i} GB/s", f"{gbps:.2f}  ({origin})")
+    for i in range(r["readers"]):
+        table.add_row(f"  reader-{i} fixed ms / leases, per version",
+                      ", ".join(f"v{v['version']} " + ("-" if v["per_reader_fixed_ms"][i] is None
+                                                       else f"{v['per_reader_fixed_ms'][i]:.1f}")
+                                + f" / {v['per_reader_leases'][i]}" for v in r["versions"]))
     table.add_row("trainer egress", f"{r['trainer_egress_bytes'] / 1e9:.3f} GB "
                                     f"({r['trainer_egress_per_model']:.2f} x model)")
     table.add_row("bit-exact on every reader", "yes" if r["verified"] else "[red]NO[/red]")

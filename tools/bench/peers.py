@@ -1,4 +1,4 @@
-"""Peers `fabric bench e2e` compares with when their packages are installed: Ray, NIXL.
+"""Peers `fabric bench e2e` compares with: Ray and NIXL where installed, CUDA IPC on a GPU.
 
 Each is driven like the fabric: a trainer process makes the next version of
 `agent.bench_tensors` (adding 1 to every byte), readers take it; the time runs from
@@ -13,6 +13,15 @@ and every reader's sha256 is compared with the trainer's (untimed).
 - ``nixl-read`` (`NixlPeer`, run in `agent` processes): readers READ the trainer's
   registered tensors with NIXL over UCX, nothing packed or checked: the floor of a
   one-sided engine.
+- ``ipc-per-tensor`` (`IpcPeer`, in `agent` processes, ``--device cuda``): vLLM's CUDA IPC
+  weight transfer (``vllm.distributed.weight_transfer.ipc_engine``, unpacked): per
+  version the trainer exports one IPC handle per tensor
+  (``torch.multiprocessing.reductions.reduce_tensor``) and sends them, pickled, to every
+  reader; a reader rebuilds each tensor (``rebuild_cuda_tensor``) and ``copy_``s it into
+  its own, as ``load_weights`` does, then synchronizes and acknowledges. The rebuilt
+  tensors are dropped after the copy, as vLLM's are after ``load_weights`` (torch keeps
+  a mapping only while a tensor over it lives, so a later version may map the
+  allocations again). Nothing in the transfer checks the bytes.
 """
 
 from __future__ import annotations
@@ -83,8 +92,11 @@ class RayReader:
 
 
 def ray_e2e(readers: int, size: int, versions: int, *, zero_copy: bool,
-            seed: int) -> dict[str, Any]:
-    """Seconds per version of the Ray system, its bytes and whether every reader matched."""
+            seed: int, step_s: float = 0.0) -> dict[str, Any]:
+    """Seconds per version of the Ray system, its bytes and whether every reader matched.
+
+    ``step_s``: seconds slept between versions (an RL step's work), untimed.
+    """
     import ray
 
     ray.init(num_cpus=readers + 1, include_dashboard=False, log_to_driver=False,
@@ -95,7 +107,9 @@ def ray_e2e(readers: int, size: int, versions: int, *, zero_copy: bool,
         reader_actors: list[Any] = [ray.remote(RayReader).remote(layout) for _ in range(readers)]
         ray.get([r.ready.remote() for r in reader_actors])
         seconds, verified, nbytes = [], True, size
-        for _ in range(versions):
+        for v in range(versions):
+            if v:
+                time.sleep(step_s)
             refs, start, want, nbytes = ray.get(trainer.put.remote(zero_copy))
             done = ray.get([r.get.remote(refs, zero_copy) for r in reader_actors])
             seconds.append(max(end for end, _ in done) - start)
@@ -170,3 +184,62 @@ class NixlPeer:
 
     def _views(self) -> list[torch.Tensor]:
         return [t.reshape(-1).view(torch.uint8) for t in self.tensors.values()]
+
+
+class IpcPeer:
+    """One process of the ``ipc-per-tensor`` baseline: vLLM's CUDA IPC weight transfer.
+
+    The trainer holds `agent.bench_tensors` on its GPU, one allocation per tensor as a
+    model's parameters; a reader holds tensors of the same shapes on its own GPU (its
+    engine's weights). Each reader opens the handles on the GPU the trainer's memory is
+    on (the same index in every process: they share ``CUDA_VISIBLE_DEVICES``), so with
+    readers on other GPUs the ``copy_`` crosses GPUs (vLLM colocates them instead).
+    """
+
+    def __init__(self, size: int, seed: int, device: str, *, trainer: bool) -> None:
+        self.device = torch.device(device)
+        source = bench_tensors(size, seed)
+        self.tensors = ({n: t.to(self.device) for n, t in source.items()} if trainer else
+                        {n: torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                         for n, t in source.items()})
+        self.calls = 0
+        torch.cuda.synchronize(self.device)
+
+    def export(self) -> dict[str, Any]:
+        """Trainer: the next version (untimed), then its handles (timed: ``start``, ``end``).
+
+        Returns ``start``, ``end``, ``bytes`` and ``handles``: base64 of the pickled
+        ``{name: reduce_tensor args}``, as vLLM's HTTP transport sends them.
+        """
+        import base64
+        import pickle
+
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        if self.calls:
+            torch.cuda.ipc_collect()  # what vLLM's trainer does after each send
+            for t in self.tensors.values():
+                t.reshape(-1).view(torch.uint8).add_(1)
+        self.calls += 1
+        torch.cuda.synchronize(self.device)
+        start = time.time()
+        handles = {n: reduce_tensor(t.detach())[1] for n, t in self.tensors.items()}
+        blob = base64.b64encode(pickle.dumps(handles)).decode()
+        end = time.time()
+        return {"start": start, "end": end, "handles": blob,
+                "bytes": sum(t.numel() * t.element_size() for t in self.tensors.values())}
+
+    def load(self, blob: str) -> dict[str, Any]:
+        """Reader: rebuild each tensor and copy it into this process's own (``start``, ``end``)."""
+        import base64
+        import pickle
+
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        start = time.time()
+        handles = pickle.loads(base64.b64decode(blob))  # noqa: S301 (our own trainer's)
+        for name, args in handles.items():
+            self.tensors[name].copy_(rebuild_cuda_tensor(*args))
+        torch.cuda.synchronize(self.device)
+        end = time.time()
+        return {"start": start, "end": end}

@@ -13,6 +13,9 @@
 #   bash tools/gpu/session.sh tune        # under 3 minutes: kernel launch settings, then the bench
 #   bash tools/gpu/session.sh delta       # under 4 minutes: delta kernels and a delta fetch on the
 #                                     # GPU, the delta codec bench, every GPU test, sm_90 build
+#   bash tools/gpu/session.sh e2e         # under 9 minutes: GPU tests, kernels, a fetch, then time
+#                                     # to version end to end on the GPU (fabric vs vLLM's CUDA
+#                                     # IPC per tensor vs a device copy_), 1 and 4 readers
 #                                     # (a task is lent 15 device minutes in all, starts included)
 #
 # Wheels from tools/gpu/fetch_wheels.sh are installed from .whl/ when present. Each
@@ -189,6 +192,20 @@ delta() {  # deltas on the GPU: the step limits add up to 230 s
         --timeout=60 tests/fabric/gpu
 }
 
+e2e() {  # time to version at HBM speed: the step limits add up to 475 s (525 s with each
+         # step's 10 s of kill grace); logs come back as $OUT/logs.tgz
+    packed
+    step gpu-tests 110 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
+        --timeout=60 tests/fabric/gpu
+    step kernels-cuda 45 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json --repeat 3
+    step fetch-cuda 60 "${FABRIC[@]}" bench fetch --device cuda --readers 1 --size 2GB \
+        --chunk-size 64MiB --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
+    step e2e-cuda-1-reader 110 "${FABRIC[@]}" bench e2e --device cuda --readers 1 --size 2GB \
+        --json
+    step e2e-cuda-4-readers 150 "${FABRIC[@]}" bench e2e --device cuda --readers 4 --size 2GB \
+        --json
+}
+
 mps_off  # none left over from an earlier call that was cut off
 case "$phase" in
     check) check ;;
@@ -201,7 +218,8 @@ case "$phase" in
     recheck) recheck ;;
     tune) tune ;;
     delta) delta ;;
-    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all|quick|quickbench|recheck|tune|delta"; exit 2 ;;
+    e2e) e2e ;;
+    *) echo "usage: bash tools/gpu/session.sh check|tests|bench|bench2|all|quick|quickbench|recheck|tune|delta|e2e"; exit 2 ;;
 esac
 echo "== summary (logs in $OUT)"
 printf '%s\n' "${summary[@]}"
