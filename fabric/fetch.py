@@ -54,6 +54,7 @@ from weightfabric.fabric.deltas import DeltaBase, delta_mode
 from weightfabric.fabric.errors import FabricError, FetchError, NoBaseError, TransportError
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports import ReadAbort, SourceAddress, Transport, local_host_id
+from weightfabric.fabric.transports.held import HeldLease
 from weightfabric.kernels.delta import DeltaFormatError, decode_delta
 
 log = logging.getLogger(__name__)
@@ -358,6 +359,12 @@ class _FetchRun:
         # hold up the loop that starts the next reads.
         self.reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wf-report")
         self.reporting: Future[None] | None = None
+        # One held lease per source whose transport holds (`fabric.transports.held`): taken
+        # by the first read from it, shared by the rest, ended when the fetch ends.
+        self.held: dict[Source, HeldLease] = {}
+        self.holding: dict[Source, threading.Lock] = {}  # one lease taken at a time per source
+        self.retired: list[HeldLease] = []  # failed leases, closed with the rest at the end
+        self.held_lock = threading.Lock()  # `held`, `holding` and `stats.leases`
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -572,6 +579,7 @@ class _FetchRun:
         let the pool go.
         """
         self.revoke(list(self.inflight))
+        self.end_leases()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.reporter.shutdown(wait=False)
 
@@ -613,9 +621,8 @@ class _FetchRun:
                     checking = checkable  # decoded over our own base: checked, verify or not
                 else:
                     started = time.monotonic()
-                    got = wire = transport.read(
-                        source.address, source.region, lo, self.dest[lo:hi], timeout=timeout,
-                        prefix=True, abort=claim.abort, **({} if copy is None else {"copy": copy}))
+                    got = wire = self.read_bytes(transport, source, lo, self.dest[lo:hi],
+                                                 timeout, claim.abort, copy)
                     if self.delta is not None:
                         self.delta.policy.observe(source.address, delivered=got, wire=got,
                                                   seconds=time.monotonic() - started)
@@ -636,6 +643,59 @@ class _FetchRun:
         return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):],
                      sums=tuple(sums[:len(done)]) if self.deferred is not None else (),
                      wire=wire, delta=as_delta is not None)
+
+    def read_bytes(self, transport: Transport, source: Source, offset: int, out: torch.Tensor,
+                   timeout: float, abort: ReadAbort,
+                   copy: Callable[[torch.Tensor, torch.Tensor], None] | None) -> int:
+        """Read the present run at `offset` from `source` into `out`; the bytes read.
+
+        Under the fetch's held lease on the source when its transport holds one (no round
+        trip per read), else with one `Transport.read` (the leases it takes are counted).
+        """
+        extra = {} if copy is None else {"copy": copy}
+        if getattr(transport, "hold", None) is None:
+            got = transport.read(source.address, source.region, offset, out, timeout=timeout,
+                                 prefix=True, abort=abort, **extra)
+            with self.held_lock:
+                self.stats.leases += getattr(transport, "leases_per_read", 0)
+            return got
+        lease = self.held_lease(transport, source, timeout, abort)
+        return lease.read(offset, out, timeout=timeout, prefix=True, abort=abort, copy=copy)
+
+    def held_lease(self, transport: Transport, source: Source, timeout: float,
+                   abort: ReadAbort) -> HeldLease:
+        """The fetch's held lease on `source`, taken now if it has none that holds."""
+        with self.held_lock:
+            turn = self.holding.setdefault(source, threading.Lock())
+        with turn:
+            with self.held_lock:
+                lease = self.held.get(source)
+            if lease is not None and not lease.failed:
+                return lease
+            new: HeldLease = transport.hold(  # type: ignore[attr-defined]
+                source.address, source.region, self.dest.numel(), timeout=timeout, abort=abort)
+            with self.held_lock:
+                self.held[source] = new
+                self.stats.leases += 1
+                if lease is not None:  # other reads may still be copying under it
+                    self.retired.append(lease)
+        return new
+
+    def end_leases(self) -> None:
+        """End every held lease (once no read is in flight: `close`)."""
+        with self.held_lock:
+            leases = [*self.held.values(), *self.retired]
+            self.held.clear()
+            self.retired.clear()
+        for lease in leases:
+            lease.close()
+
+    def fail_leases(self, worker: str, why: str) -> None:
+        """End the held leases on `worker`'s sources here: their reads fail from now on."""
+        with self.held_lock:
+            leases = [lease for s, lease in self.held.items() if s.worker == worker]
+        for lease in leases:
+            lease.fail(why)
 
     def delta_read(self, transport: Transport, span: tuple[int, ...], source: Source,
                    timeout: float, abort: ReadAbort) -> tuple[int, int] | None:
@@ -708,6 +768,7 @@ class _FetchRun:
         if worker not in self.failed:
             self.failed[worker] = why
             self.stats.failed_sources.append(worker)
+            self.fail_leases(worker, why)
             log.warning("source %s failed (%s); re-planning its chunks", worker, why)
 
     def chunk_bytes(self, chunk: int) -> torch.Tensor:

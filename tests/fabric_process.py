@@ -154,11 +154,25 @@ def slow_reads(worker: wf.Worker, delay: float) -> None:
 
         class Slow:
             name = transport.name
+            leases_per_read = getattr(transport, "leases_per_read", 0)
 
             def read(self, *args, **kwargs):
                 time.sleep(delay)
                 return read(*args, **kwargs)
 
+        if hasattr(transport, "hold"):  # and every read under a held lease
+            def hold(self, *args, **kwargs):
+                lease = transport.hold(*args, **kwargs)
+                read_held = lease.read
+
+                def slow_read(*args, **kwargs):
+                    time.sleep(delay)
+                    return read_held(*args, **kwargs)
+
+                lease.read = slow_read
+                return lease
+
+            Slow.hold = hold  # type: ignore[attr-defined]
         return Slow()
 
     worker.transports.transport_for = slow  # type: ignore[method-assign]

@@ -151,6 +151,10 @@ class Transport(ABC):
     fuses_copy: bool = False
     """Whether `read` takes ``copy=``: a function that does its one copy into `out`
     (e.g. one that checksums the bytes as they pass, `kernels.copy_with_checksums`)."""
+    leases_per_read: int = 0
+    """Lease round trips one `read` takes from the holder (``LEASE``: 1; a plain request
+    that carries the bytes: 0). Transports with a ``hold`` method (`fabric.transports.held`)
+    take one lease per holder and fetch instead, when the fetch engine uses it."""
 
     @abstractmethod
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,

@@ -96,6 +96,8 @@ MAX_MESSAGE = 64 << 10       # an error status's message
 MAX_PAYLOAD = {
     Op.DESCRIBE: 1 << 20,    # msgpack map (the ``gpu`` descriptor is its largest part)
     Op.LEASE: 1 << 20,       # msgpack map
+    Op.HOLD: 1 << 20,        # msgpack map
+    Op.WAIT: 1 << 10,        # msgpack map
     Op.BITMAP: 64 << 20,     # one byte per chunk: 64 Mi chunks
 }
 
@@ -163,6 +165,16 @@ class ConnectionPool:
             self._idle.clear()
         for conn in conns:
             conn.close()
+
+
+def connect(source: SourceAddress, abort: ReadAbort | None = None) -> socket.socket:
+    """A new connection to `source` (TLS if it serves TLS), watched by `abort` if given.
+
+    Raises:
+        SourceLostError: unreachable, the TLS handshake failed, or `abort` was aborted.
+        TransportError: the holder needs TLS and this process has no TLS identity.
+    """
+    return _connect((source.host, source.port), abort, tls=source.tls)
 
 
 def _connect(key: tuple[str, int], abort: ReadAbort | None, *, tls: bool = False
@@ -450,6 +462,61 @@ def under_lease(conn: socket.socket, source: SourceAddress, region: str, *, offs
             request(conn, source, Op.END, region, timeout=timeout)
         raise
     request(conn, source, Op.END, region, timeout=timeout)
+
+
+_HOLD_FIELDS: _FieldTypes = {**_LEASE_FIELDS, "complete": bool, "hold": (int, float)}
+
+
+@dataclass(frozen=True)
+class HoldGrant(Lease):
+    """A ``HOLD``'s answer: a `Lease` of a whole span, present or not.
+
+    ``complete``: every chunk of the region was present when it was granted (reads
+    need no ``WAIT``); ``hold``: seconds the holder keeps it without a request.
+    """
+
+    complete: bool = False
+    hold: float = 0.0
+
+
+def hold(conn: socket.socket, source: SourceAddress, region: str, *, offset: int, nbytes: int,
+         timeout: float) -> HoldGrant:
+    """HOLD: lease ``[offset, offset + nbytes)`` of `region` for a whole fetch (`Op.HOLD`).
+
+    Raises:
+        ValueError, SourceLostError, ReadRefusedError: as `request`.
+        TransportError: the reply is malformed or grants another span.
+    """
+    n = request(conn, source, Op.HOLD, region, offset=offset, nbytes=nbytes, timeout=timeout)
+    where = _receive_map(conn, source, Op.HOLD, region, n, _HOLD_FIELDS)
+    if where["nbytes"] != nbytes or not 0 < where["hold"] <= MAX_TIMEOUT:
+        raise TransportError(f"{_about(source, Op.HOLD, region)}: granted {where['nbytes']} "
+                             f"bytes for {where['hold']} s, asked for {nbytes}")
+    return HoldGrant(shm_path=where["shm_path"] or None, gpu=where["gpu"], nbytes=nbytes,
+                     nixl=where["nixl"], complete=where["complete"], hold=float(where["hold"]))
+
+
+def wait_present(conn: socket.socket, source: SourceAddress, region: str, *, offset: int,
+                 nbytes: int, timeout: float, prefix: bool) -> int:
+    """WAIT under a HOLD: the bytes present from `offset` once there (see `lease`'s prefix).
+
+    Raises:
+        as `request`; TransportError: a grant that is empty or longer than asked for.
+    """
+    n = request(conn, source, Op.WAIT, region, offset=offset, nbytes=nbytes, timeout=timeout,
+                prefix=prefix)
+    got = _receive_map(conn, source, Op.WAIT, region, n, {"nbytes": int})["nbytes"]
+    return check_grant(got, nbytes, prefix)
+
+
+def end(conn: socket.socket, source: SourceAddress, region: str, *, copied: int = 0,
+        timeout: float) -> None:
+    """END the connection's lease; ``copied``: the bytes copied under a HOLD.
+
+    Raises:
+        SourceLostError: the lease was not held to the end (no acknowledgement).
+    """
+    request(conn, source, Op.END, region, nbytes=copied, timeout=timeout)
 
 
 def pin(source: SourceAddress, region: str, *, timeout: float) -> socket.socket:

@@ -19,7 +19,7 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -29,7 +29,7 @@ import torch
 
 from weightfabric.fabric.errors import ReadRefusedError, SourceLostError
 from weightfabric.fabric.gpu.probe import normalise_uuid
-from weightfabric.fabric.transports import client
+from weightfabric.fabric.transports import client, held
 from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
 from weightfabric.fabric.transports.pinned import PinnedMappings
 
@@ -268,6 +268,7 @@ class CudaIpcTransport(client.ServerTransport):
     """
 
     name = "cuda_ipc"
+    leases_per_read = 1
 
     def __init__(self) -> None:
         super().__init__()
@@ -322,13 +323,41 @@ class CudaIpcTransport(client.ServerTransport):
             raise ValueError("read into a contiguous uint8 tensor")
         with self.leased(source, region, offset, out.numel(), timeout=timeout,
                          prefix=prefix, abort=abort) as src:
-            stream = self._stream(out.device if out.device.type == "cuda" else src.device)
-            if out.device.type == "cuda":
-                stream.wait_stream(torch.cuda.current_stream(out.device))  # out may be in use
-            with torch.cuda.stream(stream):
-                out[:src.numel()].copy_(src, non_blocking=True)
-            stream.synchronize()
+            self._copy(out[:src.numel()], src)
             return src.numel()
+
+    def hold(self, source: SourceAddress, region: str, nbytes: int, *, timeout: float,
+             abort: ReadAbort | None = None) -> held.HeldLease:
+        """One lease on ``[0, nbytes)`` of the holder's GPU region for many reads.
+
+        The allocation is mapped (or found mapped: mappings stay open across versions
+        while the holder keeps the buffer) once for the lease; its reads copy on this
+        transport's stream with no round trip to the holder (`HeldLease`).
+
+        Raises:
+            as `read`.
+        """
+        def reach(grant: client.HoldGrant, stack: ExitStack) -> held.SourceBytes:
+            try:
+                h = IpcHandle.from_dict(grant.gpu or {})
+            except ValueError as exc:
+                raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} is "
+                                       f"not exported over CUDA IPC: {exc}") from None
+            mapped = stack.enter_context(self._mappings.use(h.handle, source, region,
+                                                            lambda: _map(h), timeout=timeout))
+            return lambda lo, hi: view(mapped, h.offset + lo, hi - lo)
+
+        return held.take(source, region, nbytes, timeout=timeout, abort=abort,
+                         source_bytes=reach, copy=self._copy)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` on this transport's stream, after ``dst``'s users; waits for it."""
+        stream = self._stream(dst.device if dst.device.type == "cuda" else src.device)
+        if dst.device.type == "cuda":
+            stream.wait_stream(torch.cuda.current_stream(dst.device))  # dst may be in use
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        stream.synchronize()
 
     def close(self) -> None:
         """Close the connections and unmap every mapping."""

@@ -344,6 +344,7 @@ class NixlTransport(client.ServerTransport):
     """Reads a remote holder's region with a NIXL READ under a lease of its read server."""
 
     name = "nixl"
+    leases_per_read = 1
 
     def __init__(self, engine: NixlEngine) -> None:
         super().__init__()

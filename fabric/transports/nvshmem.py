@@ -50,6 +50,7 @@ class NvshmemTransport(client.ServerTransport):
     """
 
     name = "nvshmem"
+    leases_per_read = 1
 
     def __init__(self, runtime: NvshmemRuntime) -> None:
         self.runtime = runtime

@@ -64,8 +64,9 @@ IDLE_TIMEOUT = 120.0
 """Seconds a connection may wait between requests before the server closes it
 (readers' pools drop connections idle far sooner, `client.POOL_IDLE_S`)."""
 LEASE_HOLD = 30.0
-"""Seconds a reader may hold a lease before sending END; then the connection is cut
-and the lease ends (the reader's END then fails, so it discards what it copied)."""
+"""Seconds a reader may hold a lease before sending END (a HOLD: without sending any
+request); then the connection is cut and the lease ends (the reader's END then fails,
+so it discards what it copied)."""
 MAX_CONNECTIONS = 4096
 """Connections served at once. A new one past that closes the connection idle longest
 (waiting for a request for `MIN_IDLE_TO_CLOSE` s or more, no lease held); with none
@@ -78,6 +79,7 @@ SEND_GRACE, MIN_SEND_RATE = 30.0, MIN_RATE  # the reader cuts first (client.MIN_
 (bytes/s), else the connection is cut: a reader that stops reading cannot keep a
 region in flight."""
 ACCEPT_RETRY_S = 0.05  # after a failed accept (out of file descriptors, say)
+_LEASES = (Op.LEASE, Op.HOLD)
 MAX_LEASES_PER_READER = 64
 """Leases one reader (as its capabilities name it) may hold here at once; a connection
 holds one at most."""
@@ -395,6 +397,7 @@ class ReadServer:
 
     def _serve(self, conn: socket.socket) -> None:
         lease: Exposure | None = None
+        held: tuple[int, int] | None = None  # the span of a HOLD's lease, else None
         reader = ""  # who holds ``lease``
         try:
             if isinstance(conn, ssl.SSLSocket):
@@ -426,13 +429,23 @@ class ReadServer:
                     if lease is None:
                         self._reply(conn, Status.BAD_REQUEST, "END without a lease")
                         return
+                    if held is not None:  # the bytes the reader copied under it
+                        self._count(min(nbytes, held[1] - held[0]))
                     self._end_lease(lease, reader)
-                    lease = None
+                    lease, held = None, None
                     self._reply(conn, Status.OK)  # the lease held until now
+                    continue
+                if op == Op.WAIT:
+                    if lease is None or held is None or name != lease.name:
+                        self._reply(conn, Status.BAD_REQUEST, "WAIT outside a HOLD of "
+                                    f"region {name!r} on this connection")
+                        return
+                    self._wait_held(conn, lease, held, offset, nbytes, timeout,
+                                    prefix=bool(flags & Flag.PREFIX))
                     continue
                 if lease is not None:  # a reader that moved on without END
                     self._end_lease(lease, reader)
-                    lease = None
+                    lease, held = None, None
                 who = self._admitted(conn, op, name, cap)
                 if who is None:
                     return
@@ -448,9 +461,10 @@ class ReadServer:
                                          prefix=bool(flags & Flag.PREFIX), ranges=ranges,
                                          delta=delta)
                 finally:
-                    if op == Op.LEASE and lease is None:  # not granted: its count goes back
+                    if op in _LEASES and lease is None:  # not granted: its count goes back
                         self._release_lease_count(who)
                 reader = who
+                held = (offset, offset + nbytes) if lease is not None and op == Op.HOLD else None
         except (ConnectionError, OSError):
             pass
         finally:
@@ -476,7 +490,7 @@ class ReadServer:
                     self.num_forbidden += 1
                 self._reply(conn, Status.FORBIDDEN, f"{name!r}: {exc}")
                 return None
-        if op == Op.LEASE:
+        if op in _LEASES:
             with self._lock:
                 held = self._leases.get(who, 0)
                 if held >= self.max_leases_per_reader:
@@ -507,7 +521,7 @@ class ReadServer:
                 timeout: float, *, prefix: bool = False,
                 ranges: list[tuple[int, int]] | None = None,
                 delta: tuple[int, list[str]] | None = None) -> Exposure | None:
-        """Answer one request; return the region when a shared-memory lease was granted.
+        """Answer one request; return the region when a lease (LEASE, HOLD) was granted.
 
         ``ranges`` (a ``LEASE`` with `Flag.RANGES`, checked inside the span): the bytes
         counted as served instead of the whole span. ``delta`` (a ``DELTA``): the word
@@ -529,43 +543,31 @@ class ReadServer:
                 self._reply(conn, Status.OK, payload=msgpack.packb(info))
             elif op == Op.BITMAP:
                 self._reply(conn, Status.OK, payload=region.progress.bitmap())
-            elif op in (Op.READ, Op.LEASE, Op.DELTA):
-                if offset + nbytes > size or nbytes <= 0:
-                    self._reply(conn, Status.OUT_OF_RANGE,
-                                f"read [{offset}, {offset + nbytes}) of region {name!r} "
-                                f"({size} bytes)")
+            elif op == Op.HOLD:
+                if not self._in_range(conn, region, offset, nbytes):
                     return None
-                chunk = region.chunk_size
-                if op == Op.DELTA and offset % chunk:
+                where = {"shm_path": region.shm_path, "gpu": region.gpu, "nbytes": nbytes,
+                         "nixl": region.nixl, "complete": region.progress.complete,
+                         "hold": LEASE_HOLD}
+                self._reply(conn, Status.OK, payload=msgpack.packb(where))
+                keep = True
+                return region
+            elif op in (Op.READ, Op.LEASE, Op.DELTA):
+                if not self._in_range(conn, region, offset, nbytes):
+                    return None
+                if op == Op.DELTA and offset % region.chunk_size:
                     self._reply(conn, Status.BAD_REQUEST, f"a delta read starts at a chunk "
                                 f"boundary, not at byte {offset}")
                     return None
-                first, last = offset // chunk, (offset + nbytes - 1) // chunk
-                needed = first if prefix else last
-                if not region.progress.wait(first, needed, timeout,
-                                            abort=lambda: region.retracting,
-                                            stall=self.stall_timeout):
-                    if region.retracting:
-                        self._reply(conn, Status.NOT_FOUND, f"region {name!r} was retracted "
-                                    "while this read waited for its chunks")
-                        return None
-                    idle = region.progress.idle()
-                    why = (f"stalled, no chunk arrived here for {idle:.1f} s"
-                           if idle >= self.stall_timeout else f"not present after {timeout:g} s")
-                    self._reply(conn, Status.NOT_READY, f"chunks {first}..{needed} of "
-                                f"{name!r}: {why}")
+                granted = self._await_chunks(conn, region, offset, nbytes, timeout, prefix)
+                if granted is None:
                     return None
-                if prefix:  # the present run from `first`, cut to the request
-                    end = (region.progress.present_through(first, last) + 1) * chunk
-                    nbytes = min(offset + nbytes, end) - offset
+                nbytes = granted
                 if op == Op.DELTA:
                     assert delta is not None
                     self._send_delta(conn, region, offset, nbytes, *delta)
                     return None
-                counted = nbytes if ranges is None else sum(n for _, n in ranges)
-                with self._lock:
-                    self.bytes_served += counted
-                    self.bytes_delivered += counted
+                self._count(nbytes if ranges is None else sum(n for _, n in ranges))
                 if op == Op.LEASE:
                     where = {"shm_path": region.shm_path, "gpu": region.gpu, "nbytes": nbytes,
                              "nixl": region.nixl}
@@ -579,6 +581,71 @@ class ReadServer:
         finally:
             if not keep:
                 self._end(region)
+
+    def _in_range(self, conn: socket.socket, region: Exposure, offset: int, nbytes: int) -> bool:
+        """Whether ``[offset, offset + nbytes)`` is a non-empty span of ``region``.
+
+        Answers ``OUT_OF_RANGE`` when it is not.
+        """
+        size = region.tensor.numel()
+        if offset + nbytes > size or nbytes <= 0:
+            self._reply(conn, Status.OUT_OF_RANGE, f"read [{offset}, {offset + nbytes}) of "
+                        f"region {region.name!r} ({size} bytes)")
+            return False
+        return True
+
+    def _await_chunks(self, conn: socket.socket, region: Exposure, offset: int, nbytes: int,
+                      timeout: float, prefix: bool) -> int | None:
+        """Wait until the chunks of ``[offset, offset + nbytes)`` are present.
+
+        With ``prefix`` only the first, and the bytes granted are the present run from
+        ``offset`` (cut to the request). Returns the bytes granted, or None once it has
+        answered why not (retracted meanwhile, not present in time, stalled).
+        """
+        chunk = region.chunk_size
+        first, last = offset // chunk, (offset + nbytes - 1) // chunk
+        needed = first if prefix else last
+        if not region.progress.wait(first, needed, timeout, abort=lambda: region.retracting,
+                                    stall=self.stall_timeout):
+            if region.retracting:
+                self._reply(conn, Status.NOT_FOUND, f"region {region.name!r} was retracted "
+                            "while this read waited for its chunks")
+                return None
+            idle = region.progress.idle()
+            why = (f"stalled, no chunk arrived here for {idle:.1f} s"
+                   if idle >= self.stall_timeout else f"not present after {timeout:g} s")
+            self._reply(conn, Status.NOT_READY, f"chunks {first}..{needed} of "
+                        f"{region.name!r}: {why}")
+            return None
+        if prefix:  # the present run from `first`, cut to the request
+            end = (region.progress.present_through(first, last) + 1) * chunk
+            nbytes = min(offset + nbytes, end) - offset
+        return nbytes
+
+    def _wait_held(self, conn: socket.socket, region: Exposure, held: tuple[int, int],
+                   offset: int, nbytes: int, timeout: float, *, prefix: bool) -> None:
+        """Answer a ``WAIT`` under a ``HOLD`` of ``held`` (its span): the bytes present.
+
+        A wait outside the span, or with a bad timeout, is answered ``OUT_OF_RANGE`` or
+        ``BAD_REQUEST``; the lease holds on either way.
+        """
+        if not (held[0] <= offset and offset + nbytes <= held[1] and nbytes > 0):
+            self._reply(conn, Status.OUT_OF_RANGE, f"wait for [{offset}, {offset + nbytes}) "
+                        f"outside the held span [{held[0]}, {held[1]}) of {region.name!r}")
+            return
+        if not math.isfinite(timeout) or timeout < 0:
+            self._reply(conn, Status.BAD_REQUEST, f"timeout {timeout} is not a finite number "
+                        "of seconds >= 0")
+            return
+        granted = self._await_chunks(conn, region, offset, nbytes, timeout, prefix)
+        if granted is not None:
+            self._reply(conn, Status.OK, payload=msgpack.packb({"nbytes": granted}))
+
+    def _count(self, nbytes: int) -> None:
+        """Count ``nbytes`` read whole by a reader as served (and delivered)."""
+        with self._lock:
+            self.bytes_served += nbytes
+            self.bytes_delivered += nbytes
 
     def _send_delta(self, conn: socket.socket, region: Exposure, offset: int, nbytes: int,
                     width: int, bases: list[str]) -> None:

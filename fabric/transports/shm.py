@@ -5,13 +5,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from weightfabric.fabric.arena import ArenaError, Region
 from weightfabric.fabric.errors import ReadRefusedError, SourceLostError
-from weightfabric.fabric.transports import client
+from weightfabric.fabric.transports import client, held
 from weightfabric.fabric.transports.base import CopyFn, ReadAbort, SourceAddress
 
 MAX_MAPPINGS = 16
@@ -56,6 +56,26 @@ class ShmTransport(client.ServerTransport):
         return mapped
 
     fuses_copy = True
+    leases_per_read = 1
+
+    def hold(self, source: SourceAddress, region: str, nbytes: int, *, timeout: float,
+             abort: ReadAbort | None = None) -> held.HeldLease:
+        """One lease on ``[0, nbytes)`` of the holder's region for many reads (`HeldLease`).
+
+        Its reads copy from the mapped file with no round trip (``copy=`` as `read`).
+
+        Raises:
+            as `read`.
+        """
+        def reach(grant: client.HoldGrant, stack: ExitStack) -> held.SourceBytes:
+            if not grant.shm_path:
+                raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} "
+                                       "is not in shared memory; read it over tcp")
+            mapped = self._mapping(grant.shm_path, nbytes).tensor
+            return lambda lo, hi: mapped[lo:hi]
+
+        return held.take(source, region, nbytes, timeout=timeout, abort=abort,
+                         source_bytes=reach)
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
              timeout: float, prefix: bool = False, abort: ReadAbort | None = None,

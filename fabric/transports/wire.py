@@ -53,6 +53,19 @@ first base it holds whole (or takes the encoding from its cache) and answers
 ``base u16 | chunks u32 | chunks x blob_len u32 | blobs``; ``NO_BASE`` when it holds
 none of them (the reader then reads those chunks whole).
 
+``HOLD`` is the lease of a whole fetch: one per reader, holder and version instead of
+one ``LEASE``/``END`` per read. It leases the span ``[offset, offset+nbytes)`` at once,
+present or not (it waits for nothing), and its payload is msgpack ``{shm_path, gpu,
+nixl, nbytes, complete, hold}``: where the bytes are, whether every chunk is present
+already, and the seconds the server keeps the lease without a request (its
+``LEASE_HOLD``). Under it the reader copies present bytes of the span itself, with no
+further round trip; ``WAIT`` (``PREFIX`` allowed) waits for chunks of the span as
+``LEASE`` does and answers msgpack ``{nbytes}``, the bytes present from ``offset``; any
+request restarts the hold. ``END`` ends it, its header's ``nbytes`` being the bytes the
+reader copied (what the holder counts as served, at most the span). A reader trusts a
+copy only if it finished within ``hold`` seconds of its last reply, less a margin, and
+the connection was not closed meanwhile (`fabric.transports.held`).
+
 With the ``RANGES`` flag (``LEASE`` only, not with ``PREFIX``) the capability is
 followed by ``count u32`` and ``count`` pairs ``offset u64 | nbytes u64``
 (at most `MAX_RANGES`), each inside ``[offset, offset+nbytes)`` of the header: the
@@ -92,6 +105,8 @@ class Op(enum.IntEnum):
     BITMAP = 5
     PIN = 6
     DELTA = 7
+    HOLD = 8
+    WAIT = 9
 
 
 class Flag(enum.IntFlag):

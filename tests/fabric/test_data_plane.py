@@ -78,6 +78,7 @@ def test_source_killed_mid_fetch_survivors_complete_rereading_only_missing(clust
     assert set(stats["sources"]) == {"holder-a", "holder-d"}
     assert stats["chunks_reread"] <= 4  # at most the reads in flight when a died
     assert stats["bytes"] == sum(stats["sources"].values())
+    assert stats["leases"] == 2  # one held lease per holder, not one per read
 
 
 def test_elastic_join_stripes_over_holders_trainer_serves_nothing(cluster):
