@@ -11,18 +11,99 @@ dtype can be copied or cast to (equal, or bfloat16 / float16 -> float32).
 
 On the Triton backend the whole set moves in one kernel launch (see
 `kernels.segcopy`); the torch reference does a per-tensor ``copy_``.
+
+Host cost per call: the checks of a call (names, shapes, dtypes, buffer, overlaps) depend
+only on the layout object and each tensor's address, dtype, shape and strides, so a
+call whose key (those properties) was checked before skips them, and reuses the
+kernel tables built for that key (`_Checked`, `CHECK_CACHE_SIZE` keys, least recently
+used out first): a repeated pack of the same tensors costs the host the key and the
+launch, not a view and a check per tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from weightfabric.kernels.checksum import ChunkSums, chunk_checksums
 from weightfabric.kernels.dispatch import choose_backend
 from weightfabric.kernels.layout import PackLayout, Slot
-from weightfabric.kernels.segcopy import DEFAULT_BLOCK, Segment, copy_segments_triton, element_kind
+from weightfabric.kernels.segcopy import (
+    DEFAULT_BLOCK,
+    Segment,
+    element_kind,
+    launch_table,
+    segment_table,
+)
+
+CHECK_CACHE_SIZE = 64
+"""Checked call keys kept (each with its kernel tables, a few KiB), least recently used
+out first."""
+
+
+class _Checked:
+    """A call key that passed the checks, and the kernel tables built for it."""
+
+    def __init__(self, layout: PackLayout) -> None:
+        self.layout = layout  # held: its id is in the key, so it must outlive the entry
+        self.tables: dict[tuple, Any] = {}
+
+    def table(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """The table under ``key``, from ``build()`` the first time."""
+        hit = self.tables.get(key)
+        if hit is None:
+            hit = self.tables[key] = build()
+        return hit
+
+
+_CHECKED: OrderedDict[tuple, _Checked] = OrderedDict()
+_CHECKED_LOCK = threading.Lock()
+
+
+def _call_key(what: str, tensors: Mapping[str, torch.Tensor], layout: PackLayout,
+              buffer: torch.Tensor) -> tuple | None:
+    """What the checks of a call depend on; None where it cannot be taken (they will fail).
+
+    Every tensor's address, dtype, shape and strides (its span and its match with the
+    slot), the buffer's too and its device; the layout by identity (held by the entry);
+    the number of tensors (a key is only checked with every slot's name present, so an
+    equal count means no extra names). Devices of the tensors are not in it:
+    `choose_backend` checks them on every call.
+    """
+    try:
+        return (what, id(layout), len(tensors), buffer.data_ptr(), buffer.dtype, buffer.shape,
+                buffer.stride(), buffer.device,
+                *((t.data_ptr(), t.dtype, t.shape, t.stride())
+                  for t in (tensors[s.name] for s in layout)))
+    except (KeyError, AttributeError, TypeError):
+        return None
+
+
+def _checked(key: tuple | None, layout: PackLayout) -> _Checked | None:
+    """The entry of a key checked before (with this very layout), or None."""
+    if key is None:
+        return None
+    with _CHECKED_LOCK:
+        hit = _CHECKED.get(key)
+        if hit is None or hit.layout is not layout:
+            return None
+        _CHECKED.move_to_end(key)
+        return hit
+
+
+def _remember(key: tuple | None, layout: PackLayout) -> _Checked:
+    """A new entry for a key whose checks just passed (kept unless ``key`` is None)."""
+    entry = _Checked(layout)
+    if key is not None:
+        with _CHECKED_LOCK:
+            _CHECKED[key] = entry
+            while len(_CHECKED) > CHECK_CACHE_SIZE:
+                _CHECKED.popitem(last=False)
+    return entry
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -53,8 +134,9 @@ def _check_buffer(buffer: torch.Tensor, layout: PackLayout, what: str) -> None:
 
 def _check_tensors(tensors: Mapping[str, torch.Tensor], layout: PackLayout, what: str,
                    *, exact_dtype: bool) -> None:
+    names = set(layout.names)
     missing = [n for n in layout.names if n not in tensors]
-    extra = [n for n in tensors if n not in {s.name for s in layout}]
+    extra = [n for n in tensors if n not in names]
     if missing or extra:
         raise ValueError(f"{what}: tensors do not match the layout (missing {missing}, "
                          f"unexpected {extra})")
@@ -116,18 +198,27 @@ def pack(tensors: Mapping[str, torch.Tensor], layout: PackLayout, *,
             buffer is misaligned, or a source overlaps the buffer.
         TypeError: a tensor's dtype differs from ``slot.source_dtype``.
     """
-    out = _pack_target(tensors, layout, out)
+    out, checked = _pack_target(tensors, layout, out)
     if choose_backend(backend, out, *tensors.values(), op="pack") == "torch":
         return pack_ref(tensors, layout, out)
-    segments: list[Segment] = [(tensors[s.name], _view(out, s)) for s in layout]
-    kinds = [element_kind(s.source_dtype, s.dtype) for s in layout]
-    copy_segments_triton(segments, kinds, block=block)
+    if len(layout):
+        def build() -> tuple[torch.Tensor, int, int]:
+            segments: list[Segment] = [(tensors[s.name], _view(out, s)) for s in layout]
+            kinds = [element_kind(s.source_dtype, s.dtype) for s in layout]
+            return segment_table(segments, kinds, block)
+
+        launch_table(out.device, *checked.table(("pack", block), build), block=block)
     return out
 
 
 def _pack_target(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
-                 out: torch.Tensor | None) -> torch.Tensor:
-    """`pack`'s checks; ``out``, or a zeroed buffer on the tensors' device."""
+                 out: torch.Tensor | None) -> tuple[torch.Tensor, _Checked]:
+    """`pack`'s checks (skipped for a key checked before); ``out``, or a zeroed buffer."""
+    if out is not None:
+        key = _call_key("pack", tensors, layout, out)
+        hit = _checked(key, layout)
+        if hit is not None:
+            return out, hit
     _check_tensors(tensors, layout, "pack", exact_dtype=True)
     device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     if out is None:
@@ -137,7 +228,7 @@ def _pack_target(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
     for s in layout:
         if _overlaps(_span(tensors[s.name]), span):
             raise ValueError(f"pack: tensor {s.name!r} overlaps the output buffer")
-    return out
+    return out, _remember(_call_key("pack", tensors, layout, out), layout)
 
 
 def pack_with_checksums(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
@@ -154,7 +245,7 @@ def pack_with_checksums(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
     Raises:
         As `pack` and `chunk_checksums`.
     """
-    out = _pack_target(tensors, layout, out)
+    out, _ = _pack_target(tensors, layout, out)
     chosen = choose_backend(backend, out, *tensors.values(), op="pack_with_checksums")
     if chosen == "triton" or backend is not None:
         pack(tensors, layout, out=out, backend=chosen)
@@ -190,9 +281,31 @@ def unpack(buffer: torch.Tensor, layout: PackLayout, *,
             misaligned, destinations overlap each other or the buffer.
         TypeError: a destination dtype the slot's dtype cannot be cast to.
     """
-    _check_buffer(buffer, layout, "unpack")
     if out is None:
+        _check_buffer(buffer, layout, "unpack")
         out = {s.name: torch.empty(s.shape, dtype=s.dtype, device=buffer.device) for s in layout}
+    checked = _unpack_checked(buffer, layout, out)
+    if choose_backend(backend, buffer, *out.values(), op="unpack") == "torch":
+        return unpack_ref(buffer, layout, out)
+    dst = out
+    if len(layout):
+        def build() -> tuple[torch.Tensor, int, int]:
+            segments: list[Segment] = [(_view(buffer, s), dst[s.name]) for s in layout]
+            kinds = [element_kind(s.dtype, dst[s.name].dtype) for s in layout]
+            return segment_table(segments, kinds, block)
+
+        launch_table(buffer.device, *checked.table(("unpack", block), build), block=block)
+    return {s.name: out[s.name] for s in layout}
+
+
+def _unpack_checked(buffer: torch.Tensor, layout: PackLayout,
+                    out: Mapping[str, torch.Tensor]) -> _Checked:
+    """`unpack`'s checks, skipped for a key checked before."""
+    key = _call_key("unpack", out, layout, buffer)
+    hit = _checked(key, layout)
+    if hit is not None:
+        return hit
+    _check_buffer(buffer, layout, "unpack")
     _check_tensors(out, layout, "unpack", exact_dtype=False)
     spans = sorted((*_span(out[s.name]), s.name) for s in layout)
     for (a0, a1, a), (b0, b1, b) in zip(spans, spans[1:], strict=False):
@@ -202,9 +315,4 @@ def unpack(buffer: torch.Tensor, layout: PackLayout, *,
     for a0, a1, a in spans:
         if _overlaps((a0, a1), buf_span):
             raise ValueError(f"unpack: destination tensor {a!r} overlaps the buffer")
-    if choose_backend(backend, buffer, *out.values(), op="unpack") == "torch":
-        return unpack_ref(buffer, layout, out)
-    segments: list[Segment] = [(_view(buffer, s), out[s.name]) for s in layout]
-    kinds = [element_kind(s.dtype, out[s.name].dtype) for s in layout]
-    copy_segments_triton(segments, kinds, block=block)
-    return {s.name: out[s.name] for s in layout}
+    return _remember(key, layout)

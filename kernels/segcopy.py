@@ -83,15 +83,21 @@ def find_segment(table_ptr, num_segments, NCOL: tl.constexpr):
     program id: log2(num_segments) scalar loads per program.
     """
     pid = tl.program_id(0).to(tl.int64)
-    lo = pid * 0
-    hi = lo + num_segments
+    row = table_ptr + last_at_or_before(table_ptr, num_segments, pid, NCOL) * NCOL
+    return row, pid - tl.load(row)
+
+
+@triton.jit
+def last_at_or_before(table_ptr, num_rows, x, NCOL: tl.constexpr):
+    """Index of the last row whose column 0 (increasing, row 0 <= x) is <= scalar ``x``."""
+    lo = x * 0
+    hi = lo + num_rows
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        go = tl.load(table_ptr + mid * NCOL) <= pid
+        go = tl.load(table_ptr + mid * NCOL) <= x
         lo = tl.where(go, mid, lo)
         hi = tl.where(go, hi, mid)
-    row = table_ptr + lo * NCOL
-    return row, pid - tl.load(row)
+    return lo
 
 
 @triton.jit
@@ -410,17 +416,25 @@ def copy_segments_triton(segments: Sequence[Segment], kinds: Sequence[int], *,
     if not segments:
         return
     device = segments[0][1].device
-    base = anchor(device)
     key = ("segcopy", device, block, *((s.data_ptr(), d.data_ptr(), s.shape, s.stride(),
                                          d.stride(), k) for (s, d), k in zip(segments, kinds, strict=True)))
+    launch_table(device, *cached_table(key, lambda: segment_table(segments, kinds, block)),
+                 block=block)
 
-    def build() -> tuple[torch.Tensor, int, int]:
-        table = build_table(segments, base, kinds, block)
-        return table.to(device), table.shape[0], num_tiles(table)
 
-    table, num_segments, programs = cached_table(key, build)
+def segment_table(segments: Sequence[Segment], kinds: Sequence[int],
+                  block: int = DEFAULT_BLOCK) -> tuple[torch.Tensor, int, int]:
+    """``(device table, rows, programs)`` for non-empty ``segments`` (built, not cached)."""
+    device = segments[0][1].device
+    table = build_table(segments, anchor(device), kinds, block)
+    return table.to(device), table.shape[0], num_tiles(table)
+
+
+def launch_table(device: torch.device, table: torch.Tensor, num_segments: int, programs: int, *,
+                 block: int = DEFAULT_BLOCK) -> None:
+    """Launch `_segcopy_kernel` over a `segment_table` built with the same ``block``."""
     if programs:
-        _segcopy_kernel[(programs,)](base, table, num_segments, BLOCK=block,
+        _segcopy_kernel[(programs,)](anchor(device), table, num_segments, BLOCK=block,
                                      SUB=min(block, SUB_BLOCK), NCOL=NCOL, num_warps=NUM_WARPS)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -215,3 +217,57 @@ def test_pack_with_checksums_covers_padding_it_did_not_write():
     out = torch.full((layout.nbytes,), 0x5A, dtype=torch.uint8)
     sums = pack_with_checksums(tensors, layout, out, 512)
     assert torch.equal(sums, chunk_checksums_ref(out, 512))
+
+
+# --- checks and tables cached per call key ------------------------------------------------------
+
+def test_a_repeat_call_skips_the_checks_and_a_changed_call_is_checked_again(monkeypatch):
+    pack_module = importlib.import_module("weightfabric.kernels.pack")
+
+    checked: list[str] = []
+    check = pack_module._check_tensors
+
+    def counted(tensors, layout, what, **kw):
+        checked.append(what)
+        return check(tensors, layout, what, **kw)
+
+    monkeypatch.setattr(pack_module, "_check_tensors", counted)
+    ts = _tensor_set()
+    lay = plan_layout(ts, alignment=128, compact_below=256)
+    buf = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    pack(ts, lay, out=buf, backend="triton")
+    ts["w"].mul_(-2)  # same key, new values: the cached table moves the new bytes
+    pack(ts, lay, out=buf, backend="triton")
+    assert checked == ["pack"]
+    assert torch.equal(buf, pack_ref(ts, lay, torch.zeros_like(buf)))
+    out = {n: torch.empty_like(t) for n, t in ts.items()}
+    for _ in range(2):
+        unpack(buf, lay, out=out, backend="triton")
+    assert checked == ["pack", "unpack"]
+    assert all(torch.equal(out[n], t) for n, t in ts.items())
+
+    # what differs from a checked key is checked again (and rejected)
+    with pytest.raises(ValueError, match="'w'.*shape"):  # same address, another shape
+        pack({**ts, "w": ts["w"].view(131, 37)}, lay, out=buf)
+    with pytest.raises(ValueError, match="unexpected \\['x'\\]"):
+        pack({**ts, "x": torch.zeros(1)}, lay, out=buf)
+    inside = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="'mask' overlaps"):
+        pack({**ts, "mask": inside[:15].view(torch.bool).view(3, 5)}, lay, out=inside)
+    with pytest.raises(ValueError, match="'w'.*overlaps the buffer"):
+        unpack(buf, lay, out={**out, "w": buf[:37 * 131 * 4].view(torch.float32).view(37, 131)})
+    pack(ts, plan_layout(ts, alignment=128, compact_below=256), out=buf)  # an equal new layout
+    assert checked.count("pack") == 5
+
+
+def test_the_check_cache_is_bounded(monkeypatch):
+    pack_module = importlib.import_module("weightfabric.kernels.pack")
+
+    monkeypatch.setattr(pack_module, "CHECK_CACHE_SIZE", 3)
+    lay = plan_layout({"w": ((4,), torch.float32)})
+    bufs = [torch.zeros(lay.nbytes, dtype=torch.uint8) for _ in range(5)]
+    w = torch.arange(4.0)
+    for b in bufs:
+        pack({"w": w}, lay, out=b, backend="torch")
+    assert len(pack_module._CHECKED) <= 3
+    assert all(torch.equal(b[:16].view(torch.float32), w) for b in bufs)
