@@ -23,9 +23,9 @@ HOPPER = ("cuda", 90, 32)
 
 def kernel_specs() -> list[tuple[Any, dict[str, str], dict[str, int]]]:
     """(kernel, signature, constexprs) of every Triton kernel in `kernels`."""
-    from weightfabric.kernels import checksum, delta, dequant_segments, fp8, segcopy
+    from weightfabric.kernels import checksum, delta, dequant_segments, fp8, packsum, segcopy
 
-    return [*segcopy.aot_specs(), *checksum.aot_specs(), *fp8.aot_specs(),
+    return [*segcopy.aot_specs(), *checksum.aot_specs(), *packsum.aot_specs(), *fp8.aot_specs(),
             *dequant_segments.aot_specs(), *delta.aot_specs()]
 
 

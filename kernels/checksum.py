@@ -118,6 +118,11 @@ def _check(buffer: torch.Tensor, chunk_size: int, first_chunk: int, what: str = 
         raise ValueError(f"checksum: first_chunk must be a non-negative int, got {first_chunk!r}")
 
 
+def check_chunking(buffer: torch.Tensor, chunk_size: int, first_chunk: int = 0) -> None:
+    """`chunk_checksums`' checks of its arguments: TypeError / ValueError as it raises them."""
+    _check(buffer, chunk_size, first_chunk)
+
+
 def _finish(sums: torch.Tensor, nbytes: int, chunk_size: int) -> torch.Tensor:
     n = sums.numel()
     lengths = torch.full((n,), chunk_size, dtype=torch.int64, device=sums.device)

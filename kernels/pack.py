@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from weightfabric.kernels.checksum import ChunkSums, chunk_checksums
+from weightfabric.kernels import packsum
+from weightfabric.kernels.checksum import ChunkSums, check_chunking, chunk_checksums
 from weightfabric.kernels.dispatch import choose_backend
 from weightfabric.kernels.layout import PackLayout, Slot
 from weightfabric.kernels.segcopy import (
@@ -240,13 +241,25 @@ def pack_with_checksums(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
     is contiguous, of its slot's dtype and 4-byte aligned is copied by that loop, which
     checksums the bytes as they pass (read once, not twice); the others (casts, strided
     views) are copied by ``copy_`` and checksummed with the padding afterwards. On CUDA
-    tensors (and with ``backend``) it packs, then checksums: two passes, on the GPU.
+    tensors (and with ``backend="triton"``) one Triton kernel (`kernels.packsum`) copies
+    every contiguous tensor of its slot's dtype into the buffer and checksums the whole
+    buffer, padding included, in the same pass; strided and cast tensors are written by
+    the segment copy first (queued before it). A ``chunk_size`` whose largest
+    power-of-two divisor is under `packsum.MIN_TILE` bytes, and ``backend="torch"``:
+    pack, then checksum.
 
     Raises:
         As `pack` and `chunk_checksums`.
     """
-    out, _ = _pack_target(tensors, layout, out)
+    out, checked = _pack_target(tensors, layout, out)
     chosen = choose_backend(backend, out, *tensors.values(), op="pack_with_checksums")
+    if chosen == "triton":
+        check_chunking(out[:layout.nbytes], chunk_size)  # chunk_checksums' errors, before writing
+        tile = packsum.tile_for(chunk_size)
+        if tile is not None:
+            fused = checked.table(("packsum", tile, DEFAULT_BLOCK), lambda: packsum.plan(
+                tensors, layout, out, tile, DEFAULT_BLOCK))
+            return packsum.launch(fused, out, layout.nbytes, chunk_size, DEFAULT_BLOCK)
     if chosen == "triton" or backend is not None:
         pack(tensors, layout, out=out, backend=chosen)
         return chunk_checksums(out[:layout.nbytes], chunk_size, backend=chosen)

@@ -13,8 +13,8 @@ import sys
 
 from paths import ROOT
 
-EXPECTED = {"_segcopy_kernel", "_checksum_kernel", "_quantize_kernel", "_dequantize_kernel",
-            "_dequant_segments_kernel", "_delta_count_kernel", "_delta_compact_kernel",
+EXPECTED = {"_segcopy_kernel", "_checksum_kernel", "_pack_checksum_kernel", "_quantize_kernel",
+            "_dequantize_kernel", "_dequant_segments_kernel", "_delta_count_kernel", "_delta_compact_kernel",
             "_delta_bitmask_kernel", "_delta_scatter_kernel", "_delta_popcount_kernel",
             "_delta_expand_kernel"}
 
@@ -31,9 +31,9 @@ def test_every_kernel_compiles_for_sm90():
     assert all(r["sm90"] and r["cubin_bytes"] > 0 for r in records)
     # the data movers read and write 16-byte vectors (with 16-byte-aligned pointer arguments)
     for r in records:
-        if r["kernel"] in ("_segcopy_kernel", "_checksum_kernel"):
+        if r["kernel"] in ("_segcopy_kernel", "_checksum_kernel", "_pack_checksum_kernel"):
             assert r["vector_loads"], r
-        if r["kernel"] == "_segcopy_kernel":
+        if r["kernel"] in ("_segcopy_kernel", "_pack_checksum_kernel"):
             assert r["vector_stores"], r
     # Triton before 3.7 (the lent GPUs run 3.6) compiles a float `-x` as `0 - x`, so
     # -0.0 would come out +0.0 there: the kernels set sign bits with integer ops
