@@ -148,3 +148,17 @@ def test_the_piece_table_merges_and_classifies():
     # "t" is written first: its bytes are read in place, merged with the padding after "b"
     in_place = [r for r in rows if r[2] & packsum.IN_PLACE]
     assert all(r[1] == out.data_ptr() - base.data_ptr() for r in in_place)
+
+
+def test_the_bench_rows_of_pack_and_checksum_run_on_cpu():
+    from weightfabric.tools.bench.kernels import _pack_checksum_rows
+
+    tensors = {n: t for n, t in _mixed_set(6).items() if n not in ("t", "cast")}
+    tensors["w16"] = torch.randn(40, 64).to(torch.bfloat16)
+    layout = plan_layout(tensors)
+    rows = []
+    _pack_checksum_rows(lambda *row: rows.append(row), tensors, layout,
+                        torch.empty(layout.nbytes, dtype=torch.uint8), 1024,
+                        torch.device("cpu"), 1, 1e-3)
+    assert [r[0] for r in rows] == ["pack+checksum, fused"] * 2
+    assert [r[3] for r in rows] == ["copy_ of the same bytes", "pack, then chunk_checksums"]

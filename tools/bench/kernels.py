@@ -5,8 +5,13 @@ set is one tensor-parallel rank's share of Llama-3-70B-shaped layers (hidden
 8192, 64 heads, 8 kv heads, head_dim 128, intermediate 28672), TP8; the reshard
 case moves a layer from TP8 to TP4, and its fp8 variant reads gate_up, o and down
 stored as blockwise fp8 at TP8 into bf16 at TP4 (fused kernel vs dequantise, then
-copy). On CPU the shapes are scaled down (hidden / 4, 4 layers) so a run takes
-about a minute; there the dispatch picks the torch path.
+copy). "pack+checksum" is `pack_with_checksums` (a snapshot publish's pack: one
+fused pass, `kernels.packsum` on GPU, the compiled loop on CPU) against `copy_` of
+the same bytes and against `pack`, then `chunk_checksums` (bytes: read + written
+once, the checksum's read of the packed bytes not counted again). On CPU the shapes
+are scaled down (hidden / 4, 4 layers) so a run takes about a minute; there the
+dispatch picks the torch path (for pack+checksum: the compiled loop where one was
+built, backend ``native (C)``, else torch).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from weightfabric.kernels import (
     Fp8Segment,
     FusedGateUp,
     FusedQKV,
+    PackLayout,
     ReshardPlan,
     Sharded,
     chunk_checksums,
@@ -32,6 +38,7 @@ from weightfabric.kernels import (
     dequantize_fp8_segments,
     pack,
     pack_ref,
+    pack_with_checksums,
     plan_layout,
     plan_reshard,
     quantize_fp8,
@@ -115,10 +122,14 @@ def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[K
     words = buf[:nbytes // 4 * 4]
     add("checksum", nbytes, median_seconds(lambda: chunk_checksums(words, cs), device, repeat),
         "copy_ of the same bytes", t_copy / 2)
-    if device.type == "cpu" and checksum_library() is not None:  # the default: the C loop
+    native = device.type == "cpu" and checksum_library() is not None  # the CPU default: C loop
+    if native:
         rows[-1]["backend"] = "native (C)"
         add("checksum", nbytes, median_seconds(lambda: chunk_checksums(words, cs, backend="torch"),
                                                device, repeat), "copy_ of the same bytes", t_copy / 2)
+    _pack_checksum_rows(add, ts, lay, buf, cs, device, repeat, t_copy)
+    if native:
+        rows[-2]["backend"] = rows[-1]["backend"] = "native (C)"
 
     w = ts["layers.0.gate_up"]
     wb = w.numel() * 2
@@ -157,6 +168,30 @@ def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[K
     add("fp8 dequant+reshard TP8->TP4, fused", nbytes, median_seconds(fused, device, repeat),
         "dequantize_fp8, then copy_segments", median_seconds(two_pass, device, repeat))
     return rows
+
+
+def _pack_checksum_rows(add: Callable[[str, int, float, str, float], None],
+                       ts: dict[str, torch.Tensor], lay: PackLayout, buf: torch.Tensor, cs: int,
+                       device: torch.device, repeat: int, t_copy: float) -> None:
+    """`pack_with_checksums` (fused) against ``copy_`` and against pack, then checksum.
+
+    Checks first that both give the same bytes and sums.
+    """
+    nbytes = sum(t.numel() * t.element_size() for t in ts.values())
+    packed = buf[:lay.nbytes]
+    buf.fill_(0x5A)
+    sums = pack_with_checksums(ts, lay, buf, cs)
+    fused_bytes = buf.clone()
+    buf.fill_(0x5A)
+    pack(ts, lay, out=buf)
+    if not (torch.equal(buf, fused_bytes) and torch.equal(sums, chunk_checksums(packed, cs))):
+        raise RuntimeError("bench kernels: pack_with_checksums differs from pack, then "
+                           "chunk_checksums")
+    t_fused = median_seconds(lambda: pack_with_checksums(ts, lay, buf, cs), device, repeat)
+    add("pack+checksum, fused", 2 * nbytes, t_fused, "copy_ of the same bytes", t_copy)
+    add("pack+checksum, fused", 2 * nbytes, t_fused, "pack, then chunk_checksums",
+        median_seconds(lambda: (pack(ts, lay, out=buf), chunk_checksums(packed, cs)), device,
+                       repeat))
 
 
 def _fp8_reshard_case(plans: list[ReshardPlan], srcs: list[list[torch.Tensor]],

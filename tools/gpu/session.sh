@@ -10,7 +10,7 @@
 #   bash tools/gpu/session.sh quick   # one call of under 9 minutes: the essentials of all four
 #   bash tools/gpu/session.sh quickbench  # one call of under 6 minutes: the fetch benchmarks
 #   bash tools/gpu/session.sh recheck     # under 6 minutes: GPU tests, kernels, sm_90 build, a fetch
-#   bash tools/gpu/session.sh tune        # under 3 minutes: kernel launch settings, then the bench
+#   bash tools/gpu/session.sh tune        # under 4 minutes: kernel launch settings, then the bench
 #   bash tools/gpu/session.sh delta       # under 4 minutes: delta kernels and a delta fetch on the
 #                                     # GPU, the delta codec bench, every GPU test, sm_90 build
 #   bash tools/gpu/session.sh e2e         # under 9 minutes: GPU tests, kernels, a fetch, then time
@@ -172,10 +172,10 @@ recheck() {  # after kernel changes: the step limits add up to 330 s
         --size 2GB --chunk-size 64MiB --max-inflight 8 --versions 2 --nvshmem-pes 0 --json
 }
 
-tune() {  # launch settings of the segment copy and checksum kernels (each checked against
-          # its torch reference), then the bench: 170 s
+tune() {  # launch settings of the segment copy, checksum and fused pack+checksum kernels
+          # (each checked against its torch reference), then the bench: 220 s
     packed
-    step tune-kernels 130 env TRITON_INTERPRET=0 python3 tools/gpu/tune_kernels.py
+    step tune-kernels 180 env TRITON_INTERPRET=0 python3 tools/gpu/tune_kernels.py
     step kernels-cuda 40 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json --repeat 5
 }
 
