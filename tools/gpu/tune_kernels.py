@@ -69,12 +69,8 @@ def main() -> int:
                               "error": "bytes differ from pack_ref"}), flush=True)
             continue
         t = median_seconds(lambda: pack(ts, lay, out=buf, block=block, backend="triton"), device, 10)  # noqa: B023
-        vs_copy = t_copy / t
-        row: dict[str, object] = {"kernel": "pack", "block": block, "sub": sub, "warps": warps,
-                                  "GBps": 2 * nbytes / t / 1e9, "vs_copy": vs_copy}
-        print(json.dumps(row), flush=True)
-        if vs_copy > best.get("pack", (0.0, {}))[0]:
-            best["pack"] = (vs_copy, row)
+        _report(best, {"kernel": "pack", "block": block, "sub": sub, "warps": warps,
+                       "GBps": 2 * nbytes / t / 1e9}, t_copy / t)
     words = buf[:nbytes // 4 * 4]
     expected = chunk_checksums_ref(words, 4 << 20)
     checksum_settings = itertools.product((512, 1024, 2048), (8192, 32768), (4, 8))
@@ -86,12 +82,8 @@ def main() -> int:
             continue
         t = median_seconds(lambda: chunk_checksums_triton(words, 4 << 20, block=block),  # noqa: B023
                            device, 10)
-        vs_copy = t_copy / 2 / t
-        row = {"kernel": "checksum", "block": block, "program_pairs": program_pairs,
-               "warps": warps, "GBps": nbytes / t / 1e9, "vs_copy": vs_copy}
-        print(json.dumps(row), flush=True)
-        if vs_copy > best.get("checksum", (0.0, {}))[0]:
-            best["checksum"] = (vs_copy, row)
+        _report(best, {"kernel": "checksum", "block": block, "program_pairs": program_pairs,
+                       "warps": warps, "GBps": nbytes / t / 1e9}, t_copy / 2 / t)
     if "packsum" in only:
         _sweep_packsum(ts, lay, buf, want, nbytes, t_copy, device, best)
     print(json.dumps({"best": {k: v[1] for k, v in best.items()}}))
@@ -104,8 +96,8 @@ PACKSUM_SETTINGS = ((32768, 8192, 8), (65536, 8192, 8), (131072, 8192, 8), (6553
 / 8 KiB / 8), and the larger tiles the segment-copy sweep pointed to."""
 
 
-def _sweep_packsum(ts: dict[str, torch.Tensor], lay: PackLayout, buf: torch.Tensor, want: torch.Tensor,
-                   nbytes: int, t_copy: float, device: torch.device,
+def _sweep_packsum(ts: dict[str, torch.Tensor], lay: PackLayout, buf: torch.Tensor,
+                   want: torch.Tensor, nbytes: int, t_copy: float, device: torch.device,
                    best: dict[str, tuple[float, dict[str, object]]]) -> None:
     """`pack_with_checksums` at each of `PACKSUM_SETTINGS`, 4 MiB chunks."""
     cs = 4 << 20
@@ -121,12 +113,18 @@ def _sweep_packsum(ts: dict[str, torch.Tensor], lay: PackLayout, buf: torch.Tens
             continue
         t = median_seconds(lambda: pack_with_checksums(ts, lay, buf, cs, backend="triton"),
                            device, 10)
-        vs_copy = t_copy / t
-        row: dict[str, object] = {"kernel": "packsum", "tile": tile, "sub": sub, "warps": warps,
-                                  "GBps": 2 * nbytes / t / 1e9, "vs_copy": vs_copy}
-        print(json.dumps(row), flush=True)
-        if vs_copy > best.get("packsum", (0.0, {}))[0]:
-            best["packsum"] = (vs_copy, row)
+        _report(best, {"kernel": "packsum", "tile": tile, "sub": sub, "warps": warps,
+                       "GBps": 2 * nbytes / t / 1e9}, t_copy / t)
+
+
+def _report(best: dict[str, tuple[float, dict[str, object]]], row: dict[str, object],
+            vs_copy: float) -> None:
+    """Print a setting's ``row`` (with ``vs_copy``); keep it if its kernel's fastest yet."""
+    row["vs_copy"] = vs_copy
+    print(json.dumps(row), flush=True)
+    kernel = str(row["kernel"])
+    if vs_copy > best.get(kernel, (0.0, {}))[0]:
+        best[kernel] = (vs_copy, row)
 
 
 if __name__ == "__main__":
