@@ -703,7 +703,7 @@ def test_an_in_place_fetch_keeps_one_buffer_and_the_attached_tensors(hub):
 
 def test_an_in_place_fetch_that_cannot_start_changes_nothing_and_one_that_fails_no_version(
         hub, monkeypatch):
-    from weightfabric.fabric import store as store_module
+    from weightfabric.fabric import store_fetch
 
     trainer, other, reader = hub("trainer"), hub("other"), hub("reader")
     t_store = trainer.model("m", chunk_size=CHUNK)
@@ -725,7 +725,7 @@ def test_an_in_place_fetch_that_cannot_start_changes_nothing_and_one_that_fails_
 
     t_store = hub("trainer-2").model("m", chunk_size=CHUNK)
     v3 = t_store.publish(net(seed=4))
-    monkeypatch.setattr(store_module, "fetch_chunks", scribble_and_fail)
+    monkeypatch.setattr(store_fetch, "fetch_chunks", scribble_and_fail)
     with pytest.raises(FetchError, match="mid-read"):
         r_store.fetch(v3, in_place=True)
     assert r_store.version is None  # the tensors hold a mix: nothing to claim
