@@ -405,10 +405,14 @@ def begin_stalled_fetch(worker, version: int) -> None:
     never gets a chunk; the hub tells later readers near it to wait on it.
     """
     manifest = worker.hub.begin_fetch("m", version).manifest
-    worker.server.expose(region_name("m", version),
-                         torch.zeros(manifest.total_bytes, dtype=torch.uint8),
-                         chunk_size=manifest.chunk_size,
+    memory = arena.Region.create("stalled", manifest.total_bytes)  # readers here map it
+    _STALLED.append(memory)
+    worker.server.expose(region_name("m", version), memory.tensor,
+                         chunk_size=manifest.chunk_size, shm_path=str(memory.path),
                          progress=ChunkProgress(manifest.num_chunks))
+
+
+_STALLED: list[arena.Region] = []  # the stalled replicas' memory, freed at exit
 
 
 def origin_and_reader(hub) -> tuple[nn.Module, int, wf.ModelStore]:
