@@ -18,7 +18,10 @@ also creates the second buffer of its double buffer as soon as it holds one
 version lands in memory that is already there. That spare costs the model's size
 in /dev/shm from then on, instead of from the second version on; an in-place
 publisher never needs it and frees it at its first ``publish(snapshot=False)``.
-GPU stores neither populate nor prepare (GPU memory takes no page faults).
+GPU stores prepare their spare the same way (no populate: GPU memory takes no page
+faults), so no version allocates GPU memory or exports an IPC handle for it on its
+critical path: a trainer's `reserve`, or a rollout's `attach`, makes the first buffers
+(and the CUDA context) before the first version.
 
 A store in NVSHMEM symmetric memory (``worker.model(name, device=..., symmetric=True)``
 on a worker of an NVSHMEM job) allocates a fixed number of buffers in `attach`, a
@@ -99,7 +102,7 @@ class ModelStore(StorePublishing, StoreFetching):
         chunk_size: bytes per chunk of the versions this store publishes.
         device: ``"cpu"`` or a CUDA device (see `resolve_device`).
         shard, num_shards: this store's shard of a model published by ``num_shards`` ranks.
-        prepare_spare: keep a populated spare host buffer ready (module docstring).
+        prepare_spare: keep a spare buffer ready (populated in host memory; module docstring).
         nvshmem: the NVSHMEM job whose symmetric heap holds the buffers, or None.
         buffers: with ``nvshmem``, the number of buffers `attach` allocates.
 
@@ -128,10 +131,10 @@ class ModelStore(StorePublishing, StoreFetching):
         """The NVSHMEM job whose symmetric heap holds the buffers, or None."""
         self.buffers = buffers
         """With `nvshmem`: the number of buffers `attach` allocates, never more."""
-        self.prepare_spare = prepare_spare and self.device.type == "cpu" and nvshmem is None
-        """Keep a populated spare host buffer ready for the next version (see the module
-        docstring); False allocates buffers only when a version needs one. GPU stores
-        never prepare one: GPU memory has no page faults to hide."""
+        self.prepare_spare = prepare_spare and nvshmem is None
+        """Keep a spare buffer ready for the next version, populated in host memory (see the
+        module docstring); False allocates buffers only when a version needs one. A
+        symmetric store never does: it allocates all of its buffers in `attach`."""
         self.layout: PackLayout | None = None
         self.aliases: dict[str, str] = {}
         """Alias -> published name: tensors of this store's versions that share a published

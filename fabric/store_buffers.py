@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from typing import cast
 
+import torch
+
 from weightfabric.fabric.arena import Region
 from weightfabric.fabric.buffer_pool import Buffer
 from weightfabric.fabric.errors import (
@@ -224,10 +226,10 @@ class StoreBuffers(StoreState):
             self.server.nixl.forget(buffer.region.tensor)
 
     def _prepare_spare(self) -> None:
-        """With `prepare_spare`, start populating a spare buffer now.
+        """With `prepare_spare`, make a spare buffer now (host memory populates it meanwhile).
 
-        With `prepare_spare`, start populating a spare buffer now, so the next version does
-        not wait for fresh pages; only up to `PREPARED_BUFFERS`.
+        So that the next version waits neither for fresh pages nor for a GPU allocation and
+        its IPC export; only up to `PREPARED_BUFFERS`.
         """
         with self._lock:
             if (not self.prepare_spare or self.layout is None or self._closed
@@ -235,7 +237,7 @@ class StoreBuffers(StoreState):
                 return
             try:
                 self._new_buffer()
-            except ArenaError as exc:  # an optimisation: the next version allocates it
+            except (ArenaError, torch.OutOfMemoryError) as exc:  # the next version allocates it
                 log.warning("%s: no spare buffer prepared: %s", self.model, exc)
 
     def _drop_spares(self) -> None:

@@ -79,7 +79,7 @@ class StorePublishing(StoreBuffers):
         memory already faulted in (off the critical path, in the background) instead of
         paying for fresh pages then (about 0.5-1 s per GB of /dev/shm). Nothing is
         published or copied. Arguments as for `publish`; a later publish must lay its
-        tensors out the same way. A GPU store only fixes the layout.
+        tensors out the same way. A GPU store allocates (and exports) that buffer now.
 
         Raises:
             FabricError, TensorSetError: as `publish` (another layout, bad tensors).

@@ -105,3 +105,26 @@ def test_a_gpu_holder_in_the_same_process_is_read_over_tcp(hub):
         assert set(stats.transports) == {"tcp"}  # CUDA opens no IPC handle in its exporter
         want = tensors(3, "cuda:0")
         assert all(torch.equal(store.tensors[n], want[n]) for n in want)
+
+
+def test_gpu_stores_allocate_and_export_their_buffers_before_the_versions_need_them(
+        hub, monkeypatch):
+    from weightfabric.fabric import store_buffers
+    from weightfabric.fabric.gpu.region import DeviceRegion
+
+    made: list[DeviceRegion] = []
+
+    class Counted(DeviceRegion):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(store_buffers, "DeviceRegion", Counted)
+    with wf.join(hub.url, worker="trainer") as worker:
+        store = worker.model("m", chunk_size=CHUNK, device="cuda:0")
+        store.reserve(tensors(1, "cuda:0"))
+        assert len(made) == 1 and made[0].gpu is not None  # the first version's, exported
+        store.publish(tensors(1, "cuda:0"))
+        assert len(made) == 2  # and its spare, made after the publish, not during the next
+        store.publish(tensors(2, "cuda:0"))
+        assert len(made) == 2
