@@ -4,7 +4,7 @@ Every request is a fixed header followed by the region name and the reader's
 capability (`fabric.auth`: the hub's signed permission to read this version here;
 empty when the holder checks none)::
 
-    magic "WFR4" | op u8 | flags u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
+    magic "WFR5" | op u8 | flags u8 | name_len u16 | offset u64 | nbytes u64 | timeout f32
     | cap_len u16
 
 Every reply is a fixed header, then a UTF-8 message (errors) and a payload::
@@ -80,7 +80,7 @@ import socket
 import struct
 import time
 
-MAGIC = b"WFR4"  # WFR3 had no capability; WFR2 sent END without a reply
+MAGIC = b"WFR5"  # WFR4 had no HOLD or WAIT; WFR3 no capability; WFR2 sent END without a reply
 REQUEST = struct.Struct("!4sBBHQQfH")
 REPLY = struct.Struct("!BxxxIQ")
 MAX_NAME = 1024

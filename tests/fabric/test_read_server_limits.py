@@ -223,7 +223,7 @@ def test_end_without_a_lease_and_an_old_protocol_are_refused_with_the_reason():
     with hard_timeout(30), ReadServer() as server:
         server.expose("r", pattern(2 * CHUNK), chunk_size=CHUNK)
         for magic, op, why in [(MAGIC, Op.END, "END without a lease"),
-                               (b"WFR2", Op.READ, "read protocol WFR2, this holder speaks WFR4"),
+                               (b"WFR2", Op.READ, "read protocol WFR2, this holder speaks WFR5"),
                                (b"GET ", Op.READ, "not a weightfabric read request")]:
             with raw(server, op, "r", nbytes=CHUNK, magic=magic) as conn:
                 status, message = answer(conn)
