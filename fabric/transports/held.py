@@ -98,7 +98,7 @@ class HeldLease:
         if offset < 0 or offset + nbytes > self.grant.nbytes or nbytes <= 0:
             raise ValueError(f"read [{offset}, {offset + nbytes}) outside the held "
                              f"[0, {self.grant.nbytes})")
-        self._check()
+        self._check(peek=False)
         got = self._known(offset, nbytes, prefix)
         if got is None or self._renew_due():
             got = self._wait(offset, nbytes, timeout, prefix, abort)
@@ -154,7 +154,7 @@ class HeldLease:
               abort: ReadAbort | None) -> int:
         """``WAIT`` for the bytes at `offset`; records them present and renews the hold."""
         with self._conn_lock:
-            self._check()
+            self._check(peek=False)
             if abort is not None and not abort.watch(self.conn):
                 raise SourceLostError(f"read of {self.region!r} aborted")
             with self._lock:
@@ -177,13 +177,17 @@ class HeldLease:
             self._present = _merged(self._present, (offset, offset + got))
         return got
 
-    def _check(self) -> None:
-        """Raise `SourceLostError` unless the lease is known to hold now."""
+    def _check(self, *, peek: bool = True) -> None:
+        """Raise `SourceLostError` unless the lease is known to hold now.
+
+        Without ``peek`` the connection is not looked at (before a copy: the check after
+        it is the one that counts).
+        """
         with self._lock:
             why = self._failed
             if why is None and time.monotonic() >= self._valid_until:
                 why = "held past its time without a request"
-            if why is None and not self._asking and _readable(self.conn):
+            if why is None and peek and not self._asking and _readable(self.conn):
                 why = "the holder closed the connection"
             if why is not None:
                 self._failed = why
@@ -194,11 +198,12 @@ class HeldLease:
 
 def _readable(conn: socket.socket) -> bool:
     """Whether ``conn`` has something to read: with no request out, only a close."""
+    poller = select.poll()
     try:
-        ready, _, _ = select.select([conn], [], [], 0)
+        poller.register(conn, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
-    return bool(ready)
 
 
 def _merged(spans: list[tuple[int, int]], new: tuple[int, int]) -> list[tuple[int, int]]:
