@@ -38,6 +38,9 @@ StoreRegion = Region | DeviceRegion | SymmetricBuffer
 
 IN_PLACE_DRAIN_S = 30.0
 """Seconds an in-place fetch waits for peers' reads of the version it overwrites."""
+SNAPSHOT_RETRACT_S = 0.2
+"""Seconds a snapshot publish waits for the hub to retract the version in its active
+buffer, to write into those populated pages instead of a spare still populating."""
 FAILED_DRAIN_S = 0.5
 """Seconds a failed fetch waits for peers' reads of its partial replica before it raises
 (and a fetch for its early exposure in other chunks than the publisher's); a buffer
@@ -261,6 +264,28 @@ class StoreBuffers(StoreState):
         """
         return self.pool.take(self._reclaim, self._new_region)
 
+    def _snapshot_buffer(self) -> Buffer:
+        """The buffer a snapshot `publish` fills: a spare (`_spare_buffer`), with one exception.
+
+        A store that only publishes (nothing attached) whose spare is still populating
+        (its first versions, back to back) takes its active buffer instead, whose pages
+        are there, if its version may go: no read of it in flight here, and the hub lets
+        it retract (other workers hold it) at once. Else the spare, finished in line.
+        """
+        active = self.pool.active
+        if (self._attached is None and active is not None and active.version is not None
+                and active.exposed is not None and not active.exposed.inflight
+                and not active.pending and not active.releasing and _populated(active)
+                and any(not _populated(b) for b in self.pool.unused())):
+            try:
+                state = self.retract(active.version, wait=SNAPSHOT_RETRACT_S)
+            except RetentionError:
+                state = "kept"
+            if state == "done":
+                self.pool.forget(active)
+                return active
+        return self._spare_buffer()
+
     def _take_active(self) -> Buffer:
         """The active buffer, to fetch a version into in place: its own is retracted first.
 
@@ -385,3 +410,9 @@ class StoreBuffers(StoreState):
             for name, tensor in self._attached.items():
                 tensor.data = new[name]
         self._prepare_spare()
+
+
+def _populated(buffer: Buffer) -> bool:
+    """Whether every page of ``buffer`` is there (always, outside host memory)."""
+    region = buffer.region
+    return not isinstance(region, Region) or region.populated_bytes >= region.nbytes

@@ -155,7 +155,7 @@ class StorePublishing(StoreBuffers):
                 prepared = (self._prepare(obj, dtype, normalize_names) if obj is not None
                             else prepare(self._require_attached(), dtype=dtype))
                 self._adopt(prepared)
-                buffer = self._ready(self._spare_buffer())
+                buffer = self._ready(self._snapshot_buffer())
                 checksums = self._pack(prepared, buffer, self.chunk_size)
             else:
                 self._check_in_place(obj, normalize_names)

@@ -642,6 +642,33 @@ def test_fetch_overtaking_a_background_populate_is_exact(hub, monkeypatch):
     assert not populate_threads(files) and not any(p.exists() for p in files)
 
 
+def test_back_to_back_snapshots_reuse_the_populated_buffer_while_the_spare_populates(
+        hub, monkeypatch):
+    """The README's trainer publishing its second version before its spare is there.
+
+    With a reader holding v1, v2 goes into v1's (populated) buffer, not the spare still
+    faulting in; with nobody else holding v1, the trainer keeps it and fills the spare.
+    """
+    slow_populate(monkeypatch, 0.2)  # spares stay cold through the test
+    trainer, rollout = hub("trainer"), hub("rollout")
+    alone = trainer.model("m", chunk_size=CHUNK)
+    v1 = alone.publish(big(1))
+    first, [spare] = alone.pool.active, spares(alone)
+    alone.publish(big(2))  # nobody else holds v1: it stays, and v2 fills the spare in line
+    assert alone.pool.active is spare and first.version == v1
+
+    store = trainer.model("n", chunk_size=CHUNK)
+    v1 = store.publish(big(1))
+    first, [spare] = store.pool.active, spares(store)
+    reader = rollout.model("n", chunk_size=CHUNK)
+    reader.fetch(v1)
+    v2 = store.publish(big(2))  # the reader holds v1: v2 takes its populated buffer
+    assert store.pool.active is first and first.version == v2 and spare.version is None
+    assert spare.region.populated_bytes < spare.region.nbytes
+    reader.fetch(v2)
+    assert all(torch.equal(reader.tensors[n], t) for n, t in big(2).items())
+
+
 def test_close_while_spares_populate_leaves_no_thread_or_file(hub, monkeypatch):
     slow_populate(monkeypatch, 0.05)
     store = hub("rollout").model("m", chunk_size=CHUNK)
