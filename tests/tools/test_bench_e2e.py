@@ -85,9 +85,11 @@ def test_a_cold_start_times_every_version_and_splits_publish_from_fetch(capsys):
     with hard_timeout(120):
         assert main(["bench", "e2e", "--cold-start", "--readers", "1", "--size", "8MB",
                      "--versions", "3", "--step-seconds", "0.2", "--chunk-size", "1MiB",
-                     "--systems", "weightfabric-snapshot,memcpy", "--json"]) == 0
+                     "--systems", "weightfabric-snapshot,memcpy", "--verify", "last",
+                     "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["cold_start"] is True and r["step_s"] == 0.2 and r["verified"] is True
+    assert r["verify"] == "last"
     assert r["device"] == "cpu" and r["devices"] == ["cpu", "cpu"]
     run = r["runs"]["weightfabric-snapshot"]
     assert run["verified"] is True and run["cold_start"] is True
