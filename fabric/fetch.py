@@ -184,8 +184,10 @@ def band_verify_rule(verify: bool | None) -> Callable[[Source], bool]:
     return lambda source: bool(verify)
 
 
-ChecksumFn = Callable[[int, torch.Tensor], int]
-"""(chunk index, chunk bytes) -> checksum, the same function the publisher used."""
+ChecksumFn = Callable[[int, torch.Tensor], list[int]]
+"""(first chunk index, bytes of whole chunks from it, end to end) -> their checksums, one
+per chunk, the function the publisher used: a read's chunks checksummed in one call (one
+kernel launch and one device sync on a GPU, not one per chunk)."""
 
 CopyChecksumFn = Callable[[torch.Tensor, torch.Tensor, int], list[int]]
 """(dst, src, first chunk) -> the checksums of the chunks copied: copies ``src`` into
@@ -259,7 +261,7 @@ def fetch_chunks(dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress
         choose: the transport to read a source's region with (it may raise
             `TransportError`, e.g. when it must ask the source and cannot reach it).
         checksums, checksum_fn: expected per-chunk checksums and the function that
-            computes one; verification is skipped when either is None.
+            computes those of a run of chunks; verification is skipped when either is None.
         copy_checksums: the same checksums computed while copying, for transports that
             copy (`Transport.fuses_copy`): a verified read then passes over the bytes
             once, not twice.
@@ -633,8 +635,9 @@ class _FetchRun:
                 corrupted: tuple[int, ...] = ()
                 if checking:
                     assert self.checksum_fn is not None
-                    if len(sums) < len(done):  # the transport copied without the sums
-                        sums = [self.checksum_fn(c, self.chunk_bytes(c)) for c in done]
+                    if len(sums) < len(done) and done:  # the transport copied without them
+                        end = min((done[-1] + 1) * self.chunk_size, self.dest.numel())
+                        sums = self.checksum_fn(done[0], self.dest[lo:end])
                     if self.checksums is not None:
                         corrupted = tuple(c for i, c in enumerate(done)
                                           if sums[i] != self.checksums[c])

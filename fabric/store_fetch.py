@@ -311,8 +311,8 @@ class StoreFetching(StoreBuffers):
                 planner=HubPlanner(hub, plan, me=hub.location), choose=choose,
                 checksums=list(manifest.checksums) if deferred is None else None,
                 deferred=deferred,
-                checksum_fn=lambda c, piece: int(chunk_checksums(
-                    piece, manifest.chunk_size, first_chunk=c)[0]),
+                checksum_fn=lambda c, piece: chunk_checksums(
+                    piece, manifest.chunk_size, first_chunk=c).tolist(),
                 copy_checksums=lambda dst, src, c: copy_with_checksums(
                     dst, src, manifest.chunk_size, first_chunk=c).tolist(),
                 verify=verify_rule(verify), options=options, on_chunk=on_chunk,

@@ -41,6 +41,12 @@ def crc(chunk: int, piece: torch.Tensor) -> int:
     return zlib.crc32(piece.numpy().tobytes(), chunk)
 
 
+def crcs(first: int, piece: torch.Tensor) -> list[int]:
+    """`crc` of each chunk of a run of chunks from ``first`` (the engine's checksum_fn)."""
+    return [crc(first + i, piece[i * CHUNK:(i + 1) * CHUNK])
+            for i in range(-(-piece.numel() // CHUNK))]
+
+
 EXPECTED = [crc(c, data()[c * CHUNK:(c + 1) * CHUNK]) for c in range(NUM_CHUNKS)]
 
 
@@ -82,7 +88,7 @@ def run(planner, transport, dest=None, progress=None, options=LIMITS, **kw):
     """Fetch the 11 chunks (verified) through `transport`; returns (dest, progress, stats)."""
     dest = torch.zeros(NBYTES, dtype=torch.uint8) if dest is None else dest
     progress = progress or ChunkProgress(NUM_CHUNKS)
-    kw.setdefault("checksum_fn", crc)
+    kw.setdefault("checksum_fn", crcs)
     stats = fetch_chunks(dest, chunk_size=CHUNK, progress=progress, planner=planner,
                          choose=lambda _: transport, checksums=EXPECTED, options=options, **kw)
     return dest, progress, stats
@@ -171,13 +177,14 @@ def test_a_transport_that_copies_verifies_in_its_copy(tcp):
     (a, src_a), (b, src_b) = bad_and_good(2 * CHUNK + 10)
     separate: list[int] = []
 
-    def counted(chunk, piece):
-        separate.append(chunk)
-        return crc(chunk, piece)
+    def counted(first, piece):
+        sums = crcs(first, piece)
+        separate.extend(range(first, first + len(sums)))
+        return sums
 
     def copy_crc(dst, src, first):
         dst.copy_(src)
-        return [crc(first + i, dst[i * CHUNK:(i + 1) * CHUNK]) for i in range(-(-dst.numel() // CHUNK))]
+        return crcs(first, dst)
 
     try:
         dest = torch.zeros(NBYTES, dtype=torch.uint8)
