@@ -673,7 +673,7 @@ class _FetchRun:
         with turn:
             with self.held_lock:
                 lease = self.held.get(source)
-            if lease is not None and not lease.failed:
+            if lease is not None and not lease.failed and not lease.lapsed:
                 return lease
             new: HeldLease = transport.hold(  # type: ignore[attr-defined]
                 source.address, source.region, self.dest.numel(), timeout=timeout, abort=abort)

@@ -82,6 +82,16 @@ class HeldLease:
         """The lease ended early (its reads fail; take another one)."""
         return self._failed is not None
 
+    @property
+    def lapsed(self) -> bool:
+        """No request renewed it in time: the holder may have ended it (take another one).
+
+        Not a failure of the holder: a fetch busy with other sources for ``hold`` seconds
+        lets its lease on this one lapse.
+        """
+        with self._lock:
+            return time.monotonic() >= self._valid_until
+
     def read(self, offset: int, out: torch.Tensor, *, timeout: float, prefix: bool = False,
              abort: ReadAbort | None = None, copy: CopyFn | None = None) -> int:
         """Copy the holder's bytes at `offset` into `out` (as `Transport.read`).

@@ -19,7 +19,7 @@ from timeouts import hard_timeout
 from weightfabric.fabric.arena import Region
 from weightfabric.fabric.auth import CapabilityCheck, capability, scope_of
 from weightfabric.fabric.errors import ReadForbiddenError
-from weightfabric.fabric.fetch import FetchOptions
+from weightfabric.fabric.fetch import Assignment, FetchOptions, Source, fetch_chunks
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.regions import region_name
 from weightfabric.fabric.transports import ReadRefusedError, ReadServer, SourceLostError, client
@@ -101,7 +101,9 @@ def test_a_hold_renews_itself_and_a_lapsed_one_fails_its_reads(shm, monkeypatch)
         out = torch.zeros(CHUNK, dtype=torch.uint8)
         time.sleep(0.5)  # over half the hold: the next read renews it first
         assert lease.read(0, out, timeout=5) == CHUNK and lease.waits == 1
-        time.sleep(1.2)  # the holder cut it
+        assert not lease.lapsed
+        time.sleep(1.2)  # the holder cut it: a fetch takes a new lease, the holder is fine
+        assert lease.lapsed and not lease.failed
         with pytest.raises(SourceLostError, match="ended"):
             lease.read(0, out, timeout=5)
         assert lease.failed and lease.close() is False
@@ -191,3 +193,25 @@ def test_a_holder_that_reuses_or_frees_its_buffers_is_never_read_stale(workers):
         assert all(torch.equal(store.tensors[n], t) for n, t in tensors.items()), step
     # v3 reused v1's buffer (same file, retracted first); v4 a new one after the release
     assert paths[2] == paths[0] and paths[3] not in paths[:3]
+
+
+def test_a_lease_that_lapses_between_reads_is_taken_again_not_counted_a_failure(
+        shm, monkeypatch):
+    monkeypatch.setattr(server_module, "LEASE_HOLD", 0.8)
+    with hard_timeout(30), shm_holder(4 * CHUNK) as (server, data):
+        source = Source("holder", server.address, R)
+
+        class Planner:
+            def plan(self, missing, failed):
+                return [] if "holder" in failed else [Assignment(tuple(missing), (source,))]
+
+            def report(self, chunks):
+                pass
+
+        dest = torch.zeros_like(data)
+        stats = fetch_chunks(dest, chunk_size=CHUNK, progress=ChunkProgress(4),
+                             planner=Planner(), choose=lambda _: shm,
+                             before_write=lambda lo, hi: time.sleep(0.7 if lo else 0),
+                             options=FetchOptions(max_inflight=1, read_bytes=CHUNK))
+        assert torch.equal(dest, data) and stats.failed_sources == []
+        assert stats.leases >= 2  # the pauses outlasted the hold: leases taken again
