@@ -58,11 +58,12 @@ class HeldLease:
         source, region: where the bytes are.
         source_bytes: the holder's bytes of a range, as mapped here.
         copy: how bytes are copied from the holder (default ``dst.copy_(src)``).
+        granted: when the ``HOLD`` reply arrived (`time.monotonic`; default: now).
     """
 
     def __init__(self, conn: socket.socket, release: ExitStack, grant: client.HoldGrant,
                  source: SourceAddress, region: str, source_bytes: SourceBytes, *,
-                 copy: CopyFn = _copy) -> None:
+                 copy: CopyFn = _copy, granted: float | None = None) -> None:
         self.conn, self.grant, self.source, self.region = conn, grant, source, region
         self._release, self._bytes, self._default_copy = release, source_bytes, copy
         self._present: list[tuple[int, int]] = [(0, grant.nbytes)] if grant.complete else []
@@ -70,7 +71,8 @@ class HeldLease:
         self._lock = threading.Lock()        # the fields below
         self._asking = 0                     # requests out on the connection
         self._margin = min(MARGIN_S, grant.hold / 4)
-        self._valid_until = time.monotonic() + grant.hold - self._margin
+        since = time.monotonic() if granted is None else granted
+        self._valid_until = since + grant.hold - self._margin
         self._failed: str | None = None
         self.copied = 0
         """Bytes copied under the lease (told to the holder by `close`)."""
@@ -122,7 +124,7 @@ class HeldLease:
         """END the lease, telling the holder the bytes copied; False if not acknowledged.
 
         The copies were checked as they finished, so an END that fails costs nothing
-        already marked; the connection is given back (or closed) either way.
+        already marked; the connection and the mapping are released either way.
         """
         try:
             if self._failed is not None:
@@ -247,6 +249,7 @@ def take(source: SourceAddress, region: str, nbytes: int, *, timeout: float,
     stack.callback(conn.close)
     try:
         grant = client.hold(conn, source, region, offset=0, nbytes=nbytes, timeout=timeout)
+        granted = time.monotonic()
         if abort is not None and abort.unwatch(conn):
             raise SourceLostError(f"hold of {region!r} at {source.host}:{source.port} aborted")
         reach = source_bytes(grant, stack)
@@ -255,7 +258,7 @@ def take(source: SourceAddress, region: str, nbytes: int, *, timeout: float,
             abort.unwatch(conn)
         stack.close()
         raise
-    return HeldLease(conn, stack, grant, source, region, reach, copy=copy)
+    return HeldLease(conn, stack, grant, source, region, reach, copy=copy, granted=granted)
 
 
 __all__ = ["MARGIN_S", "HeldLease", "SourceBytes", "take"]
