@@ -392,6 +392,8 @@ class _FetchRun:
                         retry += bad
                     self.requeue(rests, retry)
                     self.report(finished)
+                    if not self.queue:
+                        self.end_idle_leases()
                 self.flush_reports(wait=True)
         finally:
             self.close()
@@ -683,6 +685,18 @@ class _FetchRun:
                 if lease is not None:  # other reads may still be copying under it
                     self.retired.append(lease)
         return new
+
+    def end_idle_leases(self) -> None:
+        """End the held leases of the sources no read in flight uses (none is queued).
+
+        So that a fetch left waiting on a slow source does not keep the others' versions
+        from being retracted; a source read again later is leased again.
+        """
+        busy = {read.source for read in self.inflight.values()}
+        with self.held_lock:
+            leases = [self.held.pop(s) for s in [s for s in self.held if s not in busy]]
+        for lease in leases:
+            lease.close()
 
     def end_leases(self) -> None:
         """End every held lease (once no read is in flight: `close`)."""

@@ -215,3 +215,33 @@ def test_a_lease_that_lapses_between_reads_is_taken_again_not_counted_a_failure(
                              options=FetchOptions(max_inflight=1, read_bytes=CHUNK))
         assert torch.equal(dest, data) and stats.failed_sources == []
         assert stats.leases >= 2  # the pauses outlasted the hold: leases taken again
+
+
+def test_a_fetch_waiting_on_a_partial_source_ends_its_lease_on_a_done_one(shm):
+    progress = ChunkProgress(4)
+    with hard_timeout(30), shm_holder(4 * CHUNK) as (done_server, data), \
+            shm_holder(4 * CHUNK, progress=progress) as (partial_server, _):
+        done = Source("done", done_server.address, R)
+        partial = Source("partial", partial_server.address, R)
+
+        class Planner:  # chunks 0-1 from the complete holder, 2-3 from the partial one
+            def plan(self, missing, failed):
+                return [Assignment(tuple(c for c in missing if c < 2), (done,)),
+                        Assignment(tuple(c for c in missing if c >= 2), (partial,))]
+
+            def report(self, chunks):
+                pass
+
+        dest = torch.zeros_like(data)
+        result = []
+        fetch = threading.Thread(target=lambda: result.append(fetch_chunks(
+            dest, chunk_size=CHUNK, progress=ChunkProgress(4), planner=Planner(),
+            choose=lambda _: shm, options=FetchOptions(read_bytes=CHUNK))))
+        fetch.start()
+        time.sleep(0.5)  # chunks 0-1 are in; 2-3 wait at the partial holder
+        assert not result and dest[:2 * CHUNK].equal(data[:2 * CHUNK])
+        assert done_server.retract(R, timeout=1)  # no lease left on it
+        progress.mark(2)
+        progress.mark(3)
+        fetch.join(10)
+        assert result and torch.equal(dest, data) and result[0].failed_sources == []
