@@ -362,10 +362,11 @@ class _FetchRun:
         self.reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wf-report")
         self.reporting: Future[None] | None = None
         # One held lease per source whose transport holds (`fabric.transports.held`): taken
-        # by the first read from it, shared by the rest, ended when the fetch ends.
+        # by the first read from it, shared by the rest, ended when no read of the source
+        # is queued or in flight (`end_idle_leases`), or when the fetch ends.
         self.held: dict[Source, HeldLease] = {}
         self.holding: dict[Source, threading.Lock] = {}  # one lease taken at a time per source
-        self.retired: list[HeldLease] = []  # failed leases, closed with the rest at the end
+        self.retired: list[HeldLease] = []  # failed or lapsed, closed with the rest at the end
         self.held_lock = threading.Lock()  # `held`, `holding` and `stats.leases`
 
     # --- the loop -------------------------------------------------------------------------
