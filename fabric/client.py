@@ -266,6 +266,7 @@ class HubClient:
         self._registrations = 0  # registrations done, restore included (`_registered_since`)
         self._register_lock = threading.RLock()  # held by a registration and its restore
         self._hb_stop = threading.Event()
+        self._left = False  # `unregister` was called: no registering again by itself
         self._hb_thread: threading.Thread | None = None
         self._want_heartbeat = heartbeat
 
@@ -294,15 +295,19 @@ class HubClient:
 
     def close(self) -> None:
         """Stop heartbeats and close the socket (the lease then runs out at the hub)."""
-        self._hb_stop.set()
-        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
-            self._hb_thread.join(5)
+        self._stop_heartbeats()
         for name, lock in self._chan_locks.items():
             with lock:
                 self._closed = True
                 sock = self._socks.pop(name, None)
                 if sock is not None:
                     sock.close(0)
+
+    def _stop_heartbeats(self) -> None:
+        """Stop the heartbeat thread and wait for it (a heartbeat in flight ends first)."""
+        self._hb_stop.set()
+        if self._hb_thread is not None and self._hb_thread is not threading.current_thread():
+            self._hb_thread.join(5)
 
     def __enter__(self) -> HubClient:
         return self
@@ -491,6 +496,8 @@ class HubClient:
         with self._register_lock:
             if self._registrations != registrations:
                 return True
+            if register and self._left:
+                return False  # it left on purpose (`unregister`): never back by itself
             if register:
                 log.warning("lease of worker=%s had expired; registering again", self.worker)
                 self._register(channel)
@@ -931,7 +938,14 @@ class HubClient:
         return self.request(StatusRequest(), StatusReply)
 
     def unregister(self) -> None:
-        """Leave now: the hub drops this worker's replicas and fetches."""
+        """Leave now: the hub drops this worker's replicas and fetches.
+
+        Heartbeats stop first, and no later call registers the worker again by itself, so
+        its id is free at once for a new client (a heartbeat after the unregister would
+        have registered it again, and held the id for a lease).
+        """
+        self._stop_heartbeats()
+        self._left = True
         self.request(UnregisterRequest(worker=self._me()), EmptyReply)
         with self._lock:
             self._holdings.clear()

@@ -526,3 +526,15 @@ def test_a_hub_restarted_at_once_binds_the_same_address() -> None:
             hub.stop()
     finally:
         peer.close(0)
+
+
+def test_a_worker_that_unregistered_is_not_registered_again_by_its_heartbeats():
+    with wf.serve("tcp://127.0.0.1:0", lease_s=0.6) as hub:
+        worker = wf.join(hub.url, worker="engine-rank0")
+        try:
+            worker.hub.unregister()  # e.g. a vLLM engine re-initialised for another model
+            time.sleep(1.0)  # several heartbeat intervals (lease / 3)
+            with wf.join(hub.url, worker="engine-rank0") as again:  # the id is free
+                assert again.name == "engine-rank0"
+        finally:
+            worker.close()
