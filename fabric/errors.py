@@ -197,13 +197,34 @@ class ForbiddenError(HubError):
     code = "forbidden"
 
 
+class NotLeaderError(HubError):
+    """This hub is a standby (or was deposed): another hub on the same etcd leads.
+
+    The message names the leader's URL when one is known; a client given several hub
+    URLs moves on by itself (`fabric.connect`).
+    """
+
+    code = "not_leader"
+
+
+class StoreUnavailableError(HubError):
+    """The hub cannot write its records: its etcd cluster has no quorum or does not answer.
+
+    Nothing the operation would have changed was kept; retry once etcd is back (reads
+    such as plans of committed versions go on meanwhile).
+    """
+
+    code = "store_unavailable"
+
+
 _HUB_ERRORS: dict[str, type[HubError]] = {
     cls.code: cls
     for cls in (HubError, HubTimeoutError, HubUnavailableError, ProtocolError, BadRequestError,
                 UnknownWorkerError, DuplicateWorkerError, UnknownModelError,
                 UnknownVersionError, UnknownFetchError, ManifestMismatchError,
                 InvalidStateError, RetentionError, NoSourceError, GroupAbortedError,
-                ValueTooLargeError, AuthenticationError, ForbiddenError)
+                ValueTooLargeError, AuthenticationError, ForbiddenError, NotLeaderError,
+                StoreUnavailableError)
 }
 
 
@@ -230,6 +251,7 @@ __all__ = [
     "LayoutMismatchError",
     "ManifestMismatchError",
     "NoSourceError",
+    "NotLeaderError",
     "ProtocolError",
     "NoBaseError",
     "ReadForbiddenError",
@@ -237,6 +259,7 @@ __all__ = [
     "ReplicationTimeoutError",
     "RetentionError",
     "SourceLostError",
+    "StoreUnavailableError",
     "TensorSetError",
     "TransportError",
     "UnknownFetchError",
