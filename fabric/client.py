@@ -41,6 +41,7 @@ from weightfabric.fabric.errors import (
     AuthenticationError,
     HubTimeoutError,
     HubUnavailableError,
+    NotLeaderError,
     ProtocolError,
     UnknownFetchError,
     UnknownVersionError,
@@ -125,6 +126,9 @@ T = TypeVar("T")
 
 _RESTORE_CODES = (UnknownWorkerError.code, UnknownFetchError.code)
 _NO_REREGISTER = ("register", "restore", "unregister")
+_QUERIES = frozenset({"group_status", "kv_get", "latest", "locate", "retract_status", "status",
+                      "wait_commit", "wait_version"})
+"""Operations that change nothing at the hub (its ``READ_ONLY`` but ``ping``)."""
 MAX_KV_VALUE = 64 * 1024      # the hub's limit (fabric.hub.state.MAX_KV_VALUE), checked early
 
 
@@ -229,13 +233,18 @@ class _Holding:
 class HubClient:
     """A connection to a hub, optionally as a registered worker. Use `fabric.connect`."""
 
-    def __init__(self, url: str, *, worker: str | None = None,
+    def __init__(self, url: str | list[str], *, worker: str | None = None,
                  location: Location | dict[str, str] | None = None,
                  endpoints: Endpoints | None = None, timeout: float = 10.0,
                  heartbeat: bool = True, max_message_size: int = MAX_MESSAGE_SIZE,
                  secret: str | None = None, secret_file: str | Path | None = None,
                  insecure: bool = False) -> None:
-        self.url = url
+        self.urls = [u.strip() for u in (url.split(",") if isinstance(url, str) else url)
+                     if u.strip()]
+        """The hubs of the service, in the order tried (one URL: a single hub)."""
+        if not self.urls:
+            raise ValueError("connect needs a hub URL")
+        self._hub = 0        # index in `urls` of the hub the next request goes to
         self.credential: Credential | None = (
             None if insecure else load_credential(secret=secret, secret_file=secret_file))
         """What this client signs its requests with (None: ``insecure``)."""
@@ -255,12 +264,13 @@ class HubClient:
         self.on_quarantine: Callable[[str, int, int], None] | None = None
         """Called (on the heartbeat thread) for each replica the hub quarantined: the worker
         sets it to stop serving that version (`ModelStore.quarantine`)."""
-        self._endpoint = endpoint(url, bind=False)
+        for u in self.urls:
+            endpoint(u, bind=False)   # a bad URL fails here, not at the first call
         self._ids = itertools.count(1)
         self._lock = threading.RLock()
         self._chan_locks = {"main": threading.RLock(), "heartbeat": threading.RLock()}
         self._holdings: dict[tuple[str, int, int], _Holding] = {}
-        self._socks: dict[str, zmq.Socket] = {}
+        self._socks: dict[str, tuple[zmq.Socket, str]] = {}   # channel -> socket, its hub
         self._closed = False
         self._restoring = False
         self._registrations = 0  # registrations done, restore included (`_registered_since`)
@@ -269,6 +279,23 @@ class HubClient:
         self._left = False  # `unregister` was called: no registering again by itself
         self._hb_thread: threading.Thread | None = None
         self._want_heartbeat = heartbeat
+
+    @property
+    def url(self) -> str:
+        """The hub requests go to now (of a service: the one that answered last)."""
+        return self.urls[self._hub]
+
+    def _next_hub(self, tried: str, why: str) -> None:
+        """Move on from hub ``tried`` to the service's next (every channel follows).
+
+        Nothing changes when another channel already moved on from ``tried``: two channels
+        that both found a hub silent move one step, not two.
+        """
+        with self._lock:
+            if self.url != tried:
+                return
+            self._hub = (self._hub + 1) % len(self.urls)
+        log.info("hub %s %s; trying %s", tried, why, self.url)
 
     # ------------------------------------------------------------- lifecycle
     def open(self) -> HubClient:
@@ -282,7 +309,7 @@ class HubClient:
             self.request(PingRequest(), PingReply)
         except HubTimeoutError as exc:
             self.close()
-            raise HubUnavailableError(f"no hub answered at {self.url} within "
+            raise HubUnavailableError(f"no hub answered at {','.join(self.urls)} within "
                                       f"{self.timeout:g} s; is `fabric hub serve` running "
                                       "there?") from exc
         if self.worker is not None:
@@ -299,9 +326,9 @@ class HubClient:
         for name, lock in self._chan_locks.items():
             with lock:
                 self._closed = True
-                sock = self._socks.pop(name, None)
-                if sock is not None:
-                    sock.close(0)
+                held = self._socks.pop(name, None)
+                if held is not None:
+                    held[0].close(0)
 
     def _stop_heartbeats(self) -> None:
         """Stop the heartbeat thread and wait for it (a heartbeat in flight ends first)."""
@@ -355,6 +382,7 @@ class HubClient:
     def _call_once(self, op: str, args: Body, timeout: float | None,
                    wait_s: float, channel: str, retried: bool = False) -> Message:
         limit = (self.timeout if timeout is None else timeout) + wait_s
+        deadline = time.monotonic() + limit
         with self._chan_locks[channel]:
             if self._closed:
                 raise HubUnavailableError("this hub client is closed; connect again")
@@ -363,16 +391,29 @@ class HubClient:
                 registrations = self._registrations
             data = encode(REQUEST, req_id, self.session, op, args,
                           max_size=self.max_message_size)
-            msg = self._exchange(channel, op, req_id, data, limit, wait_s)
+            for tries in itertools.count():
+                msg = self._exchange(channel, op, req_id, data,
+                                     max(deadline - time.monotonic(), 0.0), wait_s)
+                # A standby of a service: on to the next hub until the leader answers.
+                if (msg.kind != ERROR or msg.name != NotLeaderError.code
+                        or len(self.urls) == 1 or time.monotonic() + 0.05 >= deadline):
+                    break
+                self._next_hub(self._socks[channel][1], "stands by")
+                if tries % len(self.urls) == len(self.urls) - 1:   # each hub asked: no leader
+                    time.sleep(min(0.05 * 2 ** (tries // len(self.urls)), 0.5,
+                                   max(0.0, deadline - time.monotonic())))
         with self._lock:
             epoch_changed = self.epoch is not None and msg.tag != self.epoch
             self.epoch = msg.tag
         restore_retry = msg.kind == ERROR and not retried and msg.name in _RESTORE_CODES
         if epoch_changed and self.worker is not None and op not in ("register", "restore"):
-            log.warning("hub restarted (new epoch); re-registering worker=%s", self.worker)
+            log.warning("new hub epoch (a restart, or another hub leads); re-registering "
+                        "worker=%s", self.worker)
             with self._register_lock:
                 self._register(channel)
-            if restore_retry:
+            # A query the new hub answered before it knew what this worker holds is asked
+            # again (queries change nothing, so asking twice is safe).
+            if (restore_retry or op in _QUERIES) and not retried:
                 return self._call_once(op, args, timeout, wait_s, channel, retried=True)
         elif (restore_retry and self.worker is not None and op not in _NO_REREGISTER
               and self._registered_since(channel, registrations,
@@ -419,12 +460,17 @@ class HubClient:
                 # Drop the queued request so it cannot reach a hub that comes back later
                 # (it would run there with nobody waiting for the answer).
                 self._reset_socket(channel)
-                raise HubTimeoutError(f"hub at {self.url} did not answer {op!r} within "
+                raise HubTimeoutError(f"hub at {','.join(self.urls)} did not answer {op!r} within "
                                       f"{limit:g} s ({attempt + 1} attempts); it may be down "
                                       "or overloaded")
             attempt += 1
+            tried = self._socks[channel][1]
             self._reset_socket(channel)
-            time.sleep(min(0.05 * 2 ** attempt, 1.0, max(0.0, deadline - time.monotonic())))
+            backoff = 0.05 * 2 ** attempt
+            if len(self.urls) > 1:   # on to the next hub of the service, soon
+                self._next_hub(tried, "did not answer")
+                backoff = min(backoff, 0.2)
+            time.sleep(min(backoff, 1.0, max(0.0, deadline - time.monotonic())))
 
     def _authentic(self, msg: Message, raw: bytes, rest: list[bytes], mac: bytes) -> bool:
         """Whether to take reply ``msg``: the hub signed it for this request (unless insecure).
@@ -449,24 +495,27 @@ class HubClient:
         return False
 
     def _socket(self, channel: str) -> zmq.Socket:
-        sock = self._socks.get(channel)
-        if sock is None:
-            sock = make_socket(zmq.DEALER, max_message_size=self.max_message_size)
-            if encrypted(self.url):
-                if self.credential is None or not self.credential.hub_key:
-                    sock.close(0)
-                    raise AuthenticationError(f"{self.url} is encrypted: connect with the "
-                                              "hub's secret or a token it issued")
-                sock.curve_serverkey = self.credential.hub_key
-                sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-            sock.connect(self._endpoint)
-            self._socks[channel] = sock
+        held = self._socks.get(channel)
+        if held is not None and held[1] == self.url:
+            return held[0]
+        self._reset_socket(channel)   # a socket to a hub the client has moved away from
+        url = self.url
+        sock = make_socket(zmq.DEALER, max_message_size=self.max_message_size)
+        if encrypted(url):
+            if self.credential is None or not self.credential.hub_key:
+                sock.close(0)
+                raise AuthenticationError(f"{url} is encrypted: connect with the "
+                                          "hub's secret or a token it issued")
+            sock.curve_serverkey = self.credential.hub_key
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.connect(endpoint(url, bind=False))
+        self._socks[channel] = (sock, url)
         return sock
 
     def _reset_socket(self, channel: str) -> None:
-        sock = self._socks.pop(channel, None)
-        if sock is not None:
-            sock.close(0)
+        held = self._socks.pop(channel, None)
+        if held is not None:
+            held[0].close(0)
 
     # ------------------------------------------------------------- liveness
     def _register(self, channel: str = "main") -> None:
@@ -951,7 +1000,7 @@ class HubClient:
             self._holdings.clear()
 
 
-def connect(url: str, *, worker: str | None = None,
+def connect(url: str | list[str], *, worker: str | None = None,
             location: Location | dict[str, str] | None = None,
             endpoints: Endpoints | None = None, timeout: float = 10.0,
             heartbeat: bool = True, secret: str | None = None,
@@ -959,7 +1008,9 @@ def connect(url: str, *, worker: str | None = None,
     """Connect to a hub; with ``worker``, register it and keep its lease by heartbeat.
 
     Args:
-        url: ``tcp://HOST:PORT`` or ``memory://NAME``.
+        url: ``tcp://HOST:PORT`` or ``memory://NAME``; the hubs of a service (hubs over one
+            etcd, ``fabric hub serve --store etcd://...``) as a list or comma-separated:
+            the client finds the leader and moves on by itself when it changes.
         worker: unique worker id (None: an observer that can only query).
         location: datacenter/node/device, used to rank sources.
         endpoints: how peers reach this worker's data plane (opaque to the hub).

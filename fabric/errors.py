@@ -210,8 +210,9 @@ class NotLeaderError(HubError):
 class StoreUnavailableError(HubError):
     """The hub cannot write its records: its etcd cluster has no quorum or does not answer.
 
-    Nothing the operation would have changed was kept; retry once etcd is back (reads
-    such as plans of committed versions go on meanwhile).
+    The hub stands down (what etcd holds is the truth; a write that timed out may or may
+    not have been taken). Retry once etcd is back: a version number is never handed out
+    twice and a version never commits twice. Fetches in flight keep reading meanwhile.
     """
 
     code = "store_unavailable"

@@ -33,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "signed with the deployment secret (created by `fabric hub serve`) or a\n"
                     "token issued from it; see docs/security.md.",
         examples=["fabric hub serve --port 7470 --state-dir /var/lib/fabric-hub",
+                  "fabric hub serve --store etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379",
                   "fabric hub status tcp://127.0.0.1:7470",
                   "fabric hub token --role read --name rollouts > rollout.token"])
 
@@ -41,7 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 "URL' once bound;\nwith --port 0 the OS picks the port. "
                                 "Exits 0 on SIGTERM or Ctrl-C, 1 if it\ncannot serve (e.g. "
                                 "the port is taken), 2 on a bad --port, --state-dir,\n"
-                                "--cluster, --lease (it must be > 0) or secret file.\n\n"
+                                "--store, --cluster, --lease (it must be > 0) or secret file, "
+                                "or an etcd\nthat does not answer.\n\n"
+                                "With --store etcd://... the records live in etcd and several "
+                                "hubs on it form one\nservice: the elected hub leads, the "
+                                "others stand by and take over when it is\ngone (clients "
+                                "list every hub's URL); see docs/operations.md.\n\n"
                                 "Authentication is on: the hub loads the deployment secret "
                                 "from --secret-file\n(default $WEIGHTFABRIC_SECRET_FILE, else "
                                 "~/.config/weightfabric/secret),\ncreating it (mode 0600) if "
@@ -57,6 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--state-dir", help="directory keeping version numbers monotonic across "
                                        "restarts (default: none, numbers restart from the "
                                        "holders' versions)")
+    p.add_argument("--store", metavar="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]",
+                   help="keep the records in etcd (prefix default /weightfabric) and serve "
+                        "as one of the hubs sharing them: one leads, the others stand by "
+                        "(not with --state-dir)")
     p.add_argument("--cluster", help="cluster YAML: plan each version's broadcast on this "
                                      "topology and route readers along the plan (workers name "
                                      "their datacenter, node and device as in the file); "
@@ -112,12 +122,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     handler=_status,
                     description="Models, versions with state and replica counts "
                                 "(full/partial), fetches in\nflight with progress, and "
-                                "worker leases, soonest to expire first. Long names\n"
+                                "worker leases, soonest to expire first; for hubs over etcd, "
+                                "the hubs\n(leader first) and the etcd members with their "
+                                "health. Long names\n"
                                 "wrap inside their column, whole. Exits 1 if no hub "
                                 "answers at URL within\n--timeout, 2 on a malformed URL.",
                     examples=["fabric hub status tcp://127.0.0.1:7470",
-                              "fabric hub status tcp://hub:7470 --json | jq .models"])
-    p.add_argument("url", help="hub URL, e.g. tcp://127.0.0.1:7470")
+                              "fabric hub status tcp://hub:7470 --json | jq .models",
+                              "fabric hub status tcp://hub-a:7470,tcp://hub-b:7470"])
+    p.add_argument("url", help="hub URL, e.g. tcp://127.0.0.1:7470; the hubs of a service "
+                               "comma-separated (the leader answers)")
     p.add_argument("--json", action="store_true", help="print the raw snapshot as JSON")
     p.add_argument("--timeout", type=_seconds, default=5.0,
                    help="seconds to wait for the hub's answer (default 5)")
@@ -166,7 +180,7 @@ def _serve(args: argparse.Namespace) -> int:
         if args.encrypt and args.insecure:
             raise BadInput("--encrypt needs authentication: drop --insecure")
         server = HubServer(f"{scheme}://{args.host}:{args.port}", state_dir=args.state_dir,
-                           lease_s=args.lease, rank_sources=rank_sources,
+                           store=args.store, lease_s=args.lease, rank_sources=rank_sources,
                            plan_routing=routing,
                            secret_file=args.secret_file, insecure=args.insecure, **extra)
     except (ValueError, HubError) as exc:
@@ -202,7 +216,8 @@ def _status(args: argparse.Namespace) -> int:
     from weightfabric.fabric.zmq_util import endpoint
 
     try:
-        endpoint(args.url, bind=False)
+        for url in args.url.split(","):
+            endpoint(url.strip(), bind=False)
     except HubError as exc:  # not a hub URL: bad input, not a hub that failed to answer
         raise BadInput(exc) from exc
     try:
@@ -239,6 +254,20 @@ def render_status(snap: dict, console: Console) -> None:
     if auth:
         style = "bold red" if auth.startswith("OFF") else "green"
         console.print(f"[bold]authentication[/]: [{style}]{auth}[/]")
+    service = snap.get("service") or {}
+    if service.get("role") in ("leader", "standby"):
+        console.print(f"[bold]service[/]: this hub {service['url']} is the "
+                      f"[bold]{service['role']}[/] (led {service['terms']} terms); records in "
+                      f"{service['store']}")
+        console.print("[bold]hubs[/]: " + (", ".join(
+            f"{u} (leader)" if i == 0 else u for i, u in enumerate(service["hubs"]))
+            or "none seen (etcd silent?)"))
+        etcd = _table("etcd member", "endpoint", "health", title="etcd")
+        for m in service["etcd"]:
+            health = ("[green]healthy[/]" + (" (etcd leader)" if m.get("leader") else "")
+                      if m["healthy"] else f"[red]down[/] {m.get('error') or ''}")
+            etcd.add_row(m["name"], m["endpoint"], health)
+        console.print(etcd)
     versions = _table("model", "ver", "state", "shards", "full", "part", "retr", "kept", "note",
                       title="versions (* = latest; full/partial/retracting replicas)")
     for name, m in snap["models"].items():

@@ -25,6 +25,7 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from weightfabric.fabric.hub.records import RetentionPolicy
 
@@ -57,7 +58,19 @@ def load_state(state_dir: Path) -> DurableState:
     if not path.exists():
         return DurableState(versions={})
     try:
-        raw = json.loads(path.read_text())
+        return parse_state(json.loads(path.read_text()))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}; move it away to start fresh (version numbers may "
+                         "then repeat)") from exc
+
+
+def parse_state(raw: dict[str, Any]) -> DurableState:
+    """A `DurableState` from its JSON form (`state_json`).
+
+    Raises:
+        ValueError: ``raw`` is not that form.
+    """
+    try:
         out = DurableState(
             next_versions={str(k): int(v) for k, v in raw["next_versions"].items()},
             policies={str(k): RetentionPolicy(int(p["keep_last"]), int(p["min_replicas"]),
@@ -71,17 +84,14 @@ def load_state(state_dir: Path) -> DurableState:
                              for m, rs in raw.get("seen", {}).items()})
             out.retired = {str(m): {int(n): str(r) for n, r in rs.items()}
                            for m, rs in raw.get("retired", {}).items()}
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a valid hub state file ({exc}); move it away to start "
-                         "fresh (version numbers may then repeat)") from exc
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a valid hub state ({exc!r})") from exc
     return out
 
 
-def save_state(state_dir: Path, state: DurableState) -> None:
-    """Atomically replace the state file."""
-    state_dir = Path(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({
+def state_json(state: DurableState) -> dict[str, Any]:
+    """``state`` as plain JSON data (`parse_state` reads it back)."""
+    return {
         "next_versions": state.next_versions,
         "policies": {k: p.to_wire() for k, p in state.policies.items()},
         "versions": {m: {str(n): list(v) for n, v in vs.items()}
@@ -89,7 +99,14 @@ def save_state(state_dir: Path, state: DurableState) -> None:
         "seen": state.seen,
         "retired": {m: {str(n): r for n, r in sorted(rs.items())[-MAX_RETIRED_KEPT:]}
                     for m, rs in state.retired.items()},
-    }, indent=1)
+    }
+
+
+def save_state(state_dir: Path, state: DurableState) -> None:
+    """Atomically replace the state file."""
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    body = json.dumps(state_json(state), indent=1)
     fd, tmp = tempfile.mkstemp(dir=state_dir, prefix=".hub-state.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -102,4 +119,5 @@ def save_state(state_dir: Path, state: DurableState) -> None:
         raise
 
 
-__all__ = ["MAX_RETIRED_KEPT", "STATE_FILE", "DurableState", "load_state", "save_state"]
+__all__ = ["MAX_RETIRED_KEPT", "STATE_FILE", "DurableState", "load_state", "parse_state",
+           "save_state", "state_json"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import re
 import secrets
 import threading
@@ -34,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import zmq
@@ -55,11 +54,14 @@ from weightfabric.fabric.errors import (
     AuthenticationError,
     BadRequestError,
     HubError,
+    NotLeaderError,
     ProtocolError,
+    StoreUnavailableError,
 )
 from weightfabric.fabric.hub.ops import OPS, READ_ONLY, Answer, Park
-from weightfabric.fabric.hub.persist import load_state, save_state
+from weightfabric.fabric.hub.persist import DurableState
 from weightfabric.fabric.hub.planned import PlanRouter
+from weightfabric.fabric.hub.record_store import DirRecords, MemoryRecords, RecordStore
 from weightfabric.fabric.hub.rights import Rights
 from weightfabric.fabric.hub.state import DEFAULT_LEASE_S, HubState
 from weightfabric.fabric.hub_messages import (
@@ -87,6 +89,9 @@ from weightfabric.fabric.protocol import (
     peek_version,
 )
 from weightfabric.fabric.zmq_util import encrypted, endpoint, make_socket, url_of
+
+if TYPE_CHECKING:
+    from weightfabric.fabric.hub.service import HubService
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +124,9 @@ class HubServer:
         url: ``tcp://HOST:PORT`` (port 0 lets the OS pick), ``curve://HOST:PORT`` (the
             channel encrypted, `fabric.auth`) or ``memory://NAME``.
         state_dir: where version counters and retention policies survive restarts.
+        store: ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``: keep the records in etcd and
+            serve as one of the hubs sharing them (`fabric.hub.service`): the elected one
+            leads, the others answer `NotLeaderError` until they win. Not with ``state_dir``.
         lease_s: worker lease; heartbeats every ``lease_s / 3`` keep it.
         clock: monotonic time source (tests inject one).
         rank_sources: source ranking for plans (default: locality; with ``plan_routing``, its
@@ -134,11 +142,14 @@ class HubServer:
 
     Raises:
         ValueError: the state file is corrupt, the state dir cannot be created or
-            written (checked here, not at the first version), or ``lease_s <= 0``.
+            written (checked here, not at the first version), ``lease_s <= 0``, a bad
+            ``store`` URL, or an etcd key space some other program wrote.
+        StoreUnavailableError: the etcd of ``store`` does not answer.
         AuthenticationError: the secret file is unsafe or not a secret.
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,
+                 store: str | None = None,
                  lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic,
                  rank_sources: RankSources | None = None,
                  plan_routing: PlanRouter | None = None,
@@ -156,20 +167,26 @@ class HubServer:
         self._serve_keys: dict[str, bytes] = {}   # worker -> the key its read server checks
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> credential name
         self.state_dir = Path(state_dir) if state_dir is not None else None
-        if self.state_dir is not None:
-            try:
-                self.state_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise ValueError(f"state dir {self.state_dir}: cannot create it: "
-                                 f"{exc.strerror}") from exc
-            if not os.access(self.state_dir, os.W_OK | os.X_OK):
-                raise ValueError(f"state dir {self.state_dir}: not writable")
-        durable = load_state(self.state_dir) if self.state_dir else None
+        if store is not None and state_dir is not None:
+            raise ValueError("a hub keeps its records in a state dir or in etcd, not both")
+        self.service: HubService | None = None
+        self.records: RecordStore
+        if store is not None:
+            # etcd's modules only when asked for
+            from weightfabric.fabric.hub.service import HubService
+            self.service = HubService(store)
+            self.records = self.service.records
+        else:
+            self.records = (DirRecords(self.state_dir) if self.state_dir is not None
+                            else MemoryRecords())
         if rank_sources is None:
             rank_sources = plan_routing.ranker if plan_routing is not None else rank_by_locality
-        self.state = HubState(clock=clock, lease_s=lease_s, rank_sources=rank_sources,
-                              durable=durable, stall_after=max(lease_s / 3, STALL_MIN_S),
-                              plan_routing=plan_routing)
+        self._new_state = functools.partial(
+            HubState, clock=clock, lease_s=lease_s, rank_sources=rank_sources,
+            stall_after=max(lease_s / 3, STALL_MIN_S), plan_routing=plan_routing)
+        # A hub of a service starts as a standby: it loads the records when it wins.
+        self.state = self._new_state(durable=self.records.load() if self.service is None
+                                     else DurableState())
         self.clock = clock
         self.max_message_size = max_message_size
         self.epoch = secrets.token_hex(8)
@@ -188,6 +205,7 @@ class HubServer:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
+        self._leading = self.service is None
 
     # ------------------------------------------------------------- lifecycle
     def start(self, timeout: float = 10.0) -> HubServer:
@@ -244,7 +262,11 @@ class HubServer:
             self._ready.set()
             return
         self._sock = sock
-        log.info("hub serving url=%s epoch=%s state_dir=%s", self.url, self.epoch, self.state_dir)
+        log.info("hub serving url=%s epoch=%s records=%s", self.url, self.epoch,
+                 self.records.describe)
+        if self.service is not None:
+            self.service.start(self.url)
+            log.info("hub %s stands by until it wins the lead", self.url)
         if self.authority is None:
             log.warning("AUTHENTICATION IS OFF (--insecure): anyone who reaches %s can publish "
                         "weights every reader loads, and read every holder's", self.url)
@@ -270,12 +292,73 @@ class HubServer:
             with contextlib.suppress(zmq.ZMQError):
                 sock.unbind(bound)
             sock.close(0)
+            if self.service is not None:
+                self.service.stop()
             log.info("hub stopped url=%s", self.url)
 
     def _tick(self) -> None:
+        self._check_role()
         self.state.expire()
         self._wake_parked()
-        self._persist()
+        with contextlib.suppress(HubError):   # the hub stood down (`_persist`)
+            self._persist()
+
+    # ------------------------------------------------------------- service
+    @property
+    def leading(self) -> bool:
+        """Whether this hub serves operations (always, unless it is a standby of a service)."""
+        return self._leading
+
+    def _check_role(self) -> None:
+        """Take the lead (load the records) or stand down, as the election says."""
+        if self.service is None or self.service.is_leader == self._leading:
+            return
+        if not self._leading:
+            try:
+                durable = self.records.load()
+            except (HubError, ValueError) as exc:
+                log.warning("hub %s won the lead but cannot load the records (%s); "
+                            "standing down", self.url, exc)
+                self.service.step_down()
+                return
+            self._change_role(self._new_state(durable=durable), leading=True)
+            log.warning("hub %s leads now (term %d): %d models loaded from %s", self.url,
+                        self.service.terms, len(self.state.models), self.records.describe)
+        else:
+            self._stand_down("it lost the lead in etcd")
+
+    def _stand_down(self, why: str) -> None:
+        """Stop serving: forget the state (the records are in etcd) and campaign again."""
+        log.warning("hub %s stands down: %s", self.url, why)
+        assert self.service is not None
+        self.service.step_down()
+        self._change_role(self._new_state(durable=DurableState()), leading=False)
+
+    def _change_role(self, state: HubState, *, leading: bool) -> None:
+        """Swap the state; a new epoch tells every client to register again."""
+        self.state, self._leading = state, leading
+        self.epoch = secrets.token_hex(8)
+        self._saved_generation = state.durable_generation
+        self._failed_generation = -1
+        self._replies.clear()
+        self._replies_size = 0
+        parked, self._parked = self._parked, {}
+        for p in parked.values():
+            self._send(p.ident, self._error_bytes(p.req_id, self._not_leader()), p.caller)
+
+    def _not_leader(self) -> HubError:
+        """Why a standby refuses: another hub leads, or etcd has no quorum (no hub can)."""
+        view = self.service.view if self.service is not None else {}
+        members = view.get("etcd") or []
+        if members and 2 * sum(1 for m in members if m.get("healthy")) <= len(members):
+            return StoreUnavailableError(
+                f"hub {self.url}: etcd has no quorum ({sum(1 for m in members if m['healthy'])}"
+                f" of {len(members)} members answer), so no hub may change the records; "
+                "retry once the members are back")
+        leader = view.get("leader")
+        there = (f"the leader is {leader}" if leader and leader != self.url
+                 else "no hub leads yet (an election is under way)")
+        return NotLeaderError(f"hub {self.url} is a standby; {there}")
 
     def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
         """Run one step of the loop; a bug in it is logged, never ends the loop."""
@@ -332,6 +415,8 @@ class HubServer:
             if op is None:
                 raise BadRequestError(f"unknown operation {msg.name!r}; is the client newer "
                                       "than the hub?")
+            if not self._leading and msg.name != "status":
+                raise self._not_leader()
             who = caller.principal if caller is not None else ADMIN
             req, refused = self.rights.check(self.state, who, msg.name,
                                              _request(msg, op.request))
@@ -394,7 +479,9 @@ class HubServer:
         if isinstance(result, RestoreReply) and refused:
             return msgspec.structs.replace(result, rejected=[*result.rejected, *refused])
         if isinstance(req, StatusRequest) and isinstance(result, dict):
-            return {**result, "auth": self.auth_mode}
+            service = (self.service.status() if self.service is not None
+                       else {"role": "single", "url": self.url, "store": self.records.describe})
+            return {**result, "auth": self.auth_mode, "service": service}
         reader = getattr(req, "worker", None) or who.name
         if isinstance(result, PlanReply) and caller is not None:
             return self._with_caps(result, reader)
@@ -417,6 +504,8 @@ class HubServer:
         """Persist, send the reply, and keep it for retries unless ``cache`` is false."""
         try:
             self._persist()
+        except HubError as exc:
+            data = self._error_bytes(key[1], exc)
         except Exception as exc:  # answer anyway: the caller must not wait for nothing
             log.exception("saving the hub state failed")
             data = self._error_bytes(key[1], HubError(
@@ -465,16 +554,25 @@ class HubServer:
     def _persist(self) -> None:
         """Save the durable state if it changed.
 
+        A hub of a service that cannot save stands down at once (its state in memory
+        holds what etcd does not) and raises the typed error for the reply.
+
         Raises:
-            Exception: whatever saving raised (once per state generation: the timer tick
-                does not retry a failed generation, the next change does).
+            NotLeaderError, StoreUnavailableError: see `RecordStore.save`.
+            Exception: whatever else saving raised (once per state generation: the timer
+                tick does not retry a failed generation, the next change does).
         """
         generation = self.state.durable_generation
-        if self.state_dir is None or generation in (self._saved_generation,
-                                                    self._failed_generation):
+        if generation in (self._saved_generation, self._failed_generation):
             return
         try:
-            save_state(self.state_dir, self.state.durable())
+            self.records.save(self.state.durable())
+        except (NotLeaderError, StoreUnavailableError) as exc:
+            if self.service is None:
+                raise
+            self._stand_down(f"its records could not be saved: {exc}")
+            raise type(exc)(f"{exc}; nothing of this operation was kept (this hub stood "
+                            "down; retry: the leader, once there is one, answers)") from exc
         except Exception:
             self._failed_generation = generation
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import socket
 import threading
 import time
 from typing import Any, TypeVar
@@ -538,3 +539,31 @@ def test_a_worker_that_unregistered_is_not_registered_again_by_its_heartbeats():
                 assert again.name == "engine-rank0"
         finally:
             worker.close()
+
+
+def test_a_client_of_several_hubs_moves_on_from_a_silent_one_and_from_standbys():
+    """Hubs of a service: a silent one and standbys (`NotLeaderError`) are skipped.
+
+    When the lead moves, the worker registers again with what it holds.
+    """
+    with socket.socket() as s, wf.serve("tcp://127.0.0.1:0") as a, \
+            wf.serve("tcp://127.0.0.1:0") as b:
+        s.bind(("127.0.0.1", 0))
+        silent = f"tcp://127.0.0.1:{s.getsockname()[1]}"   # bound, never listening
+        a._leading = False            # a standby (as a hub of a service before it wins)
+        start = time.monotonic()
+        with wf.connect(f"{silent},{a.url},{b.url}", worker="w", timeout=6) as c:
+            assert c.url == b.url
+            assert time.monotonic() - start < 6
+            v = c.begin_publish("m", small_manifest(2))
+            c.commit("m", v)
+            # The lead moves to a: the records go with it, not who holds what.
+            a.state, a._leading = HubState(durable=b.state.durable()), True
+            b._leading = False
+            a.epoch = "new-term"
+            assert c.latest("m") == v      # asked at a once b refused; needs the restore
+            assert c.url == a.url
+            assert [r["worker"] for r in c.status()["workers"]] == ["w"]
+        with pytest.raises(wf.NotLeaderError, match="standby"), \
+                wf.connect(b.url, timeout=2):
+            pass
