@@ -9,17 +9,18 @@ Key space under the store's prefix (default ``/weightfabric``):
   retention and pins, the versions not retired with their state and shard count, the
   numbers ever handed out, the last retired with why): `fabric.hub.persist`'s
   `DurableState`, cut per model so that a change rewrites only its model;
-* ``{prefix}/leader/...`` and ``{prefix}/hubs/...``: the election and the hubs alive
-  (`fabric.hub.leadership`).
+* ``{prefix}/kv/{key}``: one rendezvous key each (value, wall-clock deadline, owner);
+* ``{prefix}/leader/...``: the election, one key per hub (`fabric.hub.service`).
 
 Every save is one etcd transaction guarded by the writer's leadership (the create
 revision of its election key): a hub that lost the lead without knowing it yet
 writes nothing, so two hubs can never hand out the same version number or both
-commit. Only models whose record changed are written.
+commit. Only the records that changed are written.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from typing import Any
@@ -49,7 +50,7 @@ class EtcdRecords:
         self.client = client
         self.prefix = prefix.rstrip("/")
         self.guard = guard
-        self._written: dict[str, bytes] = {}   # model -> its record as last read or written
+        self._written: dict[bytes, bytes] = {}   # etcd key -> record as last read or written
 
     @property
     def describe(self) -> str:
@@ -59,6 +60,10 @@ class EtcdRecords:
     def model_key(self, model: str) -> bytes:
         """The key of ``model``'s record."""
         return f"{self.prefix}/models/{model}".encode()
+
+    def kv_key(self, key: str) -> bytes:
+        """The etcd key of rendezvous key ``key``."""
+        return f"{self.prefix}/kv/{key}".encode()
 
     def load(self) -> DurableState:
         """Every model's record, after checking the key space is this format's.
@@ -71,35 +76,38 @@ class EtcdRecords:
         try:
             fmt = self.client.get(fmt_key)
             if fmt is None:
-                others = self.client.get_prefix(self.prefix + "/")
-                if any(not kv.key.startswith(self._ours) for kv in others):
+                foreign = [kv.key for kv in self.client.get_prefix(self.prefix + "/")
+                           if not kv.key.startswith(self._ours)]
+                if foreign:
                     raise ValueError(
                         f"etcd prefix {self.prefix!r} holds keys no weightfabric hub wrote (e.g. "
-                        f"{others[0].key.decode(errors='replace')!r}); give the hub a prefix of "
+                        f"{foreign[0].decode(errors='replace')!r}); give the hub a prefix of "
                         "its own: etcd://HOST:PORT/PREFIX")
                 self.client.txn([Compare.version(fmt_key, "==", 0)], [Op.put(fmt_key, FORMAT)])
             elif fmt.value != FORMAT:
                 raise ValueError(f"etcd prefix {self.prefix!r} holds records of format "
                                  f"{fmt.value[:40]!r}, not {FORMAT.decode()}; give this hub "
                                  "another prefix")
-            kvs = self.client.get_prefix(f"{self.prefix}/models/")
+            models = self.client.get_prefix(f"{self.prefix}/models/")
+            keys = self.client.get_prefix(f"{self.prefix}/kv/")
         except EtcdError as exc:
             raise StoreUnavailableError(f"cannot read the hub's records from {self.describe}: "
                                         f"{exc}") from exc
-        start = len(self.model_key(""))
-        records = {kv.key[start:].decode(): kv.value for kv in kvs}
-        raw: dict[str, Any] = {field: {} for field in _FIELDS}
-        for model, body in records.items():
+        raw: dict[str, Any] = {field: {} for field in (*_FIELDS, "kv")}
+        for kv in (*models, *keys):
             try:
-                record = json.loads(body)
-                for field, name in _FIELDS.items():
-                    if name in record:
-                        raw[field][model] = record[name]
+                record = json.loads(kv.value)
+                if kv.key.startswith(self.model_key("")):
+                    model = kv.key[len(self.model_key("")):].decode()
+                    for field, name in _FIELDS.items():
+                        if name in record:
+                            raw[field][model] = record[name]
+                else:
+                    raw["kv"][kv.key[len(self.kv_key("")):].decode()] = record
             except (ValueError, TypeError) as exc:
-                raise ValueError(f"etcd key {self.model_key(model)!r}: not a hub record "
-                                 f"({exc})") from exc
+                raise ValueError(f"etcd key {kv.key!r}: not a hub record ({exc})") from exc
         state = parse_state(raw)
-        self._written = records
+        self._written = {kv.key: kv.value for kv in (*models, *keys)}
         return state
 
     def save(self, state: DurableState) -> None:
@@ -109,10 +117,9 @@ class EtcdRecords:
             StoreUnavailableError: etcd did not take it (no quorum, no answer).
             NotLeaderError: the guard failed: another hub leads now.
         """
-        records = model_records(state)
-        ops = [Op.put(self.model_key(m), body) for m, body in records.items()
-               if self._written.get(m) != body]
-        ops += [Op.delete(self.model_key(m)) for m in self._written if m not in records]
+        records = self.records(state)
+        ops = [Op.put(k, body) for k, body in records.items() if self._written.get(k) != body]
+        ops += [Op.delete(k) for k in self._written if k not in records]
         compare = [self.guard()] if self.guard is not None else []
         for i in range(0, len(ops), MAX_TXN_OPS):
             for attempt in range(2):
@@ -138,19 +145,24 @@ class EtcdRecords:
         """Close the etcd client."""
         self.client.close()
 
+    def records(self, state: DurableState) -> dict[bytes, bytes]:
+        """``state`` cut into etcd keys: a JSON record per model and per rendezvous key.
+
+        JSON with sorted keys: equal records, equal bytes (only changes are written).
+        """
+        out: dict[bytes, dict[str, Any]] = {}
+        whole = state_json(state)
+        kv = whole.pop("kv")
+        for field, values in whole.items():
+            for model, value in values.items():
+                out.setdefault(self.model_key(model), {})[_FIELDS[field]] = value
+        dump = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"))
+        return {**{k: dump(r).encode() for k, r in out.items()},
+                **{self.kv_key(k): dump(r).encode() for k, r in kv.items()}}
+
     @property
     def _ours(self) -> tuple[bytes, ...]:
-        return tuple(f"{self.prefix}/{part}/".encode() for part in ("models", "leader", "hubs"))
+        return tuple(f"{self.prefix}/{part}/".encode() for part in ("models", "kv", "leader"))
 
 
-def model_records(state: DurableState) -> dict[str, bytes]:
-    """``state`` cut into one JSON record per model (keys sorted: equal state, equal bytes)."""
-    out: dict[str, dict[str, Any]] = {}
-    for field, values in state_json(state).items():
-        for model, value in values.items():
-            out.setdefault(model, {})[_FIELDS[field]] = value
-    return {m: json.dumps(r, sort_keys=True, separators=(",", ":")).encode()
-            for m, r in out.items()}
-
-
-__all__ = ["FORMAT", "EtcdRecords", "model_records"]
+__all__ = ["FORMAT", "EtcdRecords"]

@@ -12,14 +12,16 @@ rename) before a reply that depends on it leaves the hub. Per model it keeps:
   one not in ``versions`` was retired, so a holder restoring a version retired
   before the restart gets it back as retired, never as committed (files written
   before ``seen`` have ``known_below``: every number below it);
-* ``retired``: the most recent retired versions with the reason (for status).
+* ``retired``: the most recent retired versions with the reason (for status);
+* ``kv``: the rendezvous keys with their owner and, for a ttl, its wall-clock deadline.
 
-Soft state (replicas, fetches, leases, rendezvous keys) is not kept: workers
-re-register what they hold.
+Soft state (replicas, fetches, leases) is not kept: workers re-register what they
+hold.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import tempfile
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weightfabric.fabric.hub.kv import KvRecord
 from weightfabric.fabric.hub.records import RetentionPolicy
 
 STATE_FILE = "hub-state.json"
@@ -46,6 +49,7 @@ class DurableState:
     versions: dict[str, dict[int, tuple[str, int]]] | None = None
     seen: dict[str, list[list[int]]] = field(default_factory=dict)
     retired: dict[str, dict[int, str]] = field(default_factory=dict)
+    kv: dict[str, KvRecord] = field(default_factory=dict)
 
 
 def load_state(state_dir: Path) -> DurableState:
@@ -84,6 +88,10 @@ def parse_state(raw: dict[str, Any]) -> DurableState:
                              for m, rs in raw.get("seen", {}).items()})
             out.retired = {str(m): {int(n): str(r) for n, r in rs.items()}
                            for m, rs in raw.get("retired", {}).items()}
+        out.kv = {str(k): (base64.b64decode(v, validate=True),
+                           None if wall is None else float(wall),
+                           None if owner is None else str(owner))
+                  for k, (v, wall, owner) in raw.get("kv", {}).items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"not a valid hub state ({exc!r})") from exc
     return out
@@ -99,6 +107,8 @@ def state_json(state: DurableState) -> dict[str, Any]:
         "seen": state.seen,
         "retired": {m: {str(n): r for n, r in sorted(rs.items())[-MAX_RETIRED_KEPT:]}
                     for m, rs in state.retired.items()},
+        "kv": {k: [base64.b64encode(v).decode(), wall, owner]
+               for k, (v, wall, owner) in state.kv.items()},
     }
 
 

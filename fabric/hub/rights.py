@@ -26,10 +26,7 @@ ADMIN_OPS = frozenset({"set_retention", "pin"})
 
 
 class Rights:
-    """The hub's authorization of each request, and the owners of key-value keys."""
-
-    def __init__(self) -> None:
-        self._kv_owners: dict[str, str] = {}
+    """The hub's authorization of each request (key owners are kept with the keys)."""
 
     def check(self, state: HubState, who: Principal, op: str, req: Any
               ) -> tuple[Any, list[tuple[str, int, int, str]]]:
@@ -52,16 +49,15 @@ class Rights:
             return self._restorable(state, who, req)
         return req, []
 
-    def wrote(self, who: Principal, req: Request) -> None:
-        """Note the owner of a key ``req`` (a successful ``kv_put``) wrote."""
-        if isinstance(req, KvPutRequest):
-            self._kv_owners.setdefault(req.key, who.name)
+    @staticmethod
+    def wrote(state: HubState, who: Principal, req: Request) -> None:
+        """Note the owner of a key ``req`` (a successful ``kv_put``) wrote, if it has none."""
+        if isinstance(req, KvPutRequest) and state.kv.claim(req.key, who.name):
+            state.durable_generation += 1      # the owner is part of the records
 
-    def _check_owner(self, state: HubState, who: Principal, key: str) -> None:
-        owner = self._kv_owners.get(key)
-        if owner is not None and state.kv_get(key) is None:
-            del self._kv_owners[key]       # it expired: the next writer owns it
-            owner = None
+    @staticmethod
+    def _check_owner(state: HubState, who: Principal, key: str) -> None:
+        owner = state.kv.owner(key)      # None once the key expired: the next writer owns it
         if owner is not None and owner != who.name and not who.may("admin"):
             raise ForbiddenError(f"kv key {key!r} belongs to {owner!r}; {who.describe()} may "
                                  "read it but not overwrite it (an admin may)")

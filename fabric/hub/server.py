@@ -473,7 +473,7 @@ class HubServer:
         capabilities to plans and locate answers, the restore holdings `Rights` refused, and
         the authentication mode to ``status``.
         """
-        self.rights.wrote(who, req)
+        self.rights.wrote(self.state, who, req)
         if isinstance(req, RegisterRequest) and caller is not None:
             self._serve_keys[req.worker] = serving_key(caller.key)
         if isinstance(result, RestoreReply) and refused:

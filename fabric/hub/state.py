@@ -132,6 +132,7 @@ class HubState(HubWorkers, HubRestoring, HubPublishing, HubFetching, HubQueries)
         self.generation = 0
         self.durable_generation = 0
         self.kv = KvStore(clock)
+        self.kv.restore(durable.kv)
         self.quarantined: dict[str, set[tuple[str, int, int]]] = {}
         """Per holder, replicas readers found corrupt that its next heartbeat hears of."""
         self._index = HubIndex(self.models, self.fetches)

@@ -128,7 +128,7 @@ class HubQueries(HubStateBase):
 
     # --------------------------------------------------------------- rendezvous
     def kv_put(self, key: str, value: bytes, *, ttl: float | None = None) -> KvPutReply:
-        """Store a small value under ``key`` (last writer wins); soft state.
+        """Store a small value under ``key`` (last writer wins); kept in the hub's records.
 
         Args:
             key: 1..`MAX_KV_KEY` bytes of UTF-8; one flat namespace per hub (use prefixes
@@ -146,6 +146,7 @@ class HubQueries(HubStateBase):
             ValueError: empty key.
         """
         self.kv.put(key, value, ttl=ttl)
+        self.durable_generation += 1
         self._touch()
         return KvPutReply(size=len(value))
 

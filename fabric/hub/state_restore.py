@@ -126,7 +126,8 @@ class HubRestoring(HubPublishing):
             versions={n: {k: (v.state, v.num_shards) for k, v in m.versions.items()
                           if v.state != RETIRED} for n, m in self.models.items()},
             seen={n: r.to_wire() for n, r in self.seen.items()},
-            retired={n: dict(m.retired_log) for n, m in self.models.items() if m.retired_log})
+            retired={n: dict(m.retired_log) for n, m in self.models.items() if m.retired_log},
+            kv=self.kv.records())
 
 
 def parse_holding(h: Holding) -> Manifest:

@@ -169,3 +169,28 @@ def test_a_key_space_written_by_something_else_is_refused(etcd, tmp_path) -> Non
         HubServer("tcp://127.0.0.1:0", store=f"{etcd.url}{prefix}3", state_dir=tmp_path,
                   secret_file=tmp_path / "secret")
     client.close()
+
+
+def test_rendezvous_keys_survive_with_their_owner_and_ttl(etcd, tmp_path) -> None:
+    """A failover keeps the kv store: values, owners (who may overwrite) and deadlines."""
+    from weightfabric.fabric.hub.record_store import DirRecords
+
+    clock = FakeClock()
+    hub = HubState(clock=clock, lease_s=LEASE)
+    hub.kv_put("job/uid", b"\x00uid", ttl=None)
+    hub.kv.claim("job/uid", "trainer")
+    hub.kv_put("job/addr", b"10.0.0.1:9", ttl=300)
+    hub.kv_put("job/gone", b"x", ttl=0.001)
+    time.sleep(0.01)                      # its wall-clock deadline passes
+    for store in (records(etcd, fresh_prefix()), DirRecords(tmp_path)):
+        store.load()
+        store.save(hub.durable())
+        back = HubState(clock=FakeClock(), lease_s=LEASE, durable=store.load())
+        assert back.kv_get("job/uid") == b"\x00uid"
+        assert back.kv.owner("job/uid") == "trainer"
+        assert back.kv_get("job/addr") == b"10.0.0.1:9"
+        assert back.kv.owner("job/addr") is None
+        assert back.kv_get("job/gone") is None
+        wall = back.kv.records()["job/addr"][1]
+        assert wall is not None and 290 < wall - time.time() <= 300
+        store.close()

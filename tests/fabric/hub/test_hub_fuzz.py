@@ -167,7 +167,8 @@ def test_malformed_restore_is_refused_before_any_change_and_hub_serves_on(
 
 def test_failing_state_save_answers_an_error_and_the_hub_serves_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_save = hub_server.save_state
+    from weightfabric.fabric.hub import record_store
+    real_save = record_store.save_state
     calls = []
 
     def save_once_broken(*args) -> None:
@@ -175,7 +176,7 @@ def test_failing_state_save_answers_an_error_and_the_hub_serves_on(
         if len(calls) == 1:
             raise OSError("disk full")
         real_save(*args)
-    monkeypatch.setattr(hub_server, "save_state", save_once_broken)
+    monkeypatch.setattr(record_store, "save_state", save_once_broken)
     server = wf.serve("tcp://127.0.0.1:0", state_dir=tmp_path)
     try:
         with wf.connect(server.url, worker="w", heartbeat=False, timeout=5) as c:
