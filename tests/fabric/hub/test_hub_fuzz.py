@@ -19,7 +19,6 @@ from hub_helpers import small_manifest
 import weightfabric as wf
 from weightfabric.fabric.auth import load_credential
 from weightfabric.fabric.errors import BadRequestError, HubError, ProtocolError
-from weightfabric.fabric.hub import server as hub_server
 from weightfabric.fabric.protocol import (
     ERROR,
     PROTOCOL_VERSION,
