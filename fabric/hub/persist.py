@@ -5,9 +5,10 @@ rename) before a reply that depends on it leaves the hub. Per model it keeps:
 
 * ``next_versions``: the next version number (numbers stay monotonic);
 * ``policies``: the retention policy;
-* ``versions``: every version not retired yet, with its state and shard count,
-  so holders re-registering after a restart find it (and a publishing version
-  nobody comes back for is retired as orphaned);
+* ``versions``: every version not retired yet, with its state, shard count and each
+  shard's manifest fingerprint, so holders re-registering after a restart find it (a
+  publishing version nobody comes back for is retired as orphaned), and one restoring
+  a manifest other than the one published is refused;
 * ``seen``: the version numbers handed out or restored, as ``[lo, hi)`` ranges:
   one not in ``versions`` was retired, so a holder restoring a version retired
   before the restart gets it back as retired, never as committed (files written
@@ -46,7 +47,7 @@ class DurableState:
 
     next_versions: dict[str, int] = field(default_factory=dict)
     policies: dict[str, RetentionPolicy] = field(default_factory=dict)
-    versions: dict[str, dict[int, tuple[str, int]]] | None = None
+    versions: dict[str, dict[int, tuple[str, int, dict[int, str]]]] | None = None
     seen: dict[str, list[list[int]]] = field(default_factory=dict)
     retired: dict[str, dict[int, str]] = field(default_factory=dict)
     kv: dict[str, KvRecord] = field(default_factory=dict)
@@ -81,7 +82,7 @@ def parse_state(raw: dict[str, Any]) -> DurableState:
                                               {int(x) for x in p.get("pinned", ())})
                       for k, p in raw.get("policies", {}).items()})
         if "versions" in raw:
-            out.versions = {str(m): {int(n): (str(s), int(k)) for n, (s, k) in vs.items()}
+            out.versions = {str(m): {int(n): _version(v) for n, v in vs.items()}
                             for m, vs in raw["versions"].items()}
             out.seen = {str(m): [[1, int(n)]] for m, n in raw.get("known_below", {}).items()}
             out.seen.update({str(m): [[int(lo), int(hi)] for lo, hi in rs]
@@ -102,7 +103,8 @@ def state_json(state: DurableState) -> dict[str, Any]:
     return {
         "next_versions": state.next_versions,
         "policies": {k: p.to_wire() for k, p in state.policies.items()},
-        "versions": {m: {str(n): list(v) for n, v in vs.items()}
+        "versions": {m: {str(n): [st, shards, {str(s): f for s, f in sorted(fps.items())}]
+                         for n, (st, shards, fps) in vs.items()}
                      for m, vs in (state.versions or {}).items()},
         "seen": state.seen,
         "retired": {m: {str(n): r for n, r in sorted(rs.items())[-MAX_RETIRED_KEPT:]}
@@ -110,6 +112,16 @@ def state_json(state: DurableState) -> dict[str, Any]:
         "kv": {k: [base64.b64encode(v).decode(), wall, owner]
                for k, (v, wall, owner) in state.kv.items()},
     }
+
+
+def _version(raw: list[Any]) -> tuple[str, int, dict[int, str]]:
+    """A version's ``[state, shards, {shard: fingerprint}]``.
+
+    Files written before the fingerprints have the first two items only.
+    """
+    state, shards, *rest = raw
+    fingerprints = rest[0] if rest else {}
+    return str(state), int(shards), {int(s): str(f) for s, f in fingerprints.items()}
 
 
 def save_state(state_dir: Path, state: DurableState) -> None:

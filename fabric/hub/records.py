@@ -80,6 +80,9 @@ class VersionRecord:
     num_shards: int
     state: str = PUBLISHING
     manifests: dict[int, Manifest] = field(default_factory=dict)
+    recorded: dict[int, str] = field(default_factory=dict)
+    """Per shard, the manifest fingerprint the hub's records kept (a state dir, etcd):
+    until a manifest is known again, a holder restoring another one is refused."""
     publishers: dict[tuple[str, int], bool] = field(default_factory=dict)
     replicas: dict[tuple[str, int], Replica] = field(default_factory=dict)
     group: str | None = None
@@ -89,6 +92,10 @@ class VersionRecord:
     heartbeat listing it) before this time, else it is retired as orphaned."""
     complete_live: dict[int, set[str]] = field(default_factory=dict)
     """Index: per shard, the workers whose replica is complete and live (`reindex`)."""
+
+    def fingerprints(self) -> dict[int, str]:
+        """Per shard, the fingerprint of its manifest (or, before one is known, the recorded)."""
+        return {**self.recorded, **{s: m.fingerprint for s, m in self.manifests.items()}}
 
     def reindex(self, rep: Replica) -> None:
         """Update `complete_live` after ``rep`` was added or changed.

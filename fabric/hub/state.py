@@ -146,8 +146,8 @@ class HubState(HubWorkers, HubRestoring, HubPublishing, HubFetching, HubQueries)
             self.models.setdefault(name, ModelRecord.named(name)).retired_log.update(reasons)
         for name, versions in (durable.versions or {}).items():
             m = self.models.setdefault(name, ModelRecord.named(name))
-            for n, (state, num_shards) in versions.items():
-                v = VersionRecord(name, n, num_shards, state=state)
+            for n, (state, num_shards, fingerprints) in versions.items():
+                v = VersionRecord(name, n, num_shards, state=state, recorded=dict(fingerprints))
                 m.versions[n] = v
                 self.seen.setdefault(name, VersionRanges()).add(n)
                 if state == PUBLISHING:     # its publisher must come back within a lease

@@ -104,11 +104,17 @@ class HubPublishing(HubStateBase):
 
     def _set_manifest(self, v: VersionRecord, shard: int, manifest: Manifest) -> None:
         old = v.manifests.get(shard)
-        if old is not None and old.fingerprint != manifest.fingerprint:
+        # A derived version's recorded fingerprint may predate its checksums: not checked.
+        known = old.fingerprint if old is not None else (
+            v.recorded.get(shard) if derived_base(v.model) is None else None)
+        if known is not None and known != manifest.fingerprint:
             raise ManifestMismatchError(
                 f"{v.model!r} v{v.number} shard {shard} was published with manifest "
-                f"{old.fingerprint}, this one is {manifest.fingerprint}")
-        v.manifests.setdefault(shard, manifest)
+                f"{known}, this one is {manifest.fingerprint}")
+        if old is None:
+            v.manifests[shard] = manifest
+            if v.recorded.get(shard) != manifest.fingerprint:
+                self.durable_generation += 1     # the records keep it
 
     def commit(self, model: str, version: int, worker: str, *, session: str,
                checksums: list[int] | None = None) -> PublishStateReply:

@@ -123,8 +123,9 @@ class HubRestoring(HubPublishing):
         return DurableState(
             next_versions=dict(self.next_versions),
             policies={n: m.policy for n, m in self.models.items()},
-            versions={n: {k: (v.state, v.num_shards) for k, v in m.versions.items()
-                          if v.state != RETIRED} for n, m in self.models.items()},
+            versions={n: {k: (v.state, v.num_shards, v.fingerprints())
+                          for k, v in m.versions.items() if v.state != RETIRED}
+                      for n, m in self.models.items()},
             seen={n: r.to_wire() for n, r in self.seen.items()},
             retired={n: dict(m.retired_log) for n, m in self.models.items() if m.retired_log},
             kv=self.kv.records())

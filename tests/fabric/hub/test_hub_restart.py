@@ -250,3 +250,34 @@ def test_version_ranges_hold_exactly_the_numbers_added(numbers: list[int],
     wire = got.to_wire()
     assert all(lo < hi for lo, hi in wire)
     assert all(a[1] < b[0] for a, b in itertools.pairwise(wire))   # disjoint, apart
+
+
+def test_a_holder_restoring_another_manifest_than_the_recorded_one_is_refused(tmp_path) -> None:
+    """The records keep each shard's manifest fingerprint: after a restart (or a failover)
+    a holder cannot announce other bytes under a version the hub knows."""
+    from hub_helpers import FakeClock
+
+    from weightfabric.fabric.hub.record_store import DirRecords
+    from weightfabric.fabric.hub.state import HubState
+
+    store = DirRecords(tmp_path)
+    hub = HubState(clock=FakeClock(), lease_s=LEASE, durable=store.load())
+    hub.register("trainer", session="t")
+    good = small_manifest(4)
+    v = hub.begin_publish("policy", "trainer", good, session="t").version
+    hub.commit("policy", v, "trainer", session="t")
+    store.save(hub.durable())
+    assert json.loads((tmp_path / STATE_FILE).read_text())["versions"]["policy"][str(v)][2] == {
+        "0": good.fingerprint}
+
+    back = HubState(clock=FakeClock(), lease_s=LEASE, durable=store.load())
+    bad = small_manifest(4, tag="evil")
+    for who, manifest in (("mallory", bad), ("trainer", good)):
+        back.register(who, session=who)
+        reply = back.restore(who, session=who, holdings=[Holding(
+            model="policy", version=v, shard=0, manifest=ManifestWire.of(manifest),
+            state="committed", complete=True)])
+        assert [r[0:3] for r in reply.rejected] == ([("policy", v, 0)] if who == "mallory"
+                                                   else [])
+    assert back.latest("policy") == v
+    assert back.locate("policy", v, worker="reader").shards[0].holders == ["trainer"]
