@@ -253,8 +253,11 @@ def test_version_ranges_hold_exactly_the_numbers_added(numbers: list[int],
 
 
 def test_a_holder_restoring_another_manifest_than_the_recorded_one_is_refused(tmp_path) -> None:
-    """The records keep each shard's manifest fingerprint: after a restart (or a failover)
-    a holder cannot announce other bytes under a version the hub knows."""
+    """The records keep each shard's manifest fingerprint.
+
+    After a restart (or a failover) a holder cannot announce other bytes under a version
+    the hub knows.
+    """
     from hub_helpers import FakeClock
 
     from weightfabric.fabric.hub.record_store import DirRecords
