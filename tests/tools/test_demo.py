@@ -90,3 +90,12 @@ def test_example_planned_broadcast_runs_along_the_plan():
                   for src, mb in ast.literal_eval(line.split("read MB from ")[1]).items()
                   if src in ("trainer", "a-0"))
     assert crossed == pytest.approx(4 * 4 * 2**20 / 1e6, abs=0.2), v3
+
+
+def test_example_hubs_over_etcd_survives_the_leaders_death():
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "hubs_over_etcd.py")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "v1 published and fetched" in result.stdout
+    assert "leader killed; v2 published" in result.stdout
+    assert "rollout holds v2, bit-exact" in result.stdout
