@@ -42,6 +42,7 @@ def leader_of(urls: list[str]) -> str:
 
 
 def main() -> None:
+    """Start etcd and two hubs, publish, kill the leader, publish again."""
     hubs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp, EtcdCluster(3, base_dir=tmp) as etcd:
         try:
