@@ -21,7 +21,9 @@ What it owns, a module each: `fabric.hub.index` (incremental indexes and
 work queues), `fabric.hub.leases` (worker leases, publish claims),
 `fabric.hub.retention` (retention, retract settling), `fabric.hub.routing` (a
 plan's sources), `fabric.hub.kv` (rendezvous store), `fabric.hub.status`
-(status snapshot); records are in `fabric.hub.records`.
+(status snapshot); records are in `fabric.hub.records`. What must outlive the process
+(`durable`) the server saves through a `fabric.hub.record_store.RecordStore` (memory, a
+state dir, or etcd) before it replies; a new `HubState` starts from what one loaded.
 
 Invariants (checked by ``tests/fabric/hub/test_hub_state_machine.py`` after every step):
 
