@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import pkgutil
 
-from weightfabric.tools import bench as bench_package
 from weightfabric.tools.command import add_group
+
+BENCHMARKS = ("cluster", "crossdc", "delta", "e2e", "fetch", "hub", "kernels", "layouts",
+              "planner", "reshard", "stall", "tls", "vllm")
+"""The modules of `tools.bench` that define ``register(subparsers)``, in help order.
+
+Only these are imported to build the parser (the package's other modules, e.g. the
+agents the benchmarks start, import torch); each imports nothing heavy before its
+handler runs, so that ``fabric bench NAME --help`` answers at once.
+"""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,7 +27,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         examples=["fabric bench fetch --readers 4 --size 1GB --json",
                   "fabric bench planner --max-gpus 1024"],
         metavar="BENCHMARK")
-    for info in sorted(pkgutil.iter_modules(bench_package.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"weightfabric.tools.bench.{info.name}")
-        if hasattr(module, "register"):
-            module.register(sub)
+    for name in BENCHMARKS:
+        importlib.import_module(f"weightfabric.tools.bench.{name}").register(sub)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
 from weightfabric.tools.command import EXIT_FAILED, EXIT_OK, BadInput, Console, add_command
 from weightfabric.topology.units import UnitError, parse_size
 
@@ -45,6 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     from weightfabric.tools.demo.orchestrator import (
         Demo,
         DemoConfig,

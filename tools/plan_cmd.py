@@ -5,23 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from weightfabric.tools.command import EXIT_OK, Console, add_command, cannot_write
 from weightfabric.topology import Cluster, ClusterConfigError, load_cluster
-from weightfabric.topology.bounds import lower_bound
-from weightfabric.topology.layout import Layout
 from weightfabric.topology.plan import Plan, PlanError, link_bytes
-from weightfabric.topology.planner import plan_broadcast
 from weightfabric.topology.scenarios import (
     BASELINES,
     DEFAULT_STORAGE_BANDWIDTH,
     SCENARIOS,
     run_scenario,
 )
-from weightfabric.topology.simulator import simulate
 from weightfabric.topology.units import UnitError, parse_bandwidth, parse_size
+
+if TYPE_CHECKING:  # the planner's modules (networkx, numpy) load when a handler runs
+    from weightfabric.topology.layout import Layout
 
 BAD_INPUT = (ClusterConfigError, UnitError, PlanError)
 """Errors of the options or the cluster file: exit 2 with their message."""
@@ -82,6 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def plan_summary(plan: Plan, layout: Layout) -> dict[str, object]:
     """Plan, bound and simulation figures as plain data (the `--json` output)."""
+    from weightfabric.topology.bounds import lower_bound
+    from weightfabric.topology.simulator import simulate
+
     bound = lower_bound(layout, plan.sources, plan.needs)
     sim = simulate(layout.graph, plan.transfers, chunk=plan.chunk, size=plan.size,
                    holders=plan.sources)
@@ -103,6 +106,9 @@ def plan_and_report(args: argparse.Namespace) -> int:
     Reads ``file, size, sources, readers, chunk, draw, output, json`` from `args` (also
     `fabric topo draw --plan`'s handler).
     """
+    from weightfabric.topology.layout import Layout
+    from weightfabric.topology.planner import plan_broadcast
+
     cluster = load_cluster(args.file)
     size = int(parse_size(args.size))
     chunk = int(parse_size(args.chunk)) if args.chunk is not None else None

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from weightfabric.topology import baselines
-from weightfabric.topology.bounds import lower_bound
-from weightfabric.topology.layout import Layout
 from weightfabric.topology.plan import Interval, PlanError
-from weightfabric.topology.planner import default_endpoints, plan_broadcast
 from weightfabric.topology.schema import Cluster
-from weightfabric.topology.simulator import Join, SimResult, Vanish, simulate
+
+if TYPE_CHECKING:  # networkx and numpy load when a scenario runs (not for `fabric --help`)
+    from weightfabric.topology.layout import Layout
+    from weightfabric.topology.simulator import Join, SimResult, Vanish
 
 SCENARIOS = ("standalone", "elastic", "cross-dc", "preemption")
 BASELINES = ("star", "ring", "storage")
@@ -68,6 +67,8 @@ class ScenarioResult:
 def _endpoints(cluster: Cluster, layout: Layout, name: str
                ) -> tuple[list[str], list[str], list[str]]:
     """(trainer devices, extra holders, readers) for a scenario."""
+    from weightfabric.topology.planner import default_endpoints
+
     trainer, readers = default_endpoints(cluster, layout)
     if name in ("standalone", "preemption"):
         return trainer, [], readers
@@ -97,6 +98,12 @@ def run_scenario(cluster: Cluster, name: str, size: int, *,
         PlanError: Unknown scenario, or the cluster cannot host it (e.g. one datacenter for
             ``cross-dc``).
     """
+    from weightfabric.topology import baselines
+    from weightfabric.topology.bounds import lower_bound
+    from weightfabric.topology.layout import Layout
+    from weightfabric.topology.planner import plan_broadcast
+    from weightfabric.topology.simulator import Vanish, simulate
+
     layout = Layout(cluster.graph())
     trainer, extra, readers = _endpoints(cluster, layout, name)
     whole: list[Interval] = [(0, size)]

@@ -51,7 +51,6 @@ from typing import Any
 
 from rich.table import Table
 
-from weightfabric.fabric.transports.client import MIN_RATE, MIN_RATE_ENV
 from weightfabric.tools.bench.cluster_net import emulate, sigterm_unwinds, skipped, unavailable
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
 from weightfabric.tools.command import EXIT_OK, Console, add_command
@@ -208,6 +207,8 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
     A read's slowest acceptable rate (`transports.client.MIN_RATE`, 1 MiB/s) is scaled
     with the links, as every other rate is.
     """
+    from weightfabric.fabric.transports.client import MIN_RATE, MIN_RATE_ENV  # (torch)
+
     agents: list[Agent] = []
     min_rate = max(1.0, MIN_RATE * net.shaping["scale"])
 

@@ -25,17 +25,18 @@ import argparse
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from rich.table import Table
-from torch import nn
 
-from weightfabric.kernels.delta import changed_words, decode_delta, encode_delta
 from weightfabric.tools.bench import crossdc
 from weightfabric.tools.bench.launch import AgentError, print_result
 from weightfabric.tools.command import Console, add_command
 from weightfabric.topology.units import parse_bandwidth, parse_size
+
+if TYPE_CHECKING:  # torch loads when the benchmark runs, not for `fabric bench delta --help`
+    import torch
+    from torch import nn
 
 CHUNK = 4 << 20
 """Bytes per chunk the versions are encoded in by default (`--chunk-size`)."""
@@ -85,6 +86,7 @@ def demo_model(seed: int) -> tuple[nn.Module, int]:
 
 def llama_model(seed: int) -> tuple[nn.Module, int]:
     """A Hugging Face ``LlamaForCausalLM`` from a small config (random init)."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -99,12 +101,16 @@ MODELS: dict[str, Callable[[int], tuple[nn.Module, int]]] = {"demo": demo_model,
 
 
 def _logits(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    import torch
+
     out = model(tokens)
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
 def published(model: nn.Module) -> torch.Tensor:
     """The model's parameters as the trainer publishes them: bf16, end to end, as bytes."""
+    import torch
+
     return torch.cat([p.detach().to(torch.bfloat16).reshape(-1) for p in model.parameters()]
                      ).view(torch.uint8)
 
@@ -112,6 +118,9 @@ def published(model: nn.Module) -> torch.Tensor:
 def bench_model(name: str, *, lr: float, versions: int, device: torch.device,
                 chunk: int = CHUNK, seed: int = 0) -> dict[str, Any]:
     """Part 1 for one model (see the module docstring)."""
+    import torch
+    from torch import nn
+
     model, vocab = MODELS[name](seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(seed)
@@ -134,6 +143,10 @@ def bench_model(name: str, *, lr: float, versions: int, device: torch.device,
 
 def _codec(base: torch.Tensor, new: torch.Tensor, chunk: int) -> dict[str, Any]:
     """One version's delta in chunks: sizes, rates (and ``copy_``'s), bit-exactness."""
+    import torch
+
+    from weightfabric.kernels.delta import changed_words, decode_delta, encode_delta
+
     spans = [(lo, min(lo + chunk, new.numel())) for lo in range(0, new.numel(), chunk)]
     warm = base[:chunk].clone()  # kernels compiled, pages touched
     decode_delta(encode_delta(warm, new[:chunk], 2), warm, warm)
@@ -168,6 +181,8 @@ def _codec(base: torch.Tensor, new: torch.Tensor, chunk: int) -> dict[str, Any]:
 
 def _sync(t: torch.Tensor) -> None:
     if t.device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(t.device)
 
 
@@ -175,6 +190,8 @@ def bench_delta(*, lr: float, versions: int, models: list[str], wan: dict[str, A
                 device: str = "cpu", chunk: int = CHUNK,
                 on_phase: Callable[[str], None] = lambda name: None) -> dict[str, Any]:
     """Both parts; ``wan`` holds `crossdc.bench_crossdc`'s arguments, or None to skip it."""
+    import torch
+
     if versions < 1 or chunk < 1 or chunk % 8:
         raise ValueError("--versions must be >= 1 and --chunk-size a positive multiple of 8")
     unknown = [m for m in models if m not in MODELS]
@@ -211,6 +228,8 @@ def bench_delta(*, lr: float, versions: int, models: list[str], wan: dict[str, A
 
 
 def _device_name(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({torch.get_num_threads()} threads)"

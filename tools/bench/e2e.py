@@ -82,7 +82,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.table import Table
 
 from weightfabric.tools.bench.launch import Agent, AgentError, close_all, print_result
@@ -224,6 +223,8 @@ def bench_e2e(*, readers: int, size: int, versions: int = 4, chunk_size: int = 1
                             step_s=step_s, device=device)
     devices = ["cpu"] * (readers + 1)
     if device == "cuda":
+        import torch
+
         from weightfabric.fabric.gpu import probe
 
         missing = probe().missing("cuda")
@@ -469,6 +470,8 @@ def _ipc(readers: int, size: int, versions: int, *, devices: list[str],
 
 def _memcpy(size: int, versions: int, *, step_s: float, device: str = "cpu") -> dict[str, Any]:
     """One process copying the bytes (``copy_``) on ``device``; times end after a synchronize."""
+    import torch
+
     src = torch.randint(0, 256, (size,), dtype=torch.uint8).to(device)
     dst = torch.empty_like(src)  # fresh pages: the first copy is the cold one
     sync = torch.cuda.synchronize if src.device.type == "cuda" else (lambda: None)

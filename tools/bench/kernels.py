@@ -21,36 +21,20 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
-import torch
-
-from weightfabric.kernels import (
-    Fp8Segment,
-    FusedGateUp,
-    FusedQKV,
-    PackLayout,
-    ReshardPlan,
-    Sharded,
-    chunk_checksums,
-    copy_segments,
-    dequantize_fp8,
-    dequantize_fp8_segments,
-    pack,
-    pack_ref,
-    pack_with_checksums,
-    plan_layout,
-    plan_reshard,
-    quantize_fp8,
-    reshard,
-    unpack,
-)
-from weightfabric.kernels.native import checksum_library
 from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
+
+if TYPE_CHECKING:  # torch and the kernels load when the benchmark runs, not for its --help
+    import torch
+
+    from weightfabric.kernels import PackLayout, ReshardPlan
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
 
 
@@ -73,6 +57,8 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeat: int) 
 
 def tensor_set(tp: int, layers: int, scale: int, device: torch.device) -> dict[str, torch.Tensor]:
     """One TP rank's bf16 share of ``layers`` Llama-3-70B-shaped layers, shapes divided by ``scale``."""
+    import torch
+
     h, inter, kvh, hd, heads = 8192 // scale, 28672 // scale, 8, 128 // scale, 64
     out: dict[str, torch.Tensor] = {}
     for i in range(layers):
@@ -92,6 +78,24 @@ KernelRow = TypedDict("KernelRow", {
 
 def run(device: torch.device, *, layers: int, scale: int, repeat: int) -> list[KernelRow]:
     """Time each kernel and its baseline on `device`: one row per kernel."""
+    import torch
+
+    from weightfabric.kernels import (
+        FusedGateUp,
+        FusedQKV,
+        Sharded,
+        chunk_checksums,
+        dequantize_fp8,
+        pack,
+        pack_ref,
+        plan_layout,
+        plan_reshard,
+        quantize_fp8,
+        reshard,
+        unpack,
+    )
+    from weightfabric.kernels.native import checksum_library
+
     rows: list[KernelRow] = []
     backend = "triton" if device.type == "cuda" else "torch"
 
@@ -177,6 +181,10 @@ def _pack_checksum_rows(add: Callable[[str, int, float, str, float], None],
 
     Checks first that both give the same bytes and sums.
     """
+    import torch
+
+    from weightfabric.kernels import chunk_checksums, pack, pack_with_checksums
+
     nbytes = sum(t.numel() * t.element_size() for t in ts.values())
     packed = buf[:lay.nbytes]
     buf.fill_(0x5A)
@@ -204,6 +212,14 @@ def _fp8_reshard_case(plans: list[ReshardPlan], srcs: list[list[torch.Tensor]],
     window, or (as the staged path does) each source shard dequantised whole into a
     temporary and then cut by one `copy_segments` call.
     """
+    from weightfabric.kernels import (
+        Fp8Segment,
+        copy_segments,
+        dequantize_fp8,
+        dequantize_fp8_segments,
+        quantize_fp8,
+    )
+
     shards = [[quantize_fp8(t) for t in src] for src in srcs]
     windows = [Fp8Segment(q, s, d[g.dst_rank][g.dst_row:g.dst_row + g.rows,
                                               g.dst_col:g.dst_col + g.cols],
@@ -228,6 +244,8 @@ def _fp8_reshard_case(plans: list[ReshardPlan], srcs: list[list[torch.Tensor]],
 
 
 def _handler(args: argparse.Namespace) -> int:
+    import torch
+
     try:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type not in ("cpu", "cuda") or (device.type == "cuda"

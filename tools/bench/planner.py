@@ -13,8 +13,6 @@ import time
 from rich.table import Table
 
 from weightfabric.tools.command import EXIT_OK, Console, add_command
-from weightfabric.topology.layout import Layout
-from weightfabric.topology.planner import default_endpoints, plan_broadcast
 from weightfabric.topology.references import reference_cluster, reference_clusters
 from weightfabric.topology.scenarios import run_scenario
 from weightfabric.topology.synthetic import synthetic_cluster
@@ -40,6 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _scale_row(rollout_nodes: list[int]) -> dict[str, object]:
     from weightfabric.tools.plan_cmd import plan_summary
+    from weightfabric.topology.layout import Layout
+    from weightfabric.topology.planner import default_endpoints, plan_broadcast
 
     cluster = synthetic_cluster(rollout_nodes)
     started = time.perf_counter()
@@ -55,6 +55,8 @@ def _scale_row(rollout_nodes: list[int]) -> dict[str, object]:
 def _oversubscribed_row(nodes: int, over: float, per_leaf: int) -> dict[str, object]:
     """Leaf-aware trees against the same planner with leaf placement switched off."""
     from weightfabric.tools.plan_cmd import plan_summary
+    from weightfabric.topology.layout import Layout
+    from weightfabric.topology.planner import default_endpoints, plan_broadcast
 
     cluster = synthetic_cluster([nodes], oversubscription=over, nodes_per_leaf=per_leaf)
     layout = Layout(cluster.graph())
@@ -83,6 +85,8 @@ def _oversubscribed_row(nodes: int, over: float, per_leaf: int) -> dict[str, obj
 def run(args: argparse.Namespace) -> int:
     """Run `fabric bench planner`; returns the exit code."""
     from weightfabric.tools.plan_cmd import plan_summary
+    from weightfabric.topology.layout import Layout
+    from weightfabric.topology.planner import default_endpoints, plan_broadcast
 
     out: dict[str, object] = {"size": SIZE}
     refs: dict[str, dict[str, object]] = {}

@@ -52,13 +52,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from rich.table import Table
 
 from weightfabric.tools.bench.launch import print_result
 from weightfabric.tools.command import Console, add_command
+
+if TYPE_CHECKING:  # torch loads when the benchmark runs, not for `fabric bench vllm --help`
+    import torch
 
 SYSTEMS = ("weightfabric", "gloo", "floor")
 SIZES: dict[str, dict[str, Any]] = {
@@ -167,6 +169,8 @@ def bench_vllm(*, engines: int = 2, tp: int = 1, size: str = "small", versions: 
 def _bench(stack: contextlib.ExitStack, reaper: Reaper, tmp: Path, secret: Path, *,
            engines: int, tp: int, size: str, versions: int, systems: Sequence[str],
            on_phase: Callable[[str], None]) -> dict[str, Any]:
+    import torch
+
     import weightfabric as wf
 
     trainer = Trainer(size, tmp)
@@ -209,6 +213,7 @@ class Trainer:
     """The trainer's fp32 Hugging Face Llama, stepped once per version; bf16 checkpoints of it."""
 
     def __init__(self, size: str, tmp: Path) -> None:
+        import torch
         import transformers
 
         config = transformers.LlamaConfig(**SIZES[size], max_position_embeddings=256,
@@ -221,6 +226,8 @@ class Trainer:
 
     def step(self) -> None:
         """Change every weight a little, as an optimizer step would (untimed)."""
+        import torch
+
         self.steps += 1
         gen = torch.Generator().manual_seed(self.steps)
         with torch.no_grad():
@@ -229,6 +236,8 @@ class Trainer:
 
     def checkpoint(self, step: int) -> str:
         """A bf16 ``save_pretrained`` checkpoint of the model now, as of ``step`` (cached)."""
+        import torch
+
         path = self.tmp / f"v{step}"
         if not path.exists():
             assert step == self.steps, "only the current step can be saved"
@@ -243,6 +252,8 @@ class Trainer:
 
     def bf16(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each Hugging Face tensor in bf16, converted as it is sent."""
+        import torch
+
         for name, t in self.model.state_dict().items():
             yield name, t.detach().to(torch.bfloat16).contiguous()
 
@@ -262,6 +273,8 @@ class Rig:
     # ---------------------------------------------------------------- weightfabric
     def fabric(self, stack: contextlib.ExitStack) -> dict[str, Any]:
         """Publish a snapshot, switch every engine to it at once."""
+        import torch
+
         import weightfabric as wf
         from weightfabric.fabric.integrations.vllm import FanOut, LLMClient, switch
 
@@ -440,6 +453,8 @@ def _record(worker: Any) -> dict[str, Any] | None:
 
 def _digests(worker: Any) -> dict[str, str]:
     """A sha256 of every parameter's bytes."""
+    import torch
+
     out = {}
     for name, p in worker.model_runner.get_model().named_parameters():
         flat = p.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -464,6 +479,7 @@ def _gloo_join(worker: Any, *, port: int, world: int, base: int,
     """Join the trainer's gloo group as rank ``base`` + this worker's rank; allocate."""
     import datetime
 
+    import torch
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
