@@ -7,8 +7,10 @@ trainer and ``--readers`` readers (`tools.bench.agent` processes, each with its 
 given both hubs' URLs. Each of ``--runs`` runs:
 
 1. the trainer publishes a new version (``--mb`` MB of `agent.bench_tensors`), and an admin
-   client writes records through the leader: a retention policy (``keep_last`` changes
-   every run) and a rendezvous key (``kv_put``) with the run's number;
+   client writes records through the leader: a retention policy (``keep_last`` 2 and 3 in
+   turn: more retained versions than a store has buffers would leave a reader, the last
+   holder of old ones, no buffer to fetch into) and a rendezvous key (``kv_put``) with
+   the run's number;
 2. every reader starts fetching that version; as soon as the first chunk lands at one of
    them, the leading hub's process is SIGKILLed (the fetches are in flight: how many had
    chunks left to read at the kill is ``in_flight_at_kill``, taken from each reader's
@@ -447,7 +449,7 @@ def _one_run(run: int, *, mode: str, hubs: list[HubProcess], urls: list[str], tr
     leading = _leader(hubs, secret)
     published = trainer.ask("publish", size=mb << 20, seed=1, timeout=START_S)
     version = int(published["version"])
-    keep = 4 + run % 4
+    keep = 2 + run % 2   # changes every run; never more than a reader's buffers can hold
     key, value = f"failover/run-{run}", str(run).encode()
     admin.set_retention(MODEL, keep_last=keep)
     admin.kv_put(key, value)
