@@ -11,6 +11,12 @@ whichever of its calls hears it first. A daemon thread heartbeats every
 ``lease_s / 3`` on a socket of its own, so a caller's long poll never delays
 it; the caller's threads share the main DEALER socket under a lock.
 
+Given the hubs of a service (several URLs: hubs over etcd, `docs/operations.md`), the
+client sends to one at a time and moves on when it does not answer within a short try
+or answers `NotLeaderError` (a standby); a hub that went silent is skipped for a while,
+so the client waits at the standby until it leads instead of trying the dead hub again.
+The new leader has a new epoch: the client re-registers there as after a restart.
+
 Every request is signed with the client's credential (`fabric.auth`: the deployment
 secret or a token, from ``secret=``, ``secret_file=``, ``WEIGHTFABRIC_SECRET_FILE`` or
 the default path), and only replies the hub signed for that request are taken.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import secrets
 import threading
 import time
@@ -126,6 +133,11 @@ T = TypeVar("T")
 
 _RESTORE_CODES = (UnknownWorkerError.code, UnknownFetchError.code)
 _NO_REREGISTER = ("register", "restore", "unregister")
+SILENT_SKIP_S = 3.0
+"""How long a hub of a service that left a try unanswered is passed over for the others:
+a little longer than a dead leader's etcd lease (2 s), so that the client waits at a
+standby until it leads, and not so long that a leader that was only slow loses its
+clients for long."""
 _QUERIES = frozenset({"group_status", "kv_get", "latest", "locate", "retract_status", "status",
                       "wait_commit", "wait_version"})
 """Operations that change nothing at the hub (its ``READ_ONLY`` but ``ping``)."""
@@ -245,6 +257,7 @@ class HubClient:
         if not self.urls:
             raise ValueError("connect needs a hub URL")
         self._hub = 0        # index in `urls` of the hub the next request goes to
+        self._silent: dict[str, float] = {}   # hub -> when a try there last went unanswered
         self.credential: Credential | None = (
             None if insecure else load_credential(secret=secret, secret_file=secret_file))
         """What this client signs its requests with (None: ``insecure``)."""
@@ -285,17 +298,27 @@ class HubClient:
         """The hub requests go to now (of a service: the one that answered last)."""
         return self.urls[self._hub]
 
-    def _next_hub(self, tried: str, why: str) -> None:
+    def _next_hub(self, tried: str, why: str, *, silent: bool = False) -> None:
         """Move on from hub ``tried`` to the service's next (every channel follows).
 
+        Hubs that went silent less than `SILENT_SKIP_S` ago are skipped (a standby that
+        refused stays the one asked, until it leads), unless every other one did.
         Nothing changes when another channel already moved on from ``tried``: two channels
         that both found a hub silent move one step, not two.
         """
+        now = time.monotonic()
         with self._lock:
+            if silent:
+                self._silent[tried] = now
             if self.url != tried:
                 return
-            self._hub = (self._hub + 1) % len(self.urls)
-        log.info("hub %s %s; trying %s", tried, why, self.url)
+            n = len(self.urls)
+            order = [(self._hub + i) % n for i in range(1, n + 1)]   # `tried` comes last
+            self._hub = next((i for i in order
+                              if now - self._silent.get(self.urls[i], -math.inf)
+                              >= SILENT_SKIP_S), order[0])
+        if self.url != tried:
+            log.info("hub %s %s; trying %s", tried, why, self.url)
 
     # ------------------------------------------------------------- lifecycle
     def open(self) -> HubClient:
@@ -398,9 +421,11 @@ class HubClient:
                 if (msg.kind != ERROR or msg.name != NotLeaderError.code
                         or len(self.urls) == 1 or time.monotonic() + 0.05 >= deadline):
                     break
-                self._next_hub(self._socks[channel][1], "stands by")
-                if tries % len(self.urls) == len(self.urls) - 1:   # each hub asked: no leader
-                    time.sleep(min(0.05 * 2 ** (tries // len(self.urls)), 0.5,
+                asked = self._socks[channel][1]
+                self._next_hub(asked, "stands by")
+                if self.url == asked or tries % len(self.urls) == len(self.urls) - 1:
+                    # every hub asked, or the others silent: no leader yet; ask again soon
+                    time.sleep(min(0.05 * 2 ** min(tries // len(self.urls), 3), 0.5,
                                    max(0.0, deadline - time.monotonic())))
         with self._lock:
             epoch_changed = self.epoch is not None and msg.tag != self.epoch
@@ -471,7 +496,7 @@ class HubClient:
             self._reset_socket(channel)
             backoff = 0.05 * 2 ** attempt
             if len(self.urls) > 1:   # on to the next hub of the service, soon
-                self._next_hub(tried, "did not answer")
+                self._next_hub(tried, "did not answer", silent=True)
                 backoff = min(backoff, 0.2)
             time.sleep(min(backoff, 1.0, max(0.0, deadline - time.monotonic())))
 
@@ -930,12 +955,13 @@ class HubClient:
 
         For bootstrapping handshakes (an NVSHMEM unique id, an address). Keys share one
         namespace per hub (prefix them, e.g. ``"job-7/nvshmem-uid"``); a put overwrites.
-        Soft state: the hub keeps values in memory only, so they are lost when it restarts.
+        Kept in the hub's records with their owner: a hub with a state dir, or hubs over
+        etcd, keep them across restarts and failovers (a hub without either loses them).
 
         Args:
             key: non-empty, at most 256 bytes of UTF-8.
             value: at most 64 KiB.
-            ttl: seconds until the key vanishes (None: while the hub runs).
+            ttl: seconds until the key vanishes (None: as long as the records are kept).
 
         Raises:
             ValueTooLargeError: ``value`` or ``key`` over the limit (or the hub is full).
