@@ -122,6 +122,8 @@ class StoreFetching(StoreBuffers):
     _fetcher: ThreadPoolExecutor
     _cancel: threading.Event
     _early_chunk_size: int
+    on_fetched: Callable[[str, FetchStats], None] | None = None
+    """Told of each fetch that read a version (model, stats): the worker's metrics."""
 
     def fetch(self, version: int | str = "latest", *, verify: bool | None = None,
               options: FetchOptions | None = None,
@@ -335,6 +337,8 @@ class StoreFetching(StoreBuffers):
         log.info("fetched %s v%d: %d bytes in %.3f s (%.2f GB/s) from %s", self.model,
                  plan.version, stats.bytes, stats.seconds, stats.gbps,
                  ", ".join(sorted(stats.sources)) or "nobody")
+        if self.on_fetched is not None:
+            self.on_fetched(self.model, stats)
         return buffer, stats
 
     def _delta_base(self, base: tuple[torch.Tensor, int | None] | None, version: int,

@@ -33,6 +33,7 @@ from weightfabric.fabric.transports.tls import TlsConfig, use_for_reads
 
 if TYPE_CHECKING:
     from weightfabric.fabric.gpu.nvshmem_arena import NvshmemRuntime
+    from weightfabric.fabric.metrics import WorkerMetrics
     from weightfabric.fabric.relayout.replica import LayoutStore
     from weightfabric.fabric.relayout.rules import EngineLayout
 
@@ -48,7 +49,12 @@ class Worker:
                  nvshmem: NvshmemRuntime | None = None,
                  stall_timeout: float = STALL_TIMEOUT, secret: str | None = None,
                  secret_file: str | Path | None = None, insecure: bool = False,
-                 tls: TlsConfig | None = None, nixl: bool | None = None) -> None:
+                 tls: TlsConfig | None = None, nixl: bool | None = None,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
+        if metrics_port is not None:  # before anything starts: a missing package says so
+            from weightfabric.fabric.metrics import require
+
+            require()
         removed = remove_stale_regions()
         if removed:
             log.info("removed %d arena files of dead workers", len(removed))
@@ -78,6 +84,16 @@ class Worker:
         self.hub.on_quarantine = self._quarantine
         self._lock = threading.Lock()
         self._closed = False
+        self.metrics: WorkerMetrics | None = None
+        """The Prometheus exporter, with a ``metrics_port`` (`fabric.metrics`)."""
+        if metrics_port is not None:
+            from weightfabric.fabric.metrics import WorkerMetrics
+
+            try:
+                self.metrics = WorkerMetrics(self, metrics_port, metrics_host)
+            except BaseException:
+                self.close()
+                raise
 
     def _nixl_engine(self, worker: str, wanted: bool | None) -> NixlEngine | None:
         """The worker's NIXL engine: by default when the ``rdma`` extra is installed.
@@ -139,6 +155,8 @@ class Worker:
                     chunk_size=chunk_size, device=device, shard=shard,
                     num_shards=num_shards, prepare_spare=prepare_spare,
                     nvshmem=self.nvshmem if symmetric else None, buffers=buffers)
+                if self.metrics is not None:
+                    store.on_fetched = self.metrics.fetched
             elif (store.chunk_size, store.device, store.shard, store.num_shards,
                   store.nvshmem is not None) != (chunk_size, resolve_device(device), shard,
                                                  num_shards, symmetric):
@@ -181,6 +199,11 @@ class Worker:
         return self.transports.transport_for(source, symmetric=symmetric, timeout=timeout)
 
     @property
+    def metrics_url(self) -> str:
+        """``http://HOST:PORT/metrics`` with a ``metrics_port``, else ``""``."""
+        return self.metrics.url if self.metrics is not None else ""
+
+    @property
     def bytes_served(self) -> int:
         """Bytes this worker has served to readers (its egress)."""
         return self.server.bytes_served
@@ -207,6 +230,8 @@ class Worker:
         self.transports.close()
         if self.nixl is not None:
             self.nixl.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def __enter__(self) -> Worker:
         return self
@@ -220,7 +245,8 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
          nvshmem: NvshmemRuntime | None = None,
          stall_timeout: float = STALL_TIMEOUT, secret: str | None = None,
          secret_file: str | Path | None = None, insecure: bool = False,
-         tls: TlsConfig | None = None, nixl: bool | None = None) -> Worker:
+         tls: TlsConfig | None = None, nixl: bool | None = None,
+         metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> Worker:
     """Join the fabric at hub `url` as `worker`, ready to publish and fetch.
 
     Args:
@@ -250,11 +276,17 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
             is no ``tls`` (NIXL's transfers are not encrypted); False: never (this
             worker's memory is not registered either: peers read it over TCP); True:
             whenever it is installed, or `FabricError` saying why it cannot.
+        metrics_port: serve this worker's Prometheus metrics on this HTTP port (0: the OS
+            picks; read ``worker.metrics_url``) until `Worker.close` (`fabric.metrics`; the
+            ``metrics`` extra). None (default): none.
+        metrics_host: the address the metrics are served on (default loopback).
 
     Raises:
         HubUnavailableError: no hub answers at `url`.
         DuplicateWorkerError: another live worker uses this id.
         AuthenticationError: no usable credential, or the hub refused it.
+        ImportError: ``metrics_port`` without ``prometheus-client`` installed.
+        OSError: ``metrics_port`` is taken.
 
     Example:
         >>> worker = fabric.join(url, worker="rollout-3")    # doctest: +SKIP
@@ -263,4 +295,5 @@ def join(url: str, *, worker: str, location: Location | dict[str, str] | None = 
     """
     return Worker(url, worker=worker, location=location, host=host, timeout=timeout,
                   nvshmem=nvshmem, stall_timeout=stall_timeout, secret=secret,
-                  secret_file=secret_file, insecure=insecure, tls=tls, nixl=nixl)
+                  secret_file=secret_file, insecure=insecure, tls=tls, nixl=nixl,
+                  metrics_port=metrics_port, metrics_host=metrics_host)

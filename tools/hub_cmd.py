@@ -8,6 +8,7 @@ import logging
 import math
 import signal
 import sys
+from typing import Any
 
 from rich.table import Table
 
@@ -52,9 +53,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 "from --secret-file\n(default $WEIGHTFABRIC_SECRET_FILE, else "
                                 "~/.config/weightfabric/secret),\ncreating it (mode 0600) if "
                                 "missing, and prints where it is. Workers on this\nmachine "
-                                "find it with no flags; copy it (or a token) to other hosts.",
+                                "find it with no flags; copy it (or a token) to other hosts."
+                                "\n\nWith --metrics-port it serves Prometheus metrics over "
+                                "HTTP and prints 'metrics\nat http://HOST:PORT/metrics' (needs "
+                                "pip install weightfabric[metrics]; see\ndocs/operations.md, "
+                                "\"Metrics\").",
                     examples=["fabric hub serve --host 0.0.0.0 --port 7470 "
                               "--state-dir /var/lib/fabric-hub",
+                              "fabric hub serve --port 7470 --metrics-port 9470",
                               "fabric hub serve --port 0 "
                               "--cluster topology/clusters/two-datacenters.yaml"])
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -95,6 +101,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "becomes curve://HOST:PORT, which clients then use")
     p.add_argument("--cap-ttl", type=_seconds, default=None,
                    help="seconds a read capability in a plan stays valid (default 900)")
+    p.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://METRICS_HOST:PORT/metrics, 0 = "
+                        "any free port (default: off; needs pip install "
+                        "weightfabric[metrics])")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics are served on (default 127.0.0.1; 0.0.0.0 for "
+                        "a scraper on another host)")
 
     p = add_command(sub, "token", help="issue a token with scoped rights", handler=_token,
                     description="Print a token (one line) for a worker that must not hold "
@@ -175,7 +188,9 @@ def _serve(args: argparse.Namespace) -> int:
             from weightfabric.fabric.hub.ranking import topology_ranker
 
             rank_sources = topology_ranker(args.cluster)
-        extra = {} if args.cap_ttl is None else {"cap_ttl_s": args.cap_ttl}
+        extra: dict[str, Any] = {} if args.cap_ttl is None else {"cap_ttl_s": args.cap_ttl}
+        if args.metrics_port is not None:
+            extra.update(metrics_port=args.metrics_port, metrics_host=args.metrics_host)
         scheme = "curve" if args.encrypt else "tcp"
         if args.encrypt and args.insecure:
             raise BadInput("--encrypt needs authentication: drop --insecure")
@@ -185,11 +200,15 @@ def _serve(args: argparse.Namespace) -> int:
                            secret_file=args.secret_file, insecure=args.insecure, **extra)
     except (ValueError, HubError) as exc:
         raise BadInput(exc) from exc
+    except ImportError as exc:   # --metrics-port without prometheus-client
+        raise CommandFailed(exc) from exc
     signal.signal(signal.SIGTERM, lambda *_: server.stop(0))
 
     def ready(url: str) -> None:
         print(f"fabric hub serving at {url}", flush=True)
         print(f"authentication: {server.auth_mode}", flush=True)
+        if server.metrics_url:
+            print(f"metrics at {server.metrics_url}", flush=True)
     try:
         server.serve_forever(ready)
     except KeyboardInterrupt:

@@ -92,6 +92,7 @@ from weightfabric.fabric.zmq_util import encrypted, endpoint, make_socket, url_o
 
 if TYPE_CHECKING:
     from weightfabric.fabric.hub.service import HubService
+    from weightfabric.fabric.metrics import HubMetrics
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,10 @@ class HubServer:
         insecure: serve anyone, unauthenticated (logged loudly, shown by `fabric hub
             status`); no secret file is read.
         cap_ttl_s: seconds the read capabilities in plans stay valid.
+        metrics_port: serve Prometheus metrics on this HTTP port (0: the OS picks) from
+            `start` or `serve_forever` until `stop` (`fabric.metrics`; the ``metrics``
+            extra); read ``metrics_url``. None (default): none.
+        metrics_host: the address the metrics are served on.
 
     Raises:
         ValueError: the state file is corrupt, the state dir cannot be created or
@@ -146,6 +151,7 @@ class HubServer:
             ``store`` URL, or an etcd key space some other program wrote.
         StoreUnavailableError: the etcd of ``store`` does not answer.
         AuthenticationError: the secret file is unsafe or not a secret.
+        ImportError: ``metrics_port`` without ``prometheus-client`` installed.
     """
 
     def __init__(self, url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None,
@@ -155,7 +161,15 @@ class HubServer:
                  plan_routing: PlanRouter | None = None,
                  max_message_size: int = MAX_MESSAGE_SIZE,
                  secret_file: str | Path | None = None, insecure: bool = False,
-                 cap_ttl_s: float = CAP_TTL_S) -> None:
+                 cap_ttl_s: float = CAP_TTL_S, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1") -> None:
+        if metrics_port is not None:
+            from weightfabric.fabric.metrics import require
+
+            require()
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.metrics: HubMetrics | None = None
+        """The Prometheus exporter while serving with a ``metrics_port``."""
         self.requested_url = url
         self.authority: Authority | None = None
         self.secret_created = False
@@ -255,6 +269,10 @@ class HubServer:
             sock.bind(endpoint(self.requested_url, bind=True))
             bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             self.url = url_of(bound, self.requested_url)
+            if self.metrics_port is not None:
+                from weightfabric.fabric.metrics import HubMetrics
+
+                self.metrics = HubMetrics(self, self.metrics_port, self.metrics_host)
         except BaseException as exc:
             if sock is not None:
                 sock.close(0)
@@ -264,6 +282,8 @@ class HubServer:
         self._sock = sock
         log.info("hub serving url=%s epoch=%s records=%s", self.url, self.epoch,
                  self.records.describe)
+        if self.metrics is not None:
+            log.info("hub metrics at %s", self.metrics.url)
         if self.service is not None:
             self.service.start(self.url)
             log.info("hub %s stands by until it wins the lead", self.url)
@@ -294,6 +314,8 @@ class HubServer:
             sock.close(0)
             if self.service is not None:
                 self.service.stop()
+            if self.metrics is not None:
+                self.metrics.close()
             log.info("hub stopped url=%s", self.url)
 
     def _tick(self) -> None:
@@ -368,6 +390,15 @@ class HubServer:
             log.exception("hub loop step %s failed; serving on", fn.__name__)
 
     @property
+    def metrics_url(self) -> str:
+        """``http://HOST:PORT/metrics`` while serving with a ``metrics_port``, else ``""``."""
+        return self.metrics.url if self.metrics is not None else ""
+
+    def _timed(self, op: str | None) -> contextlib.AbstractContextManager[Any]:
+        """Time the block as operation ``op`` (None: saving the records) when exporting."""
+        return self.metrics.timed(op) if self.metrics is not None else contextlib.nullcontext()
+
+    @property
     def auth_mode(self) -> str:
         """What `fabric hub status` shows about authentication."""
         if self.authority is None:
@@ -418,11 +449,12 @@ class HubServer:
             if not self._leading and msg.name != "status":
                 raise self._not_leader()
             who = caller.principal if caller is not None else ADMIN
-            req, refused = self.rights.check(self.state, who, msg.name,
-                                             _request(msg, op.request))
-            result = op.handler(self.state, msg.tag, req)
-            if not isinstance(result, Park):
-                result = self._after(req, who, caller, result, refused=refused)
+            with self._timed(msg.name):   # a name of OPS: bounded
+                req, refused = self.rights.check(self.state, who, msg.name,
+                                                 _request(msg, op.request))
+                result = op.handler(self.state, msg.tag, req)
+                if not isinstance(result, Park):
+                    result = self._after(req, who, caller, result, refused=refused)
         except HubError as exc:
             self._finish(ident, key, self._error_bytes(msg.req_id, exc), caller, cache=cache)
             return
@@ -566,7 +598,8 @@ class HubServer:
         if generation in (self._saved_generation, self._failed_generation):
             return
         try:
-            self.records.save(self.state.durable())
+            with self._timed(None):
+                self.records.save(self.state.durable())
         except (NotLeaderError, StoreUnavailableError) as exc:
             if self.service is None:
                 raise
@@ -628,7 +661,8 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
           lease_s: float = DEFAULT_LEASE_S, clock: Callable[[], float] = time.monotonic,
           rank_sources: RankSources | None = None, plan_routing: PlanRouter | None = None,
           max_message_size: int = MAX_MESSAGE_SIZE, secret_file: str | Path | None = None,
-          insecure: bool = False, cap_ttl_s: float = CAP_TTL_S) -> HubServer:
+          insecure: bool = False, cap_ttl_s: float = CAP_TTL_S,
+          metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> HubServer:
     """Start a hub on a background thread.
 
     Args:
@@ -640,6 +674,8 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
         secret_file, insecure, cap_ttl_s: authentication (`HubServer`, `fabric.auth`): by
             default requests must be signed with the secret at
             `fabric.auth.default_secret_path` (created if missing).
+        metrics_port, metrics_host: serve Prometheus metrics over HTTP (`HubServer`;
+            port 0: the OS picks, read ``server.metrics_url``).
 
     Returns:
         The running `HubServer`; call ``stop()`` (or use it as a context manager).
@@ -653,7 +689,8 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
     return HubServer(url, state_dir=state_dir, lease_s=lease_s, clock=clock,
                      rank_sources=rank_sources, plan_routing=plan_routing,
                      max_message_size=max_message_size,
-                     secret_file=secret_file, insecure=insecure, cap_ttl_s=cap_ttl_s).start()
+                     secret_file=secret_file, insecure=insecure, cap_ttl_s=cap_ttl_s,
+                     metrics_port=metrics_port, metrics_host=metrics_host).start()
 
 
 __all__ = ["HubServer", "serve"]
