@@ -350,6 +350,10 @@ class _WorkerCollector:
         yield CounterMetricFamily("weightfabric_worker_reads_forbidden_total",
                                   "Reads refused for want of a valid capability",
                                   value=server.num_forbidden)
+        yield CounterMetricFamily("weightfabric_worker_stalled_reads_total",
+                                  "Reads of a partial replica here answered early because its "
+                                  "own fetch stalled (no chunk arrived for the stall timeout)",
+                                  value=server.num_stalled)
         yield GaugeMetricFamily("weightfabric_worker_regions_served",
                                 "Replicas (regions) this worker's read server exposes",
                                 value=len(server.regions()))

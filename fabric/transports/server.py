@@ -150,6 +150,8 @@ class ReadServer:
         self.max_leases_per_reader = max_leases_per_reader
         self._leases: dict[str, int] = {}  # reader -> leases it holds here
         self.num_forbidden = 0
+        self.num_stalled = 0
+        """Reads answered early because this partial replica's own fetch stalled."""
         self._tls = tls.server_context() if tls is not None else None
         self._listener = socket.create_server((host, port), backlog=128)
         self.address = SourceAddress(host=host, port=self._listener.getsockname()[1],
@@ -612,6 +614,7 @@ class ReadServer:
                             "while this read waited for its chunks")
                 return None
             idle = region.progress.idle()
+            self.num_stalled += idle >= self.stall_timeout
             why = (f"stalled, no chunk arrived here for {idle:.1f} s"
                    if idle >= self.stall_timeout else f"not present after {timeout:g} s")
             self._reply(conn, Status.NOT_READY, f"chunks {first}..{needed} of "
