@@ -134,7 +134,37 @@ def _copied(read: Callable[[], T]) -> T | None:
     return None
 
 
-class HubMetrics:
+class _Served:
+    """Metrics served on a port of their own (`Exporter`)."""
+
+    exporter: Exporter
+
+    @property
+    def port(self) -> int:
+        """The port the metrics are served on."""
+        return self.exporter.port
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT/metrics``."""
+        return self.exporter.url
+
+    def close(self) -> None:
+        """Stop serving."""
+        self.exporter.close()
+
+
+class _Collector:
+    """Reads its owner's live state at each scrape (from the scrape's thread)."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def describe(self) -> list[Any]:
+        return []
+
+
+class HubMetrics(_Served):
     """The metrics of one `HubServer`, served on their own port.
 
     Args:
@@ -162,15 +192,6 @@ class HubMetrics:
         self.registry.register(cast("Collector", _HubCollector(hub)))
         self.exporter = Exporter(self.registry, port, host)
 
-    @property
-    def port(self) -> int:
-        """The port the metrics are served on."""
-        return self.exporter.port
-
-    @property
-    def url(self) -> str:
-        """``http://HOST:PORT/metrics``."""
-        return self.exporter.url
 
     def timed(self, op: str | None) -> AbstractContextManager[Any]:
         """Time the block into ``weightfabric_hub_op_seconds{op=op}`` (None: persist_seconds).
@@ -181,24 +202,15 @@ class HubMetrics:
             return cast("AbstractContextManager[Any]", self.persist_seconds.time())
         return cast("AbstractContextManager[Any]", self.op_seconds.labels(op).time())
 
-    def close(self) -> None:
-        """Stop serving."""
-        self.exporter.close()
 
 
-class _HubCollector:
-    """Reads a hub's counters and records at each scrape (from the scrape's thread)."""
-
-    def __init__(self, hub: HubServer) -> None:
-        self.hub = hub
-
-    def describe(self) -> list[Any]:
-        return []
+class _HubCollector(_Collector):
+    """Reads a hub's counters and records at each scrape."""
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        hub = self.hub
+        hub: HubServer = self.owner
         yield CounterMetricFamily("weightfabric_hub_requests_total",
                                   "Requests received (every frame, bad ones included)",
                                   value=hub.num_requests)
@@ -254,7 +266,7 @@ class _HubCollector:
         yield latest
 
 
-class WorkerMetrics:
+class WorkerMetrics(_Served):
     """The metrics of one `Worker`, served on their own port.
 
     Args:
@@ -299,15 +311,6 @@ class WorkerMetrics:
         r.register(cast("Collector", _WorkerCollector(worker)))
         self.exporter = Exporter(r, port, host)
 
-    @property
-    def port(self) -> int:
-        """The port the metrics are served on."""
-        return self.exporter.port
-
-    @property
-    def url(self) -> str:
-        """``http://HOST:PORT/metrics``."""
-        return self.exporter.url
 
     def fetched(self, model: str, stats: FetchStats) -> None:
         """Count a completed fetch of ``model`` (called once per fetch, by its store)."""
@@ -322,24 +325,15 @@ class WorkerMetrics:
         self._deltas.inc(stats.delta_chunks)
         self._failed.inc(len(stats.failed_sources))
 
-    def close(self) -> None:
-        """Stop serving."""
-        self.exporter.close()
 
 
-class _WorkerCollector:
+class _WorkerCollector(_Collector):
     """Reads a worker's stores, read server and holdings at each scrape."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-
-    def describe(self) -> list[Any]:
-        return []
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        worker = self.worker
+        worker: Worker = self.owner
         server = worker.server
         yield CounterMetricFamily("weightfabric_worker_served_bytes_total",
                                   "Bytes this worker sent to readers (its egress; deltas as "
