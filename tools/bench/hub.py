@@ -11,10 +11,29 @@ plans for ``--readers`` readers of one version.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import heapq
+import itertools
 import json
+import math
+import os
+import random
+import re
+import secrets
+import select
+import shutil
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
 
+import msgspec
 import zmq
 
 from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
@@ -30,11 +49,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1000, help="simulated workers (default 1000)")
     p.add_argument("--seconds", type=float, default=5.0, help="measurement time (default 5)")
     p.add_argument("--readers", type=int, default=1000, help="readers to plan for (default 1000)")
-    p.add_argument("--chunks", type=int, default=256, help="chunks per version (default 256)")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="chunks per version (default 256; with --broadcast 1024)")
     p.add_argument("--auth", choices=["on", "off", "curve", "all"], default="all",
                    help="signed requests (on), a hub run --insecure (off), signed on a "
                         "CURVE-encrypted channel (curve), or all three in one run (default all)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    b = p.add_argument_group(
+        "broadcast", "with --broadcast N: only one version fetched by N simulated readers, "
+        "the hub in a process of its own, signed, heartbeats throughout")
+    b.add_argument("--broadcast", type=int, default=None, metavar="N",
+                   help="simulated readers fetching one version together")
+    b.add_argument("--fetch-seconds", type=float, default=4.0,
+                   help="how long each simulated fetch takes (default 4)")
+    b.add_argument("--read-chunks", type=int, default=4,
+                   help="chunks per simulated read (default 4: 64 MiB reads of 16 MiB chunks)")
+    b.add_argument("--lease", type=float, default=10.0,
+                   help="the hub's lease; readers heartbeat every lease/3 (default 10)")
+    b.add_argument("--start-spread", type=float, default=0.0, metavar="SECONDS",
+                   help="readers begin their fetch a random delay up to this after the "
+                        "commit wakes them (default 0: all at once)")
+    b.add_argument("--report-interval", type=float, default=None, metavar="SECONDS",
+                   help="seconds between a reader's progress reports (default: the engine's)")
+    b.add_argument("--max-reports", default=None, metavar="K|none",
+                   help="progress reports per fetch before the last one (default: the "
+                        "engine's; none: every interval, as before)")
+    b.add_argument("--reader-procs", type=int, default=None,
+                   help=f"processes simulating the readers (default 1 per "
+                        f"{READERS_PER_PROCESS})")
+    b.add_argument("--sync", action="store_true",
+                   help="readers learn of the version as ModelStore.sync does: a "
+                        "wait_version parked at the hub each, before and after the fetch")
+    b.add_argument("--profile", metavar="FILE",
+                   help="cProfile the hub's thread (CPU time) into FILE")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -214,7 +261,579 @@ def bench_plans(num_readers: int, num_chunks: int) -> dict:
             "plan_p99_ms": round(1e3 * _pct(times, 0.99), 3)}
 
 
+# ------------------------------------------------------------------ broadcast
+
+ENGINE_REPORT_INTERVAL = 0.02
+"""`fabric.fetch.FetchOptions.report_interval`'s default (tests check they agree)."""
+ENGINE_MAX_REPORTS: int | None = None
+"""`fabric.fetch.FetchOptions.max_reports`'s default (None: a report every interval)."""
+BROADCAST_MODEL = "broadcast"
+BROADCAST_CHUNK_SIZE = 16 << 20   # `fabric.tensorset.DEFAULT_CHUNK_SIZE`
+READERS_PER_PROCESS = 2500
+"""Simulated readers per process (one DEALER socket each, polled with epoll)."""
+_LAT_BASE = math.log(1.02)        # latency histograms: buckets 2 % wide
+
+
+def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1024,
+                    read_chunks: int = 4, lease_s: float = 10.0, procs: int | None = None,
+                    start_spread: float = 0.0,
+                    report_interval: float = ENGINE_REPORT_INTERVAL,
+                    max_reports: int | None = ENGINE_MAX_REPORTS,
+                    sync: bool = False, baseline_s: float | None = None,
+                    profile: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+    """One version broadcast to ``readers`` simulated readers; the hub's cost of it.
+
+    The hub runs alone in a child process (authentication on, a secret made for the run),
+    the readers in ``procs`` others (one DEALER socket each, every request signed and
+    every reply's signature checked, as `HubClient` does). A publisher (a real
+    `HubClient`) registers, then the readers register (not counted) and start heartbeats
+    every ``lease_s / 3``. After a baseline window (heartbeats only), the publisher begins
+    and commits a version of ``chunks`` chunks; each reader, told of it as soon as it is
+    committed (plus a random delay up to ``start_spread`` s), calls ``begin_fetch``, then
+    simulates its fetch: reads of ``read_chunks`` chunks land evenly over
+    ``fetch_seconds``, reported as the fetch engine does (every ``report_interval`` s,
+    and with ``max_reports`` at most that many times before the last report, at chunk
+    milestones), then ``complete_fetch``. With ``sync`` the readers learn of the version
+    as `ModelStore.sync` does instead: each parks a ``wait_version`` before the version
+    and parks a new one after its fetch (the hub holds them all).
+
+    Measured from the begin_publish to the last ``complete_fetch`` answered: the hub
+    process's CPU seconds (``/proc``), the operations answered per second (heartbeats
+    included), and each operation's latency.
+    """
+    if readers < 1 or chunks < 1 or read_chunks < 1 or fetch_seconds < 0 or lease_s <= 0:
+        raise ValueError("readers, chunks and read_chunks must be >= 1, fetch_seconds >= 0 "
+                         "and lease_s > 0")
+    from weightfabric.fabric.auth import SECRET_FILE_ENV
+    from weightfabric.fabric.client import connect
+    from weightfabric.fabric.manifest import Manifest, TensorSpec
+
+    procs = procs or max(1, -(-readers // READERS_PER_PROCESS))
+    # The hub gets a core of its own, the readers the others (as if they ran elsewhere).
+    cpus = sorted(os.sched_getaffinity(0))
+    hub_cpus, reader_cpus = (cpus[:1], cpus[1:]) if len(cpus) > 1 else (cpus, cpus)
+    baseline_s = lease_s / 3 if baseline_s is None else baseline_s
+    deadline = time.monotonic() + timeout
+    tmp = Path(tempfile.mkdtemp(prefix="wf-bench-hub-"))
+    secret = tmp / "secret"
+    with os.fdopen(os.open(secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    env = {**os.environ, SECRET_FILE_ENV: str(secret)}
+    children: list[subprocess.Popen] = []
+    publisher = None
+    sampler = None
+    try:
+        hub = _spawn(["_hub_main", json.dumps({"lease_s": lease_s, "secret_file": str(secret),
+                                               "profile": profile, "cpus": hub_cpus})],
+                     tmp / "hub.log", env, stdin=subprocess.DEVNULL)
+        children.append(hub)
+        url = _line(hub, deadline, tmp / "hub.log").strip()
+        sampler = _CpuSampler(hub.pid)
+        share = -(-readers // procs)
+        sims = []
+        for k in range(procs):
+            first, count = k * share, min(share, readers - k * share)
+            if count <= 0:
+                break
+            p = _spawn(["_reader_main"], tmp / f"readers-{k}.log", env, stdin=subprocess.PIPE)
+            children.append(p)
+            sims.append(p)
+            _say(p, {"url": url, "secret_file": str(secret), "first": first, "count": count,
+                     "lease_s": lease_s, "fetch_seconds": fetch_seconds, "chunks": chunks,
+                     "read_chunks": read_chunks, "start_spread": start_spread,
+                     "report_interval": report_interval, "max_reports": max_reports,
+                     "chunk_size": BROADCAST_CHUNK_SIZE, "model": BROADCAST_MODEL,
+                     "sync": sync, "seed": k, "cpus": reader_cpus})
+        publisher = connect(url, worker="trainer", secret_file=secret, timeout=120,
+                            location={"datacenter": "dc0", "node": "trainer"},
+                            endpoints={"read": {"host": "10.0.0.1", "port": 7471,
+                                                "host_id": "trainer"}})
+        for k, p in enumerate(sims):
+            ready = json.loads(_line(p, deadline, tmp / f"readers-{k}.log"))
+            if ready.get("registered") != ready.get("count"):
+                raise RuntimeError(f"reader process {k} registered {ready}")
+        for p in sims:
+            _say(p, "go")
+        base_t0, base_c0 = time.time(), sampler.cpu()
+        time.sleep(baseline_s)
+        base_t1, base_c1 = time.time(), sampler.cpu()
+        baseline = (base_c1 - base_c0) / max(base_t1 - base_t0, 1e-9)
+        size = chunks * BROADCAST_CHUNK_SIZE
+        manifest = Manifest((TensorSpec("w", (size,), "uint8", size, 0),),
+                            BROADCAST_CHUNK_SIZE,
+                            checksums=tuple(random.Random(7).getrandbits(63)
+                                            for _ in range(chunks)))
+        t_start = time.time()
+        c_start = sampler.cpu()
+        p0 = time.perf_counter()
+        version = publisher.begin_publish(BROADCAST_MODEL, manifest)
+        p1 = time.perf_counter()
+        publisher.commit(BROADCAST_MODEL, version)
+        p2 = time.perf_counter()
+        if not sync:
+            for p in sims:
+                _say(p, {"version": version})
+        results = [json.loads(_line(p, deadline, tmp / f"readers-{k}.log"))
+                   for k, p in enumerate(sims)]
+        t_end = max(r["last_complete"] or t_start for r in results)
+        time.sleep(0.05)  # the sampler reads past t_end
+        c_end = sampler.cpu_at(t_end)
+        window = max(t_end - t_start, 1e-9)
+        hub_cpu = c_end - c_start
+        hist: dict[str, Counter[int]] = {}
+        for r in results:
+            for op, h in r["hist"].items():
+                hist.setdefault(op, Counter()).update({int(b): n for b, n in h.items()})
+        bins: Counter[int] = Counter()
+        for r in results:
+            bins.update({int(b): n for b, n in r["bins"].items()})
+        ops = sum(n for b, n in bins.items() if t_start <= b * 0.1 < t_end)
+        lat = {op: {"count": sum(h.values()), "p50": _hist_pct(h, 0.5), "p99": _hist_pct(h, 0.99)}
+               for op, h in sorted(hist.items())}
+        reports = [n for r in results for n in r["reports"]]
+        errors: Counter[str] = Counter()
+        for r in results:
+            errors.update(r["errors"])
+        completed = sum(r["completed"] for r in results)
+        return {
+            "readers": readers, "completed": completed, "reader_procs": len(sims),
+            "chunks": chunks, "read_chunks": read_chunks, "fetch_seconds": fetch_seconds,
+            "start_spread": start_spread, "lease_s": lease_s, "sync": sync,
+            "hub_cpus": hub_cpus, "reader_cpus": reader_cpus,
+            "report_policy": {"report_interval": report_interval, "max_reports": max_reports},
+            "version_seconds": round(window, 3),
+            "hub_cpu_s_per_version": round(hub_cpu, 3),
+            "hub_cpu_baseline_per_s": round(baseline, 4),
+            "hub_cpu_s_per_version_net": round(hub_cpu - baseline * window, 3),
+            "hub_cpu_util": round(hub_cpu / window, 3),
+            "ops_per_s": round(ops / window, 1), "ops_in_version": ops,
+            "latency_ms": lat,
+            "p99_ms": max(lat.get("begin_fetch", {}).get("p99", 0.0),
+                          lat.get("complete_fetch", {}).get("p99", 0.0)),
+            "publish_ms": {"begin_publish": round(1e3 * (p1 - p0), 3),
+                           "commit": round(1e3 * (p2 - p1), 3)},
+            "reports_per_fetch": {"min": min(reports, default=0),
+                                  "mean": round(statistics.mean(reports), 2) if reports else 0,
+                                  "max": max(reports, default=0),
+                                  "total": sum(reports)},
+            "errors": dict(errors),
+        }
+    finally:
+        if publisher is not None:
+            with contextlib.suppress(Exception):
+                publisher.close()
+        for p in children[1:]:
+            with contextlib.suppress(Exception):
+                _say(p, "stop")
+        for p in children[::-1]:
+            if p is children[0]:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if sampler is not None:
+            sampler.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _spawn(argv: list[str], log: Path, env: dict[str, str], *, stdin: int) -> subprocess.Popen:
+    """``python -c 'tools.bench.hub.ARGV[0]()' ARGV[1:]``, its stderr into ``log``."""
+    code = f"from weightfabric.tools.bench.hub import {argv[0]}; {argv[0]}()"
+    with open(log, "w") as err:
+        return subprocess.Popen([sys.executable, "-c", code, *argv[1:]], stdin=stdin,
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+
+
+def _say(p: subprocess.Popen, what: object) -> None:
+    assert p.stdin is not None
+    p.stdin.write((what if isinstance(what, str) else json.dumps(what)) + "\n")
+    p.stdin.flush()
+
+
+def _line(p: subprocess.Popen, deadline: float, log: Path) -> str:
+    """The next line ``p`` prints, before ``deadline`` (else the end of its log, raised)."""
+    assert p.stdout is not None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or p.poll() is not None and not select.select([p.stdout], [], [], 0)[0]:
+            break
+        if select.select([p.stdout], [], [], min(left, 1.0))[0]:
+            line = p.stdout.readline()
+            if line:
+                return line
+            break
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    raise RuntimeError(f"bench child {p.args[-1][:60]!r} gave no answer "
+                       f"(exit {p.poll()}):\n{tail}")
+
+
+class _CpuSampler:
+    """The CPU seconds a process used, sampled every 10 ms on a thread (`cpu_at` any time)."""
+
+    def __init__(self, pid: int) -> None:
+        self.path = f"/proc/{pid}/stat"
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.samples: list[tuple[float, float]] = [(time.time(), self.cpu())]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def cpu(self) -> float:
+        with open(self.path) as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / self.tick   # utime + stime
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            try:
+                self.samples.append((time.time(), self.cpu()))
+            except OSError:
+                return
+
+    def cpu_at(self, t: float) -> float:
+        """The CPU seconds at wall time ``t`` (interpolated between samples)."""
+        samples = self.samples[:]
+        for (t0, c0), (t1, c1) in itertools.pairwise(samples):
+            if t0 <= t <= t1:
+                return c0 + (c1 - c0) * ((t - t0) / (t1 - t0) if t1 > t0 else 1.0)
+        return samples[-1][1]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1)
+
+
+def _hist_pct(h: Counter[int], q: float) -> float:
+    """The ``q`` quantile in ms of a histogram of log-spaced microsecond buckets."""
+    total = sum(h.values())
+    if not total:
+        return float("nan")
+    seen = 0
+    for b in sorted(h):
+        seen += h[b]
+        if seen >= q * total:
+            return round(math.exp((b + 0.5) * _LAT_BASE) / 1e3, 3)
+    return float("nan")
+
+
+def _hub_main() -> None:
+    """The hub of `bench_broadcast`, in its own process: prints its URL, serves until SIGTERM."""
+    import cProfile
+    import logging
+
+    cfg = json.loads(sys.argv[1])
+    _raise_fd_limit()
+    os.sched_setaffinity(0, cfg["cpus"])
+    logging.basicConfig(level=logging.WARNING)
+    from weightfabric.fabric.hub.server import HubServer
+
+    hub = HubServer("tcp://127.0.0.1:0", lease_s=cfg["lease_s"], secret_file=cfg["secret_file"])
+    signal.signal(signal.SIGTERM, lambda *_: hub.stop(timeout=0))
+    # CPU time of the hub's thread (not wall time: the readers share the machine)
+    prof = cProfile.Profile(time.thread_time) if cfg.get("profile") else None
+    if prof is not None:
+        prof.enable()
+    try:
+        hub.serve_forever(on_ready=lambda url: print(url, flush=True))
+    finally:
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(cfg["profile"])
+
+
+def _raise_fd_limit() -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _reader_main() -> None:
+    """Simulated readers of `bench_broadcast`, in their own process (driven on stdin)."""
+    cfg = json.loads(sys.stdin.readline())
+    _raise_fd_limit()
+    os.sched_setaffinity(0, cfg["cpus"])
+    sim = _Readers(cfg)
+    try:
+        sim.register()
+        print(json.dumps({"registered": sim.registered, "count": sim.n}), flush=True)
+        if sys.stdin.readline().strip() == "go":
+            sim.run()
+    finally:
+        sim.close()
+
+
+class _Readers:
+    """``count`` simulated readers on DEALER sockets, polled with epoll.
+
+    zmq's socket FD is edge-like: a socket sent on, or whose FD fired, is looked at
+    (``EVENTS``) until it has nothing to read.
+    """
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        from weightfabric.fabric.auth import load_credential
+        from weightfabric.fabric.zmq_util import endpoint, make_socket
+
+        self.cfg = cfg
+        self.first, self.n = int(cfg["first"]), int(cfg["count"])
+        self.rng = random.Random(cfg["seed"])
+        zmq.Context.instance().set(zmq.MAX_SOCKETS, self.n + 64)
+        self.cred = load_credential(secret_file=cfg["secret_file"])
+        self.poll = select.epoll()
+        self.socks: list[zmq.Socket] = []
+        self.by_fd: dict[int, int] = {}
+        for i in range(self.n):
+            s = make_socket(zmq.DEALER, max_message_size=1 << 24)
+            s.connect(endpoint(cfg["url"], bind=False))
+            self.socks.append(s)
+            fd = s.getsockopt(zmq.FD)
+            self.by_fd[fd] = i
+            self.poll.register(fd, select.EPOLLIN)
+        self.poll.register(sys.stdin.fileno(), select.EPOLLIN)
+        self.check: set[int] = set(range(self.n))
+        self.req = [0] * self.n
+        self.pending: dict[tuple[int, int], tuple[str, float, bytes]] = {}
+        self.timers: list[tuple[float, int, int, str]] = []
+        self.seq = 0
+        self.hist: dict[str, Counter[int]] = {}
+        self.bins: Counter[int] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.registered = 0
+        self.stopping = False
+        # each reader's fetch
+        self.chunks, self.rc = int(cfg["chunks"]), int(cfg["read_chunks"])
+        self.nreads = -(-self.chunks // self.rc)
+        self.dt = float(cfg["fetch_seconds"]) / self.nreads
+        self.interval = float(cfg["report_interval"])
+        self.max_reports = cfg["max_reports"]
+        self.version = [0] * self.n
+        self.t0 = [0.0] * self.n          # when its plan came
+        self.k = [0] * self.n             # reads counted at the last report attempt
+        self.last = [0.0] * self.n        # the last report attempt (the engine's last_report)
+        self.reported = [0] * self.n      # chunks reported
+        self.sent = [0] * self.n          # reports sent
+        self.inflight = [False] * self.n  # a report on its way
+        self.finishing = [False] * self.n
+        self.completing = [False] * self.n
+        self.done = [False] * self.n
+        self.completed = 0
+        self.last_complete: float | None = None
+
+    # --- wire
+    def worker(self, i: int) -> str:
+        return f"r{self.first + i}"
+
+    def send(self, i: int, op: str, args: dict[str, Any]) -> None:
+        from weightfabric.fabric.protocol import REQUEST, encode
+
+        self.req[i] += 1
+        rid = self.req[i]
+        payload = encode(REQUEST, rid, f"s-{self.worker(i)}", op, args)
+        frame, mac = self.cred.sign(payload)
+        self.socks[i].send_multipart([payload, frame])
+        self.pending[(i, rid)] = (op, time.perf_counter(), mac)
+        self.check.add(i)
+
+    def pump(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for replies, and handle them."""
+        from weightfabric.fabric.protocol import decode
+
+        for fd, _ in self.poll.poll(0 if self.check else max(0.0, timeout)):
+            i = self.by_fd.get(fd)
+            if i is None:
+                line = sys.stdin.readline().strip()
+                if line.startswith("{"):
+                    self.begin_all(int(json.loads(line)["version"]))
+                elif not line or line == "stop":
+                    self.stopping = True
+                continue
+            self.check.add(i)
+        todo, self.check = self.check, set()
+        for i in todo:
+            s = self.socks[i]
+            while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                raw, frame = s.recv_multipart(zmq.NOBLOCK)
+                msg = decode(raw)
+                got = self.pending.pop((i, msg.req_id), None)
+                if got is None:
+                    continue
+                op, sent, mac = got
+                now = time.perf_counter()
+                if not self.cred.check_reply(frame, mac, raw) and (msg.kind == 2 or frame):
+                    raise RuntimeError("a reply not signed for its request")
+                us = max(1.0, (now - sent) * 1e6)
+                self.hist.setdefault(op, Counter())[int(math.log(us) / _LAT_BASE)] += 1
+                self.bins[int(time.time() / 0.1)] += 1
+                if msg.kind != 2:
+                    why = str(msgspec.msgpack.decode(msg.body).get("message", ""))
+                    self.errors[f"{op}: {re.sub(r'r[0-9]+', 'rN', why)[:160]}"] += 1
+                self.on_reply(i, op, msg, ok=msg.kind == 2)
+
+    def at(self, t: float, i: int, kind: str) -> None:
+        self.seq += 1
+        heapq.heappush(self.timers, (t, self.seq, i, kind))
+
+    # --- phases
+    def register(self) -> None:
+        for i in range(self.n):
+            k = self.first + i
+            self.send(i, "register", {
+                "worker": self.worker(i),
+                "location": {"datacenter": f"dc{(k // 512) % 2}", "node": f"n{k // 8}",
+                             "device": f"gpu{k % 8}"},
+                "endpoints": {"read": {"host": f"10.{k >> 16 & 255}.{k >> 8 & 255}.{k & 255}",
+                                       "port": 7471, "host_id": f"h{k // 8}"}}})
+        end = time.monotonic() + 120
+        while self.pending and time.monotonic() < end:
+            self.due(time.monotonic())
+            self.pump(0.05)
+
+    def due(self, now: float) -> None:
+        """Run the timers due by ``now``."""
+        while self.timers and self.timers[0][0] <= now:
+            _, _, i, kind = heapq.heappop(self.timers)
+            self.on_timer(i, kind, now)
+
+    def run(self) -> None:
+        if self.cfg["sync"]:
+            for i in range(self.n):
+                self.wait_version(i, 0)
+        reported = False
+        while not self.stopping:
+            self.due(time.monotonic())
+            if not reported and all(self.done):
+                print(json.dumps(self.result()), flush=True)
+                reported = True
+            wait = self.timers[0][0] - time.monotonic() if self.timers else 0.1
+            self.pump(min(max(wait, 0.0), 0.1))
+
+    def begin_all(self, version: int) -> None:
+        for i in range(self.n):
+            self.begin(i, version)
+
+    def begin(self, i: int, version: int) -> None:
+        self.version[i] = version
+        spread = float(self.cfg["start_spread"])
+        self.at(time.monotonic() + self.rng.uniform(0, spread) if spread else 0.0, i, "begin")
+
+    def wait_version(self, i: int, after: int) -> None:
+        self.send(i, "wait_version", {"model": self.cfg["model"], "after": after,
+                                      "timeout": 10.0})
+
+    def on_timer(self, i: int, kind: str, now: float) -> None:
+        if kind == "heartbeat":
+            self.send(i, "heartbeat", {"worker": self.worker(i), "publishing": []})
+            self.at(now + self.cfg["lease_s"] / 3, i, "heartbeat")
+        elif kind == "begin":
+            self.send(i, "begin_fetch", {"worker": self.worker(i), "model": self.cfg["model"],
+                                         "version": self.version[i],
+                                         "fetch_id": f"{self.worker(i)}/v{self.version[i]}"})
+        elif kind == "report":
+            self.try_report(i, now)
+        elif kind == "end":
+            self.finishing[i] = True
+            self.finish(i)
+
+    def on_reply(self, i: int, op: str, msg: Any, *, ok: bool) -> None:
+        if op == "register":
+            self.registered += ok   # heartbeats from now on, as a client's thread does
+            self.at(time.monotonic() + self.rng.uniform(0, self.cfg["lease_s"] / 3), i,
+                    "heartbeat")
+        elif op == "wait_version":
+            v = msgspec.msgpack.decode(msg.body).get("version") if ok else None
+            if v is not None and v > self.version[i] and not self.done[i]:
+                self.begin(i, v)
+            elif not self.stopping:
+                self.wait_version(i, self.version[i])
+        elif op == "begin_fetch":
+            if not ok:
+                self.done[i] = True
+                return
+            self.t0[i] = self.last[i] = time.monotonic()
+            self.schedule_report(i)
+            self.at(self.t0[i] + self.nreads * self.dt, i, "end")
+        elif op == "report_progress":
+            self.inflight[i] = False
+            if self.finishing[i]:
+                self.finish(i)
+        elif op == "complete_fetch":
+            self.done[i] = True
+            self.completed += ok
+            self.last_complete = time.time()
+            if self.cfg["sync"]:
+                self.wait_version(i, self.version[i])
+
+    # --- the fetch engine's reports, read by read
+    def fetched(self, k: int) -> int:
+        return min(k * self.rc, self.chunks)
+
+    def schedule_report(self, i: int) -> None:
+        """The next read after which the engine would send a report (none: the end)."""
+        k = max(self.k[i] + 1, self.reported[i] // self.rc + 1,
+                math.ceil((self.last[i] + self.interval - self.t0[i]) / self.dt - 1e-9))
+        if self.max_reports is not None:
+            if self.sent[i] >= self.max_reports:
+                return
+            milestone = math.ceil((self.sent[i] + 1) * self.chunks / (self.max_reports + 1))
+            k = max(k, math.ceil(milestone / self.rc))
+        if k < self.nreads:
+            self.at(self.t0[i] + k * self.dt, i, "report")
+            self.k[i] = k
+
+    def try_report(self, i: int, now: float) -> None:
+        if self.finishing[i]:
+            return
+        k = min(self.nreads, int((now - self.t0[i]) / self.dt + 1e-9))
+        if self.inflight[i]:
+            if self.max_reports is None:
+                self.last[i] = now   # the engine's flush: the chunks wait for the next one
+            self.k[i] = k
+            self.schedule_report(i)
+            return
+        self.report(i, self.fetched(k))
+        self.last[i] = now
+        self.k[i] = k
+        self.schedule_report(i)
+
+    def report(self, i: int, upto: int) -> None:
+        self.send(i, "report_progress", {"worker": self.worker(i),
+                                         "fetch_id": f"{self.worker(i)}/v{self.version[i]}",
+                                         "chunks": list(range(self.reported[i], upto))})
+        self.reported[i] = upto
+        self.sent[i] += 1
+        self.inflight[i] = True
+
+    def finish(self, i: int) -> None:
+        """The end of a fetch: every chunk reported (one report at a time), then complete."""
+        if self.inflight[i] or self.completing[i]:
+            return
+        if self.reported[i] < self.chunks:
+            self.report(i, self.chunks)
+            return
+        self.completing[i] = True
+        nbytes = self.chunks * int(self.cfg["chunk_size"])
+        self.send(i, "complete_fetch", {"worker": self.worker(i),
+                                        "fetch_id": f"{self.worker(i)}/v{self.version[i]}",
+                                        "traffic": {"trainer": [nbytes, nbytes]}})
+
+    def result(self) -> dict[str, Any]:
+        return {"hist": self.hist, "bins": self.bins, "errors": self.errors,
+                "completed": self.completed, "last_complete": self.last_complete,
+                "reports": self.sent}
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close(0)
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.broadcast is not None:
+        return _run_broadcast(args)
+    args.chunks = 256 if args.chunks is None else args.chunks
     if min(args.workers, args.readers, args.chunks) < 1 or args.seconds <= 0:
         raise BadInput("--workers, --readers and --chunks must be >= 1 and --seconds > 0")
     modes = ["on", "off", "curve"] if args.auth == "all" else [args.auth]
@@ -244,5 +863,51 @@ def _run(args: argparse.Namespace) -> int:
     t.add_row(f"plans for {plans['readers']} readers ({plans['chunks']} chunks)",
               f"{plans['plan_total_s']:.2f} s total, {plans['plan_mean_ms']:.2f} ms mean, "
               f"{plans['plan_p99_ms']:.2f} ms p99")
+    Console().print(t)
+    return EXIT_OK
+
+
+def _run_broadcast(args: argparse.Namespace) -> int:
+    max_reports: int | None = ENGINE_MAX_REPORTS
+    if args.max_reports is not None:
+        if args.max_reports.lower() == "none":
+            max_reports = None
+        elif args.max_reports.isdigit():
+            max_reports = int(args.max_reports)
+        else:
+            raise BadInput(f"--max-reports takes a number >= 0 or 'none', not "
+                           f"{args.max_reports!r}")
+    interval = ENGINE_REPORT_INTERVAL if args.report_interval is None else args.report_interval
+    if (args.broadcast < 1 or (args.chunks is not None and args.chunks < 1)
+            or args.read_chunks < 1 or args.fetch_seconds < 0 or args.lease <= 0
+            or interval < 0 or args.start_spread < 0
+            or (args.reader_procs is not None and args.reader_procs < 1)):
+        raise BadInput("--broadcast, --chunks, --read-chunks and --reader-procs must be >= 1, "
+                       "--lease > 0, and --fetch-seconds, --report-interval and "
+                       "--start-spread >= 0")
+    out = bench_broadcast(args.broadcast, fetch_seconds=args.fetch_seconds,
+                          chunks=args.chunks or 1024, read_chunks=args.read_chunks,
+                          lease_s=args.lease, procs=args.reader_procs,
+                          start_spread=args.start_spread, report_interval=interval,
+                          max_reports=max_reports, sync=args.sync, profile=args.profile)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return EXIT_OK
+    from rich.table import Table
+
+    t = Table("measure", "value", title=f"fabric bench hub --broadcast {out['readers']}")
+    t.add_row("readers (completed) / reader processes",
+              f"{out['readers']:,} ({out['completed']:,}) / {out['reader_procs']}")
+    t.add_row("version: begin_publish to the last complete_fetch", f"{out['version_seconds']:.2f} s")
+    t.add_row("hub CPU per version (heartbeats included / beyond the idle rate)",
+              f"{out['hub_cpu_s_per_version']:.2f} s / {out['hub_cpu_s_per_version_net']:.2f} s")
+    t.add_row("hub ops/s during the version", f"{out['ops_per_s']:,.0f}")
+    for op, lat in out["latency_ms"].items():
+        t.add_row(f"{op} p50 / p99 ({lat['count']:,})",
+                  f"{lat['p50']:.2f} ms / {lat['p99']:.2f} ms")
+    r = out["reports_per_fetch"]
+    t.add_row("progress reports per fetch (min / mean / max)",
+              f"{r['min']} / {r['mean']} / {r['max']}")
+    t.add_row("errors", ", ".join(f"{k}: {v}" for k, v in out["errors"].items()) or "none")
     Console().print(t)
     return EXIT_OK
