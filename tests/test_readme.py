@@ -81,7 +81,7 @@ def test_the_trainer_exits_and_its_last_version_lives_on_in_the_rollout(hub, tmp
         left = list(SHM_DIR.glob(f"{PREFIX}-{rollout.pid}-*"))
         remove_stale_regions()
     assert "v3:" in out, err[-3000:]
-    assert not left, f"the rollout's exit left {left}"
+    assert not left, f"the rollout's exit left {left}; its stderr:\n{err[-3000:]}"
 
 
 @pytest.mark.parametrize("name", sorted(set(snippets()) - {"trainer.py", "rollout.py"}))
