@@ -33,7 +33,6 @@ import base64
 import binascii
 import collections
 import fnmatch
-import hashlib
 import hmac
 import os
 import secrets
@@ -55,6 +54,8 @@ ROLES = ("read", "publish", "admin")
 MAX_SKEW_S = 60.0
 """A signed request's timestamp must be within this many seconds of the hub's clock
 (hosts must agree on the time this well: run NTP)."""
+MAX_TOKENS_KEPT = 4096
+"""Tokens whose key and rights a hub keeps computed (the newest)."""
 CAP_TTL_S = 900.0
 """Seconds a read capability stays valid (a fetch re-planned later gets fresh ones)."""
 MAX_CAP_BYTES = 512
@@ -134,7 +135,7 @@ ADMIN = Principal("admin", frozenset({"admin"}))
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+    return hmac.digest(key, b"".join(parts), "sha256")   # one call in C (a hub's hot path)
 
 
 def serving_key(key: bytes) -> bytes:
@@ -333,12 +334,28 @@ class Authority:
                                       "secret itself")
         self.path = path
         self._secret = bytes.fromhex(text)
+        self._admin = _admin_key(self._secret)
+        self._tokens: dict[bytes, tuple[bytes, Principal]] = {}   # token -> key, rights
         self._replays = ReplayGuard()
         self.curve_public, self.curve_secret = curve_keys(self._secret)
 
     def key_of(self, token: bytes) -> bytes:
         """The key of a credential: the secret's (empty ``token``) or the token's."""
-        return _mac(self._secret, b"wf-token", token) if token else _admin_key(self._secret)
+        return _mac(self._secret, b"wf-token", token) if token else self._admin
+
+    def _token(self, token: bytes) -> tuple[bytes, Principal]:
+        """A token's key and rights, computed once per token (the newest `MAX_TOKENS_KEPT`).
+
+        Raises:
+            ValueError: not a token payload.
+        """
+        kept = self._tokens.get(token)
+        if kept is None:
+            kept = (self.key_of(token), principal_of(token))
+            if len(self._tokens) >= MAX_TOKENS_KEPT:
+                self._tokens.pop(next(iter(self._tokens)))
+            self._tokens[token] = kept
+        return kept
 
     def verify(self, payload: bytes, auth: bytes, now: float | None = None) -> Verified:
         """Who signed request ``payload`` with auth frame ``auth``.
@@ -354,14 +371,21 @@ class Authority:
                 raise TypeError("fields of the wrong type")
         except Exception as exc:
             raise AuthenticationError(f"a malformed auth frame ({exc})") from None
-        key = self.key_of(token)
+        if token:
+            try:
+                key, principal = self._token(token)
+            except ValueError:
+                key, principal = self.key_of(token), None   # refused below, as before
+        else:
+            key, principal = self._admin, ADMIN
         if not hmac.compare_digest(mac, _mac(key, b"wf-req", ts_raw, payload)):
             raise AuthenticationError("the request's signature does not match: the client's "
                                       "secret or token is not this hub's")
-        try:
-            principal = principal_of(token) if token else ADMIN
-        except ValueError as exc:
-            raise AuthenticationError(str(exc)) from None
+        if principal is None:
+            try:
+                principal = principal_of(token)
+            except ValueError as exc:
+                raise AuthenticationError(str(exc)) from None
         if principal.expires is not None and now > principal.expires:
             raise AuthenticationError(f"token {principal.name!r} expired "
                                       f"{now - principal.expires:.0f} s ago; issue a new one")

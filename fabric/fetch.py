@@ -63,6 +63,9 @@ WAIT_SLICE = 0.25
 """Seconds between the engine's looks at the deadline, the cancel event and lost sources."""
 MAX_STREAMS = 16
 """Most reads in flight a broadcast plan's assignments raise `FetchOptions.max_inflight` to."""
+IDLE_REPORT_S = 1.0
+"""Seconds without a new chunk after which a fetch reports the chunks it has not reported
+(one of its `FetchOptions.max_reports`): a reader held up by a partial source."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,10 @@ class FetchPlanner(Protocol):
         """
 
     # Also optional: ``planned`` (bool attribute, `HubPlanner.planned`): the assignments
-    # follow a broadcast plan, and the engine keeps a read in flight for each.
+    # follow a broadcast plan, and the engine keeps a read in flight for each; and
+    # ``completes`` (bool attribute, `HubPlanner.completes`): the fetch is completed at the
+    # planner's side right after it returns (the hub's ``complete_fetch`` records every
+    # chunk), so the engine leaves the chunks verified since its last report to that.
 
 
 @dataclass
@@ -207,7 +213,8 @@ class FetchOptions:
             fetching its chunks).
         deadline: seconds the whole fetch may take.
         max_rounds: planner calls allowed before giving up.
-        report_interval: seconds between progress reports to the hub.
+        report_interval: seconds at least between two progress reports to the hub.
+        max_reports: progress reports before the last one, at most (at chunk milestones).
     """
 
     max_inflight: int = 4
@@ -230,11 +237,22 @@ class FetchOptions:
     """Planner calls allowed before giving up: each round's plan of the chunks still
     missing, and each re-plan, within a round, of the chunks of failed reads."""
     report_interval: float = 0.02
-    """Seconds between progress reports to the planner (a hub round trip each):
-    verified chunks are batched in between. Once the interval has passed, the batch
-    goes when the next read finishes, or within a `WAIT_SLICE` if none does; the rest
-    when the fetch ends. Peers reading this partial replica are not delayed by it:
-    they wait on the local chunk bitmap, which is marked per chunk."""
+    """Seconds at least between two progress reports to the planner (a hub round trip
+    each): verified chunks are batched in between, and the rest is reported when the
+    reads end, before the fetch returns. Peers reading this partial replica are not
+    delayed by the reports: they wait on the local chunk bitmap, marked per chunk."""
+    max_reports: int | None = 2
+    """Progress reports a fetch sends before its last one, at most: one each time the
+    chunks it verified pass another ``1 / (max_reports + 1)`` of those it reads (the
+    batch goes when the next read finishes, or within a `WAIT_SLICE`), or sooner when no
+    chunk came for `IDLE_REPORT_S` (it waits on a partial source). A fetch costs the hub
+    at most ``max_reports + 1`` reports however long it takes (``max_reports`` when its
+    planner completes it, `HubPlanner.completes`), so a broadcast to N readers is O(N)
+    operations, not N x its duration. Readers chain through a partial replica without
+    its reports: the hub names it as a ``wait`` for the chunks it has not reported, and
+    its read server holds a read until they arrive (docs/hub.md, "Progress and
+    pipelining"). None: a report every `report_interval`, as before (`fabric bench hub
+    --broadcast N --max-reports none` simulates that)."""
     deltas: str | None = None
     """Ask sources for deltas against a version this reader holds (`fabric.deltas`):
     ``"auto"``, ``"on"`` or ``"off"``; None: ``$WEIGHTFABRIC_DELTAS``, else ``"auto"``."""
@@ -357,6 +375,9 @@ class _FetchRun:
         self.streams = options.max_inflight  # reads in flight at most (`schedule` raises it)
         self.unreported: list[int] = []  # verified chunks not yet told to the planner
         self.last_report = self.start
+        self.target = self.total - progress.count  # chunks this call reads (its milestones)
+        self.mid_reports = 0  # reports sent before the last one (`FetchOptions.max_reports`)
+        self.last_chunk = self.start  # when chunks last came (`IDLE_REPORT_S`)
         # Reports go out on their own thread: a hub far away (another datacenter) must not
         # hold up the loop that starts the next reads.
         self.reporter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wf-report")
@@ -395,7 +416,8 @@ class _FetchRun:
                     self.report(finished)
                     if not self.queue:
                         self.end_idle_leases()
-                self.flush_reports(wait=True)
+            # the last report: every chunk before returning, unless the completion says it
+            self.flush_reports(wait=True, rest=not getattr(self.planner, "completes", False))
         finally:
             self.close()
         self.stats.seconds = time.monotonic() - self.start
@@ -547,32 +569,55 @@ class _FetchRun:
         return self.schedule(assignments, chunks)
 
     def report(self, finished: list[int]) -> None:
-        """Report the chunks verified so far once `report_interval` has passed.
+        """Report the chunks verified so far when a report is due (`report_due`).
 
-        Report the chunks verified so far once `report_interval` has passed (also when none
-        just finished: a fetch waiting on a slow or partial source reports what it has
-        within a `WAIT_SLICE`, not only when it ends), then call `on_chunk` if some chunks
-        just finished.
+        Then call `on_chunk` if some chunks just finished. Called after every wait, also
+        when none finished: a fetch waiting on a slow or partial source sends a report
+        that fell due meanwhile within a `WAIT_SLICE`, not only when it ends.
         """
         self.unreported.extend(finished)
-        if self.unreported and time.monotonic() - self.last_report >= self.options.report_interval:
+        now = time.monotonic()
+        if finished:
+            self.last_chunk = now
+        if self.unreported and self.report_due(waiting=now - self.last_chunk >= IDLE_REPORT_S):
             self.flush_reports()
         if finished and self.on_chunk is not None:
             self.on_chunk(self.progress.count, self.total)
 
-    def flush_reports(self, *, wait: bool = False) -> None:
+    def report_due(self, *, waiting: bool) -> bool:
+        """Whether the chunks verified and not reported should go to the planner now.
+
+        At least `FetchOptions.report_interval` after the previous report, and, with
+        ``max_reports`` K, only K times before the last report, none on its way: when the
+        chunks this call verified reach the next of ``target * m / (K + 1)`` (m = 1..K),
+        or when the fetch is ``waiting`` (no chunk came for `IDLE_REPORT_S`: a reader held
+        up by a partial source tells what it has meanwhile).
+        """
+        if time.monotonic() - self.last_report < self.options.report_interval:
+            return False
+        most = self.options.max_reports
+        if most is None:
+            return True
+        if self.mid_reports >= most or (self.reporting is not None
+                                        and not self.reporting.done()):
+            return False
+        return waiting or self.stats.chunks * (most + 1) >= (self.mid_reports + 1) * self.target
+
+    def flush_reports(self, *, wait: bool = False, rest: bool = True) -> None:
         """Report every chunk verified and not reported yet, on the reporter thread.
 
         While the previous report is still on its way the chunks wait for the next one,
-        unless ``wait``: then every chunk is reported before this returns. What a report
-        raised is raised here, at the next flush.
+        unless ``wait``: then every chunk is reported before this returns (with ``rest``
+        false, only the report on its way is waited for). What a report raised is raised
+        here, at the next flush.
         """
         if self.reporting is not None and (wait or self.reporting.done()):
             done, self.reporting = self.reporting, None
             done.result()
-        if self.unreported and self.reporting is None:
+        if self.unreported and self.reporting is None and rest:
             self.reporting = self.reporter.submit(self.planner.report, sorted(self.unreported))
             self.unreported.clear()
+            self.mid_reports += not wait
             if wait:
                 self.flush_reports(wait=True)
         self.last_report = time.monotonic()

@@ -2,14 +2,17 @@
 
 Turns a `FetchPlan` (chunk ranges -> ranked worker names) into engine
 `Assignment`s (chunks -> sources with read addresses), asks the hub to re-plan
-the chunks still missing when sources fail, and reports verified chunks so the
-reader becomes a partial replica others can read from.
+the chunks still missing when sources fail, and reports verified chunks, a few times
+per fetch (`FetchOptions.max_reports`), so that the hub knows what this partial
+replica holds; readers chain through it between reports too (below).
 
 Pipelining: a range's ``wait`` workers are partial replicas the hub ranks above
 every source that already has the chunks (a peer that is fetching the same
 version from nearer the origin). They come first: the read server of a partial
 replica holds a read until the chunk arrives, so readers form chains instead of
-all pulling from the origin. Sources of the best locality tier are striped; with partial replicas to wait for, only the nearest of those are.
+all pulling from the origin, however seldom the upstream reports (the hub names it as a
+``wait`` for every chunk it has not reported). Sources of the best locality tier are
+striped; with partial replicas to wait for, only the nearest of those are.
 
 Liveness: the hub tells a reader which sources of its fetch it dropped (a lease
 that ran out, a holder that dropped the model), in progress reports and in the
@@ -32,12 +35,23 @@ log = logging.getLogger(__name__)
 
 
 class HubPlanner:
-    """`FetchPlanner` for one hub fetch."""
+    """`FetchPlanner` for one hub fetch.
+
+    Its reports are the engine's (`FetchOptions.max_reports`: a few per fetch, at chunk
+    milestones, however long the fetch takes), but for the last: ``completes`` tells the
+    engine that the store completes the fetch at the hub as soon as the engine returns,
+    and ``complete_fetch`` records every chunk.
+    """
 
     def __init__(self, hub: HubClient, plan: FetchPlan, *, me: Location) -> None:
         self.hub = hub
         self.current = plan
         self.me = me
+        # The store completes the fetch at the hub as soon as the engine returns
+        # (`fetch_chunks` leaves the chunks verified since its last report to
+        # ``complete_fetch``), but for a copy of a version still being derived (no
+        # checksums yet): that completes once the deriver committed, which can be long.
+        self.completes = bool(plan.manifest.checksums)
         self._fresh = True
         self._lost: set[str] = set()  # sources the hub said it dropped, in progress reports
         self._reported: set[str] = set()  # sources this fetch reported corrupt (quarantined)

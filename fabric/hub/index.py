@@ -5,7 +5,10 @@ Every change to replicas, fetches, fetch sources and publishers goes through
 (`HubIndex.check` asserts that; the property test calls it after every step).
 `HubIndex` also holds the work queues `fabric.hub.retention.settle` drains: the
 models whose retention must be re-applied, delayed retracts, retracts whose last
-reader may have left, and retired versions whose last replica went.
+reader may have left, and retired versions whose last replica went. It also keeps,
+per shard of a version, a `ReplicaPool`: the replicas in the order they began, and
+grouped by where their workers are, so that a plan with thousands of replicas looks at a
+few dozen of them (`fabric.hub.routing.route`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,86 @@ from weightfabric.fabric.hub.records import (
 
 ReplicaKey = tuple[str, int, int, str]
 """``(model, version, shard, worker)``."""
+PoolKey = tuple[str, int, int]
+"""``(model, version, shard)``."""
+
+
+class ReplicaPool:
+    """The replicas of one shard of one version: when each began, and where each is.
+
+    ``order[worker]`` grows with the order in which the replicas were added, as
+    ``VersionRecord.replicas`` (a dict) orders them: a plan's waits follow it. ``members``
+    (with ``pos``) samples a few replicas in O(1) each; ``near`` groups them by
+    ``(datacenter, node)`` and ``datacenter``, filled lazily from ``fresh`` at plan time
+    (`group`, given the workers' locations): a group may still list replicas removed since
+    (``order`` says which are not), until it is rebuilt when those outnumber the members.
+    `sample` takes the next few of a group in turn (a cursor per group).
+    """
+
+    def __init__(self) -> None:
+        self.members: list[str] = []
+        self.pos: dict[str, int] = {}
+        self.order: dict[str, int] = {}
+        self.added = 0
+        self.fresh: list[str] = []
+        self.near: dict[tuple[str, ...], list[str]] = {}
+        self.cursor: dict[tuple[str, ...], int] = {}
+        self.stale = 0
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, worker: str) -> None:
+        """A replica of ``worker`` was added (after every other, in ``order``)."""
+        self.pos[worker] = len(self.members)
+        self.members.append(worker)
+        self.order[worker] = self.added
+        self.added += 1
+        self.fresh.append(worker)
+
+    def remove(self, worker: str) -> None:
+        """``worker``'s replica left."""
+        i = self.pos.pop(worker)
+        last = self.members.pop()
+        if last != worker:
+            self.members[i] = last
+            self.pos[last] = i
+        del self.order[worker]
+        self.stale += 1
+
+    def group(self, where: Any) -> None:
+        """Group the replicas added since the last call by ``where(worker)``.
+
+        ``where`` gives a worker's ``(datacenter, node)`` (None for a worker not registered).
+        """
+        if self.stale > len(self.members):
+            self.near, self.fresh, self.stale = {}, list(self.members), 0
+        for w in self.fresh:
+            if w not in self.order:
+                continue
+            at = where(w)
+            if at is None:
+                continue
+            dc, node = at
+            self.near.setdefault((dc,), []).append(w)
+            if node:
+                self.near.setdefault((dc, node), []).append(w)
+        self.fresh = []
+
+    def sample(self, k: int, among: tuple[str, ...] = ()) -> list[str]:
+        """Up to ``k`` replicas: of all (``among`` empty), or of the group ``among``.
+
+        The next ``k`` after those the previous call took (round robin), so that
+        successive plans look at different peers.
+        """
+        pool = self.near.get(among, []) if among else self.members
+        if len(pool) <= k:
+            picked = pool
+        else:
+            at = self.cursor.get(among, 0) % len(pool)
+            self.cursor[among] = at + k
+            picked = pool[at:at + k] + pool[:max(0, at + k - len(pool))]
+        return [w for w in picked if w in self.order]
 
 
 class HubIndex:
@@ -50,6 +133,7 @@ class HubIndex:
         self.delayed: set[ReplicaKey] = set()
         self.dirty_models: set[str] = set()
         self.gc: set[tuple[str, int]] = set()
+        self.pools: dict[PoolKey, ReplicaPool] = {}                 # every version's shards
 
     def add_replica(self, v: VersionRecord, rep: Replica) -> None:
         """Add `rep` to `v`, replacing the worker's replica of that shard."""
@@ -59,11 +143,16 @@ class HubIndex:
         v.replicas[key] = rep
         v.reindex(rep)
         self.held.setdefault(rep.worker, set()).add((v.model, v.number, rep.shard))
+        self.pools.setdefault((v.model, v.number, rep.shard), ReplicaPool()).add(rep.worker)
 
     def remove_replica(self, v: VersionRecord, key: tuple[str, int]) -> None:
         """Remove the replica at `key` from `v` and from the indexes."""
         rep = v.replicas.pop(key)
         v.reindex(rep)
+        pool = self.pools[(v.model, v.number, rep.shard)]
+        pool.remove(rep.worker)
+        if not pool:
+            del self.pools[(v.model, v.number, rep.shard)]
         held = self.held.get(rep.worker)
         if held is not None:
             held.discard((v.model, v.number, rep.shard))
@@ -135,10 +224,12 @@ class HubIndex:
         held: dict[str, set] = {}
         publishing: dict[str, set] = {}
         readers: dict[tuple, set] = {}
+        pools: dict[PoolKey, list[str]] = {}
         for m in self.models.values():
             for n, v in m.versions.items():
                 for (w, s), r in v.replicas.items():
                     held.setdefault(w, set()).add((m.name, n, s))
+                    pools.setdefault((m.name, n, s), []).append(w)
                     assert (r.complete and r.status == LIVE) == (
                         w in v.complete_live.get(s, ())), (m.name, n, w, s)
                     if r.retract_delayed and r.status == LIVE:
@@ -148,6 +239,12 @@ class HubIndex:
                         publishing.setdefault(w, set()).add((m.name, n))
                 assert all(w in workers for ws in v.complete_live.values() for w in ws)
         assert held == self.held, (held, self.held)
+        assert pools.keys() == self.pools.keys(), (pools.keys(), self.pools.keys())
+        for key, in_order in pools.items():   # the replicas, in the order they began
+            pool = self.pools[key]
+            assert sorted(pool.order, key=pool.order.__getitem__) == in_order, key
+            assert sorted(pool.members) == sorted(in_order), key
+            assert all(pool.members[i] == w for w, i in pool.pos.items()), key
         assert publishing == self.publishing, (publishing, self.publishing)
         own: dict[str, set] = {}
         for fid, f in self.fetches.items():
@@ -172,4 +269,4 @@ def _discard(index: dict, key: Any, item: str) -> bool:
     return False
 
 
-__all__ = ["HubIndex", "ReplicaKey"]
+__all__ = ["HubIndex", "PoolKey", "ReplicaKey", "ReplicaPool"]

@@ -12,6 +12,7 @@ reply, or a `Park` when the answer must wait (long-polls): the server re-runs
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -245,13 +246,33 @@ def op_wait_version(s: HubState, session: str, a: WaitVersionRequest) -> Answer 
     model, after = a.model, a.after
 
     def check() -> VersionReply | None:
-        v = s.latest(model)
+        v = _latest(s, model)
         return VersionReply(version=v) if v is not None and v > after else None
     ready = check()
     timeout = _wait(a.timeout)
     if ready is not None or timeout <= 0:
         return ready or VersionReply(version=None)
     return Park(check, timeout, lambda: VersionReply(version=None))
+
+
+_LATEST: weakref.WeakKeyDictionary[HubState, tuple[int, dict[str, int | None]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _latest(s: HubState, model: str) -> int | None:
+    """``s.latest(model)``, computed once per state generation.
+
+    Thousands of readers parked in ``wait_version`` (`ModelStore.sync`) are each checked
+    whenever the state changes (the server's `_wake_parked`): they share one answer per
+    model. The server re-checks parked polls only when ``generation`` moved, so an answer
+    kept for a generation is what ``latest`` says then.
+    """
+    kept = _LATEST.get(s)
+    if kept is None or kept[0] != s.generation:
+        kept = _LATEST[s] = (s.generation, {})
+    if model not in kept[1]:
+        kept[1][model] = s.latest(model)
+    return kept[1][model]
 
 
 def op_wait_commit(s: HubState, session: str, a: WaitCommitRequest) -> Answer | Park:

@@ -40,6 +40,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from weightfabric.fabric.hub.index import ReplicaPool
 from weightfabric.fabric.hub.ranking import TopologyRanker, cluster_graph
 from weightfabric.fabric.hub.records import LIVE, VersionRecord, WorkerRecord
 from weightfabric.fabric.hub.routing import route
@@ -186,7 +187,8 @@ class PlanRouter:
     def route(self, vp: VersionPlan, v: VersionRecord, shard: int, reader: str,
               need: list[tuple[int, int]], *, banned: set[str],
               workers: dict[str, WorkerRecord], load: Counter[str], rank_sources: RankSources,
-              max_sources: int, now: float) -> tuple[list[PlanRangeWire], set[str], list[int]]:
+              max_sources: int, now: float, pool: ReplicaPool | None = None
+              ) -> tuple[list[PlanRangeWire], set[str], list[int]]:
         """As `fabric.hub.routing.route`, along the plan (see the module docstring)."""
         planned: list[PlanRangeWire] = []
         rest: list[tuple[int, int]] = []
@@ -203,7 +205,7 @@ class PlanRouter:
         if rest:
             ranked, more, missing = route(v, shard, reader, _merge(rest), banned=banned,
                                           workers=workers, load=load, rank_sources=rank_sources,
-                                          max_sources=max_sources)
+                                          max_sources=max_sources, pool=pool)
             planned += ranked
             named |= more
         planned.sort(key=lambda r: r.start)

@@ -3,15 +3,23 @@
 Pure functions of one version's replicas, the live workers and their load:
 `fabric.hub.state.HubState.plan` checks the fetch, calls `route` and records
 the sources it names; `HubState.locate` calls `holders`.
+
+A plan ranks every replica of the shard while there are at most `FULL_RANK_LIMIT`;
+beyond that (thousands of readers fetching one version together) it ranks a sample, so
+that a plan costs the same with 10,000 replicas as with 64: the replicas on the reader's
+node, a few of its datacenter and of all (in turn), and a few complete ones (`_sampled`).
+A sample that leaves some chunk without a source is widened to every replica.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
+from weightfabric.fabric.hub.index import ReplicaPool
 from weightfabric.fabric.hub.records import LIVE, Replica, VersionRecord, WorkerRecord
 from weightfabric.fabric.hub_messages import PlanRangeWire
 from weightfabric.fabric.locality import Location, RankSources, SourceCandidate
@@ -19,7 +27,8 @@ from weightfabric.fabric.locality import Location, RankSources, SourceCandidate
 
 def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]], *,
           banned: set[str], workers: dict[str, WorkerRecord], load: Counter[str],
-          rank_sources: RankSources, max_sources: int, wait_only: bool = False
+          rank_sources: RankSources, max_sources: int, wait_only: bool = False,
+          pool: ReplicaPool | None = None
           ) -> tuple[list[PlanRangeWire], set[str], list[int]]:
     """Ranked sources for each chunk the reader needs and can read now.
 
@@ -33,10 +42,20 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]]
     cut into stretches there and the picks are made for all stretches at once
     (`_picks`, numpy); what is left in Python is one step per range of the reply.
 
+    With ``pool`` (the shard's `ReplicaPool`, which `fabric.hub.index.HubIndex` keeps)
+    holding more than `FULL_RANK_LIMIT` replicas, only a sample of them is ranked
+    (`_sampled`).
+
     Returns:
         ``(ranges, named, missing)``: ``ranges`` as in `HubState.plan`, every worker
         they name, and the chunks no live source holds.
     """
+    if pool is not None and len(pool) > FULL_RANK_LIMIT and need:
+        out = _sampled(v, shard, reader, need, banned=banned, workers=workers, load=load,
+                       rank_sources=rank_sources, max_sources=max_sources,
+                       wait_only=wait_only, pool=pool)
+        if not out[2]:
+            return out
     ranked = ranked_replicas(v, shard, workers[reader].location, workers=workers, load=load,
                              rank_sources=rank_sources,
                              keep=lambda r: r.worker != reader and r.worker not in banned)
@@ -55,19 +74,67 @@ def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]]
 
 PARTIAL_LIMIT = 16
 """Partial replicas a plan considers first (the best-ranked), beside the complete ones."""
+FULL_RANK_LIMIT = 64
+"""Replicas of a shard up to which a plan ranks them all (beyond: a sample, `_sampled`)."""
+NODE_SAMPLE = 32
+"""Replicas on the reader's node a sampled plan ranks, at most (all, on a usual node)."""
+NEAR_SAMPLE = 8
+"""Replicas of the reader's datacenter a sampled plan ranks, drawn at random."""
+FAR_SAMPLE = 4
+"""Replicas from anywhere a sampled plan ranks, drawn at random."""
+
+
+def _sampled(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]], *,
+             banned: set[str], workers: dict[str, WorkerRecord], load: Counter[str],
+             rank_sources: RankSources, max_sources: int, wait_only: bool,
+             pool: ReplicaPool) -> tuple[list[PlanRangeWire], set[str], list[int]]:
+    """`route` over a sample of the shard's replicas, ranked as `route` ranks them all.
+
+    The sample: the replicas on the reader's node (`NODE_SAMPLE` at most), `NEAR_SAMPLE`
+    of its datacenter and `FAR_SAMPLE` of all, each plan the next ones in turn (the
+    ranking then takes the least loaded of them: readers spread over their peers), and
+    ``max_sources`` complete ones. Waits follow the pool's start order, as in `route`.
+    """
+    here = workers[reader].location
+
+    def where(w: str) -> tuple[str, str] | None:
+        rec = workers.get(w)
+        return None if rec is None else (rec.location.datacenter, rec.location.node)
+
+    pool.group(where)
+    names = dict.fromkeys(itertools.chain(
+        pool.sample(NODE_SAMPLE, (here.datacenter, here.node)) if here.node else (),
+        pool.sample(NEAR_SAMPLE, (here.datacenter,)),
+        pool.sample(FAR_SAMPLE),
+        itertools.islice(v.complete_live.get(shard, ()), max(max_sources, 1))))
+    ranked = ranked_replicas(v, shard, here, workers=workers, load=load,
+                             rank_sources=rank_sources,
+                             keep=lambda r: r.worker != reader and r.worker not in banned,
+                             among=(v.replicas[(w, shard)] for w in names
+                                    if (w, shard) in v.replicas))
+    reps = _reach(ranked, max_sources, partial_limit=PARTIAL_LIMIT)
+    return _route(v, shard, reader, need, reps, max_sources, wait_only, order=pool.order)
 
 
 def _route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]],
-           reps: list[Replica], max_sources: int, wait_only: bool
+           reps: list[Replica], max_sources: int, wait_only: bool,
+           order: Mapping[str, int] | None = None
            ) -> tuple[list[PlanRangeWire], set[str], list[int]]:
-    """`route` over the candidate replicas ``reps`` (ranked)."""
+    """`route` over the candidate replicas ``reps`` (ranked).
+
+    ``order``: worker -> when its replica of the shard began (default: as `v.replicas`
+    orders them).
+    """
     # A reader waits only on partial replicas that began fetching before it did:
     # waits then follow start order, so two readers never wait on each other.
-    order = {key: i for i, key in enumerate(v.replicas)}
-    mine = order[(reader, shard)]
-    earlier = [order[(r.worker, shard)] < mine for r in reps]
+    if order is None:
+        order = {w: i for i, (w, s) in enumerate(v.replicas) if s == shard}
+    mine = order[reader]
+    earlier = [order[r.worker] < mine for r in reps]
     sources = max(max_sources, 1)
     starts, stops = _stretches(reps, need)
+    if len(starts) <= FEW_STRETCHES:
+        return _route_few(reps, starts.tolist(), stops.tolist(), earlier, sources, wait_only)
     picks = _picks(reps, starts, earlier, sources)
     # Neighbouring stretches with the same pick form one range.
     cut = np.flatnonzero((picks[1:] != picks[:-1]).any(axis=1)
@@ -87,6 +154,49 @@ def _route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]
                                  strict=True) for c in range(a, b)]
     named = {w for ok, (srcs, wait) in zip(readable, kinds, strict=True) if ok
              for w in (*srcs, *wait)}
+    return ranges, named, missing
+
+
+FEW_STRETCHES = 24
+"""Stretches up to which `_route` picks in Python (numpy's per-call cost is higher there)."""
+
+
+def _route_few(reps: list[Replica], starts: list[int], stops: list[int], earlier: list[bool],
+               sources: int, wait_only: bool
+               ) -> tuple[list[PlanRangeWire], set[str], list[int]]:
+    """`_route`'s picks and ranges for a few stretches, one stretch at a time.
+
+    The same as `_picks` and the ranges `_route` makes of them: per stretch, the first
+    ``sources`` replicas that hold it, and up to 2 ``earlier`` ones ranked above every
+    source that lack it; neighbouring stretches with the same picks form one range.
+    """
+    ranges: list[PlanRangeWire] = []
+    missing: list[int] = []
+    named: set[str] = set()
+    last: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    for a, b in zip(starts, stops, strict=True):
+        srcs: list[int] = []
+        wait: list[int] = []
+        for i, r in enumerate(reps):
+            if r.complete or r.have[a]:
+                srcs.append(i)
+                if len(srcs) >= sources:
+                    break
+            elif earlier[i] and not srcs and len(wait) < 2:
+                wait.append(i)
+        kind = (tuple(srcs), tuple(wait))
+        if not srcs and not (wait_only and wait):
+            missing.extend(range(a, b))
+            last = None
+            continue
+        if last == kind and ranges and ranges[-1].stop == a:
+            ranges[-1] = PlanRangeWire(start=ranges[-1].start, stop=b,
+                                       sources=ranges[-1].sources, wait=ranges[-1].wait)
+            continue
+        last = kind
+        names = ([reps[i].worker for i in srcs], [reps[i].worker for i in wait])
+        named.update(*names)
+        ranges.append(PlanRangeWire(start=a, stop=b, sources=names[0], wait=names[1]))
     return ranges, named, missing
 
 
@@ -141,11 +251,15 @@ def _stretches(reps: list[Replica], need: list[tuple[int, int]]
     The stretches' starts and stops (within a stretch every replica holds all chunks or
     none).
     """
+    lo, hi = need[0][0], need[-1][1]
+    edged = [r for r in reps if not r.complete and _edged(r.have, lo, hi)]
+    if not edged:     # e.g. peers that hold nothing yet, or all of it: the runs themselves
+        return (np.fromiter((a for a, _ in need), np.int64, len(need)),
+                np.fromiter((b for _, b in need), np.int64, len(need)))
     run_starts = np.fromiter((a for a, _ in need), np.int64, len(need))
     run_stops = np.fromiter((b for _, b in need), np.int64, len(need))
-    lo, hi = int(run_starts[0]), int(run_stops[-1])
     edges = [np.flatnonzero(np.diff(np.frombuffer(r.have, np.uint8)[lo:hi])) + lo + 1
-             for r in reps if not r.complete]
+             for r in edged]
     cuts = np.concatenate([np.zeros(0, np.int64), *edges])
     run = np.searchsorted(run_starts, cuts, side="right") - 1     # the run a cut falls in
     inside = (run >= 0) & (cuts < run_stops[np.maximum(run, 0)])
@@ -153,6 +267,11 @@ def _stretches(reps: list[Replica], need: list[tuple[int, int]]
     run = np.searchsorted(run_starts, starts, side="right") - 1
     stops = np.minimum(np.r_[starts[1:], hi], run_stops[run])
     return starts, stops
+
+
+def _edged(have: bytearray, lo: int, hi: int) -> bool:
+    """Whether ``have[lo:hi]`` holds both 0s and 1s (a bitmap of one value has no edge)."""
+    return have.find(1, lo, hi) >= 0 and have.find(0, lo, hi) >= 0
 
 
 def _sorted_unique(a: np.ndarray) -> np.ndarray:
@@ -192,13 +311,17 @@ def runs(chunks: list[int]) -> list[tuple[int, int]]:
     if not (a[1:] > a[:-1]).all():
         a = _sorted_unique(a)
     cut = np.flatnonzero(a[1:] != a[:-1] + 1) + 1
-    starts = a[np.r_[0, cut]].tolist()
-    stops = (a[np.r_[cut - 1, len(a) - 1]] + 1).tolist()
+    starts = a[np.concatenate(([0], cut))].tolist()       # (np.r_ costs more than this)
+    stops = (a[np.concatenate((cut - 1, [len(a) - 1]))] + 1).tolist()
     return list(zip(starts, stops, strict=True))
 
 
 def missing_runs(have: bytearray) -> list[tuple[int, int]]:
     """The ``(start, stop)`` runs of chunks where ``have`` (bytes 0 or 1) is 0."""
+    if have.find(1) < 0:
+        return [(0, len(have))] if have else []
+    if have.find(0) < 0:
+        return []
     step = np.diff(np.frombuffer(have, np.uint8).astype(np.int8), prepend=1, append=1)
     return list(zip(np.flatnonzero(step == -1).tolist(), np.flatnonzero(step == 1).tolist(),
                     strict=True))
@@ -214,14 +337,16 @@ def holders(v: VersionRecord, shard: int, reader: Location, *, workers: dict[str
 
 def ranked_replicas(v: VersionRecord, shard: int, reader: Location, *,
                     workers: dict[str, WorkerRecord], load: Counter[str],
-                    rank_sources: RankSources, keep: Callable[[Replica], bool]) -> list[Replica]:
+                    rank_sources: RankSources, keep: Callable[[Replica], bool],
+                    among: Iterable[Replica] | None = None) -> list[Replica]:
     """The live replicas of ``shard`` that ``keep`` accepts, best first.
 
-    The live replicas of ``shard`` on registered workers that ``keep`` accepts, best first
-    for ``reader`` (those ``rank_sources`` leaves out are dropped).
+    The live replicas of ``shard`` (all of ``v``'s, or those ``among``) on registered
+    workers that ``keep`` accepts, best first for ``reader`` (those ``rank_sources``
+    leaves out are dropped).
     """
     cands = [SourceCandidate(r.worker, workers[r.worker].location, r.complete, load[r.worker])
-             for r in v.replicas.values()
+             for r in (v.replicas.values() if among is None else among)
              if r.shard == shard and r.status == LIVE and r.worker in workers and keep(r)]
     allowed = {c.worker for c in cands}
     return [v.replicas[(c.worker, shard)] for c in rank_sources(reader, cands)

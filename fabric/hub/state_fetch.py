@@ -45,6 +45,7 @@ from weightfabric.fabric.hub_messages import (
     PlanSource,
     ProgressReply,
 )
+from weightfabric.fabric.manifest import Manifest
 
 MAX_FINISHED_GROUPS = 4096
 
@@ -185,18 +186,19 @@ class HubFetching(HubStateBase):
                 else missing_runs(rep.have))
         banned = set(exclude or ())
         planned = self._version_plan(f)
+        pool = self._index.pools.get((f.model, f.version, f.shard))
         if planned is not None:
             router, vp = planned
             ranges, named, missing = router.route(
                 vp, v, f.shard, worker, need, banned=banned, workers=self.workers,
                 load=self._index.load, rank_sources=self.rank_sources,
-                max_sources=self.max_sources, now=self.clock())
+                max_sources=self.max_sources, now=self.clock(), pool=pool)
         else:
             ranges, named, missing = route(v, f.shard, worker, need, banned=banned,
                                            workers=self.workers, load=self._index.load,
                                            rank_sources=self.rank_sources,
                                            max_sources=self.max_sources,
-                                           wait_only=_being_derived(v))
+                                           wait_only=_being_derived(v), pool=pool)
         if missing:
             raise NoSourceError(
                 f"{f.model!r} v{f.version} shard {f.shard}: no live replica holds chunks "
@@ -213,7 +215,7 @@ class HubFetching(HubStateBase):
                                    endpoints=self.workers[w].endpoints,
                                    complete=v.replicas[(w, f.shard)].complete)
                      for w in sorted(named)},
-            manifest=ManifestWire.of(manifest) if with_manifest else None,
+            manifest=_manifest_wire(manifest) if with_manifest else None,
             planned=planned is not None)
 
     def _version_plan(self, f: FetchRecord) -> tuple[PlanRouter, VersionPlan] | None:
@@ -254,7 +256,7 @@ class HubFetching(HubStateBase):
         f = self._fetch(fetch_id, worker, session)
         v = self._version(f.model, f.version)
         rep = v.replicas[(worker, f.shard)]
-        rep.add_chunks(_check_chunks(chunks, len(rep.have)))
+        _add_runs(rep, _check_chunks(chunks, len(rep.have)))
         if sources is not None:
             self._index.set_sources(f, set(sources) & f.sources)
         lost = sorted(f.lost)
@@ -353,7 +355,44 @@ def _being_derived(v: VersionRecord) -> bool:
     return v.state == PUBLISHING and "@" in v.model
 
 
+def _add_runs(rep: Replica, chunks: list[int]) -> None:
+    """``rep.add_chunks(chunks)``, a run of consecutive chunks at a time.
+
+    A fetch engine's report is a few runs of hundreds of chunks: their bytes are set in C,
+    not one by one.
+    """
+    if len(chunks) < 16:
+        rep.add_chunks(chunks)
+        return
+    lo, hi = chunks[0], chunks[-1] + 1
+    one = hi - lo == len(chunks) and chunks == list(range(lo, hi))
+    for a, b in [(lo, hi)] if one else runs(chunks):
+        rep.count += (b - a) - rep.have.count(1, a, b)
+        rep.have[a:b] = b"\x01" * (b - a)
+
+
+_WIRE_KEPT: dict[int, tuple[Manifest, ManifestWire]] = {}
+"""The wire form of the manifests planned last, by id: every reader of a version is sent
+the same one (a checksum per chunk), built once. Replies are serialised, never changed."""
+
+
+def _manifest_wire(manifest: Manifest) -> ManifestWire:
+    kept = _WIRE_KEPT.get(id(manifest))
+    if kept is not None and kept[0] is manifest:
+        return kept[1]
+    wire = ManifestWire.of(manifest)
+    if len(_WIRE_KEPT) >= 8:
+        _WIRE_KEPT.pop(next(iter(_WIRE_KEPT)))
+    _WIRE_KEPT[id(manifest)] = (manifest, wire)
+    return wire
+
+
 def _check_chunks(chunks: list[int], num_chunks: int) -> list[int]:
+    if not chunks:
+        return []
+    # one pass in C for the usual case (plain ints in range), the slow one to say what is not
+    if set(map(type, chunks)) == {int} and min(chunks) >= 0 and max(chunks) < num_chunks:
+        return list(chunks)
     bad = [c for c in chunks if isinstance(c, bool) or not isinstance(c, int)
            or not 0 <= c < num_chunks]
     if bad:

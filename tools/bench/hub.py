@@ -6,6 +6,11 @@ and progress reports against a hub on a background thread, every request signed 
 every reply checked as `HubClient` does (``--auth both`` also runs a hub with
 authentication off, for the cost of it). Separately times `HubState.begin_fetch`
 plans for ``--readers`` readers of one version.
+
+With ``--broadcast N`` it measures instead what one version fetched by N readers costs
+the hub, with the hub alone in a process (`bench_broadcast`): its CPU seconds per
+version, operations per second and each operation's p50/p99 (docs/benchmarks.md, "Hub
+at 10,000 readers").
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -265,7 +270,7 @@ def bench_plans(num_readers: int, num_chunks: int) -> dict:
 
 ENGINE_REPORT_INTERVAL = 0.02
 """`fabric.fetch.FetchOptions.report_interval`'s default (tests check they agree)."""
-ENGINE_MAX_REPORTS: int | None = None
+ENGINE_MAX_REPORTS: int | None = 2
 """`fabric.fetch.FetchOptions.max_reports`'s default (None: a report every interval)."""
 BROADCAST_MODEL = "broadcast"
 BROADCAST_CHUNK_SIZE = 16 << 20   # `fabric.tensorset.DEFAULT_CHUNK_SIZE`
@@ -291,11 +296,13 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
     and commits a version of ``chunks`` chunks; each reader, told of it as soon as it is
     committed (plus a random delay up to ``start_spread`` s), calls ``begin_fetch``, then
     simulates its fetch: reads of ``read_chunks`` chunks land evenly over
-    ``fetch_seconds``, reported as the fetch engine does (every ``report_interval`` s,
-    and with ``max_reports`` at most that many times before the last report, at chunk
-    milestones), then ``complete_fetch``. With ``sync`` the readers learn of the version
-    as `ModelStore.sync` does instead: each parks a ``wait_version`` before the version
-    and parks a new one after its fetch (the hub holds them all).
+    ``fetch_seconds``, reported as the fetch engine does for a store (``max_reports``
+    times at chunk milestones, at least ``report_interval`` s apart, the rest left to
+    ``complete_fetch``; with ``max_reports`` None as the engine did before: every
+    ``report_interval`` s and a last report), then ``complete_fetch``. With ``sync`` the
+    readers learn of the version as `ModelStore.sync` does instead: each parks a
+    ``wait_version`` before the version and parks a new one after its fetch (the hub
+    holds them all).
 
     Measured from the begin_publish to the last ``complete_fetch`` answered: the hub
     process's CPU seconds (``/proc``), the operations answered per second (heartbeats
@@ -365,6 +372,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
                                             for _ in range(chunks)))
         t_start = time.time()
         c_start = sampler.cpu()
+        r_start = sum(_cpu_of(p.pid) for p in sims)
         p0 = time.perf_counter()
         version = publisher.begin_publish(BROADCAST_MODEL, manifest)
         p1 = time.perf_counter()
@@ -376,6 +384,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
         results = [json.loads(_line(p, deadline, tmp / f"readers-{k}.log"))
                    for k, p in enumerate(sims)]
         t_end = max(r["last_complete"] or t_start for r in results)
+        r_cpu = sum(_cpu_of(p.pid) for p in sims) - r_start   # a little past t_end
         time.sleep(0.05)  # the sampler reads past t_end
         c_end = sampler.cpu_at(t_end)
         window = max(t_end - t_start, 1e-9)
@@ -406,6 +415,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
             "hub_cpu_baseline_per_s": round(baseline, 4),
             "hub_cpu_s_per_version_net": round(hub_cpu - baseline * window, 3),
             "hub_cpu_util": round(hub_cpu / window, 3),
+            "readers_cpu_util": round(r_cpu / window / len(reader_cpus), 3),
             "ops_per_s": round(ops / window, 1), "ops_in_version": ops,
             "latency_ms": lat,
             "p99_ms": max(lat.get("begin_fetch", {}).get("p99", 0.0),
@@ -466,25 +476,28 @@ def _line(p: subprocess.Popen, deadline: float, log: Path) -> str:
                 return line
             break
     tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-    raise RuntimeError(f"bench child {p.args[-1][:60]!r} gave no answer "
-                       f"(exit {p.poll()}):\n{tail}")
+    raise RuntimeError(f"bench child {log.stem} gave no answer (exit {p.poll()}):\n{tail}")
+
+
+def _cpu_of(pid: int) -> float:
+    """CPU seconds process ``pid`` used so far (``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class _CpuSampler:
     """The CPU seconds a process used, sampled every 10 ms on a thread (`cpu_at` any time)."""
 
     def __init__(self, pid: int) -> None:
-        self.path = f"/proc/{pid}/stat"
-        self.tick = os.sysconf("SC_CLK_TCK")
+        self.pid = pid
         self.samples: list[tuple[float, float]] = [(time.time(), self.cpu())]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def cpu(self) -> float:
-        with open(self.path) as f:
-            fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / self.tick   # utime + stime
+        return _cpu_of(self.pid)
 
     def _run(self) -> None:
         while not self._stop.wait(0.01):
@@ -590,7 +603,7 @@ class _Readers:
             s = make_socket(zmq.DEALER, max_message_size=1 << 24)
             s.connect(endpoint(cfg["url"], bind=False))
             self.socks.append(s)
-            fd = s.getsockopt(zmq.FD)
+            fd = cast(int, s.getsockopt(zmq.FD))
             self.by_fd[fd] = i
             self.poll.register(fd, select.EPOLLIN)
         self.poll.register(sys.stdin.fileno(), select.EPOLLIN)
@@ -655,7 +668,7 @@ class _Readers:
         todo, self.check = self.check, set()
         for i in todo:
             s = self.socks[i]
-            while s.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while cast(int, s.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 raw, frame = s.recv_multipart(zmq.NOBLOCK)
                 msg = decode(raw)
                 got = self.pending.pop((i, msg.req_id), None)
@@ -811,10 +824,10 @@ class _Readers:
         """The end of a fetch: every chunk reported (one report at a time), then complete."""
         if self.inflight[i] or self.completing[i]:
             return
-        if self.reported[i] < self.chunks:
-            self.report(i, self.chunks)
+        if self.reported[i] < self.chunks and self.max_reports is None:
+            self.report(i, self.chunks)   # the engine before: a last report, then complete
             return
-        self.completing[i] = True
+        self.completing[i] = True   # the rest goes with complete_fetch (`HubPlanner.completes`)
         nbytes = self.chunks * int(self.cfg["chunk_size"])
         self.send(i, "complete_fetch", {"worker": self.worker(i),
                                         "fetch_id": f"{self.worker(i)}/v{self.version[i]}",
@@ -902,6 +915,8 @@ def _run_broadcast(args: argparse.Namespace) -> int:
     t.add_row("hub CPU per version (heartbeats included / beyond the idle rate)",
               f"{out['hub_cpu_s_per_version']:.2f} s / {out['hub_cpu_s_per_version_net']:.2f} s")
     t.add_row("hub ops/s during the version", f"{out['ops_per_s']:,.0f}")
+    t.add_row("busy: hub's core / the readers' cores",
+              f"{out['hub_cpu_util']:.0%} / {out['readers_cpu_util']:.0%}")
     for op, lat in out["latency_ms"].items():
         t.add_row(f"{op} p50 / p99 ({lat['count']:,})",
                   f"{lat['p50']:.2f} ms / {lat['p99']:.2f} ms")

@@ -1,0 +1,121 @@
+"""Plans for a version with hundreds of readers: a sample of the replicas is ranked.
+
+Beyond `routing.FULL_RANK_LIMIT` replicas of a shard a plan ranks the reader's node, a
+few of its datacenter and of all, and a few complete replicas (`routing._sampled`), so its
+cost does not grow with the readers. Checked here without timing: the plans keep the
+invariants (sources hold the chunks, waits began earlier, never the reader), readers
+chain to their node's earlier peers, the ranking sees a bounded number of candidates,
+the sample widens to every replica when it leaves a chunk without a source, and the
+index's pools equal a full scan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+from hub_helpers import small_manifest
+
+from weightfabric.fabric.errors import NoSourceError
+from weightfabric.fabric.hub import routing
+from weightfabric.fabric.hub.state import HubState
+from weightfabric.fabric.locality import Location, SourceCandidate, rank_by_locality
+
+READERS = 300
+GPUS = 8
+
+
+def where(i: int) -> Location:
+    return Location(f"dc{i // 160}", f"n{i // GPUS}", f"gpu{i % GPUS}")
+
+
+class Counting:
+    """`rank_by_locality`, recording how many candidates each ranking was given."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def __call__(self, reader: Location, cands: Sequence[SourceCandidate]
+                 ) -> list[SourceCandidate]:
+        self.sizes.append(len(cands))
+        return rank_by_locality(reader, cands)
+
+
+def broadcast(state: HubState, readers: int = READERS, chunks: int = 16) -> int:
+    state.register("trainer", session="t", location=Location("dc0", "trainer"))
+    v = state.begin_publish("m", "trainer", small_manifest(chunks), session="t").version
+    state.commit("m", v, "trainer", session="t")
+    for i in range(readers):
+        state.register(f"r{i}", session=f"r{i}", location=where(i))
+    return v
+
+
+def check_plan(state: HubState, v: int, reader: str, plan) -> None:
+    rec = state.models["m"].versions[v]
+    order = list(rec.replicas)
+    for r in plan.ranges:
+        assert reader not in r.sources and reader not in r.wait
+        for w in r.sources:
+            rep = rec.replicas[(w, 0)]
+            assert rep.complete or all(rep.have[c] for c in range(r.start, r.stop))
+        for w in r.wait:        # earlier, partial, lacking the chunks: no wait cycle
+            assert order.index((w, 0)) < order.index((reader, 0))
+            assert not rec.replicas[(w, 0)].complete
+
+
+def test_plans_of_hundreds_of_readers_rank_a_bounded_sample_and_chain_on_the_node():
+    ranking = Counting()
+    state = HubState(lease_s=3600, rank_sources=ranking)
+    v = broadcast(state)
+    cap = (routing.NODE_SAMPLE + routing.NEAR_SAMPLE + routing.FAR_SAMPLE
+           + state.max_sources)
+    for i in range(READERS):
+        w = f"r{i}"
+        plan = state.begin_fetch("m", v, w, session=w, fetch_id=w)
+        check_plan(state, v, w, plan)
+        if i > routing.FULL_RANK_LIMIT:
+            assert ranking.sizes[-1] <= cap, (i, ranking.sizes[-1])
+        if i % GPUS:     # its node's earlier readers are nearest: it waits on them
+            assert any(where(int(x[1:])).node == where(i).node
+                       for r in plan.ranges for x in r.wait), (i, plan.ranges)
+        if i % 50 == 0:
+            state._check_indexes()
+    assert max(ranking.sizes) <= max(routing.FULL_RANK_LIMIT + 1, cap)
+    state._check_indexes()
+
+
+def test_reports_complete_and_release_keep_the_pools_equal_to_a_scan():
+    state = HubState(lease_s=3600)
+    v = broadcast(state, readers=120)
+    for i in range(120):
+        state.begin_fetch("m", v, f"r{i}", session=f"r{i}", fetch_id=f"r{i}")
+    for i in range(0, 120, 3):
+        state.report_progress(f"r{i}", f"r{i}", session=f"r{i}", chunks=list(range(8)))
+    for i in range(0, 120, 5):
+        state.complete_fetch(f"r{i}", f"r{i}", session=f"r{i}")
+    released = [i for i in range(1, 120, 7) if i % 5]
+    for i in released:
+        state.release(f"r{i}", f"r{i}", session=f"r{i}")
+    state._check_indexes()
+    for i in released:   # a released reader begins again: after everyone
+        plan = state.begin_fetch("m", v, f"r{i}", session=f"r{i}", fetch_id=f"r{i}-again")
+        check_plan(state, v, f"r{i}", plan)
+    state._check_indexes()
+
+
+def test_a_sample_without_a_source_for_some_chunk_widens_to_every_replica():
+    """Only one partial replica has chunk 15 once the trainer is gone: the plan finds it."""
+    state = HubState(lease_s=3600)
+    v = broadcast(state, readers=200)
+    for i in range(200):
+        w = f"r{i}"
+        state.begin_fetch("m", v, w, session=w, fetch_id=w)
+        state.report_progress(w, w, session=w, chunks=list(range(15 if i != 3 else 16)))
+    state.unregister("trainer", session="t")
+    state.register("late", session="late", location=Location("dc9", "far"))
+    plan = state.begin_fetch("m", v, "late", session="late", fetch_id="late")
+    check_plan(state, v, "late", plan)
+    assert [r.sources for r in plan.ranges if r.start <= 15 < r.stop] == [["r3"]]
+    state.unregister("r3", session="r3")
+    with pytest.raises(NoSourceError):
+        state.plan("late", "late", session="late")

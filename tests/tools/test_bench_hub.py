@@ -1,0 +1,47 @@
+"""Smoke run of `fabric bench hub --broadcast N` (20 simulated readers, half-second fetches).
+
+The hub runs in a process of its own and the readers in another, signed; this checks
+the JSON it prints, that every reader completed without an error, and that the readers
+report as the fetch engine does. No figure is checked: they are the benchmark's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from timeouts import hard_timeout
+
+from weightfabric.fabric.fetch import FetchOptions
+from weightfabric.tools.bench import hub as bench
+from weightfabric.tools.cli import main
+
+KEYS = {"readers", "completed", "reader_procs", "hub_cpu_s_per_version",
+        "hub_cpu_s_per_version_net", "hub_cpu_baseline_per_s", "version_seconds",
+        "ops_per_s", "p99_ms", "latency_ms", "reports_per_fetch", "publish_ms", "errors"}
+
+
+def test_broadcast_json_has_the_hub_s_cost_and_every_reader_completes(capsys):
+    with hard_timeout(120):
+        assert main(["bench", "hub", "--broadcast", "20", "--fetch-seconds", "0.5",
+                     "--lease", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= KEYS
+    assert out["readers"] == out["completed"] == 20 and out["errors"] == {}
+    assert out["hub_cpu_s_per_version"] > 0 and out["ops_per_s"] > 0
+    assert {"begin_fetch", "complete_fetch", "report_progress", "heartbeat"} <= set(
+        out["latency_ms"])
+    assert out["latency_ms"]["begin_fetch"]["count"] == 20
+    assert out["p99_ms"] == max(out["latency_ms"]["begin_fetch"]["p99"],
+                                out["latency_ms"]["complete_fetch"]["p99"])
+    assert 1 <= out["reports_per_fetch"]["max"] <= FetchOptions().max_reports
+
+
+def test_the_simulated_readers_report_as_the_engine_does():
+    assert FetchOptions().report_interval == bench.ENGINE_REPORT_INTERVAL
+    assert FetchOptions().max_reports == bench.ENGINE_MAX_REPORTS
+
+
+def test_broadcast_rejects_bad_input():
+    with pytest.raises(ValueError, match="readers"):
+        bench.bench_broadcast(0)
