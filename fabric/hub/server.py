@@ -372,11 +372,11 @@ class HubServer:
         """Why a standby refuses: another hub leads, or etcd has no quorum (no hub can)."""
         view = self.service.view if self.service is not None else {}
         members = view.get("etcd") or []
-        if members and 2 * sum(1 for m in members if m.get("healthy")) <= len(members):
+        healthy = sum(1 for m in members if m.get("healthy"))
+        if members and 2 * healthy <= len(members):
             return StoreUnavailableError(
-                f"hub {self.url}: etcd has no quorum ({sum(1 for m in members if m['healthy'])}"
-                f" of {len(members)} members answer), so no hub may change the records; "
-                "retry once the members are back")
+                f"hub {self.url}: etcd has no quorum ({healthy} of {len(members)} members "
+                "answer), so no hub may change the records; retry once the members are back")
         leader = view.get("leader")
         there = (f"the leader is {leader}" if leader and leader != self.url
                  else "no hub leads yet (an election is under way)")

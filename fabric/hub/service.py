@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Any
 
-from weightfabric.fabric.hub.election import Election, leader_of
+from weightfabric.fabric.hub.election import Election
 from weightfabric.fabric.hub.etcd import Compare, EtcdClient, EtcdError
 from weightfabric.fabric.hub.etcd_records import EtcdRecords
 
@@ -99,14 +99,6 @@ class HubService:
         if e is None or not e.is_leader:
             raise RuntimeError("guard() of a hub that does not lead")
         return e.guard()
-
-    def leader_url(self) -> str | None:
-        """The leading hub's URL as etcd has it now (None: no leader, or etcd silent)."""
-        try:
-            found = leader_of(self.client, self.prefix)
-        except EtcdError:
-            return None
-        return found[0].decode() if found is not None else None
 
     def hubs(self) -> list[str]:
         """Every hub campaigning, the leader first (etcd's view; empty when it is silent)."""
