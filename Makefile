@@ -41,7 +41,7 @@ lint: setup
 	$(BIN)/ruff check .
 	mkdir -p $(TYPECHECK) && ln -sfn "$(CURDIR)" $(TYPECHECK)/weightfabric
 	MYPYPATH=$(TYPECHECK) $(BIN)/mypy -m weightfabric -p weightfabric.fabric -p weightfabric.kernels \
-		-p weightfabric.topology -p weightfabric.tools
+		-p weightfabric.rollout -p weightfabric.topology -p weightfabric.tools
 
 test: lint
 	$(BIN)/pytest -q tests
