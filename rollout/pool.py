@@ -140,6 +140,8 @@ class Pool:
         max_model_len: the context every request must fit (engines with less are refused).
         predictor: output-length predictor for dispatch (default `HistoryPredictor`).
         steal: move running requests to an engine that ran out of work.
+        migrate: continue a lost engine's requests from their tokens (False: start them
+            again from the prompt, as systems without token-level migration do).
         max_staleness: a finished sample with a token older than ``version - max_staleness``
             is generated again instead of handed out (None: any version).
         restart_version_gap: a request whose tokens would span versions more than this
@@ -155,7 +157,7 @@ class Pool:
     def __init__(self, hub: str, model: str = "policy", *, checkpoint: str | Path,
                  secret_file: str | Path | None = None, bind: str = "tcp://127.0.0.1:0",
                  max_model_len: int = 256, predictor: LengthPredictor | None = None,
-                 steal: bool = True, max_staleness: int | None = None,
+                 steal: bool = True, migrate: bool = True, max_staleness: int | None = None,
                  restart_version_gap: int | None = None, max_concurrent_updates: int = 1,
                  engine_timeout: float = 5.0, start_timeout: float = 600.0,
                  update_timeout: float = 600.0, patience: float = 30.0,
@@ -176,6 +178,7 @@ class Pool:
         self._authority = Authority(secret_file)
         self._secret_file = secret_file
         self._dispatch = Dispatcher(predictor, steal=steal)
+        self.migrate = migrate
         self._own_logs = log_dir is None
         self.log_dir = Path(log_dir) if log_dir is not None else Path(
             tempfile.mkdtemp(prefix="wf-rollout-"))
@@ -650,6 +653,9 @@ class Pool:
             if req is None:
                 continue
             req.engine = None
+            if req.tokens and not self.migrate:
+                self._restart(req)
+                continue
             if req.tokens:
                 req.migrations += 1
                 self._stats["migrations"] += 1
