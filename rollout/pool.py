@@ -337,6 +337,18 @@ class Pool:
             return {r.rid: (r.engine, len(r.tokens)) for r in self._reqs.values()
                     if r.engine is not None}
 
+    def partial(self, rid: str) -> list[int]:
+        """The tokens a pending request has so far (a copy).
+
+        Raises:
+            BadRequestError: no such pending request.
+        """
+        with self._lock:
+            req = self._reqs.get(rid)
+            if req is None:
+                raise BadRequestError(f"no pending request {rid!r}")
+            return list(req.tokens)
+
     def pending(self) -> int:
         """Requests submitted and not yet handed out as samples."""
         with self._lock:
