@@ -51,6 +51,7 @@ class EngineLoop:
         self.version = 0
         self.llm: Any = None
         self.live: dict[str, tuple[str, int]] = {}   # vLLM request id -> (rid, attempt)
+        self.sources: dict[str, int] = {}             # where the first version came from
         self.leaving = False
         self.last_sent = 0.0
 
@@ -93,14 +94,28 @@ class EngineLoop:
         wfv.connect(self.llm, hub=a.hub, model=a.model, engine=a.name, host=a.host,
                     **({"token": token} if token else {}))
         if version:
-            self.update(version)
+            self.sources = self.update(version)
 
-    def update(self, version: int) -> None:
-        """Fetch ``version`` from the fabric and land it (between two steps)."""
+    def update(self, version: int) -> dict[str, int]:
+        """Fetch ``version`` from the fabric and land it (between two steps).
+
+        Returns:
+            the bytes read from each source worker (first rank).
+        """
         import weightfabric.fabric.integrations.vllm as wfv
 
         wfv.update(self.llm, version)
         self.version = version
+        records = self.llm.collective_rpc(_last_sources)
+        return dict(records[0]) if records else {}
+
+    def abort(self, keys: list[str]) -> None:
+        """Abort these vLLM requests."""
+        self.llm.llm_engine.abort_request(keys)
+
+    def has_work(self) -> bool:
+        """Whether vLLM has requests to step."""
+        return bool(self.llm.llm_engine.has_unfinished_requests())
 
     def handle(self, message: dict[str, Any]) -> bool:
         """Carry out one order; False to stop."""
@@ -109,21 +124,22 @@ class EngineLoop:
             for rid, attempt, prompt, max_tokens, sampling in message["reqs"]:
                 self.add(rid, attempt, prompt, max_tokens, sampling)
         elif op == "abort":
-            ids = [k for k, v in self.live.items() if tuple(v) in {tuple(x) for x in message["ids"]}]
-            if ids:
-                self.llm.llm_engine.abort_request(ids)
-                for k in ids:
+            wanted = {(rid, attempt) for rid, attempt in message["ids"]}
+            keys = [k for k, who in self.live.items() if who in wanted]
+            if keys:
+                self.abort(keys)
+                for k in keys:
                     del self.live[k]
         elif op == "update":
             version = int(message["version"])
             started = time.monotonic()
             try:
-                self.update(version)
+                sources = self.update(version)
             except Exception as exc:  # the engine keeps its weights; the pool decides
                 self.send({"op": "update_failed", "version": version,
                            "error": f"{type(exc).__name__}: {exc}"})
             else:
-                self.send({"op": "updated", "version": version,
+                self.send({"op": "updated", "version": version, "sources": sources,
                            "seconds": time.monotonic() - started})
         elif op == "stop":
             return False
@@ -174,11 +190,11 @@ class EngineLoop:
         signal.signal(signal.SIGTERM, self._on_term)
         version = self.greet()
         self.start_engine(version)
-        self.send({"op": "ready", "version": self.version})
+        self.send({"op": "ready", "version": self.version, "sources": self.sources})
         a = self.args
         running = True
         while running and not self.leaving:
-            busy = self.llm.llm_engine.has_unfinished_requests()
+            busy = self.has_work()
             while self.sock.poll(0 if busy else int(a.heartbeat * 500)):
                 assert self.session is not None
                 if not self.handle(self.session.open(self.sock.recv_multipart())):
@@ -186,7 +202,7 @@ class EngineLoop:
                     break
             if not running or self.leaving:
                 break
-            if self.llm.llm_engine.has_unfinished_requests():
+            if self.has_work():
                 self.step()
             if time.monotonic() - self.last_sent >= a.heartbeat:
                 self.send({"op": "hb", "version": self.version})
@@ -202,6 +218,12 @@ class EngineLoop:
         self.sock.close()
         if self.llm is not None:
             del self.llm
+
+
+def _last_sources(worker: Any) -> dict[str, int]:
+    """In a vLLM worker: the bytes its last update read from each source worker."""
+    last = worker.weight_transfer_engine.last
+    return dict(last.sources) if last is not None else {}
 
 
 def parser() -> argparse.ArgumentParser:

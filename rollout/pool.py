@@ -91,6 +91,8 @@ class EngineInfo:
     slots: int
     pid: int | None
     why_gone: str | None = None
+    sources: dict[str, int] = field(default_factory=dict)
+    """Bytes its last version switch read from each fabric worker (first rank)."""
 
 
 @dataclass
@@ -109,6 +111,7 @@ class _Engine:
     failed_version: int = 0
     kill_at: float | None = None
     why_gone: str | None = None
+    sources: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -305,7 +308,7 @@ class Pool:
         """Every engine the pool knows, gone ones included."""
         with self._lock:
             return [EngineInfo(e.name, e.state, e.version, len(e.running), e.slots,
-                               e.proc.pid if e.proc else None, e.why_gone)
+                               e.proc.pid if e.proc else None, e.why_gone, dict(e.sources))
                     for e in self._engines.values()]
 
     # -- requests ---------------------------------------------------------------------------
@@ -542,11 +545,10 @@ class Pool:
         op = message.get("op")
         if op == "tokens":
             self._tokens(e, int(message["version"]), message["out"])
-        elif op == "ready":
+        elif op in ("ready", "updated"):
             e.state, e.version = "ready", int(message["version"])
-        elif op == "updated":
-            e.state, e.version = "ready", int(message["version"])
-            self._stats["updates"] += 1
+            e.sources = dict(message.get("sources") or {})
+            self._stats["updates"] += op == "updated"
         elif op == "update_failed":
             e.state, e.failed_version = "ready", int(message["version"])
             self._stats["update_failures"] += 1
