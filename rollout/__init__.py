@@ -18,22 +18,41 @@ is skew-aware (`dispatch`): the longest-predicted requests first, and running re
 move to engines that run dry. docs/rollout.md has the design.
 """
 
-from weightfabric.rollout.dispatch import (
-    ConstantPredictor,
-    Dispatcher,
-    EngineLoad,
-    HistoryPredictor,
-    LengthPredictor,
-)
-from weightfabric.rollout.pool import (
-    EngineInfo,
-    EngineRefusedError,
-    EngineStartError,
-    NoEngineError,
-    Pool,
-    RolloutError,
-)
-from weightfabric.rollout.samples import Request, Sample
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported on first use (an engine process needs none of it before vLLM)
+    from weightfabric.rollout.dispatch import (
+        ConstantPredictor,
+        Dispatcher,
+        EngineLoad,
+        HistoryPredictor,
+        LengthPredictor,
+    )
+    from weightfabric.rollout.pool import (
+        EngineInfo,
+        EngineRefusedError,
+        EngineStartError,
+        NoEngineError,
+        Pool,
+        RolloutError,
+    )
+    from weightfabric.rollout.samples import Request, Sample
+
+_LAZY = {
+    "ConstantPredictor": "dispatch", "Dispatcher": "dispatch", "EngineLoad": "dispatch",
+    "HistoryPredictor": "dispatch", "LengthPredictor": "dispatch",
+    "EngineInfo": "pool", "EngineRefusedError": "pool", "EngineStartError": "pool",
+    "NoEngineError": "pool", "Pool": "pool", "RolloutError": "pool",
+    "Request": "samples", "Sample": "samples",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ConstantPredictor", "Dispatcher", "EngineInfo", "EngineLoad",
            "EngineRefusedError", "EngineStartError", "HistoryPredictor", "LengthPredictor",

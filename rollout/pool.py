@@ -42,7 +42,6 @@ from typing import Any
 
 import zmq
 
-from weightfabric.fabric.arena import remove_stale_regions
 from weightfabric.fabric.auth import Authority
 from weightfabric.fabric.errors import (
     AuthenticationError,
@@ -60,6 +59,7 @@ from weightfabric.rollout.samples import Request, Sample
 log = logging.getLogger(__name__)
 
 LOOP_POLL_S = 0.01
+RECV_BATCH = 256
 
 
 class RolloutError(FabricError):
@@ -494,7 +494,7 @@ class Pool:
         self._sock.close()
         self._ctx.term()
         if procs:
-            remove_stale_regions()
+            _remove_stale_regions()
         if self._own_logs:
             for path in self.log_dir.glob("*"):
                 path.unlink(missing_ok=True)
@@ -511,10 +511,16 @@ class Pool:
     def _run(self) -> None:
         try:
             while not self._closed.is_set():
-                while self._sock.poll(int(LOOP_POLL_S * 1000)):
-                    frames = self._sock.recv_multipart()
-                    with self._lock:
-                        self._receive(frames[0], frames[1:])
+                # what has arrived (at most a batch: engines stream without pause), then
+                # the housekeeping that dispatches and sends
+                if self._sock.poll(int(LOOP_POLL_S * 1000)):
+                    for _ in range(RECV_BATCH):
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        with self._lock:
+                            self._receive(frames[0], frames[1:])
                 with self._lock:
                     self._watch()
                     self._schedule_updates()
@@ -688,7 +694,7 @@ class Pool:
         if e.proc is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 e.proc.wait(5)
-            remove_stale_regions()   # the fabric regions a killed engine could not remove
+            _remove_stale_regions()   # the fabric regions a killed engine could not remove
         if not any(x.state != "gone" for x in self._engines.values()):
             self._no_engine_since = time.monotonic()
         log.info("engine %s gone: %s", e.name, why)
@@ -783,6 +789,12 @@ class Pool:
             return ""
         text = e.log_path.read_text(errors="replace").splitlines()[-lines:]
         return "; its log ends:\n" + "\n".join(text)
+
+
+def _remove_stale_regions() -> None:
+    from weightfabric.fabric.arena import remove_stale_regions  # imports torch
+
+    remove_stale_regions()
 
 
 def _killpg(proc: subprocess.Popen[bytes], sig: int) -> None:

@@ -137,9 +137,8 @@ def test_a_killed_engine_loses_nothing_and_its_requests_continue_from_their_toke
             s = got[rid]
             assert s.tokens[:len(tokens)] == tokens            # what it had, kept exactly
             assert s.spans[0][0] == "a" and s.spans[-1][0] == "b"
-        for s in migrated:
+        for s in migrated:       # killed, or moved to an idle engine before (work stealing)
             cut = s.spans[-1][1]
-            assert cut > 0
             assert s.tokens[cut:] == alone(pool, s.prompt + s.tokens[:cut],
                                            len(s.tokens) - cut), s.rid
 
