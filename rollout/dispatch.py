@@ -129,12 +129,15 @@ class EngineLoad:
         running: request id -> predicted tokens it still has to generate.
         accepting: False while draining, updating or leaving: nothing is assigned or
             stolen to it (it may still be stolen from).
+        settled: running requests that must not be stolen (e.g. moved once already:
+            without it a request can bounce between engines as their loads shift).
     """
 
     name: str
     free_slots: int
     running: dict[str, float]
     accepting: bool = True
+    settled: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -298,7 +301,8 @@ class Dispatcher:
         )
         # per engine, the requests that may still move: (remaining, rid)
         movable = {
-            e.name: {rid: float(r) for rid, r in e.running.items() if r >= self.steal_min_remaining}
+            e.name: {rid: float(r) for rid, r in e.running.items()
+                     if r >= self.steal_min_remaining and rid not in e.settled}
             for e in engines
         }
         moves: list[tuple[str, str, str]] = []

@@ -126,6 +126,7 @@ class _Req:
     spans: list[tuple[str, int]] = field(default_factory=list)
     engine: str | None = None
     attempt: int = 0
+    stolen: bool = False
     migrations: int = 0
     restarts: int = 0
 
@@ -739,8 +740,9 @@ class Pool:
                 continue
             running = {rid: max(1.0, self._reqs[rid].predicted - len(self._reqs[rid].tokens))
                        for rid in e.running if rid in self._reqs}
+            settled = frozenset(rid for rid in running if self._reqs[rid].stolen)
             loads.append(EngineLoad(e.name, max(0, e.slots - len(e.running)), running,
-                                    accepting=e.state == "ready"))
+                                    accepting=e.state == "ready", settled=settled))
         return loads
 
     def _assign(self) -> None:
@@ -753,6 +755,7 @@ class Pool:
             self._abort(req)
             self._stats["steals"] += 1
             req.migrations += 1
+            req.stolen = True   # moves once at most: loads shift, requests must not bounce
             self._start(req, dst)
 
     def _start(self, req: _Req, name: str) -> None:

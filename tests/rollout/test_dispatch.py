@@ -388,3 +388,11 @@ def test_longest_first_with_balance_beats_fifo_on_a_long_tailed_batch(seed: int)
     lower_bound = max(max(n for *_, n in requests), -(-sum(n for *_, n in requests) // 8))
     assert lower_bound <= skew <= 1.05 * lower_bound  # near optimal
     assert skew < fifo
+
+
+def test_settled_requests_are_never_stolen():
+    d = Dispatcher(steal_min_remaining=1.0)
+    busy = EngineLoad("a", 0, {"x": 50.0, "y": 40.0}, settled=frozenset({"x"}))
+    idle = EngineLoad("b", 2, {})
+    assert d.steal([busy, idle]) == [("y", "a", "b")]
+    assert d.steal([EngineLoad("a", 0, {"x": 50.0}, settled=frozenset({"x"})), idle]) == []
