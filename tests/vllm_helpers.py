@@ -65,33 +65,44 @@ def train_step(model: torch.nn.Module, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def engine(checkpoint: str, *, tp: int = 1, **kwargs: Any) -> Iterator[Any]:
+def engine(checkpoint: str, *, tp: int = 1, inprocess: bool | None = None,
+           **kwargs: Any) -> Iterator[Any]:
     """An offline ``vllm.LLM`` with the ``weightfabric`` backend.
 
-    Every process it started is gone afterwards, also when the test fails.
+    ``inprocess`` (default: for TP=1) runs vLLM's engine core in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it starts in about half the time, but two such
+    engines cannot live in one process at once (vLLM's parallel state is global), so a
+    test that nests engines makes the inner one a process of its own. Every process it
+    started is gone afterwards, also when the test fails.
     """
-    from vllm import LLM
+    from vllm import LLM, envs
     from vllm.config import WeightTransferConfig
 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     shm_before = set(mp_shm())
-    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if (tp == 1 if inprocess is None
+                                                     else inprocess) else "1"}
     if tp > 1:  # one core per worker (without it: "Not enough allowed NUMA nodes")
         cores = os.cpu_count() or 1
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(tp))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(tp))
+    saved = {k: os.environ.get(k) for k in env}
     llm = None
     try:
+        os.environ.update(env)
+        envs.disable_envs_cache()  # an in-process engine core froze vLLM's reading of them
         llm = LLM(model=checkpoint, skip_tokenizer_init=True, dtype="bfloat16",
                   max_model_len=128, enforce_eager=True, tensor_parallel_size=tp,
                   enable_prefix_caching=False, seed=0,
                   weight_transfer_config=WeightTransferConfig(backend="weightfabric"), **kwargs)
         yield llm
     finally:
-        if saved is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        envs.disable_envs_cache()
         if llm is not None:
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
