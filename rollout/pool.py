@@ -180,7 +180,6 @@ class Pool:
         self.engine_timeout, self.start_timeout = engine_timeout, start_timeout
         self.update_timeout, self.patience = update_timeout, patience
         self._authority = Authority(secret_file)
-        self._secret_file = secret_file
         self._dispatch = Dispatcher(predictor, steal=steal)
         self.migrate = migrate
         self._own_logs = log_dir is None
@@ -218,11 +217,14 @@ class Pool:
     def launch(self, n: int = 1, *, names: Sequence[str] | None = None, wait: bool = True,
                timeout: float | None = None, max_num_seqs: int = 8, dtype: str = "bfloat16",
                host: str = "127.0.0.1", checkpoint: str | Path | None = None,
-               env: dict[str, str] | None = None) -> list[str]:
+               cores: int = 1, env: dict[str, str] | None = None) -> list[str]:
         """Start ``n`` engines as local processes (``python -m weightfabric.rollout.engine``).
 
         Each gets a read token for the model, minted from the secret, in its environment.
-        With ``wait``, returns once all are ready.
+        On vLLM's CPU build each takes the next ``cores`` cores of this process's (vLLM
+        binds its threads to them; engines sharing cores spin against each other); GPU
+        builds ignore it. ``env`` adds to the engines' environment. With ``wait``,
+        returns once all are ready.
 
         Raises:
             EngineRefusedError: the pool refused one (e.g. ``checkpoint`` is another model).
@@ -231,13 +233,11 @@ class Pool:
         names = list(names) if names is not None else [
             f"engine-{next(self._ids)}" for _ in range(n)]
         token = self._authority.issue_token("rollout-engine", ["read"], [self.model])
-        cores = sorted(os.sched_getaffinity(0))
+        mine = sorted(os.sched_getaffinity(0))
         for name in names:
-            # vLLM's CPU backend binds its OpenMP threads to cores; engines sharing cores
-            # spin against each other, so each local engine gets its own (GPU builds ignore it)
-            core = cores[next(self._cores) % len(cores)]
+            bind = ",".join(str(mine[next(self._cores) % len(mine)]) for _ in range(cores))
             child_env = {**os.environ, TOKEN_ENV: token, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                         "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}
+                         "VLLM_CPU_OMP_THREADS_BIND": bind, **(env or {})}
             with self._lock:
                 if name in self._engines and self._engines[name].state != "gone":
                     raise BadRequestError(f"an engine named {name!r} is in the pool already")
