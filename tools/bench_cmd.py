@@ -8,7 +8,7 @@ import importlib
 from weightfabric.tools.command import add_group
 
 BENCHMARKS = ("cluster", "crossdc", "delta", "e2e", "failover", "fetch", "hub", "kernels",
-              "layouts", "planner", "reshard", "stall", "tls", "vllm")
+              "layouts", "planner", "reshard", "rollout", "stall", "tls", "vllm")
 """The modules of `tools.bench` that define ``register(subparsers)``, in help order.
 
 Only these are imported to build the parser (the package's other modules, e.g. the
