@@ -32,14 +32,17 @@ from __future__ import annotations
 import base64
 import binascii
 import collections
+import contextlib
 import fnmatch
 import hmac
 import os
 import secrets
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import msgpack
 import zmq
@@ -134,8 +137,15 @@ class Principal:
 ADMIN = Principal("admin", frozenset({"admin"}))
 
 
+_hmac_digest: Callable[[bytes, bytes, str], bytes] = hmac.digest
+# `hmac.digest` calls OpenSSL's one-shot HMAC; a hub's hot path calls it straight (a Python
+# without OpenSSL's hashlib keeps `hmac.digest`)
+with contextlib.suppress(ImportError):
+    from _hashlib import hmac_digest as _hmac_digest
+
+
 def _mac(key: bytes, *parts: bytes) -> bytes:
-    return hmac.digest(key, b"".join(parts), "sha256")   # one call in C (a hub's hot path)
+    return _hmac_digest(key, b"".join(parts), "sha256")   # one call in C
 
 
 def serving_key(key: bytes) -> bytes:
@@ -309,8 +319,7 @@ class ReplayGuard:
         return None
 
 
-@dataclass(frozen=True)
-class Verified:
+class Verified(NamedTuple):
     """A request the hub authenticated: who sent it and the key its reply is signed with."""
 
     principal: Principal

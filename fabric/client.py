@@ -58,6 +58,7 @@ from weightfabric.fabric.errors import (
     hub_error_from_wire,
 )
 from weightfabric.fabric.hub_messages import (
+    RENEWS_LEASE,
     AbortPublishRequest,
     BeginDeriveRequest,
     BeginFetchRequest,
@@ -142,6 +143,27 @@ _QUERIES = frozenset({"group_status", "kv_get", "latest", "locate", "retract_sta
                       "wait_commit", "wait_version"})
 """Operations that change nothing at the hub (its ``READ_ONLY`` but ``ping``)."""
 MAX_KV_VALUE = 64 * 1024      # the hub's limit (fabric.hub.state.MAX_KV_VALUE), checked early
+HEARTBEAT_NEWS_EVERY = 2
+"""A worker whose other requests keep its lease still heartbeats at least once per this many
+heartbeat intervals (``lease_s / 3``): heartbeats carry its news (retired and quarantined
+replicas, sources lost under a fetch that sends no report)."""
+
+
+def heartbeat_due(last_beat: float, renewed: float, interval: float, *,
+                  publishing: bool) -> float:
+    """When a worker's next heartbeat is due (`time.monotonic` seconds).
+
+    Any request of the worker the hub answered renews its lease there
+    (`hub_messages.RENEWS_LEASE`), so a heartbeat is due ``interval`` after the later of
+    the last heartbeat (``last_beat``: tried, answered or not) and the last renewing
+    request (``renewed``: when it was sent), and at least every `HEARTBEAT_NEWS_EVERY`
+    intervals for its news. The lease (3 intervals) then always has 2 intervals of slack,
+    as with a heartbeat every interval. A worker publishing a version heartbeats every
+    interval (its heartbeats claim the version).
+    """
+    if publishing:
+        return last_beat + interval
+    return min(max(last_beat, renewed) + interval, last_beat + HEARTBEAT_NEWS_EVERY * interval)
 
 
 @dataclass(frozen=True)
@@ -292,6 +314,7 @@ class HubClient:
         self._left = False  # `unregister` was called: no registering again by itself
         self._hb_thread: threading.Thread | None = None
         self._want_heartbeat = heartbeat
+        self._renewed = -math.inf   # when the last request that renewed the lease was sent
 
     @property
     def url(self) -> str:
@@ -405,7 +428,8 @@ class HubClient:
     def _call_once(self, op: str, args: Body, timeout: float | None,
                    wait_s: float, channel: str, retried: bool = False) -> Message:
         limit = (self.timeout if timeout is None else timeout) + wait_s
-        deadline = time.monotonic() + limit
+        sent = time.monotonic()
+        deadline = sent + limit
         with self._chan_locks[channel]:
             if self._closed:
                 raise HubUnavailableError("this hub client is closed; connect again")
@@ -450,6 +474,9 @@ class HubClient:
             except msgspec.MsgspecError:
                 message = "(an error reply without a readable message)"
             raise hub_error_from_wire(msg.name, message)
+        if op in RENEWS_LEASE and not epoch_changed:
+            with self._lock:    # the hub renewed the lease when it took the request
+                self._renewed = max(self._renewed, sent)
         return msg
 
     def _exchange(self, channel: str, op: str, req_id: int, data: bytes, limit: float,
@@ -609,7 +636,26 @@ class HubClient:
         return out
 
     def _heartbeat_loop(self) -> None:
-        while not self._hb_stop.wait((self.lease_s or 3.0) / 3):
+        """Heartbeat every ``lease_s / 3``, less while other requests renew the lease.
+
+        See `heartbeat_due`: a worker fetching (its plans, reports and completions renew
+        the lease) sends a heartbeat only every `HEARTBEAT_NEWS_EVERY` intervals.
+        """
+        last = time.monotonic()
+        while True:
+            interval = (self.lease_s or 3.0) / 3
+            with self._lock:
+                renewed = self._renewed
+                publishing = any(h.publisher and h.state == "publishing"
+                                 for h in self._holdings.values())
+            left = heartbeat_due(last, renewed, interval, publishing=publishing) - time.monotonic()
+            if left > 0:
+                if self._hb_stop.wait(min(left, interval)):
+                    return
+                continue    # due again: a renewing request may have pushed it back
+            if self._hb_stop.is_set():
+                return
+            last = time.monotonic()
             try:
                 self.heartbeat(channel="heartbeat")
             except Exception as exc:  # keep trying: the hub may come back

@@ -627,9 +627,17 @@ _PAIRS: tuple[tuple[type[Request], ReplyType], ...] = (
 # Every operation: its request and its reply type.
 OPERATIONS: dict[str, tuple[type[Request], ReplyType]] = {req.op: (req, reply)
                                                           for req, reply in _PAIRS}
+# Operations of a registered worker (named by ``worker``, from its session) that renew its
+# lease at the hub as a heartbeat does: a worker busy with these needs no heartbeat to stay
+# alive (`fabric.client.heartbeat_due`). The hub renews in its check of the caller
+# (`HubStateBase._worker`), before the operation can fail.
+RENEWS_LEASE = frozenset({
+    "register", "heartbeat", "drop", "report_corrupt", "restore", "begin_publish", "commit",
+    "abort_publish", "begin_derive", "begin_fetch", "plan", "report_progress",
+    "complete_fetch", "release", "retract"})
 
 __all__ = [
-    "OPERATIONS", "AbortPublishRequest", "BeginDeriveRequest", "BeginFetchRequest",
+    "OPERATIONS", "RENEWS_LEASE", "AbortPublishRequest", "BeginDeriveRequest", "BeginFetchRequest",
     "BeginPublishReply", "BeginPublishRequest", "CommitRequest", "CompleteFetchRequest",
     "CommitWaitReply", "CompleteReply", "DeriveReply", "DropReply", "DropRequest", "EmptyReply",
     "Endpoints", "ErrorBody", "GroupStatusReply",

@@ -24,8 +24,7 @@ Version 2: typed messages (unknown fields refused, defaults left off the wire).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
@@ -49,9 +48,8 @@ _MAP_HEADS = frozenset(bytes([m]) for m in _MAP_MARKERS)
 _decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
 
-@dataclass(frozen=True)
-class Message:
-    """A decoded message.
+class Message(NamedTuple):
+    """A decoded message (a named tuple: the hub makes one per request).
 
     ``tag`` is the session (requests) or the hub epoch (replies); ``name`` is the operation
     (requests) or the error code (errors); ``body`` is the raw map, for `decode_body`.

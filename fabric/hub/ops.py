@@ -71,11 +71,18 @@ Answer = Reply | StatusReply
 
 @dataclass
 class Park:
-    """A reply that waits: ``check()`` returns the reply once ready, else None."""
+    """A reply that waits: ``check()`` returns the reply once ready, else None.
+
+    A version wait names its ``model`` and ``after``: it can be ready only once
+    ``latest(model) > after``, so the server looks at it only then (`latest_of`), not at
+    every state change.
+    """
 
     check: Callable[[], Reply | None]
     timeout: float
     on_timeout: Callable[[], Reply]
+    model: str | None = None
+    after: int = 0
 
 
 @dataclass(frozen=True)
@@ -246,26 +253,26 @@ def op_wait_version(s: HubState, session: str, a: WaitVersionRequest) -> Answer 
     model, after = a.model, a.after
 
     def check() -> VersionReply | None:
-        v = _latest(s, model)
+        v = latest_of(s, model)
         return VersionReply(version=v) if v is not None and v > after else None
     ready = check()
     timeout = _wait(a.timeout)
     if ready is not None or timeout <= 0:
         return ready or VersionReply(version=None)
-    return Park(check, timeout, lambda: VersionReply(version=None))
+    return Park(check, timeout, lambda: VersionReply(version=None), model=model, after=after)
 
 
 _LATEST: weakref.WeakKeyDictionary[HubState, tuple[int, dict[str, int | None]]] = \
     weakref.WeakKeyDictionary()
 
 
-def _latest(s: HubState, model: str) -> int | None:
+def latest_of(s: HubState, model: str) -> int | None:
     """``s.latest(model)``, computed once per state generation.
 
-    Thousands of readers parked in ``wait_version`` (`ModelStore.sync`) are each checked
-    whenever the state changes (the server's `_wake_parked`): they share one answer per
-    model. The server re-checks parked polls only when ``generation`` moved, so an answer
-    kept for a generation is what ``latest`` says then.
+    Thousands of readers parked in ``wait_version`` (`ModelStore.sync`) share one answer
+    per model: the server asks it once per model whenever the state changed (its
+    `_wake_parked`) and wakes only the waits it answers. An answer kept for a generation
+    is what ``latest`` says then.
     """
     kept = _LATEST.get(s)
     if kept is None or kept[0] != s.generation:
@@ -360,4 +367,4 @@ OPS: dict[str, Op[Any]] = {op.request.op: op for op in (
 READ_ONLY = frozenset({"group_status", "kv_get", "latest", "locate", "ping", "retract_status",
                        "status", "wait_commit", "wait_version"})
 
-__all__ = ["MAX_WAIT_S", "OPS", "READ_ONLY", "Op", "Park", "parse_manifest"]
+__all__ = ["MAX_WAIT_S", "OPS", "READ_ONLY", "Op", "Park", "latest_of", "parse_manifest"]

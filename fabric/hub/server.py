@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
+import itertools
 import logging
 import re
 import secrets
@@ -58,7 +60,7 @@ from weightfabric.fabric.errors import (
     ProtocolError,
     StoreUnavailableError,
 )
-from weightfabric.fabric.hub.ops import OPS, READ_ONLY, Answer, Park
+from weightfabric.fabric.hub.ops import OPS, READ_ONLY, Answer, Park, latest_of
 from weightfabric.fabric.hub.persist import DurableState
 from weightfabric.fabric.hub.planned import PlanRouter
 from weightfabric.fabric.hub.record_store import DirRecords, MemoryRecords, RecordStore
@@ -67,6 +69,7 @@ from weightfabric.fabric.hub.state import DEFAULT_LEASE_S, HubState
 from weightfabric.fabric.hub_messages import (
     DeriveReply,
     ErrorBody,
+    KvPutRequest,
     LocateReply,
     PlanReply,
     RegisterRequest,
@@ -103,6 +106,13 @@ STALL_MIN_S = 0.5  # the shortest gap between the loop's looks at its leases tha
 REPLY_CACHE_SIZE = 65_536            # replies kept for retries: at most this many
 REPLY_CACHE_BYTES = 256 * 1024 ** 2  # and at most this many bytes, oldest out first
 MAX_SESSIONS = 1 << 20               # session -> credential bindings kept, oldest out first
+BATCH = 1024                         # requests read per pass of the loop, then timers and polls
+FLUSH_EVERY = 64                     # replies queued at most before they are sent
+_NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)  # no enums
+_SEND_MORE = _NOBLOCK | _SNDMORE
+# Replies and requests that `HubServer._after` completes; the others pass through untouched.
+_COMPLETED_REPLIES = (PlanReply, LocateReply, DeriveReply, RestoreReply, dict)
+_NOTED_REQUESTS = (RegisterRequest, StatusRequest, KvPutRequest)
 
 
 @dataclass
@@ -213,12 +223,20 @@ class HubServer:
         self._replies: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._replies_size = 0    # bytes in self._replies
         self._parked: dict[tuple[str, int], _Parked] = {}
+        # The parked polls indexed (`_wake_parked` costs what it wakes, not what is parked):
+        # deadlines in a heap; version waits per model in a heap on ``after``; the others,
+        # checked at each state change.
+        self._deadlines: list[tuple[float, int, tuple[str, int]]] = []
+        self._version_waits: dict[str, list[tuple[int, int, tuple[str, int]]]] = {}
+        self._checked: dict[tuple[str, int], _Parked] = {}
+        self._park_seq = itertools.count()
         self._seen_generation = -1
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
+        self._outbox: list[tuple[bytes, bytes, bytes]] = []   # replies to send (`_flush`)
         self._leading = self.service is None
 
     # ------------------------------------------------------------- lifecycle
@@ -297,15 +315,14 @@ class HubServer:
         if on_ready is not None:
             on_ready(self.url)
         try:
+            tick_ms = int(TICK_S * 1000)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
             while not self._stop.is_set():
-                if sock.poll(int(TICK_S * 1000), zmq.POLLIN):
-                    for _ in range(1000):
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-                        except zmq.Again:
-                            break
-                        self._guarded(self._handle, frames)
+                if poller.poll(tick_ms):
+                    self._drain(sock)
                 self._guarded(self._tick)
+                self._guarded(self._flush)
         finally:
             # zmq frees an address when its reaper thread gets to the closed socket;
             # unbinding first frees it now, so a hub restarted at once can bind it.
@@ -317,6 +334,18 @@ class HubServer:
             if self.metrics is not None:
                 self.metrics.close()
             log.info("hub stopped url=%s", self.url)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Handle the requests that are ready, at most `BATCH` (then timers get their turn)."""
+        recv, more = sock.recv, sock.get
+        for _ in range(BATCH):
+            try:
+                frames = [recv(_NOBLOCK)]
+                while more(_RCVMORE):
+                    frames.append(recv(_NOBLOCK))
+            except zmq.Again:
+                return
+            self._guarded(self._handle, frames)
 
     def _tick(self) -> None:
         self._check_role()
@@ -365,6 +394,7 @@ class HubServer:
         self._replies.clear()
         self._replies_size = 0
         parked, self._parked = self._parked, {}
+        self._deadlines, self._version_waits, self._checked = [], {}, {}
         for p in parked.values():
             self._send(p.ident, self._error_bytes(p.req_id, self._not_leader()), p.caller)
 
@@ -426,51 +456,58 @@ class HubServer:
             self._send(ident, self._error_bytes(peek_req_id(payload), exc,
                                                 version=peek_version(payload)))
             return
+        name = msg.name
         try:
             caller = self._authenticate(msg.tag, payload, frames[2] if len(frames) == 3 else None)
         except AuthenticationError as exc:
             self.num_refused += 1
-            log.warning("refused %s from %s: %s", msg.name, ident.hex(), exc)
+            log.warning("refused %s from %s: %s", name, ident.hex(), exc)
             self._send(ident, self._error_bytes(msg.req_id, exc))
             return
         key = (msg.tag, msg.req_id)
-        if key in self._replies:
-            self._send(ident, self._replies[key], caller)
+        kept = self._replies.get(key)
+        if kept is not None:
+            self._send(ident, kept, caller)
             return
-        if key in self._parked:
-            self._parked[key].ident, self._parked[key].caller = ident, caller
+        parked = self._parked.get(key)
+        if parked is not None:
+            parked.ident, parked.caller = ident, caller
             return
-        op = OPS.get(msg.name)
-        cache = msg.name not in READ_ONLY
+        op = OPS.get(name)
+        cache = name not in READ_ONLY
         try:
             if op is None:
-                raise BadRequestError(f"unknown operation {msg.name!r}; is the client newer "
+                raise BadRequestError(f"unknown operation {name!r}; is the client newer "
                                       "than the hub?")
-            if not self._leading and msg.name != "status":
+            if not self._leading and name != "status":
                 raise self._not_leader()
             who = caller.principal if caller is not None else ADMIN
-            with self._timed(msg.name):   # a name of OPS: bounded
-                req, refused = self.rights.check(self.state, who, msg.name,
-                                                 _request(msg, op.request))
+            if self.metrics is None:
+                req, refused = self.rights.check(self.state, who, name, _request(msg, op.request))
                 result = op.handler(self.state, msg.tag, req)
-                if not isinstance(result, Park):
-                    result = self._after(req, who, caller, result, refused=refused)
+            else:
+                with self.metrics.timed(name):   # a name of OPS: bounded
+                    req, refused = self.rights.check(self.state, who, name,
+                                                     _request(msg, op.request))
+                    result = op.handler(self.state, msg.tag, req)
+            if isinstance(result, Park):
+                self._park(key, _Parked(
+                    ident, msg.req_id, msg.tag, result, self.clock() + result.timeout, cache,
+                    caller, functools.partial(self._after, req, who, caller, refused=refused)))
+                return
+            if isinstance(result, _COMPLETED_REPLIES) or isinstance(req, _NOTED_REQUESTS):
+                result = self._after(req, who, caller, result, refused=refused)
         except HubError as exc:
             self._finish(ident, key, self._error_bytes(msg.req_id, exc), caller, cache=cache)
             return
         except (ValueError, TypeError, KeyError) as exc:
             self._finish(ident, key, self._error_bytes(msg.req_id, BadRequestError(
-                f"{msg.name}: {exc}")), caller, cache=cache)
+                f"{name}: {exc}")), caller, cache=cache)
             return
         except Exception as exc:  # a bug must not take the hub down for everyone
-            log.exception("operation %s failed", msg.name)
+            log.exception("operation %s failed", name)
             self._finish(ident, key, self._error_bytes(msg.req_id, HubError(
-                f"internal hub error in {msg.name}: {exc!r}")), caller, cache=cache)
-            return
-        if isinstance(result, Park):
-            self._parked[key] = _Parked(
-                ident, msg.req_id, msg.tag, result, self.clock() + result.timeout, cache,
-                caller, functools.partial(self._after, req, who, caller, refused=refused))
+                f"internal hub error in {name}: {exc!r}")), caller, cache=cache)
             return
         self._finish(ident, key, self._reply_bytes(msg.req_id, result), caller, cache=cache)
 
@@ -489,12 +526,16 @@ class HubServer:
                 "(or a token from `fabric hub token`) as secret_file= or in "
                 "WEIGHTFABRIC_SECRET_FILE")
         caller = self.authority.verify(payload, auth)
-        owner = self._sessions.setdefault(session, caller.principal.name)
-        if owner != caller.principal.name:
+        sessions = self._sessions
+        owner = sessions.get(session)
+        if owner is None:
+            sessions[session] = caller.principal.name
+            while len(sessions) > MAX_SESSIONS:
+                sessions.popitem(last=False)
+        elif owner != caller.principal.name:
             raise AuthenticationError(f"session {session} belongs to another credential")
-        self._sessions.move_to_end(session)
-        while len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+        else:
+            sessions.move_to_end(session)
         return caller
 
     def _after(self, req: Request, who: Principal, caller: Verified | None, result: Answer, *,
@@ -558,30 +599,95 @@ class HubServer:
                or self._replies_size > REPLY_CACHE_BYTES):
             self._replies_size -= len(self._replies.popitem(last=False)[1])
 
+    def _park(self, key: tuple[str, int], p: _Parked) -> None:
+        """Hold a long poll until its answer is ready or its deadline passes."""
+        self._parked[key] = p
+        seq = next(self._park_seq)
+        heapq.heappush(self._deadlines, (p.deadline, seq, key))
+        if p.park.model is not None:     # a version wait: woken by its model's latest only
+            heapq.heappush(self._version_waits.setdefault(p.park.model, []),
+                           (p.park.after, seq, key))
+        else:
+            self._checked[key] = p
+
+    def _unpark(self, key: tuple[str, int]) -> _Parked:
+        """Take a parked poll out (its heap entries go when they come up)."""
+        p = self._parked.pop(key)
+        self._checked.pop(key, None)
+        return p
+
     def _wake_parked(self) -> None:
+        """Answer the parked polls whose answer is ready, or whose deadline passed.
+
+        Costs what it answers: a state change checks the version waits of each model
+        against its latest version once (a heap on ``after``), and the other polls each;
+        deadlines come off a heap.
+        """
         if not self._parked:
             return
+        if self.state.generation != self._seen_generation:
+            self._seen_generation = self.state.generation
+            for model, waits in list(self._version_waits.items()):
+                latest = latest_of(self.state, model)
+                later = []
+                while waits and latest is not None and waits[0][0] < latest:
+                    entry = heapq.heappop(waits)
+                    p = self._parked.get(entry[2])
+                    if (p is not None and p.park.model == model and p.park.after == entry[0]
+                            and not self._answer(entry[2], p, p.park.check)):
+                        later.append(entry)
+                for entry in later:
+                    heapq.heappush(waits, entry)
+                if not waits:
+                    del self._version_waits[model]
+            for key, p in list(self._checked.items()):
+                self._answer(key, p, p.park.check)
         now = self.clock()
-        changed = self.state.generation != self._seen_generation
-        self._seen_generation = self.state.generation
-        for key, p in list(self._parked.items()):
-            body: Answer | None = None
-            try:
-                if changed:
-                    body = p.park.check()
-                if body is None and now >= p.deadline:
-                    body = p.park.on_timeout()
-                if body is not None:
-                    body = p.after(body)
-            except HubError as exc:   # e.g. the parked fetch ended meanwhile
-                del self._parked[key]
-                self._finish(p.ident, key, self._error_bytes(p.req_id, exc), p.caller,
-                             cache=p.cache)
-                continue
-            if body is not None:
-                del self._parked[key]
-                self._finish(p.ident, key, self._reply_bytes(p.req_id, body), p.caller,
-                             cache=p.cache)
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, _, key = heapq.heappop(self._deadlines)
+            p = self._parked.get(key)
+            if p is not None and p.deadline == deadline:
+                self._answer(key, p, p.park.on_timeout)
+        self._compact_parked()
+
+    def _compact_parked(self) -> None:
+        """Rebuild the heaps when answered polls' entries outnumber the live ones.
+
+        Entries of polls answered otherwise stay in a heap until they come up, so a poll
+        asked again and again (a wait that times out and is renewed while no version
+        comes) would grow it without bound.
+        """
+        live = len(self._parked)
+        entries = len(self._deadlines) + sum(len(w) for w in self._version_waits.values())
+        if entries <= 4 * live + 64:
+            return
+        self._deadlines = []
+        self._version_waits = {}
+        for key, p in self._parked.items():
+            seq = next(self._park_seq)
+            self._deadlines.append((p.deadline, seq, key))
+            if p.park.model is not None:
+                self._version_waits.setdefault(p.park.model, []).append((p.park.after, seq, key))
+        heapq.heapify(self._deadlines)
+        for waits in self._version_waits.values():
+            heapq.heapify(waits)
+
+    def _answer(self, key: tuple[str, int], p: _Parked, ask: Callable[[], Answer | None]
+                ) -> bool:
+        """Answer parked poll ``p`` with what ``ask`` says, if anything; whether it did."""
+        try:
+            body = ask()
+            if body is None:
+                return False
+            body = p.after(body)
+        except HubError as exc:   # e.g. the parked fetch ended meanwhile
+            self._unpark(key)
+            self._finish(p.ident, key, self._error_bytes(p.req_id, exc), p.caller,
+                         cache=p.cache)
+            return True
+        self._unpark(key)
+        self._finish(p.ident, key, self._reply_bytes(p.req_id, body), p.caller, cache=p.cache)
+        return True
 
     def _persist(self) -> None:
         """Save the durable state if it changed.
@@ -627,13 +733,30 @@ class HubServer:
         self._send(ident, self._error_bytes(req_id, exc))
 
     def _send(self, ident: bytes, data: bytes, caller: Verified | None = None) -> None:
-        """Send a reply, signed for ``caller`` (unsigned without one: refusals, insecure hubs)."""
-        assert self._sock is not None
+        """Queue a reply, signed for ``caller`` (unsigned without one: refusals, insecure hubs).
+
+        Replies leave in bursts (`_flush`, at most `FLUSH_EVERY` queued): zmq's I/O thread,
+        woken once for a burst rather than once per reply, writes them all.
+        """
         auth = reply_mac(caller.key, caller.mac, data) if caller is not None else b""
-        try:
-            self._sock.send_multipart([ident, data, auth], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # peer gone or its queue full: it will retry
-            log.warning("reply to %s dropped: %s", ident.hex(), exc)
+        self._outbox.append((ident, data, auth))
+        if len(self._outbox) >= FLUSH_EVERY:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Send the queued replies."""
+        if not self._outbox:
+            return
+        assert self._sock is not None
+        send = self._sock.send
+        out, self._outbox = self._outbox, []
+        for ident, data, auth in out:
+            try:
+                send(ident, _SEND_MORE)
+                send(data, _SEND_MORE)
+                send(auth, _NOBLOCK)
+            except zmq.ZMQError as exc:  # peer gone or its queue full: it will retry
+                log.warning("reply to %s dropped: %s", ident.hex(), exc)
 
 
 _AT = re.compile(r"^(?P<what>.*) - at `\$\.?(?P<path>[^`]*)`$", re.DOTALL)

@@ -74,6 +74,7 @@ class HubStateBase:
     seen: dict[str, VersionRanges]
     generation: int
     durable_generation: int
+    _lease_now: float
     kv: KvStore
     _index: HubIndex
     _leases: Leases
@@ -95,13 +96,25 @@ class HubStateBase:
         self.generation += 1
 
     def _worker(self, worker: str, session: str) -> WorkerRecord:
-        self.expire()
+        """The calling worker's record; its request renews its lease as a heartbeat would.
+
+        Every operation a worker runs as itself (`hub_messages.RENEWS_LEASE`) comes here
+        first: a worker that fetches or publishes is alive, so its client may skip the
+        heartbeats that would only renew the lease (`fabric.client.heartbeat_due`).
+
+        Raises:
+            UnknownWorkerError: not registered, or its lease already expired.
+            DuplicateWorkerError: the worker id belongs to another session.
+        """
+        self.expire()      # read the lease clock: ``_lease_now`` is now
         rec = self.workers.get(worker)
         if rec is None:
             raise UnknownWorkerError(f"worker {worker!r} is not registered (or its lease "
                                      "expired); register it again")
         if rec.session != session:
             raise DuplicateWorkerError(f"worker id {worker!r} belongs to another client")
+        rec.expires = self._lease_now + self.lease_s
+        self._leases.renew(worker)
         return rec
 
     def _model(self, model: str) -> ModelRecord:

@@ -32,7 +32,6 @@ class HubWorkers(HubStateBase):
     quarantined: dict[str, set[tuple[str, int, int]]]
     stall_after: float | None
     _stalled: float
-    _lease_now: float
     _last_read: float
 
     def register(self, worker: str, *, session: str, location: Location | None = None,
@@ -79,9 +78,7 @@ class HubWorkers(HubStateBase):
         Raises:
             UnknownWorkerError: not registered, or the lease already expired.
         """
-        rec = self._worker(worker, session)
-        rec.expires = self.lease_clock() + self.lease_s
-        self._leases.renew(worker)
+        self._worker(worker, session)     # renews the lease
         claimed = (self._index.publishing.get(worker, set()) if publishing is None
                    else {(str(m), int(n)) for m, n in publishing}
                    & self._index.publishing.get(worker, set()))
@@ -170,7 +167,8 @@ class HubWorkers(HubStateBase):
     def expire(self) -> list[str]:
         """Drop every worker whose lease ended (and rendezvous keys whose ttl ran out).
 
-        Returns the dropped workers' ids.
+        Returns the dropped workers' ids. Reads the lease clock (``_lease_now`` is then the
+        time it said).
         """
         self.kv.expire()
         now = self.lease_clock()

@@ -567,3 +567,51 @@ def test_a_client_of_several_hubs_moves_on_from_a_silent_one_and_from_standbys()
         with pytest.raises(wf.NotLeaderError, match="standby"), \
                 wf.connect(b.url, timeout=2):
             pass
+
+
+def test_a_workers_requests_renew_its_lease_as_heartbeats_do(hub, clock, clients) -> None:
+    # A reader busy fetching sends no heartbeat of its own (`heartbeat_due`): its plans,
+    # reports and completion keep it alive; a worker that sends nothing still expires.
+    t, r = clients("trainer"), clients("r")
+    clients("idle")
+    v = publish(t)
+    plan = r.begin_fetch("policy", v)
+    clock.advance(6)
+    t.heartbeat()
+    r.report_progress(plan.fetch_id, [0])
+    clock.advance(6)                        # 12 s since r's begin_fetch and idle's last call
+    t.heartbeat()                           # the hub expires leases: idle's, not r's
+    assert {w["worker"] for w in t.status()["workers"]} == {"trainer", "r"}
+    clock.advance(6)
+    t.heartbeat()
+    assert r.complete_fetch(plan.fetch_id).complete
+    clock.advance(6)
+    t.heartbeat()
+    assert {w["worker"] for w in t.status()["workers"]} == {"trainer", "r"}
+
+
+def test_the_client_counts_only_answered_renewing_requests_as_heartbeats(hub, clients) -> None:
+    t, r = clients("trainer"), clients("r")
+    v = publish(t)
+    before = r._renewed
+    assert r.latest("policy") == v and r._renewed == before        # a query renews nothing
+    with pytest.raises(UnknownModelError):
+        r.begin_fetch("nothing", 1)                                 # refused: not counted
+    assert r._renewed == before
+    plan = r.begin_fetch("policy", v)
+    assert r._renewed > before
+    noted = r._renewed
+    r.report_progress(plan.fetch_id, [0])
+    assert r._renewed > noted
+
+
+@pytest.mark.parametrize(("last_beat", "renewed", "publishing", "due"), [
+    (100.0, -1.0, False, 103.0),       # nothing else renewed: every interval
+    (100.0, 102.0, False, 105.0),      # a request renewed it since: pushed back
+    (100.0, 105.5, False, 106.0),      # busy all along: still every 2 intervals, for news
+    (100.0, 102.0, True, 103.0),       # publishing: every interval (beats claim versions)
+])
+def test_heartbeat_due(last_beat, renewed, publishing, due) -> None:
+    from weightfabric.fabric.client import heartbeat_due
+
+    assert heartbeat_due(last_beat, renewed, 3.0, publishing=publishing) == due

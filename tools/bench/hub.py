@@ -610,6 +610,13 @@ class _Readers:
         self.check: set[int] = set(range(self.n))
         self.req = [0] * self.n
         self.pending: dict[tuple[int, int], tuple[str, float, bytes]] = {}
+        # heartbeats as `HubClient` sends them (`fabric.client.heartbeat_due`)
+        from weightfabric.fabric.client import heartbeat_due
+        from weightfabric.fabric.hub_messages import RENEWS_LEASE
+
+        self.heartbeat_due, self.renewing = heartbeat_due, RENEWS_LEASE
+        self.last_beat = [0.0] * self.n     # the last heartbeat sent (time.monotonic)
+        self.renewed = [-math.inf] * self.n  # the last request that renewed the lease, sent
         self.timers: list[tuple[float, int, int, str]] = []
         self.seq = 0
         self.hist: dict[str, Counter[int]] = {}
@@ -648,7 +655,7 @@ class _Readers:
         payload = encode(REQUEST, rid, f"s-{self.worker(i)}", op, args)
         frame, mac = self.cred.sign(payload)
         self.socks[i].send_multipart([payload, frame])
-        self.pending[(i, rid)] = (op, time.perf_counter(), mac)
+        self.pending[(i, rid)] = (op, time.monotonic(), mac)
         self.check.add(i)
 
     def pump(self, timeout: float) -> None:
@@ -675,9 +682,11 @@ class _Readers:
                 if got is None:
                     continue
                 op, sent, mac = got
-                now = time.perf_counter()
+                now = time.monotonic()
                 if not self.cred.check_reply(frame, mac, raw) and (msg.kind == 2 or frame):
                     raise RuntimeError("a reply not signed for its request")
+                if msg.kind == 2 and op in self.renewing:
+                    self.renewed[i] = max(self.renewed[i], sent)
                 us = max(1.0, (now - sent) * 1e6)
                 self.hist.setdefault(op, Counter())[int(math.log(us) / _LAT_BASE)] += 1
                 self.bins[int(time.time() / 0.1)] += 1
@@ -738,9 +747,16 @@ class _Readers:
                                       "timeout": 10.0})
 
     def on_timer(self, i: int, kind: str, now: float) -> None:
-        if kind == "heartbeat":
+        if kind == "heartbeat":   # as `HubClient._heartbeat_loop`: due, or pushed back
+            interval = self.cfg["lease_s"] / 3
+            due = self.heartbeat_due(self.last_beat[i], self.renewed[i], interval,
+                                     publishing=False)
+            if now < due:
+                self.at(due, i, "heartbeat")
+                return
+            self.last_beat[i] = now
             self.send(i, "heartbeat", {"worker": self.worker(i), "publishing": []})
-            self.at(now + self.cfg["lease_s"] / 3, i, "heartbeat")
+            self.at(now + interval, i, "heartbeat")
         elif kind == "begin":
             self.send(i, "begin_fetch", {"worker": self.worker(i), "model": self.cfg["model"],
                                          "version": self.version[i],
@@ -754,8 +770,11 @@ class _Readers:
     def on_reply(self, i: int, op: str, msg: Any, *, ok: bool) -> None:
         if op == "register":
             self.registered += ok   # heartbeats from now on, as a client's thread does
-            self.at(time.monotonic() + self.rng.uniform(0, self.cfg["lease_s"] / 3), i,
-                    "heartbeat")
+            interval = self.cfg["lease_s"] / 3
+            first = time.monotonic() + self.rng.uniform(0, interval)   # spread the phases
+            self.last_beat[i] = first - interval
+            self.renewed[i] = -math.inf
+            self.at(first, i, "heartbeat")
         elif op == "wait_version":
             v = msgspec.msgpack.decode(msg.body).get("version") if ok else None
             if v is not None and v > self.version[i] and not self.done[i]:
