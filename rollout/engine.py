@@ -6,9 +6,10 @@ credential is read from ``$WEIGHTFABRIC_ROLLOUT_TOKEN`` (a token the pool minted
 secret), else the fabric's secret file. In order:
 
 1. ``hello`` to the pool (before vLLM starts, so that an engine on another model or with
-   too short a context is refused at once); the pool's welcome names the version to serve.
+   too short a context is refused at once).
 2. Start vLLM (the ``weightfabric`` weight-transfer backend, in this process), join the
-   fabric and take that version from whoever holds it, then ``ready``.
+   fabric, then ``ready``; the pool answers with the version to take (its version now,
+   not at the hello: start-up is long enough for that one to be retired) before any work.
 3. Loop: take orders (``add``, ``abort``, ``update``, ``stop``) between engine steps; after
    each step send every request's new tokens, tagged with the version that made them.
    An update lands between two steps: the requests in flight pause for it and go on
@@ -51,7 +52,6 @@ class EngineLoop:
         self.version = 0
         self.llm: Any = None
         self.live: dict[str, tuple[str, int]] = {}   # vLLM request id -> (rid, attempt)
-        self.sources: dict[str, int] = {}             # where the first version came from
         self.leaving = False
         self.last_sent = 0.0
 
@@ -62,8 +62,8 @@ class EngineLoop:
         self.sock.send_multipart(self.session.seal(message))
         self.last_sent = time.monotonic()
 
-    def greet(self) -> int | None:
-        """Hello and welcome; the version the pool wants served (None: the checkpoint's)."""
+    def greet(self) -> None:
+        """Hello and welcome: a session with the pool."""
         a = self.args
         frames, mac = channel.hello(self.credential, {
             "name": a.name, "model": a.model, "fingerprint": fingerprint(a.checkpoint),
@@ -75,11 +75,9 @@ class EngineLoop:
         if not answer.get("ok"):
             raise FabricError(f"the pool refused this engine: {answer.get('error')}")
         self.session = channel.Session(self.credential.key, nonce, channel.TO_POOL)
-        version = answer.get("version")
-        return int(version) if version else None
 
-    def start_engine(self, version: int | None) -> None:
-        """Start vLLM, join the fabric and serve ``version``."""
+    def start_engine(self) -> None:
+        """Start vLLM and join the fabric."""
         from vllm import LLM
         from vllm.config import WeightTransferConfig
 
@@ -93,8 +91,6 @@ class EngineLoop:
         token = os.environ.get(TOKEN_ENV)
         wfv.connect(self.llm, hub=a.hub, model=a.model, engine=a.name, host=a.host,
                     **({"token": token} if token else {}))
-        if version:
-            self.sources = self.update(version)
 
     def update(self, version: int) -> dict[str, int]:
         """Fetch ``version`` from the fabric and land it (between two steps).
@@ -188,9 +184,9 @@ class EngineLoop:
     def run(self) -> int:
         """The whole life of the engine; the process's exit status."""
         signal.signal(signal.SIGTERM, self._on_term)
-        version = self.greet()
-        self.start_engine(version)
-        self.send({"op": "ready", "version": self.version, "sources": self.sources})
+        self.greet()
+        self.start_engine()
+        self.send({"op": "ready", "version": self.version})
         a = self.args
         running = True
         while running and not self.leaving:

@@ -84,8 +84,8 @@ class EngineInfo:
 
     name: str
     state: str
-    """``launched`` (process started, no hello yet), ``starting`` (admitted, loading and
-    taking the pool's version), ``ready``, ``updating``, ``gone``."""
+    """``launched`` (process started, no hello yet), ``starting`` (admitted, vLLM loading),
+    ``joining`` (taking the pool's version), ``ready``, ``updating``, ``gone``."""
     version: int
     running: int
     slots: int
@@ -185,6 +185,7 @@ class Pool:
         self._own_logs = log_dir is None
         self.log_dir = Path(log_dir) if log_dir is not None else Path(
             tempfile.mkdtemp(prefix="wf-rollout-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.version = 0
         self._lock = threading.RLock()
         self._engines: dict[str, _Engine] = {}
@@ -433,7 +434,10 @@ class Pool:
             self.version = version
 
     def wait_version(self, version: int | None = None, timeout: float = 600.0) -> None:
-        """Wait until every engine not gone serves ``version`` (default the pool's).
+        """Wait until every engine that generates serves ``version`` (default the pool's).
+
+        Engines still starting are not waited for: they take the pool's version before
+        they generate. With none generating, this waits for one.
 
         Raises:
             WaitTimeoutError: not in time; RolloutError: an engine failed to switch.
@@ -443,11 +447,11 @@ class Pool:
         while True:
             self._raise_if_broken()
             with self._lock:
-                live = [e for e in self._engines.values() if e.state != "gone"]
+                live = [e for e in self._engines.values() if e.state in ("ready", "updating")]
                 failed = [e.name for e in live if e.failed_version >= target]
                 if failed:
                     raise RolloutError(f"engines {failed} could not switch to version {target}")
-                if all(e.version >= target for e in live):
+                if live and all(e.version >= target for e in live):
                     return
             if time.monotonic() > deadline:
                 raise WaitTimeoutError(f"engines did not all serve version {target} in "
@@ -552,15 +556,22 @@ class Pool:
         op = message.get("op")
         if op == "tokens":
             self._tokens(e, int(message["version"]), message["out"])
-        elif op in ("ready", "updated"):
+        elif op == "ready":           # vLLM is up: take the pool's version before any work
+            e.version = int(message["version"])
+            self._join(e)
+        elif op == "updated":
             e.state, e.version = "ready", int(message["version"])
             e.sources = dict(message.get("sources") or {})
-            self._stats["updates"] += op == "updated"
+            self._stats["updates"] += 1
         elif op == "update_failed":
-            e.state, e.failed_version = "ready", int(message["version"])
+            e.failed_version = int(message["version"])
             self._stats["update_failures"] += 1
             log.warning("engine %s could not switch to version %s: %s", name,
                         message["version"], message.get("error"))
+            if e.state == "joining":
+                self._join(e)
+            else:
+                e.state = "ready"
         elif op == "refused":
             req = self._reqs.get(message["rid"])
             if req is not None and req.attempt == message["attempt"] and req.engine == name:
@@ -598,7 +609,7 @@ class Pool:
                 self._gone(e, f"refused: {why}")
             log.warning("engine %s refused: %s", name, why)
             return
-        frames_out, nonce = channel.welcome(key, mac, {"ok": True, "version": self.version})
+        frames_out, nonce = channel.welcome(key, mac, {"ok": True})
         self._sock.send_multipart([ident, *frames_out])
         if e is None or e.state == "gone":
             e = _Engine(name=name)
@@ -608,6 +619,24 @@ class Pool:
         e.last_seen = e.since = time.monotonic()
         self._by_ident[ident] = name
         self._no_engine_since = None
+
+    def _join(self, e: _Engine) -> None:
+        """A started engine: ready if it serves the pool's version, else it switches first.
+
+        The version is the pool's when the engine's vLLM is up (not at its hello: start-up
+        takes long enough for that one to be retired); a joining engine's switch is not
+        staggered with the others'. One that cannot switch to the pool's version is let go.
+        """
+        if e.version >= self.version:
+            e.state = "ready"
+        elif e.failed_version >= self.version:
+            if e.session is not None and e.ident is not None:
+                self._sock.send_multipart([e.ident, *e.session.seal({"op": "stop"})])
+            self._lose(e, f"could not take version {self.version}")
+        else:
+            e.state = "joining"
+            e.last_seen = time.monotonic()
+            self._outbox.append((e.name, {"op": "update", "version": self.version}))
 
     def _tokens(self, e: _Engine, version: int, out: list[Any]) -> None:
         for rid, attempt, toks, lps, reason in out:
@@ -715,7 +744,8 @@ class Pool:
                 self._lose(e, f"no hello in {self.start_timeout:g} s")
             elif e.state == "starting" and now - e.since > self.start_timeout:
                 self._lose(e, f"not ready in {self.start_timeout:g} s")
-            elif e.state == "updating" and now - e.last_seen > self.update_timeout:
+            elif (e.state in ("updating", "joining")
+                  and now - e.last_seen > self.update_timeout):
                 self._lose(e, f"silent for {self.update_timeout:g} s while updating")
             elif e.state == "ready" and now - e.last_seen > self.engine_timeout:
                 self._lose(e, f"silent for {self.engine_timeout:g} s")

@@ -36,10 +36,8 @@ def expected(prompt: list[int], n: int) -> list[int]:
 class ScriptedLoop(EngineLoop):
     """`EngineLoop` with the vLLM engine replaced by `next_token`."""
 
-    def start_engine(self, version: int | None) -> None:
+    def start_engine(self) -> None:
         self.work: dict[str, list[Any]] = {}     # key -> [sequence, tokens left]
-        if version:
-            self.sources = self.update(version)
 
     def update(self, version: int) -> dict[str, int]:
         time.sleep(self.args.update_s)
