@@ -789,10 +789,15 @@ class HubClient:
         """
         return locate_data(self.locate_reply(model, version))
 
-    def locate_reply(self, model: str, version: int | str = "latest") -> LocateReply:
-        """`locate`, as the typed `LocateReply`."""
-        return self.request(LocateRequest(model=model, version=version, worker=self.worker),
-                            LocateReply)
+    def locate_reply(self, model: str, version: int | str = "latest", *,
+                     manifests_only: bool = False) -> LocateReply:
+        """`locate`, as the typed `LocateReply`.
+
+        ``manifests_only``: shards with no live holder come back with no holders rather
+        than as a `NoSourceError` (for what only needs the version's manifests).
+        """
+        return self.request(LocateRequest(model=model, version=version, worker=self.worker,
+                                          manifests_only=manifests_only), LocateReply)
 
     def replan(self, fetch_id: str, *, chunks: list[int] | None = None,
                exclude: list[str] | None = None) -> FetchPlan:

@@ -461,6 +461,8 @@ class LocateRequest(Request, frozen=True, kw_only=True):
     model: str
     version: int | str = "latest"
     worker: str | None = None
+    manifests_only: bool = False
+    """Shards with no live holder are answered too (holders empty), not refused."""
 
 
 class PlanRequest(Request, frozen=True, kw_only=True):

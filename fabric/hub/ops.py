@@ -181,7 +181,7 @@ def op_begin_fetch(s: HubState, session: str, a: BeginFetchRequest) -> Answer | 
 
 
 def op_locate(s: HubState, session: str, a: LocateRequest) -> Answer:
-    return s.locate(a.model, a.version, worker=a.worker)
+    return s.locate(a.model, a.version, worker=a.worker, manifests_only=a.manifests_only)
 
 
 def op_plan(s: HubState, session: str, a: PlanRequest) -> Answer:

@@ -171,8 +171,8 @@ class HubQueries(HubStateBase):
                 return number
         return None
 
-    def locate(self, model: str, version: int | str, *, worker: str | None = None
-               ) -> LocateReply:
+    def locate(self, model: str, version: int | str, *, worker: str | None = None,
+               manifests_only: bool = False) -> LocateReply:
         """Where every shard of a committed version can be read whole.
 
         Where every shard of a committed version can be read whole, for a reader that does
@@ -186,7 +186,9 @@ class HubQueries(HubStateBase):
 
         Raises:
             UnknownModelError, UnknownVersionError: nothing committed to read.
-            NoSourceError: some shard has no complete live replica.
+            NoSourceError: some shard has no complete live replica (with
+                ``manifests_only``: its holders are empty instead, e.g. for a reader that
+                needs the layout of a version whose derived replicas are held elsewhere).
         """
         self.expire()
         m = self._model(model)
@@ -198,7 +200,7 @@ class HubQueries(HubStateBase):
         for k in range(v.num_shards):
             ranked = holders(v, k, reader, workers=self.workers, load=self._index.load,
                              rank_sources=self.rank_sources)
-            if not ranked:
+            if not ranked and not manifests_only:
                 raise NoSourceError(f"{model!r} v{v.number} shard {k}: no complete live replica")
             shards.append(LocateShard(manifest=ManifestWire.of(v.manifests[k]), holders=ranked))
         named = sorted({w for sh in shards for w in sh.holders})

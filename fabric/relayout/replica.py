@@ -207,8 +207,11 @@ class LayoutStore:
             reply, early = self._claim(number) if known else (None, None)
             if reply is None or reply.action == "derive" or (reply.action == "fetch"
                                                              and copy_failed):
+                # the first time, the published manifests give the layout (the holders of
+                # the published tensors may be gone while engines hold the layout)
                 where = (locate_data(reply.base) if reply is not None and reply.base is not None
-                         else hub.locate(self.model, number))
+                         else locate_data(hub.locate_reply(self.model, number,
+                                                           manifests_only=reply is None)))
                 manifests = [Manifest.from_wire(s["manifest"]) for s in where["shards"]]
                 try:
                     published, bound = self._bind(manifests)
@@ -219,6 +222,8 @@ class LayoutStore:
                     raise
                 if reply is None:
                     reply, early = self._claim(number)
+                    if reply.base is not None:    # to derive: where the published shards are
+                        where = locate_data(reply.base)
                 if reply.action == "derive" or (reply.action == "fetch" and copy_failed):
                     # a holder the hub still lists could not be read: derive, unregistered
                     return self._derive(number, bound, published, where, manifests, verify,

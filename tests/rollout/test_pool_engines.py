@@ -5,9 +5,9 @@ the fabric, two engines launched by the pool (each in its own process, on its ow
 In order: samples stream in completion order and a weight update mid-run keeps the
 staleness bound; an engine SIGKILLed mid-generation loses no request, its requests keep
 their tokens exactly and continue as an engine run alone on prompt + kept tokens would;
-a new engine joins, takes the version (in vLLM's layout) from the engines, gets work,
-and a SIGTERM (preemption notice) moves another engine's requests to it. Bad input:
-another model, too long a request, a pool without engines.
+a new engine joins after the trainer left, takes the version (in vLLM's layout) from the
+engines and gets work, and a SIGTERM (preemption notice) moves another engine's requests
+to it. Bad input: another model, too long a request, a pool without engines.
 """
 
 from __future__ import annotations
@@ -147,11 +147,11 @@ def test_a_killed_engine_loses_nothing_and_its_requests_continue_from_their_toke
 def test_a_new_engine_takes_the_version_from_its_peers_and_takes_over_from_a_leaving_one(rig):
     pool = rig.pool
     with hard_timeout(240):
+        rig.trainer.close()          # the published tensors' only holder leaves
         (name,) = pool.launch(1, names=["c"], max_num_seqs=4)
         info = {e.name: e for e in pool.engines()}
         assert info["c"].state == "ready" and info["c"].version == pool.version
-        # vLLM's layout of the version is held by engine b alone (the trainer holds the
-        # published tensors): c copies it from b
+        # vLLM's layout of the version is held by engine b alone: c copies it from b
         assert info["c"].sources and set(info["c"].sources) <= {"b-rank0"}, info["c"].sources
         asked = requests(8, 300, [60, 80])
         rids = pool.submit(asked)
