@@ -248,13 +248,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one engine until the pool stops it or SIGTERM; the exit status."""
-    args = parser().parse_args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # one process per engine
+def run(loop_class: type[EngineLoop], args: argparse.Namespace) -> int:
+    """Run a ``loop_class`` engine with the credential of this process; the exit status.
+
+    3 (and the error on standard error) when the pool or the fabric refused it.
+    """
     token = os.environ.get(TOKEN_ENV)
-    credential = load_credential(secret=token) if token else load_credential()
-    loop = EngineLoop(args, credential)
+    loop = loop_class(args, load_credential(secret=token) if token else load_credential())
     try:
         return loop.run()
     except FabricError as exc:
@@ -262,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     finally:
         loop.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one engine until the pool stops it or SIGTERM; the exit status."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # one process per engine
+    return run(EngineLoop, parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -11,13 +11,11 @@ A version switch takes ``--update-s`` seconds and reads nothing.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
 
-from weightfabric.fabric.auth import load_credential
-from weightfabric.rollout.engine import TOKEN_ENV, EngineLoop, parser
+from weightfabric.rollout.engine import EngineLoop, parser, run
 
 
 def next_token(sequence: list[int]) -> int:
@@ -77,16 +75,7 @@ def main() -> int:
     p = parser()
     p.add_argument("--step-s", type=float, default=0.02)
     p.add_argument("--update-s", type=float, default=0.2)
-    args = p.parse_args()
-    token = os.environ.get(TOKEN_ENV)
-    loop = ScriptedLoop(args, load_credential(secret=token) if token else load_credential())
-    try:
-        return loop.run()
-    except Exception as exc:
-        print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        return 3
-    finally:
-        loop.close()
+    return run(ScriptedLoop, p.parse_args())
 
 
 if __name__ == "__main__":

@@ -7,32 +7,15 @@ lost, and nothing left running afterwards (no timing is checked: the machine may
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
+from leftovers import processes_naming
 from paths import ROOT, child_env
 from timeouts import hard_timeout
 
 KEYS = {"runs", "failover_s", "median_s", "max_s", "lost_records", "fetches_verified",
         "in_flight_at_kill", "leader_s", "error"}
-
-
-def _processes_naming(text: str) -> list[str]:
-    """Processes whose command line or environment mentions ``text``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        for part in ("cmdline", "environ"):
-            try:
-                if text.encode() in (proc / part).read_bytes():
-                    found.append(f"{proc.name}: {(proc / 'cmdline').read_bytes()!r}")
-                    break
-            except OSError:   # gone, or not ours
-                continue
-    return found
 
 
 def test_one_kill_per_set_up_loses_nothing_and_leaves_nothing_running(tmp_path) -> None:
@@ -57,7 +40,7 @@ def test_one_kill_per_set_up_loses_nothing_and_leaves_nothing_running(tmp_path) 
         assert r["etcd"]["hubs"] == 2 and r["state_dir"]["hubs"] == 1
         assert "etcd run 1:" in out.stderr and "state_dir run 1:" in out.stderr  # progress
         # etcd members, hubs and agents all ended (each names the run's temporary dir)
-        assert _processes_naming(str(tmp_path)) == []
+        assert processes_naming(str(tmp_path)) == []
 
 
 def test_bad_numbers_are_refused_before_anything_starts() -> None:

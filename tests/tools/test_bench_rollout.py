@@ -11,13 +11,13 @@ or shared-memory region it made is left (no timing is checked: the machine may b
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from leftovers import processes_naming
 from paths import ROOT, child_env
 from rich.console import Console
 from timeouts import hard_timeout
@@ -90,22 +90,6 @@ def test_ratios_and_table() -> None:
     assert "restart" in text and "NO" in text and "tokens per s pool vs sync" in text
 
 
-def _ours(text: str) -> list[str]:
-    """Processes whose command line or environment mentions ``text``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        for part in ("cmdline", "environ"):
-            try:
-                if text.encode() in (proc / part).read_bytes():
-                    found.append(f"{proc.name}: {(proc / 'cmdline').read_bytes()!r}")
-                    break
-            except OSError:   # gone, or not ours
-                continue
-    return found
-
-
 def test_smallest_run_with_and_without_migration_verifies(tmp_path) -> None:
     pytest.importorskip("vllm")
     pytest.importorskip("transformers")
@@ -140,7 +124,7 @@ def test_smallest_run_with_and_without_migration_verifies(tmp_path) -> None:
         assert "tokens_per_s_pool_vs_restart" in r["ratios"]
         # engines gone (each names the run's temporary directory), and the fabric regions
         # of the trainer (the bench's process) and of the engines (named after the modes)
-        assert _ours(str(tmp_path)) == []
+        assert processes_naming(str(tmp_path)) == []
         left = [p.name for p in Path("/dev/shm").glob("weightfabric-*")
                 if p.name.startswith(f"weightfabric-{proc.pid}-")
                 or any(f"-{mode}-e" in p.name for mode in MODES)]
