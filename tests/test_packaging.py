@@ -12,7 +12,7 @@ from paths import ROOT
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-FOLDERS = ("fabric", "kernels", "topology", "tools")
+FOLDERS = ("fabric", "kernels", "rollout", "topology", "tools")
 
 ROUND_TRIP = """
 import torch

@@ -75,15 +75,19 @@ def test_the_trainer_exits_and_its_last_version_lives_on_in_the_rollout(hub, tmp
         assert all(w.startswith("rollout-") for w in stats.sources), stats.sources
     finally:
         rollout.send_signal(signal.SIGINT)  # its `with wf.join` closes the worker
+        killed = False
         try:
-            out, err = rollout.communicate(timeout=30)
+            out, err = rollout.communicate(timeout=60)
         except subprocess.TimeoutExpired:
+            killed = True
             rollout.kill()
             out, err = rollout.communicate()
         left = list(SHM_DIR.glob(f"{PREFIX}-{rollout.pid}-*"))
         remove_stale_regions()
     assert "v3:" in out, err[-3000:]
-    assert not left, f"the rollout's exit left {left}; its stderr:\n{err[-3000:]}"
+    assert not left, (f"the rollout's exit (status {rollout.returncode}"
+                      f"{', killed after 60 s' if killed else ''}) left {left}; its stderr:\n"
+                      f"{err[-3000:]}")
 
 
 @pytest.mark.parametrize("name", sorted(set(snippets()) - {"trainer.py", "rollout.py"}))

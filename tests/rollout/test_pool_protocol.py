@@ -185,3 +185,25 @@ def test_engines_are_admitted_by_credential_model_and_name(rig, tmp_path):
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 3 and why in err.decode(), err.decode()[-500:]
     assert [e.name for e in pool.engines() if e.state == "ready"] == ["a"]
+
+
+def test_without_migration_a_lost_engines_requests_start_over(rig):
+    pool, engines = rig
+    pool.migrate = False
+    doomed = engines.start("a", step_s=0.01)
+    engines.start("b", step_s=0.01)
+    reqs = asked(8, 80)
+    pool.submit(reqs)
+    deadline = time.monotonic() + 20
+    while sum(e == "a" and n > 5 for e, n in pool.running().values()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    doomed.kill()
+    got = {s.rid: s for s in pool.samples(count=len(reqs), timeout=30)}
+    restarted = [s for s in got.values() if s.restarts]
+    assert restarted and all(s.migrations == 0 and s.spans == [("b", 0)] for s in restarted)
+    for r in reqs:
+        assert got[r.rid].tokens == expected(list(r.prompt), r.max_tokens)
+    stats = pool.stats()
+    assert stats["migrations"] == 0 and stats["restarts"] == len(restarted)
+    assert stats["regenerated_tokens"] >= 6 * len(restarted)
