@@ -65,15 +65,16 @@ def train_step(model: torch.nn.Module, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def engine(checkpoint: str, *, tp: int = 1, inprocess: bool | None = None,
+def engine(checkpoint: str, *, tp: int = 1, inprocess: bool = False,
            **kwargs: Any) -> Iterator[Any]:
     """An offline ``vllm.LLM`` with the ``weightfabric`` backend.
 
-    ``inprocess`` (default: for TP=1) runs vLLM's engine core in this process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it starts in about half the time, but two such
-    engines cannot live in one process at once (vLLM's parallel state is global), so a
-    test that nests engines makes the inner one a process of its own. Every process it
-    started is gone afterwards, also when the test fails.
+    ``inprocess`` runs vLLM's engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    about half the start-up; two such engines cannot live in one process at once). Not the
+    default: its workers set process-wide state (e.g. ``LD_PRELOAD`` of libgomp in the
+    environment every later child inherits) that made later multi-process tests hang at
+    exit. The environment is restored afterwards either way. Every process it started is
+    gone afterwards, also when the test fails.
     """
     from vllm import LLM, envs
     from vllm.config import WeightTransferConfig
@@ -81,12 +82,11 @@ def engine(checkpoint: str, *, tp: int = 1, inprocess: bool | None = None,
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     shm_before = set(mp_shm())
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if (tp == 1 if inprocess is None
-                                                     else inprocess) else "1"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inprocess else "1"}
     if tp > 1:  # one core per worker (without it: "Not enough allowed NUMA nodes")
         cores = os.cpu_count() or 1
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(tp))
-    saved = {k: os.environ.get(k) for k in env}
+    saved = dict(os.environ)
     llm = None
     try:
         os.environ.update(env)
@@ -97,11 +97,8 @@ def engine(checkpoint: str, *, tp: int = 1, inprocess: bool | None = None,
                   weight_transfer_config=WeightTransferConfig(backend="weightfabric"), **kwargs)
         yield llm
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.clear()     # what vLLM set here (LD_PRELOAD, ...) must not reach later tests
+        os.environ.update(saved)
         envs.disable_envs_cache()
         if llm is not None:
             with contextlib.suppress(Exception):

@@ -29,7 +29,7 @@ def test_a_second_engine_reads_from_the_first_and_a_lost_hub_changes_nothing(tmp
             train_step(model, seed=1)
             v1 = store.publish(model, dtype=torch.bfloat16)
             wf.vllm.update(a, v1)
-            with engine(save_bf16(model, tmp_path / "v1"), inprocess=False) as b:
+            with engine(save_bf16(model, tmp_path / "v1")) as b:
                 assert generate(b) == generate(a)  # fresh from v1's checkpoint == fabric's v1
                 wf.vllm.connect(b, hub.url, "policy", engine="engine-b")
                 train_step(model, seed=2)
