@@ -85,16 +85,21 @@ def asked(n: int, length: int, base: int = 0, **kw: Any) -> list[rollout.Request
             for i in range(n)]
 
 
+def two_generating_on(pool: rollout.Pool, engine: str) -> None:
+    """Wait until two requests on ``engine`` have more than 5 tokens each."""
+    deadline = time.monotonic() + 20
+    while sum(e == engine and n > 5 for e, n in pool.running().values()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_a_silent_engine_is_lost_and_its_requests_end_as_if_nothing_happened(rig):
     pool, engines = rig
     frozen = engines.start("a", step_s=0.01)
     engines.start("b", step_s=0.01)
     reqs = asked(8, 120)
     pool.submit(reqs)
-    deadline = time.monotonic() + 20
-    while sum(e == "a" and n > 5 for e, n in pool.running().values()) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    two_generating_on(pool, "a")
     frozen.send_signal(signal.SIGSTOP)       # a machine gone quiet: no exit, no notice
     got = {s.rid: s for s in pool.samples(count=len(reqs), timeout=30)}
     frozen.send_signal(signal.SIGCONT)        # its late tokens are not taken
@@ -194,10 +199,7 @@ def test_without_migration_a_lost_engines_requests_start_over(rig):
     engines.start("b", step_s=0.01)
     reqs = asked(8, 80)
     pool.submit(reqs)
-    deadline = time.monotonic() + 20
-    while sum(e == "a" and n > 5 for e, n in pool.running().values()) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    two_generating_on(pool, "a")
     doomed.kill()
     got = {s.rid: s for s in pool.samples(count=len(reqs), timeout=30)}
     restarted = [s for s in got.values() if s.restarts]
