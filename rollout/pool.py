@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 
 LOOP_POLL_S = 0.01
 RECV_BATCH = 256
+REFUSED = "refused: "
 
 
 class RolloutError(FabricError):
@@ -199,7 +200,6 @@ class Pool:
         self._stats = {"useful_tokens": 0, "regenerated_tokens": 0, "migrations": 0,
                        "steals": 0, "restarts": 0, "preemptions": 0, "samples": 0,
                        "updates": 0, "update_failures": 0}
-        self._refusals: list[tuple[str, str]] = []
         self._error: BaseException | None = None
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -274,9 +274,9 @@ class Pool:
                     if e is None:
                         pending.append(name)
                     elif e.state == "gone":
-                        refused = [why for who, why in self._refusals if who == name]
-                        if refused:
-                            raise EngineRefusedError(f"engine {name!r}: {refused[-1]}")
+                        why = e.why_gone or ""
+                        if why.startswith(REFUSED):
+                            raise EngineRefusedError(f"engine {name!r}: {why[len(REFUSED):]}")
                         raise EngineStartError(f"engine {name!r} is gone ({e.why_gone}) "
                                                f"before it was ready{self._tail(e)}")
                     elif e.state not in ("ready", "updating"):
@@ -604,9 +604,8 @@ class Pool:
         if why is not None:
             frames_out, _ = channel.welcome(key, mac, {"ok": False, "error": why})
             self._sock.send_multipart([ident, *frames_out])
-            self._refusals.append((name, why))
             if e is not None and e.state == "launched":
-                self._gone(e, f"refused: {why}")
+                self._gone(e, REFUSED + why)
             log.warning("engine %s refused: %s", name, why)
             return
         frames_out, nonce = channel.welcome(key, mac, {"ok": True})
