@@ -190,6 +190,8 @@ class PlanRange:
     stop: int
     sources: tuple[str, ...]
     wait: tuple[str, ...]
+    window: int = 0
+    """Bytes to keep in flight along the range (`PlanRangeWire.window`)."""
 
 
 def locate_data(reply: LocateReply) -> dict[str, Any]:
@@ -231,7 +233,7 @@ class FetchPlan:
             manifest = reply.manifest.manifest()
         return cls(reply.fetch_id, reply.model, reply.version, reply.shard, reply.num_shards,
                    manifest,
-                   tuple(PlanRange(r.start, r.stop, tuple(r.sources), tuple(r.wait))
+                   tuple(PlanRange(r.start, r.stop, tuple(r.sources), tuple(r.wait), r.window)
                          for r in reply.ranges),
                    {w: SourceInfo(w, Location.from_wire(i.location), i.endpoints, i.complete,
                                   i.cap)
@@ -307,9 +309,9 @@ class HubClient:
         self._holdings: dict[tuple[str, int, int], _Holding] = {}
         self._socks: dict[str, tuple[zmq.Socket, str]] = {}   # channel -> socket, its hub
         self._closed = False
-        self._restoring = False
         self._registrations = 0  # registrations done, restore included (`_registered_since`)
         self._register_lock = threading.RLock()  # held by a registration and its restore
+        self._restoring = threading.Event()  # a new epoch's registration is under way
         self._hb_stop = threading.Event()
         self._left = False  # `unregister` was called: no registering again by itself
         self._hb_thread: threading.Thread | None = None
@@ -427,6 +429,9 @@ class HubClient:
 
     def _call_once(self, op: str, args: Body, timeout: float | None,
                    wait_s: float, channel: str, retried: bool = False) -> Message:
+        if op not in ("register", "restore") and self._restoring.is_set():
+            with self._register_lock:  # another thread registers this worker again: after it
+                pass
         limit = (self.timeout if timeout is None else timeout) + wait_s
         sent = time.monotonic()
         deadline = sent + limit
@@ -454,12 +459,19 @@ class HubClient:
         with self._lock:
             epoch_changed = self.epoch is not None and msg.tag != self.epoch
             self.epoch = msg.tag
+            register = (epoch_changed and self.worker is not None
+                        and op not in ("register", "restore"))
+            if register:  # calls of other threads wait for it (they see no epoch change)
+                self._restoring.set()
         restore_retry = msg.kind == ERROR and not retried and msg.name in _RESTORE_CODES
-        if epoch_changed and self.worker is not None and op not in ("register", "restore"):
+        if register:
             log.warning("new hub epoch (a restart, or another hub leads); re-registering "
                         "worker=%s", self.worker)
-            with self._register_lock:
-                self._register(channel)
+            try:
+                with self._register_lock:
+                    self._register(channel)
+            finally:
+                self._restoring.clear()
             # A query the new hub answered before it knew what this worker holds is asked
             # again (queries change nothing, so asking twice is safe).
             if (restore_retry or op in _QUERIES) and not retried:

@@ -54,6 +54,7 @@ from weightfabric.fabric.deltas import DeltaBase, delta_mode
 from weightfabric.fabric.errors import FabricError, FetchError, NoBaseError, TransportError
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports import ReadAbort, SourceAddress, Transport, local_host_id
+from weightfabric.fabric.transports.base import CopyFn, Landing
 from weightfabric.fabric.transports.held import HeldLease
 from weightfabric.kernels.delta import DeltaFormatError, decode_delta
 
@@ -63,6 +64,9 @@ WAIT_SLICE = 0.25
 """Seconds between the engine's looks at the deadline, the cancel event and lost sources."""
 MAX_STREAMS = 16
 """Most reads in flight a broadcast plan's assignments raise `FetchOptions.max_inflight` to."""
+LAND_BYTES = 256 << 10
+"""Bytes at least between two looks at what a read has landed (whole chunks, at least
+one): each chunk is verified and marked before the read ends, so a relay forwards it."""
 IDLE_REPORT_S = 1.0
 """Seconds without a new chunk after which a fetch reports the chunks it has not reported
 (one of its `FetchOptions.max_reports`): a reader held up by a partial source."""
@@ -81,12 +85,15 @@ class Source:
 class Assignment:
     """Chunks to read and the sources that have them, best first.
 
-    The engine stripes the chunks over the sources of the best `stripe` ranks.
+    The engine stripes the chunks over the sources of the best `stripe` ranks, and keeps
+    at least `window` bytes of them in flight (a path's bandwidth-delay product): as
+    many reads as that takes, plus one.
     """
 
     chunks: tuple[int, ...]
     sources: tuple[Source, ...]
     stripe: int = 1
+    window: int = 0
 
 
 class FetchPlanner(Protocol):
@@ -131,6 +138,7 @@ class FetchStats:
         leases: lease round trips this fetch took from its holders (a held lease covers
             every read of one holder's region: at most one per holder unless it had to be
             taken again after a failure).
+        streams: the most reads this fetch had in flight at once.
     """
 
     version: int | None = None
@@ -146,6 +154,7 @@ class FetchStats:
     transports: dict[str, int] = field(default_factory=dict)  # "shm", "cuda_ipc"... -> bytes
     failed_sources: list[str] = field(default_factory=list)
     leases: int = 0
+    streams: int = 0
 
     @property
     def gbps(self) -> float:
@@ -160,7 +169,8 @@ class FetchStats:
                 "wire_bytes": self.wire_bytes, "wire": dict(self.wire),
                 "delta_chunks": self.delta_chunks,
                 "transports": dict(self.transports),
-                "failed_sources": list(self.failed_sources), "leases": self.leases}
+                "failed_sources": list(self.failed_sources), "leases": self.leases,
+                "streams": self.streams}
 
 
 def verify_rule(verify: bool | None) -> Callable[[Source], bool]:
@@ -339,8 +349,10 @@ class _FetchRun:
     finish, `absorb_lost` abandons the reads of sources the planner heard are lost,
     `settle` takes in each finished read, `requeue` puts what is left to read back at
     the front of the queue (re-planned if need be) and `report` tells the planner and
-    `on_chunk`. `read_span` is what a read does, on a thread of `pool`; it touches
-    nothing of the run but `dest`.
+    `on_chunk` of the chunks that landed meanwhile (`take_landed`). `read_span` is what
+    a read does, on a thread of `pool`: its chunks are verified and marked as they land
+    (`_Arrivals`), before the read returns; it touches nothing of the run but `dest`,
+    `progress` and `landed`.
     """
 
     def __init__(self, dest: torch.Tensor, *, chunk_size: int, progress: ChunkProgress,
@@ -389,6 +401,10 @@ class _FetchRun:
         self.holding: dict[Source, threading.Lock] = {}  # one lease taken at a time per source
         self.retired: list[HeldLease] = []  # failed or lapsed, closed with the rest at the end
         self.held_lock = threading.Lock()  # `held`, `holding` and `stats.leases`
+        # Chunks verified and marked by the reads, not yet counted and reported (`landed_lock`)
+        self.landed: list[tuple[int, str, str, bool]] = []  # (chunk, worker, via, delta)
+        self.landed_lock = threading.Lock()
+        self.land_step = -(-LAND_BYTES // chunk_size) * chunk_size
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -403,17 +419,14 @@ class _FetchRun:
                         break              # the next round re-plans it
                     done = self.wait_slice()
                     retry = self.absorb_lost()  # chunks to read elsewhere, none in flight
-                    finished: list[int] = []
                     rests: list[_Queued] = []
                     for future in done:
                         read = future.result()
                         if read.rest:  # a partial source granted a prefix: ask again for the rest
                             rests.append((read.rest, read.source))
-                        kept, bad = self.settle(read)
-                        finished += kept
-                        retry += bad
+                        retry += self.settle(read)
                     self.requeue(rests, retry)
-                    self.report(finished)
+                    self.report(self.take_landed())
                     if not self.queue:
                         self.end_idle_leases()
             # the last report: every chunk before returning, unless the completion says it
@@ -449,6 +462,7 @@ class _FetchRun:
             claim = _Claim()
             future = self.pool.submit(self.read_span, span, source, claim)
             self.inflight[future] = _InFlight(span, source, claim)
+            self.stats.streams = max(self.stats.streams, len(self.inflight))
 
     def wait_slice(self) -> set[Future[_Read]]:
         """Wait up to a `WAIT_SLICE` for reads to finish and take them out of `inflight`.
@@ -487,51 +501,62 @@ class _FetchRun:
         self.pool = self._new_pool()
         return chunks
 
-    def settle(self, read: _Read) -> tuple[list[int], list[int]]:
-        """Take in a finished read.
+    def settle(self, read: _Read) -> list[int]:
+        """Take in a finished read (its good chunks were marked as they landed).
 
-        Mark and count its good chunks, count its corrupt ones against its source, give up
-        on the source if the read failed. Returns (chunks kept, chunks to read elsewhere).
+        Count its corrupt chunks against its source, give up on the source if the read
+        failed. Returns the chunks to read elsewhere.
         """
         worker = read.source.worker
         self.stats.chunks_reread += sum(1 for c in read.span if c in self.attempted)
         self.attempted.update(read.span)
         if read.error is not None:
             self.give_up(worker, read.error)
-            return [], list(read.span)
-        kept: list[int] = []
+            return [c for c in read.span if not self.progress.has(c, c)]
         bad: list[int] = []
         if self.deferred is not None:
             self.deferred.update(zip(read.span, read.sums, strict=False))
-        for chunk in read.span:
-            if chunk in read.corrupted and read.delta:
+        for chunk in read.corrupted:
+            self.stats.corrupted_chunks += 1
+            if read.delta:
                 # decoded over this reader's own base, which may be what is wrong: read the
                 # chunk whole next time, from any source (the sender is not to blame)
-                self.stats.corrupted_chunks += 1
                 self.whole.add(chunk)
                 log.warning("chunk %d decoded from a delta failed its checksum; reading it "
                             "whole", chunk)
-                bad.append(chunk)
-                continue
-            if chunk in read.corrupted:
-                self.stats.corrupted_chunks += 1
+            else:
                 self.corrupt_from.setdefault(chunk, set()).add(worker)
                 log.warning("chunk %d from %s failed its checksum; re-reading", chunk, worker)
-                bad.append(chunk)
-                continue
-            nbytes = self.chunk_bytes(chunk).numel()
-            self.progress.mark(chunk)
-            self.stats.bytes += nbytes
-            self.stats.chunks += 1
-            self.stats.sources[worker] = self.stats.sources.get(worker, 0) + nbytes
-            self.stats.transports[read.via] = self.stats.transports.get(read.via, 0) + nbytes
-            self.stats.delta_chunks += read.delta
-            kept.append(chunk)
+            bad.append(chunk)
         self.stats.wire_bytes += read.wire
         self.stats.wire[worker] = self.stats.wire.get(worker, 0) + read.wire
         if bad and not read.delta:
             self.report_corrupt(worker, bad)
-        return kept, bad
+        return bad
+
+    def arrived(self, chunks: list[int], source: Source, via: str, delta: bool) -> None:
+        """Mark `chunks`, verified (or not to be), as present; counted by `take_landed`.
+
+        Called on a read's thread.
+        """
+        for chunk in chunks:
+            self.progress.mark(chunk)
+        with self.landed_lock:
+            self.landed.extend((c, source.worker, via, delta) for c in chunks)
+
+    def take_landed(self) -> list[int]:
+        """Count the chunks marked since the last call in the stats; return them."""
+        with self.landed_lock:
+            landed, self.landed = self.landed, []
+        stats = self.stats
+        for chunk, worker, via, delta in landed:
+            nbytes = self.chunk_bytes(chunk).numel()
+            stats.bytes += nbytes
+            stats.chunks += 1
+            stats.sources[worker] = stats.sources.get(worker, 0) + nbytes
+            stats.transports[via] = stats.transports.get(via, 0) + nbytes
+            stats.delta_chunks += delta
+        return [chunk for chunk, *_ in landed]
 
     def report_corrupt(self, worker: str, chunks: list[int]) -> None:
         """Tell the planner (if it listens: `HubPlanner.corrupt`) who sent corrupt chunks."""
@@ -550,6 +575,7 @@ class _FetchRun:
                          for c in span]
         self.queue = [(span, source) for span, source in self.queue
                       if source.worker not in self.failed]
+        retry = [c for c in retry if not self.progress.has(c, c)]  # landed before a failure
         if retry and self.plans < self.options.max_rounds:
             self.plans += 1
             self.queue[:0] = self.replan(sorted(retry))
@@ -636,9 +662,12 @@ class _FetchRun:
     # --- the parts ------------------------------------------------------------------------
 
     def read_span(self, span: tuple[int, ...], source: Source, claim: _Claim) -> _Read:
-        """Read `span` from `source` into `dest` (while `claim` holds) and verify it.
+        """Read `span` from `source` into `dest` (while `claim` holds), verified and marked.
 
-        A `TransportError` becomes the read's error. Runs on a thread of `pool`.
+        Each chunk is verified and marked as soon as it has landed, where the transport
+        tells (`Landing`), else when the read returns. A `TransportError` becomes the
+        read's error (the chunks that landed before it stay marked). Runs on a thread of
+        `pool`.
         """
         lo = span[0] * self.chunk_size
         hi = min((span[-1] + 1) * self.chunk_size, self.dest.numel())
@@ -654,64 +683,64 @@ class _FetchRun:
                 timeout = max(0.0, min(self.options.read_timeout, self.time_left()))
                 checkable = ((self.checksums is not None or self.deferred is not None)
                              and self.checksum_fn is not None)
-                checking = checkable and self.verify(source)
-                sums: list[int] = []  # of the chunks from span[0], if the copy computed them
-                copy = None
-                # a copy into host memory checksums as it copies; one to a GPU, after
-                if (checking and self.copy_checksums is not None
-                        and getattr(transport, "fuses_copy", False)
-                        and self.dest.device.type == "cpu"):
-                    fused = self.copy_checksums
-
-                    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-                        sums.extend(fused(dst, src, span[0]))
+                arrivals = _Arrivals(self, span, source, via,
+                                     checking=checkable and self.verify(source))
                 as_delta = self.delta_read(transport, span, source, timeout, claim.abort)
                 if as_delta is not None:
                     got, wire = as_delta
-                    checking = checkable  # decoded over our own base: checked, verify or not
+                    arrivals.delta = True
+                    arrivals.checking = checkable  # decoded over our own base: checked anyway
                 else:
                     started = time.monotonic()
                     got = wire = self.read_bytes(transport, source, lo, self.dest[lo:hi],
-                                                 timeout, claim.abort, copy)
+                                                 timeout, claim.abort, arrivals)
                     if self.delta is not None:
                         self.delta.policy.observe(source.address, delivered=got, wire=got,
                                                   seconds=time.monotonic() - started)
                 if got < hi - lo and got % self.chunk_size:
                     raise TransportError(f"source granted {got} bytes, not whole chunks of "
                                          f"{self.chunk_size}")
+                arrivals(got)
                 done = span if got == hi - lo else span[:got // self.chunk_size]
-                corrupted: tuple[int, ...] = ()
-                if checking:
-                    assert self.checksum_fn is not None
-                    if len(sums) < len(done) and done:  # the transport copied without them
-                        end = min((done[-1] + 1) * self.chunk_size, self.dest.numel())
-                        sums = self.checksum_fn(done[0], self.dest[lo:end])
-                    if self.checksums is not None:
-                        corrupted = tuple(c for i, c in enumerate(done)
-                                          if sums[i] != self.checksums[c])
         except TransportError as exc:
             return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
-        return _Read(done, source, via, corrupted=corrupted, rest=span[len(done):],
-                     sums=tuple(sums[:len(done)]) if self.deferred is not None else (),
+        return _Read(done, source, via, corrupted=tuple(arrivals.corrupted),
+                     rest=span[len(done):],
+                     sums=tuple(arrivals.sums[:len(done)]) if self.deferred is not None else (),
                      wire=wire, delta=as_delta is not None)
 
     def read_bytes(self, transport: Transport, source: Source, offset: int, out: torch.Tensor,
-                   timeout: float, abort: ReadAbort,
-                   copy: Callable[[torch.Tensor, torch.Tensor], None] | None) -> int:
+                   timeout: float, abort: ReadAbort, arrivals: _Arrivals) -> int:
         """Read the present run at `offset` from `source` into `out`; the bytes read.
 
         Under the fetch's held lease on the source when its transport holds one (no round
         trip per read), else with one `Transport.read` (the leases it takes are counted).
+        The chunks are told to `arrivals` as they land where the transport can say so
+        (`Transport.lands`; a held lease into host memory), copied by the checksumming
+        copy where the transport fuses one and the fetch verifies into host memory.
         """
-        extra = {} if copy is None else {"copy": copy}
+        on_cpu = self.dest.device.type == "cpu"
+        fused = self.copy_checksums
+        copy: CopyFn | None = None
+        if arrivals.checking and fused is not None and on_cpu \
+                and getattr(transport, "fuses_copy", False):
+            sums = arrivals.sums
+
+            def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+                sums.extend(fused(dst, src, arrivals.span[len(sums)]))
+        landing = Landing(self.land_step, arrivals)
         if getattr(transport, "hold", None) is None:
+            extra: dict[str, object] = {} if copy is None else {"copy": copy}
+            if getattr(transport, "lands", False):
+                extra["landing"] = landing
             got = transport.read(source.address, source.region, offset, out, timeout=timeout,
                                  prefix=True, abort=abort, **extra)
             with self.held_lock:
                 self.stats.leases += getattr(transport, "leases_per_read", 0)
             return got
         lease = self.held_lease(transport, source, timeout, abort)
-        return lease.read(offset, out, timeout=timeout, prefix=True, abort=abort, copy=copy)
+        return lease.read(offset, out, timeout=timeout, prefix=True, abort=abort, copy=copy,
+                          landing=landing if on_cpu else None)  # a GPU copy: one launch
 
     def held_lease(self, transport: Transport, source: Source, timeout: float,
                    abort: ReadAbort) -> HeldLease:
@@ -806,13 +835,17 @@ class _FetchRun:
     def schedule(self, assignments: list[Assignment], missing: list[int]) -> list[_Queued]:
         """`_schedule` with this fetch's read limits, avoiding corrupt senders.
 
-        Along a broadcast plan, the reads in flight are raised to one per assignment (at
-        most `MAX_STREAMS`; never lowered during a fetch).
+        Along a broadcast plan, the reads in flight are raised to one per assignment, or
+        as many as its `Assignment.window` takes (at most `MAX_STREAMS` in all; never
+        lowered during a fetch).
         """
         if getattr(self.planner, "planned", False):
-            self.streams = max(self.streams, min(len(assignments), MAX_STREAMS))
+            wanted = sum(_depth(a, self.chunks_per_read * self.chunk_size)
+                         for a in assignments)
+            self.streams = max(self.streams, min(wanted, MAX_STREAMS))
         return _schedule(assignments, missing, self.corrupt_from,
-                         chunks_per_read=self.chunks_per_read, inflight=self.streams)
+                         chunks_per_read=self.chunks_per_read, inflight=self.streams,
+                         chunk_size=self.chunk_size)
 
     def revoke(self, futures: Iterable[Future[_Read]]) -> None:
         """Abandon these reads.
@@ -874,6 +907,49 @@ class _Claim:
             pass
 
 
+class _Arrivals:
+    """One read's chunks as they land: each verified (where the read checks) and marked.
+
+    Called with the bytes landed from the span's start (`Landing`), on the read's
+    thread; a chunk is taken in once whole (the last chunk of `dest` may be short).
+    ``sums`` holds the checksums of the span's chunks from its first, computed here or
+    by the read's checksumming copy; ``corrupted`` the chunks whose checksum was wrong
+    (not marked: read again elsewhere).
+    """
+
+    def __init__(self, run: _FetchRun, span: tuple[int, ...], source: Source, via: str, *,
+                 checking: bool) -> None:
+        self.run, self.span, self.source, self.via = run, span, source, via
+        self.checking, self.delta = checking, False
+        self.lo = span[0] * run.chunk_size
+        self.sums: list[int] = []
+        self.corrupted: list[int] = []
+        self.taken = 0  # chunks of the span taken in
+
+    def __call__(self, landed: int) -> None:
+        run = self.run
+        size, end = run.chunk_size, run.dest.numel()
+        whole = min(len(self.span), (landed if self.lo + landed < end else landed + size - 1)
+                    // size)
+        if whole <= self.taken:
+            return
+        if self.checking and len(self.sums) < whole:
+            assert run.checksum_fn is not None
+            a = self.lo + len(self.sums) * size
+            self.sums += run.checksum_fn(self.span[len(self.sums)],
+                                         run.dest[a:min(self.lo + whole * size, end)])
+        good: list[int] = []
+        for i in range(self.taken, whole):
+            chunk = self.span[i]
+            if self.checking and run.checksums is not None and \
+                    self.sums[i] != run.checksums[chunk]:
+                self.corrupted.append(chunk)
+            else:
+                good.append(chunk)
+        self.taken = whole
+        run.arrived(good, self.source, self.via, self.delta)
+
+
 @dataclass(frozen=True)
 class _Read:
     """The outcome of one read of consecutive chunks from one source.
@@ -915,7 +991,8 @@ def _no_source_left(missing: list[int], failed: dict[str, str],
 
 
 def _schedule(assignments: list[Assignment], missing: list[int], avoid: dict[int, set[str]], *,
-              chunks_per_read: int, inflight: int) -> list[tuple[tuple[int, ...], Source]]:
+              chunks_per_read: int, inflight: int, chunk_size: int = 1
+              ) -> list[tuple[tuple[int, ...], Source]]:
     """Reads as (span of consecutive chunks, source), the assignments' spans interleaved.
 
     Each assignment's chunks are cut into spans of at most `chunks_per_read`, and
@@ -924,12 +1001,13 @@ def _schedule(assignments: list[Assignment], missing: list[int], avoid: dict[int
     sources. The reads take the assignments in turn, each in chunk order: the
     assignments of a planned reader are its stripes' trees, which carry bytes at
     the same time, so each gets a read in flight (in chunk order, a reader would
-    drain one tree before it asked the next). A chunk that some source already
-    sent corrupted is read alone, from a source that did not.
+    drain one tree before it asked the next); an assignment with a `window` gets
+    `_depth` reads per turn. A chunk that some source already sent corrupted is
+    read alone, from a source that did not.
     """
     wanted = set(missing)
     taken: set[int] = set()
-    queues: list[list[tuple[tuple[int, ...], Source]]] = []
+    queues: list[list[list[tuple[tuple[int, ...], Source]]]] = []  # per assignment, per turn
     for a in assignments:
         chunks = [c for c in a.chunks if c in wanted and c not in taken]
         best = a.sources[:max(1, a.stripe)]
@@ -947,8 +1025,16 @@ def _schedule(assignments: list[Assignment], missing: list[int], avoid: dict[int
             if usable:
                 reads.append(((chunk,), usable[chunk % len(usable)]))
                 taken.add(chunk)
-        queues.append(sorted(reads, key=lambda read: read[0][0]))
-    return [read for turn in itertools.zip_longest(*queues) for read in turn if read is not None]
+        reads.sort(key=lambda read: read[0][0])
+        per_turn = _depth(a, most * chunk_size)
+        queues.append([reads[i:i + per_turn] for i in range(0, len(reads), per_turn)])
+    return [read for turn in itertools.zip_longest(*queues, fillvalue=[])
+            for reads in turn for read in reads]
+
+
+def _depth(assignment: Assignment, read_bytes: int) -> int:
+    """Reads to keep in flight along `assignment`: those its `window` takes, plus one."""
+    return 1 + -(-assignment.window // max(1, read_bytes))
 
 
 def _spans(chunks: list[int], most: int) -> list[tuple[int, ...]]:

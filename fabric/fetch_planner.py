@@ -99,7 +99,7 @@ class HubPlanner:
             sources = tuple(s for s in map(self._source, names) if s is not None)
             if chunks and sources:
                 stripe = len(waits) if waits else self._best_tier(sources)
-                out.append(Assignment(chunks, sources, max(1, stripe)))
+                out.append(Assignment(chunks, sources, max(1, stripe), window=r.window))
         return out
 
     @property

@@ -101,6 +101,10 @@ class PlanRangeWire(Wire, frozen=True, kw_only=True):
     stop: int
     sources: list[str]
     wait: list[str]
+    window: int = 0
+    """Bytes to keep in flight along this range: the bandwidth-delay product of its planned
+    path (planned rate x round trip), for a broadcast plan over links with a latency; 0:
+    one read at a time is enough."""
 
 
 class PlanSource(Wire, frozen=True, kw_only=True):

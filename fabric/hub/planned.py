@@ -35,10 +35,12 @@ server parks the answer; the others go on); after that it is routed around them.
 from __future__ import annotations
 
 import logging
+import math
 from bisect import bisect_right
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from weightfabric.fabric.hub.index import ReplicaPool
 from weightfabric.fabric.hub.ranking import TopologyRanker, cluster_graph
@@ -47,6 +49,11 @@ from weightfabric.fabric.hub.routing import route
 from weightfabric.fabric.hub_messages import PlanRangeWire
 from weightfabric.fabric.locality import RankSources
 from weightfabric.fabric.manifest import Manifest
+
+if TYPE_CHECKING:
+    import networkx as nx
+
+    from weightfabric.topology.plan import Transfer
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +68,9 @@ DEFAULT_START_BOUND_S = 2.0
 class VersionPlan:
     """One shard of one version's planned broadcast, in chunks and workers."""
 
-    reads: dict[str, list[tuple[int, int, str]]]
-    """Per planned reader, its planned reads ``(first chunk, stop chunk, upstream)``, sorted."""
+    reads: dict[str, list[tuple[int, int, str, int]]]
+    """Per planned reader, its planned reads ``(first chunk, stop chunk, upstream, window)``,
+    sorted; ``window``: the bytes in flight that fill the read's path (`window_bytes`)."""
     sources: dict[str, str]
     """Worker -> cluster vertex of the sources the plan starts from."""
     readers: dict[str, str]
@@ -77,7 +85,7 @@ class VersionPlan:
 
     def upstreams(self, reader: str) -> set[str]:
         """The workers ``reader`` reads from in the plan."""
-        return {up for _, _, up in self.reads.get(reader, ())}
+        return {up for _, _, up, _ in self.reads.get(reader, ())}
 
 
 class PlanRouter:
@@ -152,12 +160,13 @@ class PlanRouter:
                         v.model, v.number, shard, exc)
             return None
         workers_at = {**sources, **readers}
-        reads: dict[str, list[tuple[int, int, str]]] = {}
-        for t in plan.transfers:
+        reads: dict[str, list[tuple[int, int, str, int]]] = {}
+        for t, window in zip(plan.transfers, window_bytes(self.layout.graph, plan.transfers),
+                             strict=True):
             lo, hi = _chunk(t.start, manifest, size), _chunk(t.end, manifest, size)
             reader, upstream = workers_at.get(t.reader), workers_at.get(t.source)
             if lo < hi and reader is not None and upstream is not None:
-                reads.setdefault(reader, []).append((lo, hi, upstream))
+                reads.setdefault(reader, []).append((lo, hi, upstream, window))
         for out in reads.values():
             out.sort()
         log.info("planned %s v%d shard %d: %d sources, %d readers, %d stripes, predicted %.3f s",
@@ -220,13 +229,14 @@ class PlanRouter:
         ``at`` is the reader, or an upstream it routes around; chunks with no planned
         upstream go to ``rest``.
         """
-        for lo, hi, up in _overlaps(vp.reads.get(at, []), a, b, rest):
+        for lo, hi, up, window in _overlaps(vp.reads.get(at, []), a, b, rest):
             rep = v.replicas.get((up, shard))
             usable = (up != reader and up not in banned and up in workers and rep is not None
                       and rep.status == LIVE)
             if usable and rep is not None:
                 out.append(PlanRangeWire(start=lo, stop=hi, sources=[up] if rep.complete else [],
-                                         wait=[] if rep.complete else [up]))
+                                         wait=[] if rep.complete else [up],
+                                         window=window if at == reader else 0))
             elif up in vp.sources or hops >= MAX_HOPS:
                 around.add(up)
                 rest.append((lo, hi))
@@ -267,6 +277,23 @@ def plan_router(cluster: object, *, start_bound_s: float = DEFAULT_START_BOUND_S
     return PlanRouter(TopologyRanker(cluster_graph(cluster)), start_bound_s=start_bound_s)
 
 
+def window_bytes(graph: nx.DiGraph, transfers: list[Transfer]) -> list[int]:
+    """Bytes each transfer must keep in flight to run at its planned rate.
+
+    Its bandwidth-delay product: the planned (equal-share) rate times the round trip of
+    its path (twice the sum of the links' latencies), rounded up; 0 where the path has
+    no latency. A read is a request and a reply, so a reader that keeps one read in
+    flight idles its link for a round trip between two: across a WAN of 20 ms at
+    100 Gb/s that is 500 MB, more than most reads.
+    """
+    from weightfabric.topology.estimate import path_latency, share_rates
+
+    rates = share_rates(graph, transfers)
+    return [math.ceil(rate * 2 * latency) if math.isfinite(rate) and latency > 0 else 0
+            for rate, latency in zip(rates, (path_latency(graph, t.path) for t in transfers),
+                                     strict=True)]
+
+
 def _chunk(offset: int, manifest: Manifest, size: int) -> int:
     """The chunk boundary nearest byte ``offset`` (the last one at the end)."""
     if offset >= size:
@@ -274,11 +301,11 @@ def _chunk(offset: int, manifest: Manifest, size: int) -> int:
     return min(manifest.num_chunks, (offset + manifest.chunk_size // 2) // manifest.chunk_size)
 
 
-def _overlaps(reads: list[tuple[int, int, str]], a: int, b: int,
-              gaps: list[tuple[int, int]]) -> Iterable[tuple[int, int, str]]:
+def _overlaps(reads: list[tuple[int, int, str, int]], a: int, b: int,
+              gaps: list[tuple[int, int]]) -> Iterable[tuple[int, int, str, int]]:
     """The parts of ``reads`` within ``a..b-1``; the chunks they leave out go to ``gaps``."""
     at = a
-    for lo, hi, up in reads[max(0, bisect_right(reads, (a, 1 << 62, "")) - 1):]:
+    for lo, hi, up, window in reads[max(0, bisect_right(reads, (a, 1 << 62, "", 0)) - 1):]:
         if lo >= b:
             break
         lo, hi = max(lo, a), min(hi, b)
@@ -286,7 +313,7 @@ def _overlaps(reads: list[tuple[int, int, str]], a: int, b: int,
             continue
         if lo > at:
             gaps.append((at, lo))
-        yield lo, hi, up
+        yield lo, hi, up, window
         at = hi
     if at < b:
         gaps.append((at, b))
@@ -302,4 +329,4 @@ def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-__all__ = ["DEFAULT_START_BOUND_S", "PlanRouter", "VersionPlan", "plan_router"]
+__all__ = ["DEFAULT_START_BOUND_S", "PlanRouter", "VersionPlan", "plan_router", "window_bytes"]

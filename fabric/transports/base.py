@@ -144,6 +144,28 @@ CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
 """(dst, src): copy ``src`` into ``dst`` (same length; uint8, contiguous)."""
 
 
+@dataclass(frozen=True)
+class Landing:
+    """How a read tells its caller that bytes have landed, before the read returns.
+
+    A transport that `Transport.lands` calls ``call(n)`` once the first ``n`` bytes of
+    `out` are final (received, copied, and for a lease, copied while it held), each
+    time at least `step` more have landed and at the end; ``n`` only grows. The fetch
+    engine verifies and marks each chunk there, so that a relay serves chunk k to its
+    own readers while chunk k + 1 of the same read is still on its way. A copy
+    function (``copy=``) is then called once per `step` (chunk-aligned pieces, in
+    order). What ``call`` raises ends the read.
+    """
+
+    step: int
+    call: Callable[[int], None]
+
+    def pieces(self, nbytes: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` of each piece of `nbytes` to land in turn (one when `step` covers it)."""
+        step = max(1, self.step)
+        return [(lo, min(lo + step, nbytes)) for lo in range(0, nbytes, step)] or [(0, 0)]
+
+
 class Transport(ABC):
     """Reader side of a transport. Implementations are thread-safe."""
 
@@ -151,6 +173,9 @@ class Transport(ABC):
     fuses_copy: bool = False
     """Whether `read` takes ``copy=``: a function that does its one copy into `out`
     (e.g. one that checksums the bytes as they pass, `kernels.copy_with_checksums`)."""
+    lands: bool = False
+    """Whether `read` (and a held lease's read) takes ``landing=`` (`Landing`): it reports
+    bytes as they land instead of only when it returns."""
     leases_per_read: int = 0
     """Lease round trips one `read` takes from the holder (``LEASE``: 1; a plain request
     that carries the bytes: 0). Transports with a ``hold`` method (`fabric.transports.held`)

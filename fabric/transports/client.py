@@ -25,7 +25,13 @@ from weightfabric.fabric.errors import (
     SourceLostError,
     TransportError,
 )
-from weightfabric.fabric.transports.base import ReadAbort, RegionInfo, SourceAddress, Transport
+from weightfabric.fabric.transports.base import (
+    Landing,
+    ReadAbort,
+    RegionInfo,
+    SourceAddress,
+    Transport,
+)
 from weightfabric.fabric.transports.tls import client_context as tls_client_context
 from weightfabric.fabric.transports.wire import (
     BASE_NAME,
@@ -344,15 +350,24 @@ def _check_size(about: str, what: str, nbytes: int, limit: int) -> None:
 
 
 def receive_into(conn: socket.socket, source: SourceAddress, op: Op, region: str,
-                 view: memoryview) -> None:
+                 view: memoryview, landing: Landing | None = None) -> None:
     """Fill `view` with the reply's payload, within ``REPLY_SLACK + len(view) / MIN_RATE``.
+
+    With `landing`, the payload is received a `Landing.step` at a time and each piece is
+    told to it as it lands (its bytes are final: the server sends only present chunks).
 
     Raises:
         SourceLostError: the source closed the connection, failed or was too slow.
     """
     about = _about(source, op, region)
+    deadline = time.monotonic() + REPLY_SLACK + len(view) / MIN_RATE
     with _lost_on_error(about):
-        recv_into_exact(conn, view, time.monotonic() + REPLY_SLACK + len(view) / MIN_RATE)
+        if landing is None:
+            recv_into_exact(conn, view, deadline)
+            return
+        for lo, hi in landing.pieces(len(view)):
+            recv_into_exact(conn, view[lo:hi], deadline)
+            landing.call(hi)
 
 
 def receive_payload(conn: socket.socket, source: SourceAddress, op: Op, region: str,

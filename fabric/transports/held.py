@@ -30,7 +30,7 @@ import torch
 
 from weightfabric.fabric.errors import SourceLostError, TransportError
 from weightfabric.fabric.transports import client
-from weightfabric.fabric.transports.base import CopyFn, ReadAbort, SourceAddress
+from weightfabric.fabric.transports.base import CopyFn, Landing, ReadAbort, SourceAddress
 
 MARGIN_S = 5.0
 """Seconds before the holder's ``hold`` runs out from which a copy is no longer
@@ -95,8 +95,12 @@ class HeldLease:
             return time.monotonic() >= self._valid_until
 
     def read(self, offset: int, out: torch.Tensor, *, timeout: float, prefix: bool = False,
-             abort: ReadAbort | None = None, copy: CopyFn | None = None) -> int:
+             abort: ReadAbort | None = None, copy: CopyFn | None = None,
+             landing: Landing | None = None) -> int:
         """Copy the holder's bytes at `offset` into `out` (as `Transport.read`).
+
+        With `landing`, a `Landing.step` at a time, each piece told once the lease is
+        known to have held through its copy.
 
         Returns:
             The bytes copied: ``out.numel()`` unless `prefix` (then the present run).
@@ -114,8 +118,12 @@ class HeldLease:
         got = self._known(offset, nbytes, prefix)
         if got is None or self._renew_due():
             got = self._wait(offset, nbytes, timeout, prefix, abort)
-        (copy or self._default_copy)(out[:got], self._bytes(offset, offset + got))
-        self._check()
+        copy = copy or self._default_copy
+        for lo, hi in landing.pieces(got) if landing is not None else [(0, got)]:
+            copy(out[lo:hi], self._bytes(offset + lo, offset + hi))
+            self._check()
+            if landing is not None:
+                landing.call(hi)
         with self._lock:
             self.copied += got
         return got

@@ -53,7 +53,7 @@ import torch
 
 from weightfabric.fabric.errors import ReadRefusedError, SourceLostError, TransportError
 from weightfabric.fabric.transports import client
-from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
+from weightfabric.fabric.transports.base import Landing, ReadAbort, SourceAddress
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +233,12 @@ class NixlEngine:
     # --- reads ------------------------------------------------------------------------
 
     def read(self, remote: dict[str, Any], offset: int, out: torch.Tensor, *,
-             timeout: float, abort: ReadAbort | None = None) -> None:
+             timeout: float, abort: ReadAbort | None = None,
+             landing: Landing | None = None) -> None:
         """READ ``out.numel()`` bytes at ``offset`` of the remote region ``remote`` into ``out``.
+
+        With `landing`, one READ per `Landing.step`, all posted at once and each piece told
+        as soon as it and those before it are done.
 
         Raises:
             SourceLostError: the READ failed, timed out, or was aborted.
@@ -248,41 +252,50 @@ class NixlEngine:
         if mem not in ("DRAM", "VRAM"):
             raise TransportError(f"NIXL descriptor of unknown memory {mem!r}")
         self._covering(out)
-        nbytes = out.numel()
         local_dev = out.get_device() if out.is_cuda else 0
+        local_mem = "VRAM" if out.is_cuda else "DRAM"
         self.remote(agent_name, generation=gen)
         agent = self.agent
+        pieces = landing.pieces(out.numel()) if landing is not None else [(0, out.numel())]
+        handles: list[Any] = []
         try:
-            local = agent.get_xfer_descs([(out.data_ptr(), nbytes, local_dev)],
-                                         "VRAM" if out.is_cuda else "DRAM")
-            far = agent.get_xfer_descs([(addr + offset, nbytes, dev)], mem)
-            handle = agent.initialize_xfer("READ", local, far, agent_name)
-        except Exception as exc:
-            self.drop(agent_name)
-            raise SourceLostError(f"NIXL READ from {agent_name} could not start: {exc}") from exc
-        self._complete(agent, handle, agent_name, timeout, abort)
-
-    def _complete(self, agent: Any, handle: Any, peer: str, timeout: float,
-                  abort: ReadAbort | None) -> None:
-        """Post ``handle`` and wait for it; SourceLostError unless it is DONE in time."""
-        start = time.monotonic()
-        try:
-            state = agent.transfer(handle)
-            while state == "PROC":
-                waited = time.monotonic() - start
-                if waited > timeout or (abort is not None and abort.aborted):
-                    raise SourceLostError(f"NIXL READ from {peer}: not done after "
-                                          f"{waited:.1f} s" + (" (aborted)" if abort is not None
-                                                               and abort.aborted else ""))
-                time.sleep(POLL_S if waited < SLOW_AFTER_S else SLOW_POLL_S)
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                self.drop(peer)
-                raise SourceLostError(f"NIXL READ from {peer} failed ({state}): the peer "
-                                      "is gone or its memory no longer registered")
+            try:
+                for lo, hi in pieces:
+                    local = agent.get_xfer_descs([(out.data_ptr() + lo, hi - lo, local_dev)],
+                                                 local_mem)
+                    far = agent.get_xfer_descs([(addr + offset + lo, hi - lo, dev)], mem)
+                    handles.append(agent.initialize_xfer("READ", local, far, agent_name))
+                states = [agent.transfer(handle) for handle in handles]
+            except Exception as exc:
+                self.drop(agent_name)
+                raise SourceLostError(f"NIXL READ from {agent_name} could not start: "
+                                      f"{exc}") from exc
+            start = time.monotonic()
+            for handle, state, (_, hi) in zip(handles, states, pieces, strict=True):
+                self._complete(agent, handle, state, agent_name, start + timeout, abort)
+                if landing is not None:
+                    landing.call(hi)
         finally:
-            with contextlib.suppress(Exception):  # refused while still in flight: leaked
-                agent.release_xfer_handle(handle)
+            for handle in handles:  # refused while still in flight: leaked
+                with contextlib.suppress(Exception):
+                    agent.release_xfer_handle(handle)
+
+    def _complete(self, agent: Any, handle: Any, state: Any, peer: str, deadline: float,
+                  abort: ReadAbort | None) -> None:
+        """Wait for the posted ``handle``; SourceLostError unless it is DONE by `deadline`."""
+        start = time.monotonic()
+        while state == "PROC":
+            now = time.monotonic()
+            if now > deadline or (abort is not None and abort.aborted):
+                raise SourceLostError(f"NIXL READ from {peer}: not done after "
+                                      f"{now - start:.1f} s" + (" (aborted)" if abort is not None
+                                                                and abort.aborted else ""))
+            time.sleep(POLL_S if now - start < SLOW_AFTER_S else SLOW_POLL_S)
+            state = agent.check_xfer_state(handle)
+        if state != "DONE":
+            self.drop(peer)
+            raise SourceLostError(f"NIXL READ from {peer} failed ({state}): the peer "
+                                  "is gone or its memory no longer registered")
 
     def remote(self, name: str, *, generation: int = 0) -> None:
         """Load remote agent ``name``'s metadata from the hub, unless it is loaded already.
@@ -344,6 +357,7 @@ class NixlTransport(client.ServerTransport):
     """Reads a remote holder's region with a NIXL READ under a lease of its read server."""
 
     name = "nixl"
+    lands = True
     leases_per_read = 1
 
     def __init__(self, engine: NixlEngine) -> None:
@@ -359,8 +373,9 @@ class NixlTransport(client.ServerTransport):
         return None
 
     def read(self, source: SourceAddress, region: str, offset: int, out: torch.Tensor, *,
-             timeout: float, prefix: bool = False, abort: ReadAbort | None = None) -> int:
-        """READ bytes of the holder's region into `out` (see `Transport.read`)."""
+             timeout: float, prefix: bool = False, abort: ReadAbort | None = None,
+             landing: Landing | None = None) -> int:
+        """READ bytes of the holder's region into `out` (see `Transport.read`, `Landing`)."""
         if out.dtype != torch.uint8 or not out.is_contiguous():
             raise ValueError("read into a contiguous uint8 tensor")
         with (self._pool.connection(source, abort) as conn,
@@ -370,7 +385,7 @@ class NixlTransport(client.ServerTransport):
                 raise ReadRefusedError(f"region {region!r} at {source.host}:{source.port} is "
                                        "not registered with NIXL; read it over tcp")
             self.engine.read(granted.nixl, offset, out[:granted.nbytes], timeout=timeout,
-                             abort=abort)
+                             abort=abort, landing=landing)
         return granted.nbytes
 
 

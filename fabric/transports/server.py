@@ -99,6 +99,7 @@ class Exposure:
     nixl: dict[str, Any] | None = None  # its NIXL descriptor, when the server has an engine
     inflight: int = 0
     retracting: bool = False
+    first_served: float | None = None  # wall clock of the first bytes granted to a reader
     drained: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -271,6 +272,16 @@ class ReadServer:
                 self._superseded = [e for e in self._superseded if e is not region]
         self.deltas.drop(region.name)
         return done
+
+    def first_served(self, name: str) -> float | None:
+        """When (wall clock) region `name` first had bytes granted to a reader.
+
+        For a relay: when it forwarded its first chunk of the replica it was filling. None
+        if never, or if the region is not exposed.
+        """
+        with self._lock:
+            region = self._regions.get(name)
+        return None if region is None else region.first_served
 
     def regions(self) -> list[str]:
         """Names of the regions being served (not those retracting)."""
@@ -552,6 +563,7 @@ class ReadServer:
                          "nixl": region.nixl, "complete": region.progress.complete,
                          "hold": LEASE_HOLD}
                 self._reply(conn, Status.OK, payload=msgpack.packb(where))
+                region.first_served = region.first_served or time.time()
                 keep = True
                 return region
             elif op in (Op.READ, Op.LEASE, Op.DELTA):
@@ -565,6 +577,7 @@ class ReadServer:
                 if granted is None:
                     return None
                 nbytes = granted
+                region.first_served = region.first_served or time.time()
                 if op == Op.DELTA:
                     assert delta is not None
                     self._send_delta(conn, region, offset, nbytes, *delta)

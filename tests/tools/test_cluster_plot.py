@@ -66,6 +66,17 @@ def test_each_reader_has_a_line_in_percent_and_a_tick_at_its_planned_finish() ->
                                  "planned finish"]
 
 
+def test_a_relays_first_forward_is_marked_on_its_line_where_it_was_then() -> None:
+    progress = {"relay": ramp(2.0), "leaf": ramp(3.0, 0.5)}
+    fig = timeline_figure(progress, {}, size=SIZE, forwards={"relay": 0.7, "gone": 1.0})
+    marks = lines(fig, "forward:")
+    assert list(marks) == ["relay"]  # a reader without progress is not drawn
+    assert (list(marks["relay"].get_xdata()), list(marks["relay"].get_ydata())) == ([0.7], [25])
+    assert marks["relay"].get_color() == lines(fig, "reader:")["relay"].get_color()
+    assert legend_texts(fig)[-1] == "first chunk forwarded"
+    assert "first chunk forwarded" not in legend_texts(timeline_figure(progress, {}, size=SIZE))
+
+
 def test_many_readers_get_a_legend_per_datacenter() -> None:
     n = MAX_READER_LEGEND + 4
     progress = {f"r{i}": ramp(1.0 + i / 10) for i in range(n)}

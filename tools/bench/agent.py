@@ -54,6 +54,8 @@ Run as ``python -m weightfabric.tools.bench.agent`` (the benchmarks start it thr
   wait for a version newer than the one held, fetch it and switch (a rollout's loop);
   ``start`` is when the call began, before the wait.
 - ``{"op": "digest"}`` -> ``{"sha256": hex}`` of the active version's bytes.
+- ``{"op": "forwarded", "version": V}`` -> ``{"first": wall clock or None}``: when this
+  worker's read server first granted bytes of version V to another reader.
 - ``{"op": "ipc_prepare", "size", "seed", "device", "trainer": bool}`` /
   ``{"op": "ipc_export"}`` / ``{"op": "ipc_load", "handles"}`` / ``{"op": "ipc_digest"}``:
   the ``ipc-per-tensor`` baseline on a GPU (`peers.IpcPeer`, vLLM's CUDA IPC weight
@@ -460,6 +462,10 @@ class Agent:
             return {"sha256": digest(self.store.tensors)}
         if op == "served":
             return {"bytes": self.worker.bytes_served}
+        if op == "forwarded":
+            from weightfabric.fabric.regions import region_name
+            return {"first": self.worker.server.first_served(
+                region_name("bench", int(cmd["version"])))}
         raise ValueError(f"unknown op {op!r}")
 
     def _ipc_op(self, op: str, cmd: dict[str, Any]) -> dict[str, Any]:

@@ -251,13 +251,17 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
             want = workers[trainer].ask("digest", timeout=120)["sha256"]
             exact = all(workers[r].ask("digest", timeout=120)["sha256"] == want
                         for r in readers)
+            forwarded = {r: workers[r].ask("forwarded", version=pub["version"])["first"]
+                         for r in readers}
             rounds.append({
                 "version": pub["version"], "bytes": int(pub["bytes"]), "verified": exact,
                 "measured_s": max(f["end"] for f in fetched.values()) - t0,
                 "wan_bytes": {k: wan1[k] - wan0[k] for k in wan1},
                 "reader_s": {r: f["end"] - t0 for r, f in fetched.items()},
                 "samples": {r: [(t - t0, n) for t, n in f["samples"]] for r, f in fetched.items()},
-                "sources": {r: f["sources"] for r, f in fetched.items()}})
+                "first_forward_s": {r: t - t0 for r, t in forwarded.items() if t is not None},
+                "sources": {r: f["sources"] for r, f in fetched.items()},
+                "streams": {r: f["streams"] for r, f in fetched.items()}})
         if routing == "plan":
             plans = hub.ask("plans")["plans"]
             rounds[-1]["routed_around"] = {p["version"]: p["routed_around"] for p in plans}
@@ -330,6 +334,8 @@ def bench_cluster(name: str, *, scale: float | None, budget: float, size: int, c
             "wan_bytes": wan, "verified": all(r["verified"] for r in run["versions"]),
             "measured_s_per_version": [r["measured_s"] for r in measured],
             "reader_s": measured[-1]["reader_s"],
+            "first_forward_s": measured[-1]["first_forward_s"],
+            "streams": measured[-1]["streams"],
             **({"routed_around": run["versions"][-1]["routed_around"]}
                if "routed_around" in run["versions"][-1] else {})}
         if timeline:
@@ -351,6 +357,7 @@ def _timeline(path: str, routing: str, last: dict[str, Any], m: dict[str, Any],
     finish = {r.split("/")[0]: t for r, t in m["finish"].get(routing, {}).items()}
     return draw_timeline(progress, {r: finish[r] for r in progress if r in finish}, size=size,
                          path=out, lower_bound=m["lower_bound_s"],
+                         forwards=last["first_forward_s"],
                          group={r: dc_of[r] for r in progress},
                          title=f"{routing} routing, v{last['version']}, scale {scale:.3g}")
 

@@ -21,7 +21,8 @@ LINE_STYLES = ("-", "--", ":", "-.")  # tell apart the few readers of one datace
 def draw_timeline(progress: Mapping[str, Sequence[tuple[float, int]]],
                   planned: Mapping[str, float], *, size: int, path: str | Path,
                   title: str = "", lower_bound: float | None = None,
-                  group: Mapping[str, str] | None = None) -> Path:
+                  group: Mapping[str, str] | None = None,
+                  forwards: Mapping[str, float] | None = None) -> Path:
     """Draw the readers' progress against their planned finish to a PNG file.
 
     Args:
@@ -36,6 +37,8 @@ def draw_timeline(progress: Mapping[str, Sequence[tuple[float, int]]],
         group: Reader -> datacenter: readers coloured by datacenter. Up to
             `MAX_READER_LEGEND` readers the legend names each reader (line styles tell
             apart one datacenter's), beyond that each datacenter.
+        forwards: Reader -> seconds at which it (a relay) forwarded its first chunk to
+            another reader, drawn as a triangle on its line.
 
     Returns:
         `path`, as a Path.
@@ -47,7 +50,7 @@ def draw_timeline(progress: Mapping[str, Sequence[tuple[float, int]]],
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     fig = timeline_figure(progress, planned, size=size, title=title, lower_bound=lower_bound,
-                          group=group)
+                          group=group, forwards=forwards)
     FigureCanvasAgg(fig).print_png(path)
     return Path(path)
 
@@ -55,11 +58,12 @@ def draw_timeline(progress: Mapping[str, Sequence[tuple[float, int]]],
 def timeline_figure(progress: Mapping[str, Sequence[tuple[float, int]]],
                     planned: Mapping[str, float], *, size: int, title: str = "",
                     lower_bound: float | None = None,
-                    group: Mapping[str, str] | None = None) -> Figure:
+                    group: Mapping[str, str] | None = None,
+                    forwards: Mapping[str, float] | None = None) -> Figure:
     """The figure `draw_timeline` saves (same arguments but `path`).
 
     Its artists carry gids: ``reader:NAME`` (a reader's line), ``planned:NAME`` (its
-    tick) and ``lower bound``.
+    tick), ``forward:NAME`` (its first forward) and ``lower bound``.
     """
     if not progress:
         raise ValueError("draw_timeline: no readers in progress; give at least one reader's "
@@ -100,6 +104,10 @@ def timeline_figure(progress: Mapping[str, Sequence[tuple[float, int]]],
         if reader in planned:
             ax.plot([planned[reader]], [100], color=colour, marker="|", ms=14, mew=2,
                     gid=f"planned:{reader}", label="_")
+        if forwards and reader in forwards:
+            at = forwards[reader]
+            ax.plot([at], [_held_at(times, held, at)], color=colour, marker=">", ms=7,
+                    ls="none", gid=f"forward:{reader}", label="_")
     if lower_bound is not None:
         ax.axvline(lower_bound, color=INK, ls="--", lw=1, gid="lower bound", label="_")
         ax.text(lower_bound, 0.5, "lower bound ", transform=ax.get_xaxis_transform(),
@@ -107,6 +115,9 @@ def timeline_figure(progress: Mapping[str, Sequence[tuple[float, int]]],
     handles, _ = ax.get_legend_handles_labels()
     handles.append(Line2D([], [], color=INK, marker="|", ms=10, mew=2, ls="none",
                           label="planned finish"))
+    if forwards:
+        handles.append(Line2D([], [], color=INK, marker=">", ms=7, ls="none",
+                              label="first chunk forwarded"))
     if not per_reader and not group:
         handles.append(Line2D([], [], color="none", label=plural(len(readers), "reader")))
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8,
@@ -119,6 +130,12 @@ def timeline_figure(progress: Mapping[str, Sequence[tuple[float, int]]],
     if title:
         ax.set_title(title, loc="left", fontsize=11, fontweight="bold")
     return fig
+
+
+def _held_at(times: Sequence[float], held: Sequence[float], at: float) -> float:
+    """The share held at time `at`: the last sample at or before it (0 before the first)."""
+    return next((h for t, h in zip(reversed(times), reversed(held), strict=True) if t <= at),
+                0.0)
 
 
 __all__ = ["MAX_READER_LEGEND", "draw_timeline", "timeline_figure"]

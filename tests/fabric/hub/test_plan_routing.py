@@ -64,7 +64,7 @@ def _read_from(plan) -> dict[int, str]:
 def _planned_upstream(router: PlanRouter, version: int, reader: str) -> dict[int, str]:
     vp = router.plan_of(MODEL, version, 0)
     assert vp is not None
-    return {c: up for lo, hi, up in vp.reads[reader] for c in range(lo, hi)}
+    return {c: up for lo, hi, up, _ in vp.reads[reader] for c in range(lo, hi)}
 
 
 def test_readers_plans_follow_the_forests_parents():
@@ -93,6 +93,25 @@ def test_readers_plans_follow_the_forests_parents():
     assert not vp.routed_around
     assert all(p.planned for p in plans.values())    # the engine keeps a read per tree
     assert hub.snapshot()["plans"][0]["readers"] == len(READERS)
+
+
+def test_ranges_across_the_wan_keep_its_bandwidth_delay_product_in_flight():
+    hub, router, _ = _hub()
+    version = _members(hub)
+    for r in READERS:
+        hub.begin_fetch(MODEL, version, r, session=r, fetch_id=f"{r}-f")
+    wan, lan = {}, {}
+    for r in READERS:
+        for rng in hub.plan(f"{r}-f", r, session=r).ranges:
+            up = [*rng.wait, *rng.sources][0]
+            (wan if NODES[r] != NODES[up] else lan)[(r, rng.start)] = rng.window
+    vp = router.plan_of(MODEL, version, 0)
+    assert vp is not None and wan and lan
+    # a range per planned read: those over the 100 Gb/s, 20 ms link keep rate x round trip
+    # in flight, together the link's (about 500 MB: the round trip is 40 ms plus a few
+    # microseconds inside each datacenter)
+    assert sum(wan.values()) == pytest.approx(100e9 / 8 * 0.040, rel=0.01)
+    assert 0 < max(lan.values()) < 4 << 20  # microseconds of latency: a few MB at most
 
 
 def test_a_planned_upstream_that_never_starts_is_routed_around_within_the_bound():
