@@ -94,7 +94,7 @@ class Holding(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     group: str | None = None     # its fetch group (groups do not survive a restart)
 
 
-class PlanRangeWire(Wire, frozen=True, kw_only=True):
+class PlanRangeWire(Wire, frozen=True, kw_only=True, omit_defaults=True):
     """Chunks ``start..stop-1``: read from ``sources`` (best first) or wait on ``wait``."""
 
     start: int

@@ -119,6 +119,9 @@ def test_every_routing_delivers_bit_exact_and_leaves_nothing_behind(tiny, prefix
         assert run["wan_bytes"]["dc-a->dc-b"] < 1.1 * out["bytes"]
     assert list(out["runs"]["plan"]["routed_around"].values()) == [[]]   # v2: none
     assert out["runs"]["star"]["predicted_s"] > 0
+    plan = out["runs"]["plan"]
+    # a relay's first forward is on the record, within the version's time
+    assert all(0 <= t <= plan["measured_s"] for t in plan["first_forward_s"].values())
     assert _namespaces(prefix) == []
 
 
