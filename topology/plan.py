@@ -77,7 +77,11 @@ class Plan:
         transfers (list of Transfer): Every read, upstream first.
         sources (dict): Device -> byte ranges it held when the plan was made.
         needs (dict): Reader -> byte ranges it must receive.
-        predicted (dict): Reader -> predicted completion time in seconds (equal-share estimate).
+        predicted (dict): Reader -> predicted completion time in seconds, as the flow-level
+            simulator gives it (`topology.estimate.predict`: the fluid model of
+            `topology.fluid`, or the simulator itself where pipelining dominates).
+        predicted_by (str): The model that gave `predicted`: ``"fluid"`` or ``"simulator"``.
+        plan_seconds (float): Time taken to plan, the prediction included.
         planes (list of str): The plane each stripe travels on (`TREE`, `HOST` or `NIC_LOOP`;
             see `topology.planner`); empty means every stripe is a `TREE`.
     """
@@ -91,6 +95,7 @@ class Plan:
     predicted: dict[str, float] = field(default_factory=dict)
     plan_seconds: float = 0.0
     planes: list[str] = field(default_factory=list)
+    predicted_by: str = ""
 
     @property
     def readers(self) -> list[str]:
@@ -117,7 +122,8 @@ class Plan:
                 "sources": {d: [list(r) for r in rs] for d, rs in self.sources.items()},
                 "needs": {d: [list(r) for r in rs] for d, rs in self.needs.items()},
                 "transfers": [t.to_dict() for t in self.transfers],
-                "planes": list(self.planes), "predicted": self.predicted}
+                "planes": list(self.planes), "predicted": self.predicted,
+                "predicted_by": self.predicted_by}
 
 
 def link_bytes(transfers: Iterable[Transfer]) -> Counter[Link]:

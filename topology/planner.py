@@ -52,9 +52,11 @@ ranges; `replan` uses this to route around vanished sources, keeping what every
 reader already has.
 
 Complexity: O(V + E) to index the graph, then O(R·K·P·h) for R readers, K stripes,
-P WAN trees (1 on a single-path WAN, at most ``wan_paths``) and routes of h ≤ 15 hops; predicted times are an equal-share estimate in
-O(transfers·h). No max-flow, arborescence or shortest-path search runs per reader
-(a 10,000-GPU plan takes a few seconds; see docs/benchmarks.md). The quotas add
+P WAN trees (1 on a single-path WAN, at most ``wan_paths``) and routes of h ≤ 15 hops. The
+predicted times (`topology.estimate.predict`) cost O(transfers·h) numpy work per event of
+the fluid model (10-30 events), or one simulation where pipelining dominates. No
+max-flow, arborescence or shortest-path search runs per reader (a 10,000-GPU plan takes
+a few seconds; see docs/benchmarks.md). The quotas add
 O(machines) per stripe and datacenter; the WAN trees O(D) max-flows per step on the
 graph of D datacenters, once per plan; the one-machine planes plan twice
 (O(readers²) transfers at most).
@@ -63,7 +65,8 @@ Modules: this one holds the entry points (`plan_broadcast`, `replan`);
 `topology.endpoints` resolves sources and readers, `topology.planes` cuts the
 stripes (and a one-machine broadcast's planes), `topology.wan` packs the WAN trees,
 `topology.forest` builds the stripe trees with the quotas of `topology.fanout`, `topology.intranode` the hops
-inside a machine, and `topology.estimate` predicts times and picks the chunk.
+inside a machine, `topology.estimate` picks the chunk (equal-share rates) and predicts the
+times (`topology.fluid`, or `topology.simulator`).
 """
 
 from __future__ import annotations
@@ -178,6 +181,8 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
         # second pass: move bytes off the planes that finish late (deep chains lag)
         stripes, planes = _rebalance(layout, plan, need, held)
         plan = _build(layout, int(size), held, need, stripes, planes, chunk, leaf_aware, **wan)
+    prediction = predict(layout.graph, plan.transfers, chunk=plan.chunk, size=plan.size)
+    plan.predicted, plan.predicted_by = prediction.completion, prediction.method
     plan.plan_seconds = time.perf_counter() - started
     return plan
 
@@ -190,14 +195,13 @@ def _build(layout: Layout, size: int, held: dict[str, list[Interval]],
                               wan_paths=wan_paths, align=align).build()
     plan = Plan(size=size, chunk=0, stripes=list(stripes), transfers=transfers,
                 sources=held, needs=need, planes=planes)
-    rates = share_rates(layout.graph, transfers)
     if chunk is not None:
         check_chunk(chunk, transfers)
         plan.chunk = int(chunk)
     else:
+        rates = share_rates(layout.graph, transfers)
         largest = max((t.nbytes for t in transfers), default=0)
         plan.chunk = max(choose_chunk(plan, rates), min_chunk(largest))
-    plan.predicted = predict(layout.graph, transfers, plan.chunk, rates)
     return plan
 
 

@@ -141,9 +141,8 @@ class Simulator:
             if self.status[i] in (WAITING, SCHEDULED, ACTIVE) or (
                     self.status[i] == DONE and self.t_end[i] + self.lat[i] > now):
                 latest[f.reader].append(i)
-        ups, lags, lats, los, his, pf, pa, wans = [], [], [], [], [], [], [], []
-        edges = self.graph.edges
-        for j, t in enumerate(transfers):
+        ups, lags, los, his = [], [], [], []
+        for t in transfers:
             if t.upstream is not None:
                 up = t.upstream + offset
             else:  # the source may still be receiving these bytes from an older flow
@@ -153,64 +152,45 @@ class Simulator:
             lags.append(min(self.chunk, t.nbytes))
             los.append(t.start)
             his.append(t.end)
-            lat, wan = 0.0, 0
-            for arc in zip(t.path, t.path[1:], strict=False):
-                a = self.arc_id.get(arc)
-                if a is None:
-                    a = self.arc_id[arc] = len(self.cap)
-                    self.cap.append(_capacity(arc, edges[arc]))
-                    self.arc_lat.append(edges[arc]["latency"])
-                    self.arc_wan.append(edges[arc].get("tier") == "wan")
-                pf.append(offset + j)
-                pa.append(a)
-                lat += self.arc_lat[a]
-                wan += self.arc_wan[a]
-            lats.append(lat)
-            wans.append(wan)
+        arcs = [arc for t in transfers for arc in zip(t.path, t.path[1:], strict=False)]
+        fresh = [arc for arc in dict.fromkeys(arcs) if arc not in self.arc_id]
+        succ = self.graph.succ
+        data = [succ[u][v] for u, v in fresh]
+        capacities = _capacities(fresh, data)  # raises before anything is recorded
+        self.arc_id.update(zip(fresh, range(len(self.cap), len(self.cap) + len(fresh)),
+                               strict=True))
+        self.cap.extend(capacities)
+        self.arc_lat.extend(d["latency"] for d in data)
+        self.arc_wan.extend(d.get("tier") == "wan" for d in data)
+        pa = np.fromiter(map(self.arc_id.__getitem__, arcs), dtype=np.int64, count=len(arcs))
+        own = np.repeat(np.arange(len(transfers)), [max(len(t.path) - 1, 0) for t in transfers])
+        # summed arc by arc, in path order, as a flow's latency always was
+        lats = np.bincount(own, weights=np.array(self.arc_lat, float)[pa],
+                           minlength=len(transfers))
+        wans = np.bincount(own, weights=np.array(self.arc_wan, float)[pa],
+                           minlength=len(transfers))
+        pf = own + offset
         self.flows.extend(transfers)
         grow = len(transfers)
         self.lo = np.concatenate([self.lo, np.array(los, float)])
         self.hi = np.concatenate([self.hi, np.array(his, float)])
         self.lag = np.concatenate([self.lag, np.array(lags, float)])
-        self.lat = np.concatenate([self.lat, np.array(lats, float)])
-        self.wan_arcs = np.concatenate([self.wan_arcs, np.array(wans, float)])
+        self.lat = np.concatenate([self.lat, lats])
+        self.wan_arcs = np.concatenate([self.wan_arcs, wans])
         self.up = np.concatenate([self.up, np.array(ups, dtype=np.int64)])
         for name in ("pos", "rate", "t_end"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(grow)]))
         self.start_at = np.concatenate([self.start_at, np.full(grow, np.inf)])
         self.status = np.concatenate([self.status, np.zeros(grow, dtype=np.int8)])
-        self.pair_flow = np.concatenate([self.pair_flow, np.array(pf, dtype=np.int64)])
-        self.pair_arc = np.concatenate([self.pair_arc, np.array(pa, dtype=np.int64)])
+        self.pair_flow = np.concatenate([self.pair_flow, pf])
+        self.pair_arc = np.concatenate([self.pair_arc, pa])
         self.capacity = np.array(self.cap, float)
         self._now_added = now
 
     # --- rates --------------------------------------------------------------------
     def _fill(self, active: np.ndarray, capped: np.ndarray) -> np.ndarray:
-        rate = np.zeros(len(self.flows))
-        keep = active[self.pair_flow]
-        pf, pa = self.pair_flow[keep], self.pair_arc[keep]
-        residual = self.capacity.copy()
-        unfrozen = active.copy()
-        up = np.where(self.up >= 0, self.up, np.arange(len(self.up)))
-        capped_idx = np.flatnonzero(capped)
-        n_arcs = len(residual)
-        while True:
-            live = unfrozen[pf]
-            if not live.any():
-                break
-            counts = np.bincount(pa[live], minlength=n_arcs)
-            used = counts > 0
-            inc = np.min(residual[used] / counts[used])
-            rate[unfrozen] += inc
-            residual[used] -= inc * counts[used]
-            sat = used & (residual <= 1e-9 * self.capacity)
-            unfrozen[pf[live & sat[pa]]] = False
-            while capped_idx.size:
-                follow = capped_idx[unfrozen[capped_idx] & ~unfrozen[up[capped_idx]]]
-                if not follow.size:
-                    break
-                unfrozen[follow] = False
-        return rate
+        return max_min_rates(self.pair_flow, self.pair_arc, self.capacity, self.up, active,
+                             capped)[0]
 
     # --- events -------------------------------------------------------------------
     def _vanish(self, devices: Iterable[str], now: float) -> None:
@@ -361,6 +341,53 @@ class Simulator:
         return SimResult(completion=completion, delivered=dict(delivered), wan_bytes=wan,
                          events=batches, flows=len(self.flows), max_utilisation=worst,
                          wall_seconds=wall, timeline=timeline)
+
+
+def max_min_rates(pair_flow: np.ndarray, pair_arc: np.ndarray, capacity: np.ndarray,
+                  up: np.ndarray, active: np.ndarray, capped: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Max-min fair rates of the `active` flows by progressive filling.
+
+    Every unfrozen flow's rate rises together; the flows crossing an arc that saturates
+    freeze, and a `capped` flow freezes with its upstream (``up[i]``, -1 for none), so its
+    rate is min(upstream's, own fair share). Flow ``pair_flow[k]`` crosses arc
+    ``pair_arc[k]``. Returns the rates and each arc's capacity left over.
+    """
+    rate = np.zeros(len(up))
+    keep = active[pair_flow]
+    pf, pa = pair_flow[keep], pair_arc[keep]
+    residual = capacity.copy()
+    unfrozen = active.copy()
+    upstream = np.where(up >= 0, up, np.arange(len(up)))
+    capped_idx = np.flatnonzero(capped)
+    n_arcs = len(residual)
+    while True:
+        live = unfrozen[pf]
+        if not live.any():
+            break
+        counts = np.bincount(pa[live], minlength=n_arcs)
+        used = counts > 0
+        inc = np.min(residual[used] / counts[used])
+        rate[unfrozen] += inc
+        residual[used] -= inc * counts[used]
+        sat = used & (residual <= 1e-9 * capacity)
+        unfrozen[pf[live & sat[pa]]] = False
+        while capped_idx.size:
+            follow = capped_idx[unfrozen[capped_idx] & ~unfrozen[upstream[capped_idx]]]
+            if not follow.size:
+                break
+            unfrozen[follow] = False
+    return rate, residual
+
+
+def _capacities(arcs: list[tuple[str, str]], data: list[dict]) -> list[float]:
+    """The bandwidth of each arc (`_capacity`, checked at once where all are valid)."""
+    bandwidth = [d["bandwidth"] for d in data]
+    if all(isinstance(b, (int, float)) for b in bandwidth):
+        values = np.array(bandwidth, dtype=float)
+        if np.all(np.isfinite(values) & (values > 0)):
+            return values.tolist()
+    return [_capacity(arc, d) for arc, d in zip(arcs, data, strict=True)]
 
 
 def _capacity(arc: tuple[str, str], data: dict) -> float:
