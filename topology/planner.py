@@ -114,7 +114,8 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
                    needs: Mapping[str, list[Interval]] | None = None,
                    chunk: int | None = None, stripes: list[Interval] | None = None,
                    planes: list[str] | None = None, leaf_aware: bool = True,
-                   wan_paths: int = WAN_PATHS, wan_align: int = WAN_ALIGN) -> Plan:
+                   wan_paths: int = WAN_PATHS, wan_align: int = WAN_ALIGN,
+                   predict_times: bool = True) -> Plan:
     """Plan how every reader gets the bytes it needs of a version of `size` bytes.
 
     Args:
@@ -142,6 +143,9 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
             before 2026-11; see `topology.wan`).
         wan_align (int): The parts of a stripe that take different WAN trees start at
             multiples of this many bytes (so that they map onto chunks of that size).
+        predict_times (bool): Predict each reader's time (`topology.estimate.predict`:
+            up to a simulation of the plan). False leaves `Plan.predicted` empty, for a
+            caller on a broadcast's critical path that predicts later if asked (the hub).
 
     Returns:
         Plan: Transfers (upstream first), stripes, chunk and predicted times per reader.
@@ -181,8 +185,9 @@ def plan_broadcast(cluster: Cluster | nx.DiGraph | Layout, size: int, *,
         # second pass: move bytes off the planes that finish late (deep chains lag)
         stripes, planes = _rebalance(layout, plan, need, held)
         plan = _build(layout, int(size), held, need, stripes, planes, chunk, leaf_aware, **wan)
-    prediction = predict(layout.graph, plan.transfers, chunk=plan.chunk, size=plan.size)
-    plan.predicted, plan.predicted_by = prediction.completion, prediction.method
+    if predict_times:
+        prediction = predict(layout.graph, plan.transfers, chunk=plan.chunk, size=plan.size)
+        plan.predicted, plan.predicted_by = prediction.completion, prediction.method
     plan.plan_seconds = time.perf_counter() - started
     return plan
 

@@ -53,7 +53,7 @@ from weightfabric.fabric.manifest import Manifest
 if TYPE_CHECKING:
     import networkx as nx
 
-    from weightfabric.topology.plan import Transfer
+    from weightfabric.topology.plan import Plan, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,12 @@ class VersionPlan:
     """Worker -> cluster vertex of the sources the plan starts from."""
     readers: dict[str, str]
     """Worker -> cluster vertex of the planned readers."""
-    predicted: dict[str, float]
-    """Per planned reader, its predicted finish (s after the plan's start)."""
+    plan: Plan | None = field(default=None, repr=False)
+    """The planner's plan (its transfers and chunk), kept to predict the times when asked."""
+    predicted: dict[str, float] | None = None
+    """Per planned reader, its predicted finish (s after the plan's start); None until
+    `PlanRouter.summary` predicted it (`topology.estimate.predict` can simulate the plan,
+    a tenth of a second or more: never on a fetch's way)."""
     began: dict[str, float] = field(default_factory=dict)
     """When each planned reader began its fetch (the hub's clock)."""
     routed_around: set[str] = field(default_factory=set)
@@ -154,7 +158,8 @@ class PlanRouter:
         size = manifest.num_chunks * manifest.chunk_size
         try:
             plan = plan_broadcast(self.layout, size, sources=list(sources),
-                                  readers=list(readers), chunk=manifest.chunk_size)
+                                  readers=list(readers), chunk=manifest.chunk_size,
+                                  predict_times=False)
         except (PlanError, ValueError) as exc:
             log.warning("no broadcast plan for %s v%d shard %d (ranked routing instead): %s",
                         v.model, v.number, shard, exc)
@@ -169,13 +174,11 @@ class PlanRouter:
                 reads.setdefault(reader, []).append((lo, hi, upstream, window))
         for out in reads.values():
             out.sort()
-        log.info("planned %s v%d shard %d: %d sources, %d readers, %d stripes, predicted %.3f s",
+        log.info("planned %s v%d shard %d: %d sources, %d readers, %d stripes in %.3f s",
                  v.model, v.number, shard, len(sources), len(readers), len(plan.stripes),
-                 plan.predicted_s)
-        return VersionPlan(
-            reads=reads, sources={w: x for x, w in sources.items()},
-            readers={w: x for x, w in readers.items()},
-            predicted={readers[x]: s for x, s in plan.predicted.items() if x in readers})
+                 plan.plan_seconds)
+        return VersionPlan(reads=reads, sources={w: x for x, w in sources.items()},
+                           readers={w: x for x, w in readers.items()}, plan=plan)
 
     def _vertex(self, worker: str, workers: dict[str, WorkerRecord]) -> str | None:
         return self.ranker.vertex(workers[worker].location)
@@ -246,11 +249,27 @@ class PlanRouter:
                              around, hops + 1)
 
     def summary(self) -> list[dict[str, object]]:
-        """The plans kept, for ``fabric hub status``."""
+        """The plans kept, for ``fabric hub status`` (their times predicted once, now)."""
         return [{"model": m, "version": n, "shard": s, "readers": len(vp.readers),
                  "sources": sorted(vp.sources), "routed_around": sorted(vp.routed_around),
-                 "predicted_s": max(vp.predicted.values(), default=0.0)}
+                 "predicted_s": max(self.predicted(vp).values(), default=0.0)}
                 for (m, n, s), vp in self.plans.items() if vp is not None]
+
+    def predicted(self, vp: VersionPlan) -> dict[str, float]:
+        """Each planned reader's predicted finish (`VersionPlan.predicted`).
+
+        Predicted now if it was not yet.
+        """
+        if vp.predicted is None:
+            from weightfabric.topology.estimate import predict
+
+            vp.predicted = {}
+            if vp.plan is not None:
+                at = {x: w for w, x in vp.readers.items()}
+                times = predict(self.layout.graph, vp.plan.transfers, chunk=vp.plan.chunk,
+                                size=vp.plan.size).completion
+                vp.predicted = {at[x]: t for x, t in times.items() if x in at}
+        return vp.predicted
 
 
 def plan_router(cluster: object, *, start_bound_s: float = DEFAULT_START_BOUND_S) -> PlanRouter:

@@ -92,7 +92,11 @@ def test_readers_plans_follow_the_forests_parents():
     assert wan_reads == CHUNKS                  # ... exactly once
     assert not vp.routed_around
     assert all(p.planned for p in plans.values())    # the engine keeps a read per tree
-    assert hub.snapshot()["plans"][0]["readers"] == len(READERS)
+    assert vp.predicted is None  # never predicted on a fetch's way (it may simulate)
+    shown = hub.snapshot()["plans"][0]
+    assert shown["readers"] == len(READERS)
+    assert vp.predicted is not None and set(vp.predicted) == set(READERS)
+    assert shown["predicted_s"] == max(vp.predicted.values()) > 0
 
 
 def test_ranges_across_the_wan_keep_its_bandwidth_delay_product_in_flight():
