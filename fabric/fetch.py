@@ -514,8 +514,6 @@ class _FetchRun:
             self.give_up(worker, read.error)
             return [c for c in read.span if not self.progress.has(c, c)]
         bad: list[int] = []
-        if self.deferred is not None:
-            self.deferred.update(zip(read.span, read.sums, strict=False))
         for chunk in read.corrupted:
             self.stats.corrupted_chunks += 1
             if read.delta:
@@ -705,9 +703,7 @@ class _FetchRun:
         except TransportError as exc:
             return _Read(span, source, via, error=f"{type(exc).__name__}: {exc}")
         return _Read(done, source, via, corrupted=tuple(arrivals.corrupted),
-                     rest=span[len(done):],
-                     sums=tuple(arrivals.sums[:len(done)]) if self.deferred is not None else (),
-                     wire=wire, delta=as_delta is not None)
+                     rest=span[len(done):], wire=wire, delta=as_delta is not None)
 
     def read_bytes(self, transport: Transport, source: Source, offset: int, out: torch.Tensor,
                    timeout: float, abort: ReadAbort, arrivals: _Arrivals) -> int:
@@ -913,8 +909,9 @@ class _Arrivals:
     Called with the bytes landed from the span's start (`Landing`), on the read's
     thread; a chunk is taken in once whole (the last chunk of `dest` may be short).
     ``sums`` holds the checksums of the span's chunks from its first, computed here or
-    by the read's checksumming copy; ``corrupted`` the chunks whose checksum was wrong
-    (not marked: read again elsewhere).
+    by the read's checksumming copy (and goes to the fetch's ``deferred`` as each chunk
+    is taken in, where it defers its checks); ``corrupted`` the chunks whose checksum was
+    wrong (not marked: read again elsewhere).
     """
 
     def __init__(self, run: _FetchRun, span: tuple[int, ...], source: Source, via: str, *,
@@ -946,6 +943,8 @@ class _Arrivals:
                 self.corrupted.append(chunk)
             else:
                 good.append(chunk)
+                if self.checking and run.deferred is not None:
+                    run.deferred[chunk] = self.sums[i]
         self.taken = whole
         run.arrived(good, self.source, self.via, self.delta)
 
@@ -963,7 +962,6 @@ class _Read:
     error: str | None = None
     corrupted: tuple[int, ...] = ()
     rest: tuple[int, ...] = ()
-    sums: tuple[int, ...] = ()  # of `span`, when the fetch defers its checks
     wire: int = 0  # bytes that came over the wire (a delta's encoded size)
     delta: bool = False  # the span came as deltas
 

@@ -126,6 +126,20 @@ def test_every_routing_delivers_bit_exact_and_leaves_nothing_behind(tiny, prefix
 
 
 @needs_netns
+def test_raw_tcp_over_the_emulation_runs_near_the_shaped_rate(tiny):
+    from weightfabric.tools.bench.cluster_raw import raw_flows
+
+    with hard_timeout(120):
+        out = raw_flows(tiny, [("trainer", "a-0", 0.5), ("b-0", "a-0", 0.5),
+                               ("trainer", "b-0", 1.0)], 4 << 20)
+    rate = 400e6 / 8 * out["scale"]  # a-0's NIC; b-0's WAN link is half of it
+    assert out["done_s"]["a-0"] > 0.8 * (4 << 20) / rate  # shaped: never much faster
+    assert out["max_s"] == pytest.approx(out["done_s"]["b-0"], abs=0.01)
+    assert out["max_s"] > 0.8 * (4 << 20) / (rate / 2)
+    assert _namespaces("wfraw") == []
+
+
+@needs_netns
 def test_a_failing_process_leaves_no_namespace(tiny, prefix, monkeypatch):
     def fail(*args, **kwargs):
         assert _namespaces(prefix)          # built, then a process fails

@@ -103,7 +103,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "begin (default 5: dozens of processes on a few cores begin their "
                         "fetches up to seconds apart; the hub's own default is 2)")
     p.add_argument("--timeline", help="write each routing's timeline PNG here (the routing's "
-                                      "name is added before the suffix)")
+                                      "name is added before the suffix): each reader's bytes "
+                                      "against time, its planned finish, and when it first "
+                                      "forwarded a chunk to another reader (a triangle)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
