@@ -263,7 +263,10 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
                 "samples": {r: [(t - t0, n) for t, n in f["samples"]] for r, f in fetched.items()},
                 "first_forward_s": {r: t - t0 for r, t in forwarded.items() if t is not None},
                 "sources": {r: f["sources"] for r, f in fetched.items()},
-                "streams": {r: f["streams"] for r, f in fetched.items()}})
+                "streams": {r: f["streams"] for r, f in fetched.items()},
+                "reread": {r: {"chunks": f["chunks_reread"], "failed": f["failed_sources"]}
+                           for r, f in fetched.items()
+                           if f["chunks_reread"] or f["failed_sources"]}})
         if routing == "plan":
             plans = hub.ask("plans")["plans"]
             rounds[-1]["routed_around"] = {p["version"]: p["routed_around"] for p in plans}
@@ -338,6 +341,7 @@ def bench_cluster(name: str, *, scale: float | None, budget: float, size: int, c
             "reader_s": measured[-1]["reader_s"],
             "first_forward_s": measured[-1]["first_forward_s"],
             "streams": measured[-1]["streams"],
+            "reread": [r["reread"] for r in measured],
             **({"routed_around": run["versions"][-1]["routed_around"]}
                if "routed_around" in run["versions"][-1] else {})}
         if timeline:
