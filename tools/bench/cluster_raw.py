@@ -8,7 +8,8 @@
 Builds the cluster's namespaces as `fabric bench cluster` does (same default scale),
 starts one receiver per destination node and one sender per flow ``[source node,
 destination node, fraction of --size]``, all sending at once, and prints JSON: when each
-destination had received all its bytes (seconds after the start) and the slowest. Plain
+destination had received all its bytes (seconds after the start), the slowest, and the
+bytes each WAN link carried (frames, as `fabric bench cluster` counts them). Plain
 sockets, no fabric: the ceiling `fabric bench cluster`'s efficiency is measured under.
 Needs root, like `fabric bench cluster`.
 """
@@ -67,6 +68,7 @@ def raw_flows(cluster: str, flows: list[tuple[str, str, float]], size: int) -> d
             for d in sorted({to for _, to, _ in flows})}
         try:
             time.sleep(1.0)  # the receivers listen
+            wan0 = net.wan_bytes()
             start = time.time() + 1.0
             senders = [subprocess.Popen([*net.exec_prefix(s), sys.executable, "-c", SEND,
                                          net.address(d), str(PORT), str(int(size * f)),
@@ -75,11 +77,12 @@ def raw_flows(cluster: str, flows: list[tuple[str, str, float]], size: int) -> d
                     for d, p in receivers.items()}
             for sender in senders:
                 sender.wait(60)
+            wan1 = net.wan_bytes()
         finally:
             for receiver in receivers.values():
                 receiver.kill()
     return {"cluster": cluster, "scale": scale, "bytes": size, "done_s": done,
-            "max_s": max(done.values())}
+            "max_s": max(done.values()), "wan_bytes": {k: wan1[k] - wan0[k] for k in wan1}}
 
 
 def main(argv: list[str] | None = None) -> int:
