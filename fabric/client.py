@@ -237,7 +237,7 @@ class FetchPlan:
                          for r in reply.ranges),
                    {w: SourceInfo(w, Location.from_wire(i.location), i.endpoints, i.complete,
                                   i.cap)
-                    for w, i in reply.workers.items()})
+                    for w, i in reply.workers.items()}, planned=reply.planned)
 
     def chunks(self) -> list[int]:
         """Every chunk index this plan covers."""

@@ -7,6 +7,7 @@ import threading
 import pytest
 from hub_helpers import FakeClock, small_manifest
 
+from weightfabric.fabric.client import FetchPlan
 from weightfabric.fabric.hub.ops import Park, op_begin_fetch
 from weightfabric.fabric.hub.planned import PlanRouter, plan_router
 from weightfabric.fabric.hub.state import HubState
@@ -92,6 +93,8 @@ def test_readers_plans_follow_the_forests_parents():
     assert wan_reads == CHUNKS                  # ... exactly once
     assert not vp.routed_around
     assert all(p.planned for p in plans.values())    # the engine keeps a read per tree
+    # ... and the reader's side of the reply says so (it did not, 2026-11-26 to 11-29)
+    assert all(FetchPlan.from_reply(p, small_manifest(CHUNKS)).planned for p in plans.values())
     assert vp.predicted is None  # never predicted on a fetch's way (it may simulate)
     shown = hub.snapshot()["plans"][0]
     assert shown["readers"] == len(READERS)
