@@ -64,6 +64,10 @@ PREFIX = "wfc"
 MAX_NODES = 32
 MIN_BOUND_S = 4.0
 """The default scale keeps the lower bound at least this long (`auto_scale`)."""
+DEFAULT_BUDGET = "300MB/s"
+"""What this host's processes can move in all, with the default ``--scale``."""
+DEFAULT_CHUNK = "1MiB"
+"""The fetch chunk size by default (``--chunk-size``)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -89,11 +93,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="factor on every bandwidth (default: so that the readers together "
                         f"receive about --budget at the lower bound, and the bound is at "
                         f"least {MIN_BOUND_S:g} s)")
-    p.add_argument("--budget", default="300MB/s",
+    p.add_argument("--budget", default=DEFAULT_BUDGET,
                    help="with the default --scale: what this host's processes can move in "
                         "all (default 300MB/s)")
     p.add_argument("--size", default="128MB", help="model bytes (default 128MB)")
-    p.add_argument("--chunk-size", default="1MiB", help="fetch chunk size (default 1MiB)")
+    p.add_argument("--chunk-size", default=DEFAULT_CHUNK,
+                   help=f"fetch chunk size (default {DEFAULT_CHUNK})")
     p.add_argument("--routing", default=",".join(ROUTINGS),
                    help="comma-separated routings to run (default plan,ranked,star)")
     p.add_argument("--versions", type=int, default=3,

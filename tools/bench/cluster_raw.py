@@ -52,15 +52,23 @@ PORT = 5555
 
 def raw_flows(cluster: str, flows: list[tuple[str, str, float]], size: int) -> dict[str, object]:
     """Send the flows at once over the emulated `cluster`; when each destination was done."""
-    from weightfabric.tools.bench.cluster import auto_scale, load, roles
+    from weightfabric.tools.bench.cluster import (
+        DEFAULT_BUDGET,
+        DEFAULT_CHUNK,
+        auto_scale,
+        load,
+        roles,
+    )
     from weightfabric.tools.bench.cluster_net import emulate, unavailable
+    from weightfabric.topology.units import parse_bandwidth, parse_size
 
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(reason)
     loaded = load(cluster)
     trainer, readers = roles(loaded)
-    scale = auto_scale(loaded, trainer, readers, size, 1 << 20, 300e6)
+    scale = auto_scale(loaded, trainer, readers, size, int(parse_size(DEFAULT_CHUNK)),
+                       parse_bandwidth(DEFAULT_BUDGET))  # the scale `fabric bench cluster` runs at
     with emulate(loaded, scale=scale, nodes=[trainer, *readers], prefix="wfraw") as net:
         receivers = {d: subprocess.Popen(
             [*net.exec_prefix(d), sys.executable, "-c", RECEIVE, str(PORT),
