@@ -104,11 +104,13 @@ def test_without_root_it_says_why_and_exits_0(monkeypatch, capsys):
 
 @needs_netns
 def test_every_routing_delivers_bit_exact_and_leaves_nothing_behind(tiny, prefix):
+    # the WAN's 10 ms are real: netem where the kernel has it, else the delay line
     with hard_timeout(300):   # a stuck process still unwinds: processes, namespaces
         out = bench.bench_cluster(tiny, scale=1.0, budget=1e8, size=4 << 20, chunk=256 << 10,
                                   routings=["plan", "star"], versions=2, start_bound=1.0,
-                                  prefix=prefix)
+                                  prefix=prefix, delay_line=True)
     assert out["verified"] and set(out["runs"]) == {"plan", "star"}
+    assert out["shaping"]["delay_emulated"]
     for run in out["runs"].values():
         assert run["verified"] and run["measured_s"] > 0
         # at most a little above 1: each shaper lets 10 ms of its rate through at once,
@@ -120,6 +122,10 @@ def test_every_routing_delivers_bit_exact_and_leaves_nothing_behind(tiny, prefix
     assert list(out["runs"]["plan"]["routed_around"].values()) == [[]]   # v2: none
     assert out["runs"]["star"]["predicted_s"] > 0
     plan = out["runs"]["plan"]
+    # the bound and the prediction count the WAN's round trip (the scaled YAML keeps it),
+    # and b-0, across the WAN, paid a round trip at least for its hub call and its read
+    assert plan["lower_bound_s"] > 2 * 0.010 and plan["predicted_s"] > 2 * 0.010
+    assert plan["reader_s"]["b-0"] >= 2 * 2 * 0.010
     # a relay's first forward is on the record, within the version's time
     assert all(0 <= t <= plan["measured_s"] for t in plan["first_forward_s"].values())
     assert _namespaces(prefix) == []

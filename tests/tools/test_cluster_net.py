@@ -211,12 +211,41 @@ def test_every_node_reaches_every_other_and_wan_counters_see_only_wan_traffic(pr
 
 
 @needs_netns
+def test_wan_latencies_hold_with_netem_or_the_delay_line(prefix, probe):
+    # the probe connects, sends and waits for the count: two round trips at least
+    with emulate(loads_cluster(THREE_DC), scale=1.0, prefix=prefix, delay_line=True) as net, \
+            _servers(net, probe):
+        assert net.shaping["delay_emulated"]
+        assert net.shaping["qdisc"] == "netem" or "delay line" in net.shaping["why"]
+        before = net.wan_bytes()
+        to_b = _send(net, probe, "a-0", "b-0", 200_000)     # one 10 ms WAN link
+        to_c = _send(net, probe, "a-0", "c-0", 200_000)     # two, through dc-b
+        after = net.wan_bytes()
+        lines = _namespaces(prefix)
+    assert to_b >= 2 * 2 * 0.010 and to_c >= 2 * 2 * 0.020, (to_b, to_c)
+    # the counters still see what crosses each link, on the routers' ends
+    assert after["dc-a->dc-b"] - before["dc-a->dc-b"] >= 2 * 200_000
+    assert after["dc-b->dc-c"] - before["dc-b->dc-c"] >= 200_000
+    assert net.shaping["qdisc"] == "netem" or {f"{prefix}-w0", f"{prefix}-w1"} <= set(lines)
+    assert _namespaces(prefix) == []
+    assert "delay_line" not in subprocess.run(["ps", "-eo", "args"], capture_output=True,
+                                              text=True).stdout
+
+
+@needs_netns
 def test_a_node_link_holds_its_scaled_rate(prefix, probe):
     # 2 NICs x 32 MB/s x 1/8 = 8 MB/s: 4 MB take about half a second
     with emulate(loads_cluster(ONE_DC), scale=1 / 8, prefix=prefix) as net, _servers(net, probe):
         assert net.nodes["n-0"].rate == 8e6
+        drops0, retrans0 = net.drops(), net.retransmits()
         seconds = _send(net, probe, "n-0", "n-1", 4_000_000)
+        drops, retrans, links = net.drops(), net.retransmits(), net.link_bytes()
     assert 0.3 < seconds < 1.5, seconds
+    # the diagnostics, keyed as the links and the nodes. n-0's own queue drops without a
+    # retransmission (TCP sends a packet its host dropped as new); every data packet a
+    # forwarding queue drops is sent again by n-0 (the ACKs flow the other way)
+    assert set(drops) == set(links) and set(retrans) == set(net.nodes)
+    assert retrans["n-0"] - retrans0["n-0"] >= drops["dc/leaf1->n-1"] - drops0["dc/leaf1->n-1"]
 
 
 @needs_netns

@@ -26,12 +26,17 @@ measured version:
   until the last reader holds it, verified by its checksums and bit-exact
   against the trainer (sha256);
 - ``lower_bound_s``: `topology.bounds.lower_bound` on the emulated cluster (the YAML
-  scaled, one host-memory reader per node; latencies kept only where ``netem``
-  emulates them), ``efficiency`` = ``lower_bound_s / measured_s``;
+  scaled, one host-memory reader per node; latencies kept only where they are
+  emulated: by ``netem``, or with ``--delay-line`` by a delay line on each WAN link,
+  `tools.bench.delay_line`), ``efficiency`` = ``lower_bound_s / measured_s``;
 - ``predicted_s``: `topology.simulator.simulate` of the hub's plan (``plan``) or of the
   star (``star``) on the same graph; the ranked routing has no plan to simulate;
 - ``wan_bytes``: bytes sent over each WAN link per direction (veth counters; Ethernet
-  frames, control traffic included).
+  frames, control traffic and TCP retransmissions included);
+- ``drops`` and ``retransmitted`` (the last measured version; diagnostics): packets each
+  shaped link's queue dropped, per direction, and TCP segments each node retransmitted
+  (at most `cluster_net.MSS` bytes each), where not 0: a retransmission crosses every
+  link up to the queue that dropped it again.
 
 A routing's figures are the median over its measured versions. Needs root and
 iproute2; without them it prints why and exits 0.
@@ -111,6 +116,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                       "name is added before the suffix): each reader's bytes "
                                       "against time, its planned finish, and when it first "
                                       "forwarded a chunk to another reader (a triangle)")
+    p.add_argument("--delay-line", action="store_true",
+                   help="where the kernel has no netem, delay each WAN link by its latency "
+                        "with a userspace delay line (a process per link, a few "
+                        "microseconds of CPU per frame: lower --budget to leave the host "
+                        "room); the hub then plans with the latencies, windows included")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -248,13 +258,13 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
             on_phase(f"{routing}: v{v + 1} publish")
             pub = workers[trainer].ask("publish", size=size, seed=SEED, timeout=300)
             on_phase(f"{routing}: v{v + 1} fetch" + (" (warm-up)" if v == 0 else ""))
-            wan0 = net.wan_bytes()
+            wan0, drops0, retrans0 = net.wan_bytes(), net.drops(), net.retransmits()
             t0 = time.time()
             for r in readers:
                 workers[r].send("fetch", version=pub["version"], samples=True,
                                 options={"deltas": "off"})
             fetched = {r: workers[r].reply(600) for r in readers}
-            wan1 = net.wan_bytes()
+            wan1, drops1, retrans1 = net.wan_bytes(), net.drops(), net.retransmits()
             want = workers[trainer].ask("digest", timeout=120)["sha256"]
             exact = all(workers[r].ask("digest", timeout=120)["sha256"] == want
                         for r in readers)
@@ -264,6 +274,9 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
                 "version": pub["version"], "bytes": int(pub["bytes"]), "verified": exact,
                 "measured_s": max(f["end"] for f in fetched.values()) - t0,
                 "wan_bytes": {k: wan1[k] - wan0[k] for k in wan1},
+                "drops": {k: n - drops0[k] for k, n in drops1.items() if n > drops0[k]},
+                "retransmitted": {k: n - retrans0[k] for k, n in retrans1.items()
+                                  if n > retrans0[k]},
                 "reader_s": {r: f["end"] - t0 for r, f in fetched.items()},
                 "samples": {r: [(t - t0, n) for t, n in f["samples"]] for r, f in fetched.items()},
                 "first_forward_s": {r: t - t0 for r, t in forwarded.items() if t is not None},
@@ -282,7 +295,7 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
 
 def bench_cluster(name: str, *, scale: float | None, budget: float, size: int, chunk: int,
                   routings: list[str], versions: int, start_bound: float,
-                  timeline: str | None = None, prefix: str = PREFIX,
+                  timeline: str | None = None, prefix: str = PREFIX, delay_line: bool = False,
                   on_phase: Callable[[str], None] = lambda name: None,
                   on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Every routing in ``routings`` over one emulated cluster. See the module docstring.
@@ -316,7 +329,8 @@ def bench_cluster(name: str, *, scale: float | None, budget: float, size: int, c
                               "runs": {}}
     on_phase("build the namespaces")
     try:
-        with emulate(cluster, scale=scale, nodes=[trainer, *readers], prefix=prefix) as net, \
+        with emulate(cluster, scale=scale, nodes=[trainer, *readers], prefix=prefix,
+                     delay_line=delay_line) as net, \
                 tempfile.TemporaryDirectory(prefix="wf-cluster-") as tmp:
             result["shaping"] = net.shaping
             scaled = emulated(cluster, scale, latency=bool(net.shaping.get("delay_emulated")))
@@ -346,6 +360,8 @@ def bench_cluster(name: str, *, scale: float | None, budget: float, size: int, c
             "reader_s": measured[-1]["reader_s"],
             "first_forward_s": measured[-1]["first_forward_s"],
             "streams": measured[-1]["streams"],
+            "drops": measured[-1]["drops"],
+            "retransmitted": measured[-1]["retransmitted"],
             "reread": [r["reread"] for r in measured],
             **({"routed_around": run["versions"][-1]["routed_around"]}
                if "routed_around" in run["versions"][-1] else {})}
@@ -384,7 +400,7 @@ def _run(args: argparse.Namespace) -> int:
         result = bench_cluster(
             args.cluster, scale=args.scale, budget=parse_bandwidth(args.budget), size=size,
             chunk=chunk, routings=routings, versions=args.versions,
-            start_bound=args.start_bound, timeline=args.timeline,
+            start_bound=args.start_bound, timeline=args.timeline, delay_line=args.delay_line,
             on_phase=lambda name: status.update(name))
     return print_result(result, as_json=args.json, table=_table)
 

@@ -40,8 +40,10 @@ The host itself moves well under a cluster's bandwidth (on a 2-core machine
 a tbf-shaped veth path held 8-200 MB/s within 5 %, but topped out near 0.7 GB/s):
 choose ``scale`` so that the fastest link stays below what the host can carry.
 Where a link has a latency and the kernel has ``sch_netem``, ``netem delay ... rate ...``
-replaces the tbf; without ``sch_netem`` the rate is shaped and the delay is not
-(`EmulatedCluster.shaping` says which, and why).
+replaces the tbf; without ``sch_netem`` the rate is shaped and the delay is not, unless
+``emulate(..., delay_line=True)``: then each WAN link runs through a namespace of its own,
+``w{i}``, where a delay line (`tools.bench.delay_line`) holds every frame for the link's
+latency (`EmulatedCluster.shaping` says which, and why).
 
 Addresses (IPv4; IPv6 is not configured on any link, so counters see no IPv6 chatter):
 
@@ -99,6 +101,8 @@ read, which a real fabric does not)."""
 MTU = 9000
 """Every link's MTU: jumbo frames, as datacenter fabrics run (fewer packets per byte for
 the host to shape and copy, 0.6 % of headers instead of 3.6 %)."""
+MSS = MTU - 52
+"""TCP payload of a full frame (IPv4 and TCP headers, TCP timestamps on)."""
 TCP_SYSCTLS = ("net.ipv4.tcp_slow_start_after_idle=0",)
 """Set in every namespace: a connection idle while its reader waits for a relay's next
 chunk keeps its window (as tuned hosts do), instead of starting slow again."""
@@ -197,6 +201,20 @@ def link_stats(ns: str) -> dict[str, tuple[int, int]]:
             for i in out}
 
 
+def qdisc_drops(ns: str) -> dict[str, int]:
+    """Packets dropped so far by the root qdisc of every interface of namespace `ns`."""
+    out = json.loads(sh("tc", "-n", ns, "-s", "-j", "qdisc", "show"))
+    return {q["dev"]: int(q.get("drops", 0)) for q in out if q.get("root")}
+
+
+def tcp_retransmits(ns: str) -> int:
+    """TCP segments namespace `ns` has retransmitted so far (``RetransSegs``, /proc/net/snmp)."""
+    lines = [line.split() for line in sh("ip", "netns", "exec", ns, "cat", "/proc/net/snmp")
+             .splitlines() if line.startswith("Tcp:")]
+    names, values = lines[0], lines[1]
+    return int(values[names.index("RetransSegs")])
+
+
 # --- the emulated cluster --------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,6 +248,8 @@ class _Veth:
     rate: float
     delay: float
     wan: bool = False
+    line_ns: str | None = None
+    """The namespace of the link's delay line, where one may replace netem (WAN links)."""
 
 
 @dataclass
@@ -305,6 +325,25 @@ class EmulatedCluster:
         """
         return self._tx_bytes(list(self._veths))
 
+    def drops(self) -> dict[str, int]:
+        """Packets dropped so far by each shaped link's queue, per direction.
+
+        Keyed as `link_bytes` (diagnostics: where the emulated network lost packets).
+        """
+        spaces = sorted({end.ns for v in self._veths for end in (v.a, v.b)})
+        stats = dict(zip(spaces, _parallel([(qdisc_drops, ns) for ns in spaces]), strict=True))
+        return {f"{src.label}->{dst.label}": stats[src.ns].get(src.dev, 0)
+                for v in self._veths for src, dst in ((v.a, v.b), (v.b, v.a))}
+
+    def retransmits(self) -> dict[str, int]:
+        """TCP segments each node has retransmitted so far (its namespace's ``RetransSegs``).
+
+        A segment dropped past a link and sent again crosses that link twice.
+        """
+        names = list(self.nodes)
+        counts = _parallel([(tcp_retransmits, self.nodes[n].namespace) for n in names])
+        return dict(zip(names, counts, strict=True))
+
     def _node(self, node: str) -> EmulatedNode:
         try:
             return self.nodes[node]
@@ -324,7 +363,7 @@ class EmulatedCluster:
 
 @contextlib.contextmanager
 def emulate(cluster: Cluster, *, scale: float, nodes: Sequence[str] | None = None,
-            prefix: str = "wfc") -> Iterator[EmulatedCluster]:
+            prefix: str = "wfc", delay_line: bool = False) -> Iterator[EmulatedCluster]:
     """Build `cluster`'s network in namespaces (see the module docstring); remove it after.
 
     Args:
@@ -332,6 +371,9 @@ def emulate(cluster: Cluster, *, scale: float, nodes: Sequence[str] | None = Non
         scale: factor on every bandwidth (the host moves a few GB/s, not a cluster's).
         nodes: the nodes to emulate (default all); routers are made for every datacenter.
         prefix: namespace name prefix, a lowercase letter and up to 7 letters or digits.
+        delay_line: where the kernel has no netem, delay each WAN link by its latency with
+            a delay line (`tools.bench.delay_line`: a process per link, a few microseconds
+            of CPU per frame); the other links' latencies stay unemulated.
 
     Yields:
         The `EmulatedCluster`.
@@ -346,11 +388,15 @@ def emulate(cluster: Cluster, *, scale: float, nodes: Sequence[str] | None = Non
     if reason is not None:
         raise RuntimeError(reason)
     remove_leftovers(prefix)
+    lines: list[subprocess.Popen] = []
     try:
-        shaping = _build(plan)
+        shaping = _build(plan, delay_line=delay_line, processes=lines)
         yield EmulatedCluster(nodes=plan.nodes, shaping={**shaping, "scale": scale},
                               namespaces=tuple(plan.namespaces), _veths=tuple(plan.veths))
     finally:
+        for proc in lines:   # a process inside would keep its namespace alive
+            proc.kill()
+            proc.wait()
         _delete(plan.namespaces)
 
 
@@ -439,7 +485,8 @@ def _plan(cluster: Cluster, *, scale: float, nodes: Sequence[str] | None,
         a, b = link.between
         plan.add_veth(_Veth(a=_End(label=a, ns=f"{prefix}-d{index[a]}", dev=f"w{i}"),
                             b=_End(label=b, ns=f"{prefix}-d{index[b]}", dev=f"w{i}"),
-                            rate=link.bandwidth * scale, delay=link.latency, wan=True),
+                            rate=link.bandwidth * scale, delay=link.latency, wan=True,
+                            line_ns=f"{prefix}-w{i}"),
                       f"10.0.{i}.0/31", f"10.0.{i}.1/31")
     for (src, dst), i in _wan_next_hops(cluster).items():
         peer = 1 if cluster.wan[i].between[0] == src else 0
@@ -510,25 +557,42 @@ def _batch(tool: str, ns: str, lines: list[str]) -> str:
     return sh(tool, "-n", ns, "-batch", "-", stdin="\n".join(lines) + "\n")
 
 
-def _build(plan: _Plan) -> dict[str, Any]:
-    """Make the namespaces and links of `plan`; return how links are shaped."""
-    root = [f"netns add {ns}" for ns in plan.namespaces]
+def _build(plan: _Plan, *, delay_line: bool, processes: list[subprocess.Popen]
+           ) -> dict[str, Any]:
+    """Make the namespaces and links of `plan`; return how links are shaped.
+
+    With `delay_line` and no netem, a WAN link with a latency runs through its delay
+    line's namespace (two veth pairs, the line's process added to `processes`).
+    """
+    sh("ip", "-batch", "-", stdin="".join(f"netns add {ns}\n" for ns in plan.namespaces))
+    delayed = [v for v in plan.veths if v.delay > 0]
+    missing = netem_missing(plan.namespaces[0]) if delayed else None
+    netem = bool(delayed) and missing is None
+    why = ("no link has a latency" if not delayed else missing
+           or "netem on links with a latency, tbf on the others")
+    through = [(v, v.line_ns) for v in delayed if v.line_ns and delay_line and not netem]
+    if through:
+        why += ("; WAN links delayed by a delay line (tools/bench/delay_line.py), the other "
+                "links' latencies not emulated")
+        sh("ip", "-batch", "-", stdin="".join(f"netns add {ns}\n" for _, ns in through))
+        plan.namespaces.extend(ns for _, ns in through)
     # the two ends get different ifindexes: the kernel reports the carrier of a veth whose
     # ends share one (each new namespace's first link would) up to a second late
-    root += [f"link add name {v.a.dev} index {100 + 2 * i} netns {v.a.ns} type veth "
-             f"peer name {v.b.dev} index {101 + 2 * i} netns {v.b.ns}"
-             for i, v in enumerate(plan.veths)]
-    sh("ip", "-batch", "-", stdin="\n".join(root) + "\n")
+    lined = {v.line_ns for v, _ in through}
+    pairs = [((v.a.ns, v.a.dev), (v.b.ns, v.b.dev)) for v in plan.veths
+             if v.line_ns not in lined]
+    for v, ns in through:
+        pairs += [((v.a.ns, v.a.dev), (ns, "a")), ((ns, "b"), (v.b.ns, v.b.dev))]
+    sh("ip", "-batch", "-", stdin="".join(
+        f"link add name {a_dev} index {100 + 2 * i} netns {a_ns} type veth "
+        f"peer name {b_dev} index {101 + 2 * i} netns {b_ns}\n"
+        for i, ((a_ns, a_dev), (b_ns, b_dev)) in enumerate(pairs)))
     forward = ("net.ipv4.ip_forward=1",)
     _parallel([*((_batch, "ip", ns, lines) for ns, lines in plan.ip.items()),
                *((sh, "ip", "netns", "exec", ns, "sysctl", "-qw", *TCP_SYSCTLS,
-                  *(forward if ns in plan.forwarding else ())) for ns in plan.namespaces)])
-    if not any(v.delay > 0 for v in plan.veths):
-        netem, why = False, "no link has a latency"
-    elif (missing := netem_missing(plan.namespaces[0])) is not None:
-        netem, why = False, missing
-    else:
-        netem, why = True, "netem on links with a latency, tbf on the others"
+                  *(forward if ns in plan.forwarding else ())) for ns in plan.ip),
+               *((_batch, "ip", ns, [f"link set dev {dev} mtu {MTU} promisc on up"
+                                      for dev in ("a", "b")]) for _, ns in through)])
     tc: dict[str, list[str]] = {}
     for v in plan.veths:
         args = " ".join(qdisc(v.rate, v.delay, netem=netem, queue=SWITCH_QUEUE))
@@ -537,7 +601,18 @@ def _build(plan: _Plan) -> dict[str, Any]:
     _parallel([(_batch, "tc", ns, lines) for ns, lines in tc.items()])
     _parallel([(_batch, "ip", ns, lines) for ns, lines in plan.up.items() if lines])
     _wait_for_carrier(plan)
-    return {"qdisc": "netem" if netem else "tbf", "delay_emulated": netem, "why": why}
+    for v, ns in through:
+        processes.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m",
+             "weightfabric.tools.bench.delay_line", "a", "b", repr(v.delay)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in processes:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            proc.kill()
+            raise RuntimeError(f"a delay line did not start: {proc.communicate()[1].strip()}")
+    return {"qdisc": "netem" if netem else "tbf", "delay_emulated": netem or bool(through),
+            "why": why}
 
 
 def _wait_for_carrier(plan: _Plan, timeout: float = 10.0) -> None:
