@@ -36,7 +36,8 @@ PoolKey = tuple[str, int, int]
 class ReplicaPool:
     """The replicas of one shard of one version: when each began, and where each is.
 
-    ``order[worker]`` grows with the order in which the replicas were added, as
+    ``replicas[worker]`` is the worker's `Replica` (the one ``VersionRecord.replicas``
+    holds). ``order[worker]`` grows with the order in which the replicas were added, as
     ``VersionRecord.replicas`` (a dict) orders them: a plan's waits follow it. ``members``
     (with ``pos``) samples a few replicas in O(1) each; ``near`` groups them by
     ``(datacenter, node)`` and ``datacenter``, filled lazily from ``fresh`` at plan time
@@ -47,6 +48,7 @@ class ReplicaPool:
 
     def __init__(self) -> None:
         self.members: list[str] = []
+        self.replicas: dict[str, Replica] = {}
         self.pos: dict[str, int] = {}
         self.order: dict[str, int] = {}
         self.added = 0
@@ -58,8 +60,10 @@ class ReplicaPool:
     def __len__(self) -> int:
         return len(self.members)
 
-    def add(self, worker: str) -> None:
-        """A replica of ``worker`` was added (after every other, in ``order``)."""
+    def add(self, rep: Replica) -> None:
+        """Replica ``rep`` was added (after every other, in ``order``)."""
+        worker = rep.worker
+        self.replicas[worker] = rep
         self.pos[worker] = len(self.members)
         self.members.append(worker)
         self.order[worker] = self.added
@@ -69,6 +73,7 @@ class ReplicaPool:
     def remove(self, worker: str) -> None:
         """``worker``'s replica left."""
         i = self.pos.pop(worker)
+        del self.replicas[worker]
         last = self.members.pop()
         if last != worker:
             self.members[i] = last
@@ -143,7 +148,7 @@ class HubIndex:
         v.replicas[key] = rep
         v.reindex(rep)
         self.held.setdefault(rep.worker, set()).add((v.model, v.number, rep.shard))
-        self.pools.setdefault((v.model, v.number, rep.shard), ReplicaPool()).add(rep.worker)
+        self.pools.setdefault((v.model, v.number, rep.shard), ReplicaPool()).add(rep)
 
     def remove_replica(self, v: VersionRecord, key: tuple[str, int]) -> None:
         """Remove the replica at `key` from `v` and from the indexes."""
@@ -230,6 +235,7 @@ class HubIndex:
                 for (w, s), r in v.replicas.items():
                     held.setdefault(w, set()).add((m.name, n, s))
                     pools.setdefault((m.name, n, s), []).append(w)
+                    assert self.pools[(m.name, n, s)].replicas.get(w) is r, (m.name, n, w, s)
                     assert (r.complete and r.status == LIVE) == (
                         w in v.complete_live.get(s, ())), (m.name, n, w, s)
                     if r.retract_delayed and r.status == LIVE:
@@ -243,7 +249,7 @@ class HubIndex:
         for key, in_order in pools.items():   # the replicas, in the order they began
             pool = self.pools[key]
             assert sorted(pool.order, key=pool.order.__getitem__) == in_order, key
-            assert sorted(pool.members) == sorted(in_order), key
+            assert sorted(pool.members) == sorted(in_order) == sorted(pool.replicas), key
             assert all(pool.members[i] == w for w, i in pool.pos.items()), key
         assert publishing == self.publishing, (publishing, self.publishing)
         own: dict[str, set] = {}

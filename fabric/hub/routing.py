@@ -16,13 +16,19 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from operator import itemgetter
 
 import numpy as np
 
 from weightfabric.fabric.hub.index import ReplicaPool
 from weightfabric.fabric.hub.records import LIVE, Replica, VersionRecord, WorkerRecord
 from weightfabric.fabric.hub_messages import PlanRangeWire
-from weightfabric.fabric.locality import Location, RankSources, SourceCandidate
+from weightfabric.fabric.locality import (
+    Location,
+    RankSources,
+    SourceCandidate,
+    rank_by_locality,
+)
 
 
 def route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]], *,
@@ -107,11 +113,11 @@ def _sampled(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, in
         pool.sample(NEAR_SAMPLE, (here.datacenter,)),
         pool.sample(FAR_SAMPLE),
         itertools.islice(v.complete_live.get(shard, ()), max(max_sources, 1))))
+    held = pool.replicas          # the shard's replicas by worker, as v.replicas holds them
     ranked = ranked_replicas(v, shard, here, workers=workers, load=load,
                              rank_sources=rank_sources,
                              keep=lambda r: r.worker != reader and r.worker not in banned,
-                             among=(v.replicas[(w, shard)] for w in names
-                                    if (w, shard) in v.replicas))
+                             among=[held[w] for w in names if w in held])
     reps = _reach(ranked, max_sources, partial_limit=PARTIAL_LIMIT)
     return _route(v, shard, reader, need, reps, max_sources, wait_only, order=pool.order)
 
@@ -132,6 +138,9 @@ def _route(v: VersionRecord, shard: int, reader: str, need: list[tuple[int, int]
     mine = order[reader]
     earlier = [order[r.worker] < mine for r in reps]
     sources = max(max_sources, 1)
+    few = _few_stretches(reps, need)
+    if few is not None and len(few[0]) <= FEW_STRETCHES:
+        return _route_few(reps, few[0], few[1], earlier, sources, wait_only)
     starts, stops = _stretches(reps, need)
     if len(starts) <= FEW_STRETCHES:
         return _route_few(reps, starts.tolist(), stops.tolist(), earlier, sources, wait_only)
@@ -269,6 +278,49 @@ def _stretches(reps: list[Replica], need: list[tuple[int, int]]
     return starts, stops
 
 
+def _few_stretches(reps: list[Replica], need: list[tuple[int, int]]
+                   ) -> tuple[list[int], list[int]] | None:
+    """`_stretches` as lists, found in Python; None where there may be many.
+
+    The usual plan of a broadcast cuts a run or two at the one or two edges of a few
+    prefix-shaped bitmaps: each edge is one ``bytearray.find`` (in C) here, where numpy
+    costs tens of calls whatever the edges. None (use `_stretches`) beyond `FEW_STRETCHES`
+    runs or cuts.
+    """
+    lo, hi = need[0][0], need[-1][1]
+    if len(need) > FEW_STRETCHES or lo >= hi:
+        return None
+    cuts: set[int] = set()
+    for r in reps:
+        if r.complete:
+            continue
+        have = r.have
+        at, i = have[lo], lo
+        while True:
+            i = have.find(at ^ 1, i, hi)     # the next chunk unlike the one before it
+            if i < 0:
+                break
+            cuts.add(i)
+            if len(cuts) > FEW_STRETCHES:
+                return None
+            at ^= 1
+    starts: list[int] = []
+    stops: list[int] = []
+    ordered = sorted(cuts)
+    k, n = 0, len(ordered)
+    for a, b in need:
+        while k < n and ordered[k] <= a:
+            k += 1
+        while k < n and ordered[k] < b:
+            starts.append(a)
+            stops.append(ordered[k])
+            a = ordered[k]
+            k += 1
+        starts.append(a)
+        stops.append(b)
+    return starts, stops
+
+
 def _edged(have: bytearray, lo: int, hi: int) -> bool:
     """Whether ``have[lo:hi]`` holds both 0s and 1s (a bitmap of one value has no edge)."""
     return have.find(1, lo, hi) >= 0 and have.find(0, lo, hi) >= 0
@@ -345,12 +397,42 @@ def ranked_replicas(v: VersionRecord, shard: int, reader: Location, *,
     workers that ``keep`` accepts, best first for ``reader`` (those ``rank_sources``
     leaves out are dropped).
     """
+    reps = v.replicas.values() if among is None else among
+    if rank_sources is rank_by_locality:
+        return _by_locality(reps, shard, reader, workers=workers, load=load, keep=keep)
     cands = [SourceCandidate(r.worker, workers[r.worker].location, r.complete, load[r.worker])
-             for r in (v.replicas.values() if among is None else among)
+             for r in reps
              if r.shard == shard and r.status == LIVE and r.worker in workers and keep(r)]
     allowed = {c.worker for c in cands}
     return [v.replicas[(c.worker, shard)] for c in rank_sources(reader, cands)
             if c.worker in allowed]
+
+
+_RANK = itemgetter(0, 1, 2, 3)
+
+
+def _by_locality(reps: Iterable[Replica], shard: int, reader: Location, *,
+                 workers: dict[str, WorkerRecord], load: Counter[str],
+                 keep: Callable[[Replica], bool]) -> list[Replica]:
+    """`ranked_replicas` with `rank_by_locality`, without a `SourceCandidate` per replica.
+
+    The same order (``locality_tier``, load, complete first, worker id), from one key tuple
+    per replica: a plan ranks a few dozen replicas, and building a frozen dataclass for each
+    cost more than the rest of the ranking.
+    """
+    dc, node = reader.datacenter, reader.node
+    keyed = []
+    for r in reps:
+        w = r.worker
+        rec = workers.get(w)
+        if r.shard != shard or r.status != LIVE or rec is None or not keep(r):
+            continue
+        at = rec.location
+        same_dc = bool(dc) and dc == at.datacenter     # as `locality_tier`
+        tier = 0 if node and node == at.node and (same_dc or not dc) else 1 if same_dc else 2
+        keyed.append((tier, load.get(w, 0), not r.complete, w, r))
+    keyed.sort(key=_RANK)
+    return [k[4] for k in keyed]
 
 
 __all__ = ["holders", "missing_runs", "ranked_replicas", "route", "runs"]

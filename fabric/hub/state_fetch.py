@@ -148,7 +148,7 @@ class HubFetching(HubStateBase):
             self.plan_routing.begin(v, shard, worker, workers=self.workers, now=self.clock())
         self._touch()
         try:
-            return self.plan(fetch_id, worker, session=session)
+            return self._plan(f)    # the caller is checked (and its lease renewed) above
         except NoSourceError:
             self._end_fetch(f, keep_replica=False)
             self._settle()
@@ -179,6 +179,12 @@ class HubFetching(HubStateBase):
             NoSourceError: no live source holds some of the chunks.
         """
         f = self._fetch(fetch_id, worker, session)
+        return self._plan(f, chunks=chunks, exclude=exclude, with_manifest=with_manifest)
+
+    def _plan(self, f: FetchRecord, *, chunks: list[int] | None = None,
+              exclude: list[str] | None = None, with_manifest: bool = True) -> PlanReply:
+        """`plan` for fetch ``f``, its caller checked."""
+        worker = f.worker
         v = self._version(f.model, f.version)
         manifest = v.manifests[f.shard]
         rep = v.replicas[(worker, f.shard)]

@@ -119,3 +119,54 @@ def test_a_sample_without_a_source_for_some_chunk_widens_to_every_replica():
     state.unregister("r3", session="r3")
     with pytest.raises(NoSourceError):
         state.plan("late", "late", session="late")
+
+
+class Plain:
+    """`rank_by_locality` under another name: the ranking through `SourceCandidate`s."""
+
+    def __call__(self, reader: Location, cands: Sequence[SourceCandidate]
+                 ) -> list[SourceCandidate]:
+        return rank_by_locality(reader, cands)
+
+
+def test_the_default_ranking_plans_what_ranking_candidates_plans():
+    """The default ranking (one key per replica, no `SourceCandidate`s) names the same sources.
+
+    Two hubs see the same operations, one ranking with `rank_by_locality` itself (the
+    fast path), one through a `RankSources` wrapper of it: every plan is the same while
+    readers begin, report, complete, release, leave and a replica is quarantined.
+    """
+    states = [HubState(lease_s=3600), HubState(lease_s=3600, rank_sources=Plain())]
+    readers = 200
+
+    def both(op: str, *args, **kwargs):
+        out = [getattr(s, op)(*args, **kwargs) for s in states]
+        if op in ("begin_fetch", "plan"):
+            assert out[0] == out[1], (op, args)
+        return out[0]
+
+    for s in states:
+        v = broadcast(s, readers=readers)
+    for i in range(readers):
+        w = f"r{i}"
+        plan = both("begin_fetch", "m", v, w, session=w, fetch_id=w)
+        check_plan(states[0], v, w, plan)
+        if i >= 40 and i != 122:  # earlier readers report half, then complete (not r82)
+            j = f"r{i - 40}"
+            both("report_progress", j, j, session=j, chunks=list(range(8)))
+        if i >= 80 and i % 3 and i != 162:
+            j = f"r{i - 80}"
+            both("complete_fetch", j, j, session=j)
+        if i == 120:     # a holder leaves, a complete one is quarantined, one releases its fetch
+            both("unregister", "r5", session="r5")
+            assert both("report_corrupt", "m", v, 0, "r2", "r3", session="r3",
+                        chunks=[0]).quarantined
+            both("release", "r82", "r82", session="r82")
+        if i > 120:     # no plan names them again
+            assert not {"r2", "r5", "r82"} & {x for r in plan.ranges
+                                               for x in (*r.sources, *r.wait)}
+    for i in (150, 151, 199):    # re-plans, excluding a source
+        w = f"r{i}"
+        both("plan", w, w, session=w, exclude=["trainer"])
+    for s in states:
+        s._check_indexes()

@@ -188,3 +188,47 @@ def test_runs_and_missing_runs_cover_exactly_their_chunks(chunks, bits):
     assert [c for a, b in spans for c in range(a, b)] == [i for i, h in enumerate(bits) if not h]
     assert all(b < c for (_, b), (c, _) in zip(spans, spans[1:], strict=False))  # never adjacent
     assert all(type(x) is int for span in spans for x in span)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_the_default_ranking_orders_replicas_as_rank_by_locality_does(case):
+    """`rank_by_locality` is ranked without `SourceCandidate`s: the same replicas, same order."""
+    v, _, kwargs = case
+    reader = kwargs["workers"][READER].location
+    banned = kwargs["banned"]
+
+    def keep(r: Replica) -> bool:
+        return r.worker != READER and r.worker not in banned
+
+    def wrapped(loc: Location, cands: Sequence[SourceCandidate]) -> list[SourceCandidate]:
+        return rank_by_locality(loc, cands)
+
+    for shard in (0, 1):
+        args = dict(workers=kwargs["workers"], load=kwargs["load"], keep=keep)
+        fast = ranked_replicas(v, shard, reader, rank_sources=rank_by_locality, **args)
+        plain = ranked_replicas(v, shard, reader, rank_sources=wrapped, **args)
+        assert [r.worker for r in fast] == [r.worker for r in plain]
+        assert all(a is b for a, b in zip(fast, plain, strict=True))
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(1, 300).flatmap(lambda n: st.tuples(
+    st.lists(bitmaps(n), max_size=6), st.lists(st.booleans(), min_size=6, max_size=6),
+    st.sets(st.integers(0, n - 1), min_size=1).map(sorted))))
+def test_few_stretches_cut_the_runs_as_stretches_does(case):
+    """The stretches found in Python, when there are few, are numpy's (`_stretches`)."""
+    maps, complete, chunks = case
+    reps = [Replica(f"w{i}", 0, have, complete=done)
+            for i, (have, done) in enumerate(zip(maps, complete, strict=False))]
+    need = runs(chunks)
+    starts, stops = routing._stretches(reps, need)
+    few = routing._few_stretches(reps, need)
+    lo, hi = need[0][0], need[-1][1]
+    edges = {c for r in reps if not r.complete for c in range(lo + 1, hi)
+             if r.have[c] != r.have[c - 1]}
+    if few is None:     # only where there may be many: many runs, or many edges
+        assert len(need) > routing.FEW_STRETCHES or len(edges) > routing.FEW_STRETCHES
+    else:
+        assert few == (starts.tolist(), stops.tolist())
+        assert all(type(x) is int for x in (*few[0], *few[1]))
