@@ -44,9 +44,10 @@ from weightfabric.fabric.auth import (
     ADMIN,
     CAP_TTL_S,
     Authority,
+    CapabilityBody,
+    MacKey,
     Principal,
     Verified,
-    capability,
     ensure_secret,
     reply_mac,
     scope_of,
@@ -71,6 +72,7 @@ from weightfabric.fabric.hub_messages import (
     ErrorBody,
     KvPutRequest,
     LocateReply,
+    ManifestWire,
     PlanReply,
     RegisterRequest,
     Request,
@@ -106,6 +108,8 @@ STALL_MIN_S = 0.5  # the shortest gap between the loop's looks at its leases tha
 REPLY_CACHE_SIZE = 65_536            # replies kept for retries: at most this many
 REPLY_CACHE_BYTES = 256 * 1024 ** 2  # and at most this many bytes, oldest out first
 MAX_SESSIONS = 1 << 20               # session -> credential bindings kept, oldest out first
+MAX_CAP_KEYS = 4096                  # serving keys kept ready to sign capabilities (`MacKey`)
+MANIFESTS_KEPT = 8                   # plans' manifests kept encoded (`_plan_body`)
 BATCH = 1024                         # requests read per pass of the loop, then timers and polls
 FLUSH_EVERY = 64                     # replies queued at most before they are sent
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)  # no enums
@@ -188,7 +192,12 @@ class HubServer:
             self.authority = Authority(path)
         self.cap_ttl_s = cap_ttl_s
         self.rights = Rights()
-        self._serve_keys: dict[str, bytes] = {}   # worker -> the key its read server checks
+        # worker -> the key its read server checks capabilities with, ready to sign with
+        self._serve_keys: dict[str, MacKey] = {}
+        self._cap_keys: dict[bytes, MacKey] = {}  # serving key -> its MacKey (shared)
+        self._no_key = MacKey(b"")                # a worker that registered unauthenticated
+        # manifests of plans, encoded once: id(wire) -> (wire, its msgpack)
+        self._manifests: dict[int, tuple[ManifestWire, msgspec.Raw]] = {}
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> credential name
         self.state_dir = Path(state_dir) if state_dir is not None else None
         if store is not None and state_dir is not None:
@@ -548,7 +557,7 @@ class HubServer:
         """
         self.rights.wrote(self.state, who, req)
         if isinstance(req, RegisterRequest) and caller is not None:
-            self._serve_keys[req.worker] = serving_key(caller.key)
+            self._serve_keys[req.worker] = self._signer(serving_key(caller.key))
         if isinstance(result, RestoreReply) and refused:
             return msgspec.structs.replace(result, rejected=[*result.rejected, *refused])
         if isinstance(req, StatusRequest) and isinstance(result, dict):
@@ -565,12 +574,28 @@ class HubServer:
         return result
 
     def _with_caps(self, result: Sourced, reader: str) -> Sourced:
-        """``result`` (a plan or locate answer) with a read capability for each source."""
-        scope = scope_of(result.model, result.version)
-        workers = {w: msgspec.structs.replace(src, cap=capability(
-            self._serve_keys.get(w, b""), scope, reader, self.cap_ttl_s))
-            for w, src in result.workers.items()}
-        return msgspec.structs.replace(result, workers=workers)
+        """``result`` (a plan or locate answer) with a read capability for each source.
+
+        The capabilities say the same (this reader, this version, one expiry): their body is
+        encoded once (`CapabilityBody`), and each is signed with its holder's serving key,
+        kept ready to sign with (`MacKey`).
+        """
+        body = CapabilityBody(scope_of(result.model, result.version), reader,
+                              time.time() + self.cap_ttl_s)
+        keys, none = self._serve_keys, self._no_key
+        replace = msgspec.structs.replace
+        workers = {w: replace(src, cap=body.sign(keys.get(w, none)))
+                   for w, src in result.workers.items()}
+        return replace(result, workers=workers)
+
+    def _signer(self, key: bytes) -> MacKey:
+        """``key`` ready to sign with; one per key (workers of one credential share one)."""
+        signer = self._cap_keys.get(key)
+        if signer is None:
+            if len(self._cap_keys) >= MAX_CAP_KEYS:
+                self._cap_keys.clear()
+            signer = self._cap_keys[key] = MacKey(key)
+        return signer
 
     def _finish(self, ident: bytes, key: tuple[str, int], data: bytes,
                 caller: Verified | None, *, cache: bool) -> None:
@@ -720,9 +745,27 @@ class HubServer:
     # --------------------------------------------------------------- replies
     def _reply_bytes(self, req_id: int, body: Answer) -> bytes:
         try:
+            if type(body) is PlanReply and body.manifest is not None:
+                body = self._plan_body(body)
             return encode(REPLY, req_id, self.epoch, "", body, max_size=self.max_message_size)
         except ProtocolError as exc:
             return self._error_bytes(req_id, exc)
+
+    def _plan_body(self, plan: PlanReply) -> PlanReply:
+        """``plan`` with its manifest already encoded, the same bytes.
+
+        Every reader of a version is sent the same manifest object (one checksum per chunk,
+        `fabric.hub.state_fetch`): its msgpack is made once and spliced into each plan
+        (`msgspec.Raw`): 1,024 checksums cost about 10 µs to encode, most of the reply's.
+        """
+        wire = plan.manifest
+        assert wire is not None
+        kept = self._manifests.get(id(wire))
+        if kept is None or kept[0] is not wire:
+            if len(self._manifests) >= MANIFESTS_KEPT:
+                self._manifests.pop(next(iter(self._manifests)))
+            kept = self._manifests[id(wire)] = (wire, msgspec.Raw(msgspec.msgpack.encode(wire)))
+        return msgspec.structs.replace(plan, manifest=kept[1])
 
     def _error_bytes(self, req_id: int, exc: HubError, *,
                      version: int = PROTOCOL_VERSION) -> bytes:
