@@ -220,8 +220,8 @@ class HubIndex:
                     self.pending_retracts.add(key)
         for w in sources - f.sources:
             self.load[w] += 1
-            self.reading.setdefault(w, set()).add(f.fetch_id)
-            self.readers.setdefault((f.model, f.version, f.shard, w), set()).add(f.fetch_id)
+            _put(self.reading, w, f.fetch_id)
+            _put(self.readers, (f.model, f.version, f.shard, w), f.fetch_id)
         f.sources = set(sources)
 
     def check(self, workers: dict[str, Any]) -> None:
@@ -261,6 +261,15 @@ class HubIndex:
         assert readers == self.readers
         assert {k: len(v) for k, v in self.reading.items()} == dict(self.load)
         assert not self.pending_retracts and not self.gc and not self.dirty_models
+
+
+def _put(index: dict, key: Any, item: str) -> None:
+    """Add ``item`` to ``index[key]`` (a set made when the key is new)."""
+    items = index.get(key)
+    if items is None:
+        index[key] = {item}
+    else:
+        items.add(item)
 
 
 def _discard(index: dict, key: Any, item: str) -> bool:

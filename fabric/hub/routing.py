@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from operator import itemgetter
 
 import numpy as np
 
@@ -342,6 +341,7 @@ def _reach(reps: list[Replica], max_sources: int, *, partial_limit: int | None =
     """
     out: list[Replica] = []
     complete = partial = 0
+    enough = max(max_sources, 1)
     for r in reps:
         if r.complete:
             complete += 1
@@ -350,7 +350,7 @@ def _reach(reps: list[Replica], max_sources: int, *, partial_limit: int | None =
         else:
             partial += 1
         out.append(r)
-        if complete >= max(max_sources, 1):
+        if complete >= enough:
             break
     return out
 
@@ -408,9 +408,6 @@ def ranked_replicas(v: VersionRecord, shard: int, reader: Location, *,
             if c.worker in allowed]
 
 
-_RANK = itemgetter(0, 1, 2, 3)
-
-
 def _by_locality(reps: Iterable[Replica], shard: int, reader: Location, *,
                  workers: dict[str, WorkerRecord], load: Counter[str],
                  keep: Callable[[Replica], bool]) -> list[Replica]:
@@ -431,7 +428,7 @@ def _by_locality(reps: Iterable[Replica], shard: int, reader: Location, *,
         same_dc = bool(dc) and dc == at.datacenter     # as `locality_tier`
         tier = 0 if node and node == at.node and (same_dc or not dc) else 1 if same_dc else 2
         keyed.append((tier, load.get(w, 0), not r.complete, w, r))
-    keyed.sort(key=_RANK)
+    keyed.sort()      # worker ids differ: the replicas themselves are never compared
     return [k[4] for k in keyed]
 
 

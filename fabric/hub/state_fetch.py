@@ -32,6 +32,7 @@ from weightfabric.fabric.hub.records import (
     FetchRecord,
     Replica,
     VersionRecord,
+    WorkerRecord,
 )
 from weightfabric.fabric.hub.routing import missing_runs, route, runs
 from weightfabric.fabric.hub.state_base import HubStateBase, _check_shard, log
@@ -217,9 +218,7 @@ class HubFetching(HubStateBase):
         return PlanReply(
             fetch_id=f.fetch_id, model=f.model, version=f.version, shard=f.shard,
             num_shards=v.num_shards, fingerprint=manifest.fingerprint, ranges=ranges,
-            workers={w: PlanSource(location=self.workers[w].location.to_wire(),
-                                   endpoints=self.workers[w].endpoints,
-                                   complete=v.replicas[(w, f.shard)].complete)
+            workers={w: _source(self.workers[w], v.replicas[(w, f.shard)])
                      for w in sorted(named)},
             manifest=_manifest_wire(manifest) if with_manifest else None,
             planned=planned is not None)
@@ -350,6 +349,12 @@ class HubFetching(HubStateBase):
         finished = [k for k, g in self.groups.items() if g.state != GROUP_OPEN]
         for k in finished[:max(0, len(finished) - MAX_FINISHED_GROUPS)]:
             del self.groups[k]
+
+
+def _source(rec: WorkerRecord, rep: Replica) -> PlanSource:
+    """How a plan names worker ``rec`` holding ``rep``."""
+    return PlanSource(location=rec.location.to_wire(), endpoints=rec.endpoints,
+                      complete=rep.complete)
 
 
 def _being_derived(v: VersionRecord) -> bool:
