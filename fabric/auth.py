@@ -478,8 +478,13 @@ class CapabilityBody:
     def __init__(self, scope: str, reader: str, expires: float) -> None:
         body = msgpack.packb([scope, reader, expires])
         self._signed = b"wf-cap" + body
-        # ``[body, mac]`` up to the mac's bytes: the mac is always 32 bytes (bin 8, 0x20)
-        self._head = msgpack.packb([body, b""])[:-2] + b"\xc4\x20"
+        # msgpack's ``[body, mac]`` up to the mac's bytes: an array of 2, ``body`` as bin 8,
+        # 16 or 32, and the mac's header (always 32 bytes: bin 8, 0x20)
+        n = len(body)
+        size = (b"\xc4" + n.to_bytes(1, "big") if n < 1 << 8
+                else b"\xc5" + n.to_bytes(2, "big") if n < 1 << 16
+                else b"\xc6" + n.to_bytes(4, "big"))
+        self._head = b"\x92" + size + body + b"\xc4\x20"
 
     def sign(self, serve_key: MacKey) -> bytes:
         """The capability, signed with a holder's serving key."""

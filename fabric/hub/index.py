@@ -218,10 +218,20 @@ class HubIndex:
                 r = v.replicas.get((w, f.shard)) if v else None
                 if r is not None and r.status == RETRACTING:
                     self.pending_retracts.add(key)
-        for w in sources - f.sources:
+        fid = f.fetch_id
+        for w in sources - f.sources:    # (a set made only for a new key)
             self.load[w] += 1
-            _put(self.reading, w, f.fetch_id)
-            _put(self.readers, (f.model, f.version, f.shard, w), f.fetch_id)
+            ids = self.reading.get(w)
+            if ids is None:
+                self.reading[w] = {fid}
+            else:
+                ids.add(fid)
+            key = (f.model, f.version, f.shard, w)
+            ids = self.readers.get(key)
+            if ids is None:
+                self.readers[key] = {fid}
+            else:
+                ids.add(fid)
         f.sources = set(sources)
 
     def check(self, workers: dict[str, Any]) -> None:
@@ -261,15 +271,6 @@ class HubIndex:
         assert readers == self.readers
         assert {k: len(v) for k, v in self.reading.items()} == dict(self.load)
         assert not self.pending_retracts and not self.gc and not self.dirty_models
-
-
-def _put(index: dict, key: Any, item: str) -> None:
-    """Add ``item`` to ``index[key]`` (a set made when the key is new)."""
-    items = index.get(key)
-    if items is None:
-        index[key] = {item}
-    else:
-        items.add(item)
 
 
 def _discard(index: dict, key: Any, item: str) -> bool:

@@ -48,7 +48,8 @@ def test_a_mac_key_is_hmac_sha256(size):
         assert MacKey(key).mac(data) == hmac.digest(key, data, "sha256")
 
 
-@pytest.mark.parametrize("scope", ["m/v1/s", "a-model-with-a-long-name/" * 12 + "v7/s"])
+@pytest.mark.parametrize("scope", ["m/v1/s", "a-model-with-a-long-name/" * 12 + "v7/s",
+                                   "m" * 70_000 + "/v1/s"])    # body as bin 8, 16 and 32
 def test_a_capability_body_signs_the_bytes_capability_makes(scope):
     key, now = os.urandom(32), 1_000_000.0
     cap = CapabilityBody(scope, "reader-1", now + 30).sign(MacKey(key))
