@@ -213,9 +213,9 @@ def test_every_node_reaches_every_other_and_wan_counters_see_only_wan_traffic(pr
 @needs_netns
 def test_wan_latencies_hold_with_netem_or_the_delay_line(prefix, probe):
     # the probe connects, sends and waits for the count: two round trips at least
-    with emulate(loads_cluster(THREE_DC), scale=1.0, prefix=prefix, delay_line=True) as net, \
-            _servers(net, probe):
-        assert net.shaping["delay_emulated"]
+    with emulate(loads_cluster(THREE_DC), scale=1.0, prefix=prefix, delay_line=True,
+                 congestion="reno") as net, _servers(net, probe):
+        assert net.shaping["delay_emulated"] and net.shaping["congestion"] == "reno"
         assert net.shaping["qdisc"] == "netem" or "delay line" in net.shaping["why"]
         before = net.wan_bytes()
         to_b = _send(net, probe, "a-0", "b-0", 200_000)     # one 10 ms WAN link

@@ -121,6 +121,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "with a userspace delay line (a process per link, a few "
                         "microseconds of CPU per frame: lower --budget to leave the host "
                         "room); the hub then plans with the latencies, windows included")
+    p.add_argument("--congestion", help="TCP congestion control in every namespace, e.g. "
+                                        "cubic or bbr (default: the host's, named in the "
+                                        "JSON's shaping)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -296,6 +299,7 @@ def run_routing(routing: str, net: Any, yaml_path: str, *, trainer: str, readers
 def bench_cluster(name: str, *, scale: float | None, budget: float, size: int, chunk: int,
                   routings: list[str], versions: int, start_bound: float,
                   timeline: str | None = None, prefix: str = PREFIX, delay_line: bool = False,
+                  congestion: str | None = None,
                   on_phase: Callable[[str], None] = lambda name: None,
                   on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Every routing in ``routings`` over one emulated cluster. See the module docstring.
@@ -330,7 +334,7 @@ def bench_cluster(name: str, *, scale: float | None, budget: float, size: int, c
     on_phase("build the namespaces")
     try:
         with emulate(cluster, scale=scale, nodes=[trainer, *readers], prefix=prefix,
-                     delay_line=delay_line) as net, \
+                     delay_line=delay_line, congestion=congestion) as net, \
                 tempfile.TemporaryDirectory(prefix="wf-cluster-") as tmp:
             result["shaping"] = net.shaping
             scaled = emulated(cluster, scale, latency=bool(net.shaping.get("delay_emulated")))
@@ -401,6 +405,7 @@ def _run(args: argparse.Namespace) -> int:
             args.cluster, scale=args.scale, budget=parse_bandwidth(args.budget), size=size,
             chunk=chunk, routings=routings, versions=args.versions,
             start_bound=args.start_bound, timeline=args.timeline, delay_line=args.delay_line,
+            congestion=args.congestion,
             on_phase=lambda name: status.update(name))
     return print_result(result, as_json=args.json, table=_table)
 

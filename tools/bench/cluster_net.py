@@ -297,7 +297,8 @@ class EmulatedCluster:
 
     nodes: dict[str, EmulatedNode]
     shaping: dict[str, Any]
-    """``{"qdisc", "delay_emulated", "why", "scale"}``: how links are shaped."""
+    """``{"qdisc", "delay_emulated", "why", "congestion", "scale"}``: how links are shaped
+    and which TCP congestion control the namespaces run."""
     namespaces: tuple[str, ...]
     """Every namespace made, routers and leaves included."""
     _veths: tuple[_Veth, ...] = field(repr=False)
@@ -363,7 +364,8 @@ class EmulatedCluster:
 
 @contextlib.contextmanager
 def emulate(cluster: Cluster, *, scale: float, nodes: Sequence[str] | None = None,
-            prefix: str = "wfc", delay_line: bool = False) -> Iterator[EmulatedCluster]:
+            prefix: str = "wfc", delay_line: bool = False,
+            congestion: str | None = None) -> Iterator[EmulatedCluster]:
     """Build `cluster`'s network in namespaces (see the module docstring); remove it after.
 
     Args:
@@ -374,6 +376,9 @@ def emulate(cluster: Cluster, *, scale: float, nodes: Sequence[str] | None = Non
         delay_line: where the kernel has no netem, delay each WAN link by its latency with
             a delay line (`tools.bench.delay_line`: a process per link, a few microseconds
             of CPU per frame); the other links' latencies stay unemulated.
+        congestion: TCP congestion control in every namespace (``cubic``, ``bbr``, ...;
+            default: what a new namespace gets here, the host's default); `shaping`
+            names the one in use.
 
     Yields:
         The `EmulatedCluster`.
@@ -390,7 +395,8 @@ def emulate(cluster: Cluster, *, scale: float, nodes: Sequence[str] | None = Non
     remove_leftovers(prefix)
     lines: list[subprocess.Popen] = []
     try:
-        shaping = _build(plan, delay_line=delay_line, processes=lines)
+        shaping = _build(plan, delay_line=delay_line, processes=lines,
+                         congestion=congestion)
         yield EmulatedCluster(nodes=plan.nodes, shaping={**shaping, "scale": scale},
                               namespaces=tuple(plan.namespaces), _veths=tuple(plan.veths))
     finally:
@@ -557,8 +563,8 @@ def _batch(tool: str, ns: str, lines: list[str]) -> str:
     return sh(tool, "-n", ns, "-batch", "-", stdin="\n".join(lines) + "\n")
 
 
-def _build(plan: _Plan, *, delay_line: bool, processes: list[subprocess.Popen]
-           ) -> dict[str, Any]:
+def _build(plan: _Plan, *, delay_line: bool, processes: list[subprocess.Popen],
+           congestion: str | None = None) -> dict[str, Any]:
     """Make the namespaces and links of `plan`; return how links are shaped.
 
     With `delay_line` and no netem, a WAN link with a latency runs through its delay
@@ -588,8 +594,10 @@ def _build(plan: _Plan, *, delay_line: bool, processes: list[subprocess.Popen]
         f"peer name {b_dev} index {101 + 2 * i} netns {b_ns}\n"
         for i, ((a_ns, a_dev), (b_ns, b_dev)) in enumerate(pairs)))
     forward = ("net.ipv4.ip_forward=1",)
+    tcp = (*TCP_SYSCTLS, *((f"net.ipv4.tcp_congestion_control={congestion}",)
+                           if congestion else ()))
     _parallel([*((_batch, "ip", ns, lines) for ns, lines in plan.ip.items()),
-               *((sh, "ip", "netns", "exec", ns, "sysctl", "-qw", *TCP_SYSCTLS,
+               *((sh, "ip", "netns", "exec", ns, "sysctl", "-qw", *tcp,
                   *(forward if ns in plan.forwarding else ())) for ns in plan.ip),
                *((_batch, "ip", ns, [f"link set dev {dev} mtu {MTU} promisc on up"
                                       for dev in ("a", "b")]) for _, ns in through)])
@@ -611,8 +619,10 @@ def _build(plan: _Plan, *, delay_line: bool, processes: list[subprocess.Popen]
         if proc.stdout.readline().strip() != "ready":
             proc.kill()
             raise RuntimeError(f"a delay line did not start: {proc.communicate()[1].strip()}")
+    used = sh("ip", "netns", "exec", plan.namespaces[0], "sysctl", "-n",
+              "net.ipv4.tcp_congestion_control").strip()
     return {"qdisc": "netem" if netem else "tbf", "delay_emulated": netem or bool(through),
-            "why": why}
+            "why": why, "congestion": used}
 
 
 def _wait_for_carrier(plan: _Plan, timeout: float = 10.0) -> None:
