@@ -249,6 +249,15 @@ def test_a_node_link_holds_its_scaled_rate(prefix, probe):
 
 
 @needs_netns
+def test_a_congestion_control_namespaces_may_not_use_is_refused_before_anything_is_built(
+        prefix):
+    with pytest.raises(ValueError, match="not allowed in network namespaces"), \
+            emulate(loads_cluster(ONE_DC), scale=1.0, prefix=prefix, congestion="nosuch"):
+        pass
+    assert _namespaces(prefix) == []
+
+
+@needs_netns
 def test_nothing_is_left_after_an_error_inside_the_block(prefix):
     with pytest.raises(KeyError, match="n-9"), emulate(
             loads_cluster(ONE_DC), scale=1.0, nodes=["n-0", "n-2"], prefix=prefix) as net:

@@ -80,6 +80,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from weightfabric.topology.schema import Cluster, Node, WanLink
@@ -392,6 +393,8 @@ def emulate(cluster: Cluster, *, scale: float, nodes: Sequence[str] | None = Non
     reason = unavailable()
     if reason is not None:
         raise RuntimeError(reason)
+    if congestion is not None:
+        _check_congestion(congestion)
     remove_leftovers(prefix)
     lines: list[subprocess.Popen] = []
     try:
@@ -413,6 +416,17 @@ def remove_leftovers(prefix: str = "wfc") -> list[str]:
     mine = [n for n in names if n.startswith(f"{prefix}-")]
     _delete(mine)
     return mine
+
+
+def _check_congestion(name: str) -> None:
+    """A namespace's TCP congestion control must be one the host allows namespaces."""
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().split()
+    if name not in allowed:
+        raise ValueError(
+            f"TCP congestion control {name!r} is not allowed in network namespaces here "
+            f"(net.ipv4.tcp_allowed_congestion_control = {' '.join(allowed)}; available: "
+            f"{Path('/proc/sys/net/ipv4/tcp_available_congestion_control').read_text().strip()}"
+            "): add it to the allowed list first, or choose another")
 
 
 def _check_prefix(prefix: str) -> None:
