@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+from collections.abc import Callable
+from typing import Any
 
 from weightfabric.fabric.manifest import Manifest, TensorSpec
 
@@ -67,3 +69,24 @@ def reader_address(worker, region: str, reader: str = "test-reader"):
     scope = region[:region.rindex("/s") + 2]
     return replace(worker.server.address,
                    cap=capability(load_credential().serve_key, scope, reader))
+
+
+def capture_replies(server: Any, keep: Callable[[Any, bytes], None]) -> None:
+    """Give `server`, a `HubServer` driven by hand, a socket that keeps its replies.
+
+    Each whole reply it sends goes to ``keep(decoded envelope, raw frame)``.
+    """
+    from weightfabric.fabric.hub import server as server_module
+    from weightfabric.fabric.protocol import decode
+
+    class Sock:
+        frames: list[bytes] = []
+
+        def send(self, data: bytes, flags: int = 0) -> None:
+            self.frames.append(data)
+            if not flags & server_module._SNDMORE:
+                _ident, raw, _auth = self.frames
+                self.frames = []
+                keep(decode(raw), raw)
+
+    server._sock = Sock()

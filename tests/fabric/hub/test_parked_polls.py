@@ -11,12 +11,11 @@ from typing import Any
 
 import msgspec
 import pytest
-from hub_helpers import FakeClock, small_manifest
+from hub_helpers import FakeClock, capture_replies, small_manifest
 
-from weightfabric.fabric.hub import server as server_module
 from weightfabric.fabric.hub.server import HubServer
 from weightfabric.fabric.hub_messages import ManifestWire
-from weightfabric.fabric.protocol import REPLY, REQUEST, decode, encode
+from weightfabric.fabric.protocol import REPLY, REQUEST, encode
 
 _ids = itertools.count(1)
 
@@ -31,19 +30,11 @@ class _Hub:
         self.replies: dict[int, Any] = {}
         sent = self.replies
 
-        class Sock:
-            def send(self, data: bytes, flags: int = 0) -> None:
-                self.frames.append(data)
-                if not flags & server_module._SNDMORE:
-                    _ident, raw, _auth = self.frames
-                    self.frames = []
-                    msg = decode(raw)
-                    body = msgspec.msgpack.decode(msg.body)
-                    sent[msg.req_id] = body if msg.kind == REPLY else ("error", msg.name, body)
+        def keep(msg: Any, raw: bytes) -> None:
+            body = msgspec.msgpack.decode(msg.body)
+            sent[msg.req_id] = body if msg.kind == REPLY else ("error", msg.name, body)
 
-            frames: list[bytes] = []
-
-        self.server._sock = Sock()  # type: ignore[assignment]
+        capture_replies(self.server, keep)
 
     def ask(self, session: str, op: str, args: dict[str, Any], req_id: int | None = None) -> int:
         """Send a request; returns its id (its reply, if any, is in ``replies`` after `step`)."""

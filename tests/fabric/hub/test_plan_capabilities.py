@@ -20,7 +20,7 @@ from typing import Any
 import msgpack
 import msgspec
 import pytest
-from hub_helpers import small_manifest
+from hub_helpers import capture_replies, small_manifest
 
 from weightfabric.fabric.auth import (
     Authority,
@@ -32,10 +32,9 @@ from weightfabric.fabric.auth import (
     load_credential,
     serving_key,
 )
-from weightfabric.fabric.hub import server as server_module
 from weightfabric.fabric.hub.server import HubServer
 from weightfabric.fabric.hub_messages import ManifestWire, PlanReply
-from weightfabric.fabric.protocol import REPLY, REQUEST, decode, encode
+from weightfabric.fabric.protocol import REPLY, REQUEST, encode
 
 _ids = itertools.count(1)
 TTL = 600.0
@@ -72,18 +71,10 @@ class _Hub:
         self.replies: dict[int, Any] = {}
         sent = self.replies
 
-        class Sock:
-            frames: list[bytes] = []
+        def keep(msg: Any, raw: bytes) -> None:
+            sent[msg.req_id] = (msg.kind, raw, msgspec.msgpack.decode(msg.body))
 
-            def send(self, data: bytes, flags: int = 0) -> None:
-                self.frames.append(data)
-                if not flags & server_module._SNDMORE:
-                    _ident, raw, _auth = self.frames
-                    self.frames = []
-                    msg = decode(raw)
-                    sent[msg.req_id] = (msg.kind, raw, msgspec.msgpack.decode(msg.body))
-
-        self.server._sock = Sock()  # type: ignore[assignment]
+        capture_replies(self.server, keep)
 
     def ask(self, cred: Credential, session: str, op: str, args: dict[str, Any]) -> dict:
         rid = next(_ids)
