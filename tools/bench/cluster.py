@@ -35,8 +35,8 @@ measured version:
   frames, control traffic and TCP retransmissions included);
 - ``drops`` and ``retransmitted`` (the last measured version; diagnostics): packets each
   shaped link's queue dropped, per direction, and TCP segments each node retransmitted
-  (at most `cluster_net.MSS` bytes each), where not 0: a retransmission crosses every
-  link up to the queue that dropped it again.
+  (each at most the MTU less 52 bytes of headers), where not 0: a retransmission
+  crosses every link up to the queue that dropped it again.
 
 A routing's figures are the median over its measured versions. Needs root and
 iproute2; without them it prints why and exits 0.

@@ -102,8 +102,6 @@ read, which a real fabric does not)."""
 MTU = 9000
 """Every link's MTU: jumbo frames, as datacenter fabrics run (fewer packets per byte for
 the host to shape and copy, 0.6 % of headers instead of 3.6 %)."""
-MSS = MTU - 52
-"""TCP payload of a full frame (IPv4 and TCP headers, TCP timestamps on)."""
 TCP_SYSCTLS = ("net.ipv4.tcp_slow_start_after_idle=0",)
 """Set in every namespace: a connection idle while its reader waits for a relay's next
 chunk keeps its window (as tuned hosts do), instead of starting slow again."""
