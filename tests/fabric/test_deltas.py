@@ -197,9 +197,10 @@ def test_the_holder_of_the_base_dying_mid_fetch_leaves_the_reader_to_another(on_
 
     def dying(worker):
         def send_delta(*args, **kwargs):  # the first peer asked goes down mid-read
-            if once.acquire(blocking=False):
-                died.append(worker.name)
-                worker.server.close()
+            if worker.name in died or once.acquire(blocking=False):
+                if worker.name not in died:   # and serves nothing after, not even a read
+                    died.append(worker.name)  # whose connection it had accepted before
+                    worker.server.close()
                 raise ConnectionError("killed")
             return type(worker.server)._send_delta(worker.server, *args, **kwargs)
         return send_delta
