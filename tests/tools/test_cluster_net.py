@@ -210,6 +210,15 @@ def test_every_node_reaches_every_other_and_wan_counters_see_only_wan_traffic(pr
     assert _namespaces(prefix) == []
 
 
+@pytest.mark.parametrize("argv", [[], ["a", "b"], ["a", "b", "soon"], ["a", "b", "-1"],
+                                  ["a", "b", "nan"]])
+def test_the_delay_line_refuses_bad_arguments_before_it_opens_anything(argv, capsys):
+    from weightfabric.tools.bench.delay_line import main as delay_line
+
+    assert delay_line(argv) == 2
+    assert "DELAY_S" in capsys.readouterr().err
+
+
 @needs_netns
 def test_wan_latencies_hold_with_netem_or_the_delay_line(prefix, probe):
     # the probe connects, sends and waits for the count: two round trips at least

@@ -51,36 +51,33 @@ def open_end(dev: str) -> socket.socket:
     return sock
 
 
-def run(dev_a: str, dev_b: str, delay: float, *, ready: bool = True) -> None:
+def run(dev_a: str, dev_b: str, delay: float) -> None:
     """Bridge ``dev_a`` and ``dev_b``, every frame held ``delay`` seconds. Never returns."""
     if not delay >= 0:
         raise ValueError(f"delay must be >= 0 seconds, got {delay}")
-    ends = {dev_a: open_end(dev_a), dev_b: open_end(dev_b)}
-    peer = {ends[dev_a].fileno(): ends[dev_b], ends[dev_b].fileno(): ends[dev_a]}
-    held: dict[int, collections.deque[tuple[float, bytes]]] = {
-        fd: collections.deque() for fd in peer}
-    if ready:
-        print("ready", flush=True)
+    a, b = open_end(dev_a), open_end(dev_b)
+    # per direction: the socket frames arrive on, the one they leave by, those held
+    lanes = {sock.fileno(): (sock, out, collections.deque[tuple[float, bytes]]())
+             for sock, out in ((a, b), (b, a))}
+    print("ready", flush=True)
     while True:
         now = time.monotonic()
-        due = min((q[0][0] for q in held.values() if q), default=now + 1.0)
-        readable, _, _ = select.select(list(peer), [], [], max(0.0, due - now))
+        due = min((held[0][0] for _, _, held in lanes.values() if held), default=now + 1.0)
+        readable, _, _ = select.select(list(lanes), [], [], max(0.0, due - now))
         now = time.monotonic()
         for fd in readable:
-            sock = ends[dev_a] if ends[dev_a].fileno() == fd else ends[dev_b]
+            sock, _, held = lanes[fd]
             while True:
                 try:
-                    frame = sock.recv(MAX_FRAME)
+                    held.append((now + delay, sock.recv(MAX_FRAME)))
                 except BlockingIOError:
                     break
-                held[fd].append((now + delay, frame))
         now = time.monotonic()
-        for fd, queue in held.items():
-            while queue and queue[0][0] <= now:
-                _, frame = queue.popleft()
+        for _, out, held in lanes.values():
+            while held and held[0][0] <= now:
                 # a full queue on the far side drops the frame, as a wire would
                 with contextlib.suppress(OSError):
-                    peer[fd].send(frame)
+                    out.send(held.popleft()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,9 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m weightfabric.tools.bench.delay_line DEV_A DEV_B DELAY_S",
               file=sys.stderr)
         return 2
+    try:
+        delay = float(args[2])
+    except ValueError:
+        delay = -1.0
+    if not delay >= 0:
+        print(f"DELAY_S must be a number of seconds >= 0, got {args[2]!r}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     try:
-        run(args[0], args[1], float(args[2]))
+        run(args[0], args[1], delay)
     except KeyboardInterrupt:
         return 0
     return 0
