@@ -345,7 +345,11 @@ class HubServer:
             log.info("hub stopped url=%s", self.url)
 
     def _drain(self, sock: zmq.Socket) -> None:
-        """Handle the requests that are ready, at most `BATCH` (then timers get their turn)."""
+        """Handle the requests that are ready, at most `BATCH` (then timers get their turn).
+
+        A pass that leaves requests waiting stops the lease clock until a pass finds none
+        (`HubState.backlogged`): heartbeats may be waiting behind a burst of plans.
+        """
         recv, more = sock.recv, sock.get
         for _ in range(BATCH):
             try:
@@ -353,8 +357,10 @@ class HubServer:
                 while more(_RCVMORE):
                     frames.append(recv(_NOBLOCK))
             except zmq.Again:
+                self.state.backlogged(False)
                 return
             self._guarded(self._handle, frames)
+        self.state.backlogged(True)
 
     def _tick(self) -> None:
         self._check_role()

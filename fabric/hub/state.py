@@ -42,7 +42,7 @@ Invariants (checked by ``tests/fabric/hub/test_hub_state_machine.py`` after ever
   the indexes live in `fabric.hub.index`, leases and publish claims in `fabric.hub.leases`).
 
 Liveness: every operation first expires leases against the lease clock (`lease_clock`,
-which stops while the hub stalls); the server also calls `expire` on a timer. An
+which stops while the hub stalls or is behind its requests, `backlogged`); the server also calls `expire` on a timer. An
 expired worker's replicas leave every plan and its fetches end; fetches that could
 read from it learn so in their next heartbeat.
 """
@@ -140,6 +140,7 @@ class HubState(HubWorkers, HubRestoring, HubPublishing, HubFetching, HubQueries)
         self._index = HubIndex(self.models, self.fetches)
         self.stall_after = stall_after
         self._stalled, self._lease_now = 0.0, -math.inf   # see `lease_clock`
+        self._behind_since: float | None = None            # see `backlogged`
         self._last_read = time.monotonic()                # real time: a stall is real
         self._leases = Leases(self.lease_clock, self.lease_s)
         for name, policy in {**durable.policies, **(policies or {})}.items():

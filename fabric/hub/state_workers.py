@@ -33,6 +33,7 @@ class HubWorkers(HubStateBase):
     stall_after: float | None
     _stalled: float
     _last_read: float
+    _behind_since: float | None
 
     def register(self, worker: str, *, session: str, location: Location | None = None,
                  endpoints: Endpoints | None = None) -> RegisterReply:
@@ -197,8 +198,34 @@ class HubWorkers(HubStateBase):
             if real - self._last_read > self.stall_after:
                 self.forgive_stall(real - self._last_read)
             self._last_read = real
-        self._lease_now = max(self._lease_now, self.clock() - self._stalled)
+        now = self.clock() - self._stalled
+        if self._behind_since is not None:    # stopped while the hub is behind (`backlogged`)
+            now = min(now, self._behind_since)
+        self._lease_now = max(self._lease_now, now)
         return self._lease_now
+
+    def backlogged(self, behind: bool) -> None:
+        """Stop the lease clock while the hub is ``behind`` the requests waiting for it.
+
+        The server says so after each pass over its socket (`HubServer._drain`): behind when
+        the pass ended with requests still waiting. Heartbeats may be among them, so no
+        lease ends and no publish claim lapses for time the hub spent catching up; the
+        clock goes on from where it stopped once a pass finds nothing waiting. (A hub that
+        never catches up keeps dead workers as long.)
+        """
+        lease_now = self.clock() - self._stalled
+        if behind:
+            if self._behind_since is None:
+                self._behind_since = lease_now
+            return
+        if self._behind_since is None:
+            return
+        behind_s = lease_now - self._behind_since
+        self._stalled += max(0.0, behind_s)
+        self._behind_since = None
+        if behind_s > self.lease_s / 3 and self.workers:
+            log.warning("hub was behind its requests for %.1f s; leases and publish claims "
+                        "stopped as long", behind_s)
 
     def forgive_stall(self, stalled_s: float) -> None:
         """Stop the lease clock for the ``stalled_s`` s the hub looked at no lease.

@@ -165,6 +165,18 @@ class HubMachine(RuleBasedStateMachine):
         self.hub.forgive_stall(dt)
         assert self.hub.expire() == []
 
+    @rule(dt=st.floats(0, 3 * LEASE))
+    def hub_behind(self, dt: float) -> None:
+        """The hub is behind its requests for ``dt`` (its server says so, then catches up).
+
+        Nobody is dropped meanwhile, and orphans wait that much longer.
+        """
+        self.hub.backlogged(True)
+        self.clock.advance(dt)
+        assert self.hub.expire() == []
+        self.hub.backlogged(False)
+        assert self.hub.expire() == []
+
     @rule(m=st.sampled_from(MODELS), w=st.sampled_from(WORKERS))
     def publish_reply_lost(self, m: str, w: str) -> None:
         """begin_publish runs but its reply never reaches the client.
