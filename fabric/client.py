@@ -495,18 +495,27 @@ class HubClient:
                   wait_s: float) -> Message:
         deadline = time.monotonic() + limit
         attempt = 0
+        macs: list[bytes] = []     # each try's: the answer to any of them is taken
+        # One hub, reached over TCP: zmq reconnects a connection on its own (to a restarted
+        # hub too), so every try goes on the same one. (``memory://`` does not reconnect.)
+        single = len(self.urls) == 1 and not self.url.startswith("memory://")
         while True:
             sock = self._socket(channel)
-            frames, mac = [data], b""
+            frames = [data]
             if self.credential is not None:   # signed again at each try: a fresh timestamp
                 auth, mac = self.credential.sign(data)
                 frames.append(auth)
+                macs.append(mac)
             with contextlib.suppress(zmq.Again):
                 sock.send_multipart(frames, zmq.NOBLOCK)
-            # A hub answers in milliseconds: a silent one is given 2 s, or 1 s when another
-            # hub of the service may lead instead (a failover then costs one short try).
-            per_try = max(wait_s + min(2.0 if len(self.urls) == 1 else 1.0,
-                                       self.timeout / 3), 0.5)
+            # A hub answers in milliseconds: a silent one is given 2 s, then twice as long at
+            # each try on the same connection (a hub behind a burst of requests answers them
+            # in turn; resending sooner only queues more work behind them), or 1 s when
+            # another hub of the service may lead instead (a failover then costs one short try).
+            per_try = max(wait_s + min(1.0 if len(self.urls) > 1 else 2.0, self.timeout / 3),
+                          0.5)
+            if single:
+                per_try *= 2 ** attempt
             try_end = min(deadline, time.monotonic() + per_try)
             while True:
                 left = try_end - time.monotonic()
@@ -521,7 +530,7 @@ class HubClient:
                 except Exception as exc:
                     log.warning("undecodable reply dropped: %s", exc)
                     continue
-                if msg.req_id == req_id and self._authentic(msg, raw, rest, mac):
+                if msg.req_id == req_id and self._authentic(msg, raw, rest, macs):
                     return msg
             if time.monotonic() >= deadline:
                 # Drop the queued request so it cannot reach a hub that comes back later
@@ -531,6 +540,8 @@ class HubClient:
                                       f"{limit:g} s ({attempt + 1} attempts); it may be down "
                                       "or overloaded")
             attempt += 1
+            if single:   # the same connection: the hub may be slow, not gone
+                continue
             tried = self._socks[channel][1]
             self._reset_socket(channel)
             backoff = 0.05 * 2 ** attempt
@@ -539,10 +550,11 @@ class HubClient:
                 backoff = min(backoff, 0.2)
             time.sleep(min(backoff, 1.0, max(0.0, deadline - time.monotonic())))
 
-    def _authentic(self, msg: Message, raw: bytes, rest: list[bytes], mac: bytes) -> bool:
-        """Whether to take reply ``msg``: the hub signed it for this request (unless insecure).
+    def _authentic(self, msg: Message, raw: bytes, rest: list[bytes], macs: list[bytes]
+                   ) -> bool:
+        """Whether to take reply ``msg``: signed for one of this request's tries (``macs``).
 
-        An unsigned refusal (``unauthenticated``) is taken: the caller raises it.
+        Without a credential (insecure) every reply is taken. An unsigned refusal (``unauthenticated``) is taken: the caller raises it.
 
         Raises:
             AuthenticationError: the hub answered unsigned: it runs without authentication.
@@ -556,7 +568,7 @@ class HubClient:
             raise AuthenticationError(
                 f"the hub at {self.url} answered without signing its reply: it runs with "
                 "--insecure (or is not the hub); connect with insecure=True to trust it")
-        if self.credential.check_reply(auth, mac, raw):
+        if any(self.credential.check_reply(auth, mac, raw) for mac in macs):
             return True
         log.warning("a reply from %s not signed for this request was dropped", self.url)
         return False

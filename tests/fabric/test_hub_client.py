@@ -569,6 +569,52 @@ def test_a_client_of_several_hubs_moves_on_from_a_silent_one_and_from_standbys()
             pass
 
 
+def test_a_client_takes_a_slow_hubs_answer_to_an_earlier_try() -> None:
+    """A hub behind its requests answers a try later than the try waits: it is taken.
+
+    The client resends on the same connection (waiting twice as long each time) and takes
+    the answer to any of its tries. Here the hub answers only the first try, once the
+    second has come: a client that dropped its connection at each try never got it.
+    """
+    import msgpack
+
+    from weightfabric.fabric.auth import load_credential, reply_mac
+    from weightfabric.fabric.protocol import REPLY, decode, encode
+
+    key = load_credential().key
+    router = make_socket(zmq.ROUTER, max_message_size=1 << 20)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    tries: list[list[bytes]] = []
+
+    def answer(frames: list[bytes], body: dict[str, Any]) -> None:
+        ident, payload, auth = frames
+        reply = encode(REPLY, decode(payload).req_id, "epoch-1", "", body)
+        router.send_multipart([ident, reply, reply_mac(key, msgpack.unpackb(auth)[2], reply)])
+
+    def hub() -> None:
+        while len(tries) < 2 and router.poll(15_000):
+            frames = router.recv_multipart()
+            if decode(frames[1]).name == "ping":       # `connect` asks first
+                answer(frames, {})
+            else:
+                tries.append(frames)
+        if len(tries) == 2:
+            answer(tries[0], {"version": None})
+
+    answering = threading.Thread(target=hub, daemon=True)
+    answering.start()
+    try:
+        with wf.connect(f"tcp://127.0.0.1:{port}", timeout=8) as c:
+            start = time.monotonic()
+            assert c.latest("m") is None
+            took = time.monotonic() - start
+        answering.join(5)
+        assert len(tries) == 2 and tries[0][0] == tries[1][0], "a new connection per try"
+        assert 2.0 <= took < 3.0, took
+    finally:
+        router.close(0)
+
+
 def test_a_workers_requests_renew_its_lease_as_heartbeats_do(hub, clock, clients) -> None:
     # A reader busy fetching sends no heartbeat of its own (`heartbeat_due`): its plans,
     # reports and completion keep it alive; a worker that sends nothing still expires.

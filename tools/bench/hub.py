@@ -276,6 +276,12 @@ BROADCAST_MODEL = "broadcast"
 BROADCAST_CHUNK_SIZE = 16 << 20   # `fabric.tensorset.DEFAULT_CHUNK_SIZE`
 READERS_PER_PROCESS = 2500
 """Simulated readers per process (one DEALER socket each, polled with epoll)."""
+CLIENT_TIMEOUT_S = 10.0
+"""`fabric.client.connect`'s default ``timeout``: a call not answered by then fails."""
+FIRST_TRY_S = 2.0
+"""How long `HubClient` waits for an answer before it sends the request again (on the
+same connection, each try waiting twice as long as the one before, the answer to any try
+taken)."""
 _LAT_BASE = math.log(1.02)        # latency histograms: buckets 2 % wide
 
 
@@ -290,7 +296,10 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
 
     The hub runs alone in a child process (authentication on, a secret made for the run),
     the readers in ``procs`` others (one DEALER socket each, every request signed and
-    every reply's signature checked, as `HubClient` does). A publisher (a real
+    every reply's signature checked, and a request not answered within `FIRST_TRY_S`
+    sent again, each try waiting twice as long, until `CLIENT_TIMEOUT_S`, as `HubClient`
+    does; a reader's heartbeats go one at a time, as its heartbeat thread sends them). A
+    publisher (a real
     `HubClient`) registers, then the readers register (not counted) and start heartbeats
     every ``lease_s / 3``. After a baseline window (heartbeats only), the publisher begins
     and commits a version of ``chunks`` chunks; each reader, told of it as soon as it is
@@ -427,6 +436,8 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
                                   "max": max(reports, default=0),
                                   "total": sum(reports)},
             "errors": dict(errors),
+            "resends": sum(r["resends"] for r in results),
+            "timeouts": sum(r["timeouts"] for r in results),
         }
     finally:
         if publisher is not None:
@@ -609,7 +620,11 @@ class _Readers:
         self.poll.register(sys.stdin.fileno(), select.EPOLLIN)
         self.check: set[int] = set(range(self.n))
         self.req = [0] * self.n
-        self.pending: dict[tuple[int, int], tuple[str, float, bytes]] = {}
+        # (reader, request id) -> (op, sent, payload, each try's MAC), as `HubClient` tries
+        self.pending: dict[tuple[int, int], tuple[str, float, bytes, list[bytes]]] = {}
+        self.resends = 0
+        self.timeouts = 0
+        self.beating = [False] * self.n    # a heartbeat on its way (the client waits for it)
         # heartbeats as `HubClient` sends them (`fabric.client.heartbeat_due`)
         from weightfabric.fabric.client import heartbeat_due
         from weightfabric.fabric.hub_messages import RENEWS_LEASE
@@ -655,8 +670,31 @@ class _Readers:
         payload = encode(REQUEST, rid, f"s-{self.worker(i)}", op, args)
         frame, mac = self.cred.sign(payload)
         self.socks[i].send_multipart([payload, frame])
-        self.pending[(i, rid)] = (op, time.monotonic(), mac)
+        now = time.monotonic()
+        self.pending[(i, rid)] = (op, now, payload, [mac])
+        if op != "wait_version":      # a long poll's try lasts its wait (10 s) and more
+            self.at(now + FIRST_TRY_S, i, f"try:{rid}")
         self.check.add(i)
+
+    def try_again(self, i: int, rid: int, now: float) -> None:
+        """No answer yet to request ``rid``: send it again, or fail it at the client's timeout."""
+        got = self.pending.get((i, rid))
+        if got is None:
+            return
+        op, sent, payload, macs = got
+        if now - sent >= CLIENT_TIMEOUT_S:
+            del self.pending[(i, rid)]
+            self.timeouts += 1
+            self.errors[f"{op}: no answer within {CLIENT_TIMEOUT_S:g} s"] += 1
+            self.on_reply(i, op, None, ok=False)
+            return
+        frame, mac = self.cred.sign(payload)      # a fresh timestamp, as each try
+        self.socks[i].send_multipart([payload, frame])
+        macs.append(mac)
+        self.resends += 1
+        self.check.add(i)
+        self.at(min(sent + CLIENT_TIMEOUT_S, now + FIRST_TRY_S * 2 ** (len(macs) - 1)), i,
+                f"try:{rid}")
 
     def pump(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for replies, and handle them."""
@@ -681,9 +719,10 @@ class _Readers:
                 got = self.pending.pop((i, msg.req_id), None)
                 if got is None:
                     continue
-                op, sent, mac = got
+                op, sent, _, macs = got
                 now = time.monotonic()
-                if not self.cred.check_reply(frame, mac, raw) and (msg.kind == 2 or frame):
+                if (not any(self.cred.check_reply(frame, mac, raw) for mac in macs)
+                        and (msg.kind == 2 or frame)):
                     raise RuntimeError("a reply not signed for its request")
                 if msg.kind == 2 and op in self.renewing:
                     self.renewed[i] = max(self.renewed[i], sent)
@@ -747,7 +786,11 @@ class _Readers:
                                       "timeout": 10.0})
 
     def on_timer(self, i: int, kind: str, now: float) -> None:
-        if kind == "heartbeat":   # as `HubClient._heartbeat_loop`: due, or pushed back
+        if kind.startswith("try:"):
+            self.try_again(i, int(kind[4:]), now)
+        elif kind == "heartbeat" and self.beating[i]:   # its thread still waits for the last
+            self.at(now + 0.25, i, "heartbeat")
+        elif kind == "heartbeat":   # as `HubClient._heartbeat_loop`: due, or pushed back
             interval = self.cfg["lease_s"] / 3
             due = self.heartbeat_due(self.last_beat[i], self.renewed[i], interval,
                                      publishing=False)
@@ -756,6 +799,7 @@ class _Readers:
                 return
             self.last_beat[i] = now
             self.send(i, "heartbeat", {"worker": self.worker(i), "publishing": []})
+            self.beating[i] = True
             self.at(now + interval, i, "heartbeat")
         elif kind == "begin":
             self.send(i, "begin_fetch", {"worker": self.worker(i), "model": self.cfg["model"],
@@ -768,7 +812,9 @@ class _Readers:
             self.finish(i)
 
     def on_reply(self, i: int, op: str, msg: Any, *, ok: bool) -> None:
-        if op == "register":
+        if op == "heartbeat":
+            self.beating[i] = False
+        elif op == "register":
             self.registered += ok   # heartbeats from now on, as a client's thread does
             interval = self.cfg["lease_s"] / 3
             first = time.monotonic() + self.rng.uniform(0, interval)   # spread the phases
@@ -855,7 +901,7 @@ class _Readers:
     def result(self) -> dict[str, Any]:
         return {"hist": self.hist, "bins": self.bins, "errors": self.errors,
                 "completed": self.completed, "last_complete": self.last_complete,
-                "reports": self.sent}
+                "reports": self.sent, "resends": self.resends, "timeouts": self.timeouts}
 
     def close(self) -> None:
         for s in self.socks:
