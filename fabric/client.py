@@ -214,6 +214,8 @@ class FetchPlan:
     workers: dict[str, SourceInfo]
     planned: bool = False
     """The ranges follow the version's broadcast plan (`PlanReply.planned`)."""
+    max_reports: int | None = None
+    """Milestone progress reports the hub asks of this fetch at most (`PlanReply.max_reports`)."""
 
     @classmethod
     def from_reply(cls, reply: PlanReply, manifest: Manifest | None = None) -> FetchPlan:
@@ -237,7 +239,8 @@ class FetchPlan:
                          for r in reply.ranges),
                    {w: SourceInfo(w, Location.from_wire(i.location), i.endpoints, i.complete,
                                   i.cap)
-                    for w, i in reply.workers.items()}, planned=reply.planned)
+                    for w, i in reply.workers.items()}, planned=reply.planned,
+                   max_reports=reply.max_reports)
 
     def chunks(self) -> list[int]:
         """Every chunk index this plan covers."""

@@ -111,7 +111,9 @@ class FetchPlanner(Protocol):
         without it hears of none.
         """
 
-    # Also optional: ``planned`` (bool attribute, `HubPlanner.planned`): the assignments
+    # Also optional: ``max_reports`` (int or None, `HubPlanner.max_reports`): milestone
+    # reports the planner asks for at most, below `FetchOptions.max_reports`;
+    # ``planned`` (bool attribute, `HubPlanner.planned`): the assignments
     # follow a broadcast plan, and the engine keeps a read in flight for each; and
     # ``completes`` (bool attribute, `HubPlanner.completes`): the fetch is completed at the
     # planner's side right after it returns (the hub's ``complete_fetch`` records every
@@ -615,17 +617,24 @@ class _FetchRun:
         ``max_reports`` K, only K times before the last report, none on its way: when the
         chunks this call verified reach the next of ``target * m / (K + 1)`` (m = 1..K),
         or when the fetch is ``waiting`` (no chunk came for `IDLE_REPORT_S`: a reader held
-        up by a partial source tells what it has meanwhile).
+        up by a partial source tells what it has meanwhile). A planner's ``max_reports``
+        (the hub's budget, `HubPlanner.max_reports`) lowers K for the milestones; reports
+        while waiting count against the engine's own K only.
         """
         if time.monotonic() - self.last_report < self.options.report_interval:
             return False
-        most = self.options.max_reports
-        if most is None:
+        own = self.options.max_reports
+        asked = getattr(self.planner, "max_reports", None)
+        if own is None and asked is None:
             return True
-        if self.mid_reports >= most or (self.reporting is not None
-                                        and not self.reporting.done()):
+        if (own is not None and self.mid_reports >= own) or (self.reporting is not None
+                                                             and not self.reporting.done()):
             return False
-        return waiting or self.stats.chunks * (most + 1) >= (self.mid_reports + 1) * self.target
+        if waiting:
+            return True
+        most = min(k for k in (own, asked) if k is not None)
+        return (self.mid_reports < most
+                and self.stats.chunks * (most + 1) >= (self.mid_reports + 1) * self.target)
 
     def flush_reports(self, *, wait: bool = False, rest: bool = True) -> None:
         """Report every chunk verified and not reported yet, on the reporter thread.

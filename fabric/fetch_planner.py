@@ -103,6 +103,16 @@ class HubPlanner:
         return out
 
     @property
+    def max_reports(self) -> int | None:
+        """Milestone reports the hub asks of this fetch at most (None: the engine's own).
+
+        The hub shares a budget of reports among a shard's fetches in flight
+        (`fabric.hub.state_fetch.REPORT_BUDGET`): with thousands of readers at once, the
+        later ones report only when they complete (or when held up, `IDLE_REPORT_S`).
+        """
+        return self.current.max_reports
+
+    @property
     def planned(self) -> bool:
         """Whether the hub routes this fetch along the version's broadcast plan.
 

@@ -227,6 +227,9 @@ class PlanReply(Reply, frozen=True, kw_only=True):
     planned: bool = False
     """The ranges follow the version's broadcast plan (`fabric.hub.planned`): each names
     the one upstream of a stripe tree's part, all of which carry bytes at once."""
+    max_reports: int | None = None
+    """Progress reports at chunk milestones the hub asks of this fetch at most, before its
+    last (the reader's `FetchOptions.max_reports` caps it too); None: the reader's own."""
 
 
 class LocateReply(Reply, frozen=True, kw_only=True):

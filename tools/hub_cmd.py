@@ -87,6 +87,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default 2)")
     p.add_argument("--lease", type=_seconds, default=10.0,
                    help="seconds a worker stays alive without heartbeat (default 10)")
+    p.add_argument("--report-budget", type=_budget, default=-1, metavar="N|none",
+                   help="progress reports the fetches of one shard in flight are asked for "
+                        "in all: each plan allows N / (fetches in flight), so a broadcast "
+                        "to thousands costs the hub a bounded number of reports (default "
+                        "2000, REPORT_BUDGET in fabric/hub/state_fetch.py; 'none': as many "
+                        "as readers send, 2 each by default)")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="log level (default INFO)")
@@ -172,6 +178,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _budget(text: str) -> int | None:
+    """``none`` or a number >= 0 for argparse."""
+    if text.lower() == "none":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0 or 'none'")
+    return int(text)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from weightfabric.fabric.hub.planned import PlanRouter, plan_router
     from weightfabric.fabric.hub.server import HubServer
@@ -189,6 +204,8 @@ def _serve(args: argparse.Namespace) -> int:
 
             rank_sources = topology_ranker(args.cluster)
         extra: dict[str, Any] = {} if args.cap_ttl is None else {"cap_ttl_s": args.cap_ttl}
+        if args.report_budget != -1:
+            extra["report_budget"] = args.report_budget
         if args.metrics_port is not None:
             extra.update(metrics_port=args.metrics_port, metrics_host=args.metrics_host)
         scheme = "curve" if args.encrypt else "tcp"

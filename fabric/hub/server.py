@@ -66,7 +66,7 @@ from weightfabric.fabric.hub.persist import DurableState
 from weightfabric.fabric.hub.planned import PlanRouter
 from weightfabric.fabric.hub.record_store import DirRecords, MemoryRecords, RecordStore
 from weightfabric.fabric.hub.rights import Rights
-from weightfabric.fabric.hub.state import DEFAULT_LEASE_S, HubState
+from weightfabric.fabric.hub.state import DEFAULT_LEASE_S, REPORT_BUDGET, HubState
 from weightfabric.fabric.hub_messages import (
     DeriveReply,
     ErrorBody,
@@ -158,6 +158,8 @@ class HubServer:
             `start` or `serve_forever` until `stop` (`fabric.metrics`; the ``metrics``
             extra); read ``metrics_url``. None (default): none.
         metrics_host: the address the metrics are served on.
+        report_budget: progress reports one shard's fetches in flight are asked for in all
+            (`fabric.hub.state.REPORT_BUDGET` by default; None: as many as readers send).
 
     Raises:
         ValueError: the state file is corrupt, the state dir cannot be created or
@@ -176,7 +178,8 @@ class HubServer:
                  max_message_size: int = MAX_MESSAGE_SIZE,
                  secret_file: str | Path | None = None, insecure: bool = False,
                  cap_ttl_s: float = CAP_TTL_S, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1") -> None:
+                 metrics_host: str = "127.0.0.1",
+                 report_budget: int | None = REPORT_BUDGET) -> None:
         if metrics_port is not None:
             from weightfabric.fabric.metrics import require
 
@@ -216,7 +219,8 @@ class HubServer:
             rank_sources = plan_routing.ranker if plan_routing is not None else rank_by_locality
         self._new_state = functools.partial(
             HubState, clock=clock, lease_s=lease_s, rank_sources=rank_sources,
-            stall_after=max(lease_s / 3, STALL_MIN_S), plan_routing=plan_routing)
+            stall_after=max(lease_s / 3, STALL_MIN_S), plan_routing=plan_routing,
+            report_budget=report_budget)
         # A hub of a service starts as a standby: it loads the records when it wins.
         self.state = self._new_state(durable=self.records.load() if self.service is None
                                      else DurableState())
@@ -834,7 +838,8 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
           rank_sources: RankSources | None = None, plan_routing: PlanRouter | None = None,
           max_message_size: int = MAX_MESSAGE_SIZE, secret_file: str | Path | None = None,
           insecure: bool = False, cap_ttl_s: float = CAP_TTL_S,
-          metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> HubServer:
+          metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+          report_budget: int | None = REPORT_BUDGET) -> HubServer:
     """Start a hub on a background thread.
 
     Args:
@@ -848,6 +853,7 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
             `fabric.auth.default_secret_path` (created if missing).
         metrics_port, metrics_host: serve Prometheus metrics over HTTP (`HubServer`;
             port 0: the OS picks, read ``server.metrics_url``).
+        report_budget: see `HubServer`.
 
     Returns:
         The running `HubServer`; call ``stop()`` (or use it as a context manager).
@@ -862,7 +868,8 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
                      rank_sources=rank_sources, plan_routing=plan_routing,
                      max_message_size=max_message_size,
                      secret_file=secret_file, insecure=insecure, cap_ttl_s=cap_ttl_s,
-                     metrics_port=metrics_port, metrics_host=metrics_host).start()
+                     metrics_port=metrics_port, metrics_host=metrics_host,
+                     report_budget=report_budget).start()
 
 
 __all__ = ["HubServer", "serve"]

@@ -71,6 +71,7 @@ from weightfabric.fabric.hub.records import (
     WorkerRecord,
 )
 from weightfabric.fabric.hub.state_fetch import MAX_FINISHED_GROUPS as MAX_FINISHED_GROUPS
+from weightfabric.fabric.hub.state_fetch import REPORT_BUDGET as REPORT_BUDGET
 from weightfabric.fabric.hub.state_fetch import HubFetching
 from weightfabric.fabric.hub.state_publish import (
     MAX_CHUNKS,
@@ -105,6 +106,9 @@ class HubState(HubWorkers, HubRestoring, HubPublishing, HubFetching, HubQueries)
             stalled (`forgive_stall`). None: never.
         plan_routing: plans each version's broadcast over a cluster and routes its planned
             readers along it (`fabric.hub.planned`); None: every plan is ranked.
+        report_budget: progress reports the fetches of one shard in flight are asked for
+            in all, at most (each plan says ``max_reports``: this over the fetches in flight,
+            `fabric.hub.state_fetch`); None: as many as the readers send.
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
@@ -112,9 +116,13 @@ class HubState(HubWorkers, HubRestoring, HubPublishing, HubFetching, HubQueries)
                  max_sources: int = 4, next_versions: dict[str, int] | None = None,
                  policies: dict[str, RetentionPolicy] | None = None,
                  durable: DurableState | None = None, stall_after: float | None = None,
-                 plan_routing: PlanRouter | None = None) -> None:
+                 plan_routing: PlanRouter | None = None,
+                 report_budget: int | None = REPORT_BUDGET) -> None:
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        if report_budget is not None and report_budget < 0:
+            raise ValueError(f"report_budget must be >= 0, got {report_budget}")
+        self.report_budget = report_budget
         self.clock = clock
         self.lease_s = float(lease_s)
         self.rank_sources = rank_sources
@@ -167,4 +175,4 @@ class HubState(HubWorkers, HubRestoring, HubPublishing, HubFetching, HubQueries)
 
 
 __all__ = ["DEFAULT_LEASE_S", "MAX_CHUNKS", "MAX_KV_KEY", "MAX_KV_KEYS", "MAX_KV_VALUE",
-           "HubState", "check_manifest_size", "derived_base", "parse_holding"]
+           "REPORT_BUDGET", "HubState", "check_manifest_size", "derived_base", "parse_holding"]

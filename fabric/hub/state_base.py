@@ -65,6 +65,7 @@ class HubStateBase:
     lease_s: float
     rank_sources: RankSources
     max_sources: int
+    report_budget: int | None
     plan_routing: PlanRouter | None
     workers: dict[str, WorkerRecord]
     models: dict[str, ModelRecord]

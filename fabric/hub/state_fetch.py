@@ -21,6 +21,7 @@ from weightfabric.fabric.errors import (
     UnknownFetchError,
     UnknownVersionError,
 )
+from weightfabric.fabric.hub.index import ReplicaPool
 from weightfabric.fabric.hub.planned import PlanRouter, VersionPlan
 from weightfabric.fabric.hub.records import (
     COMMITTED,
@@ -49,6 +50,13 @@ from weightfabric.fabric.hub_messages import (
 from weightfabric.fabric.manifest import Manifest
 
 MAX_FINISHED_GROUPS = 4096
+REPORT_BUDGET = 2000
+"""Progress reports a shard's fetches in flight are asked for in all (`HubState`'s
+``report_budget``). A report costs the hub about 0.1-0.2 ms, so a shard's reports cost
+it about half a CPU-second at most however many read it: up to 1,000 readers at once each
+send the 2 an engine sends by default (`FetchOptions.max_reports`); of 10,000 at once the
+first 1,000 to begin send 2, the next 1,000 one and the rest none, 3,000 in all
+(docs/hub.md, "Progress and pipelining")."""
 
 
 class HubFetching(HubStateBase):
@@ -221,7 +229,20 @@ class HubFetching(HubStateBase):
             workers={w: _source(self.workers[w], v.replicas[(w, f.shard)])
                      for w in sorted(named)},
             manifest=_manifest_wire(manifest) if with_manifest else None,
-            planned=planned is not None)
+            planned=planned is not None, max_reports=self._reports_wanted(v, f.shard, pool))
+
+    def _reports_wanted(self, v: VersionRecord, shard: int, pool: ReplicaPool | None
+                        ) -> int | None:
+        """The progress reports (before its last) a fetch of ``shard`` planned now may send.
+
+        `report_budget` over the shard's fetches in flight (its partial replicas), this one
+        included; None without a budget.
+        """
+        if self.report_budget is None:
+            return None
+        replicas = len(pool) if pool is not None else sum(1 for _, s in v.replicas if s == shard)
+        fetching = replicas - len(v.complete_live.get(shard, ()))
+        return self.report_budget // max(1, fetching)
 
     def _version_plan(self, f: FetchRecord) -> tuple[PlanRouter, VersionPlan] | None:
         """The plan router and broadcast plan routing fetch ``f``, when its reader is planned."""

@@ -95,6 +95,26 @@ def test_a_fetch_of_many_chunks_reports_at_most_k_times_then_the_rest(holder, mo
         assert len(reports) == 1
 
 
+class Budgeted(Completing):
+    """A planner that asks for fewer milestone reports (as the hub's budget does)."""
+
+    def __init__(self, source: Source, asked: int) -> None:
+        super().__init__(source)
+        self.max_reports = asked
+
+
+@hard_timeout(60)
+@pytest.mark.parametrize("own,asked,most", [(2, 0, 0), (2, 1, 1), (1, 5, 1), (None, 1, 1)])
+def test_the_planner_can_ask_for_fewer_milestone_reports(holder, own, asked, most):
+    """The smaller of the engine's K and the planner's ``max_reports`` bounds them."""
+    source, transport = holder
+    planner = Budgeted(source, asked)
+    fetch(planner, transport, replace(ONE_BY_ONE, max_reports=own))
+    assert min(most, 1) <= len(planner.reports) <= most
+    told = [c for r in planner.reports for c in r]
+    assert told == list(range(len(told))) and len(told) < NUM_CHUNKS
+
+
 @hard_timeout(60)
 def test_a_fetch_waiting_on_a_partial_source_reports_what_it_has(holder):
     """10 of 120 chunks there (below the first milestone, 40): reported while it waits.

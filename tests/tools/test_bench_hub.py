@@ -7,11 +7,13 @@ report as the fetch engine does. No figure is checked: they are the benchmark's.
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 from timeouts import hard_timeout
 
+from weightfabric.fabric.client import connect
 from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.tools.bench import hub as bench
 from weightfabric.tools.cli import main
@@ -35,6 +37,22 @@ def test_broadcast_json_has_the_hub_s_cost_and_every_reader_completes(capsys):
     assert out["p99_ms"] == max(out["latency_ms"]["begin_fetch"]["p99"],
                                 out["latency_ms"]["complete_fetch"]["p99"])
     assert 1 <= out["reports_per_fetch"]["max"] <= FetchOptions().max_reports
+    assert out["resends"] == out["timeouts"] == 0
+
+
+def test_the_readers_report_within_the_hub_s_budget(capsys):
+    """A budget of 10 reports for 20 readers: the first 5 to begin send 2, the rest fewer."""
+    with hard_timeout(120):
+        assert main(["bench", "hub", "--broadcast", "20", "--fetch-seconds", "0.5",
+                     "--lease", "3", "--report-budget", "10", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["completed"] == 20 and out["errors"] == {}
+    assert out["reports_per_fetch"]["min"] == 0
+    assert out["reports_per_fetch"]["total"] <= 2 * 5 + 5
+
+
+def test_the_simulated_readers_retry_as_the_client_does():
+    assert inspect.signature(connect).parameters["timeout"].default == bench.CLIENT_TIMEOUT_S
 
 
 def test_the_simulated_readers_report_as_the_engine_does():

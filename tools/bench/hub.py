@@ -79,6 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--max-reports", default=None, metavar="K|none",
                    help="progress reports per fetch before the last one (default: the "
                         "engine's; none: every interval, as before)")
+    b.add_argument("--report-budget", default=None, metavar="N|none",
+                   help="the hub's budget of progress reports per shard (default: the hub's, "
+                        "as `fabric hub serve`; none: as many as readers send)")
     b.add_argument("--reader-procs", type=int, default=None,
                    help=f"processes simulating the readers (default 1 per "
                         f"{READERS_PER_PROCESS})")
@@ -291,6 +294,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
                     report_interval: float = ENGINE_REPORT_INTERVAL,
                     max_reports: int | None = ENGINE_MAX_REPORTS,
                     sync: bool = False, baseline_s: float | None = None,
+                    report_budget: int | None | str = "hub",
                     profile: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
     """One version broadcast to ``readers`` simulated readers; the hub's cost of it.
 
@@ -311,7 +315,8 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
     ``report_interval`` s and a last report), then ``complete_fetch``. With ``sync`` the
     readers learn of the version as `ModelStore.sync` does instead: each parks a
     ``wait_version`` before the version and parks a new one after its fetch (the hub
-    holds them all).
+    holds them all). The hub's ``report_budget`` is its default (``"hub"``) or this
+    (`HubServer`); each plan's ``max_reports`` caps the reader's.
 
     Measured from the begin_publish to the last ``complete_fetch`` answered: the hub
     process's CPU seconds (``/proc``), the operations answered per second (heartbeats
@@ -340,7 +345,8 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
     sampler = None
     try:
         hub = _spawn(["_hub_main", json.dumps({"lease_s": lease_s, "secret_file": str(secret),
-                                               "profile": profile, "cpus": hub_cpus})],
+                                               "profile": profile, "cpus": hub_cpus,
+                                               "report_budget": report_budget})],
                      tmp / "hub.log", env, stdin=subprocess.DEVNULL)
         children.append(hub)
         url = _line(hub, deadline, tmp / "hub.log").strip()
@@ -418,7 +424,8 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
             "chunks": chunks, "read_chunks": read_chunks, "fetch_seconds": fetch_seconds,
             "start_spread": start_spread, "lease_s": lease_s, "sync": sync,
             "hub_cpus": hub_cpus, "reader_cpus": reader_cpus,
-            "report_policy": {"report_interval": report_interval, "max_reports": max_reports},
+            "report_policy": {"report_interval": report_interval, "max_reports": max_reports,
+                              "hub_report_budget": report_budget},
             "version_seconds": round(window, 3),
             "hub_cpu_s_per_version": round(hub_cpu, 3),
             "hub_cpu_baseline_per_s": round(baseline, 4),
@@ -554,7 +561,9 @@ def _hub_main() -> None:
     logging.basicConfig(level=logging.WARNING)
     from weightfabric.fabric.hub.server import HubServer
 
-    hub = HubServer("tcp://127.0.0.1:0", lease_s=cfg["lease_s"], secret_file=cfg["secret_file"])
+    budget = {} if cfg["report_budget"] == "hub" else {"report_budget": cfg["report_budget"]}
+    hub = HubServer("tcp://127.0.0.1:0", lease_s=cfg["lease_s"], secret_file=cfg["secret_file"],
+                    **budget)
     signal.signal(signal.SIGTERM, lambda *_: hub.stop(timeout=0))
     # CPU time of the hub's thread (not wall time: the readers share the machine)
     prof = cProfile.Profile(time.thread_time) if cfg.get("profile") else None
@@ -645,6 +654,7 @@ class _Readers:
         self.dt = float(cfg["fetch_seconds"]) / self.nreads
         self.interval = float(cfg["report_interval"])
         self.max_reports = cfg["max_reports"]
+        self.most: list[int | None] = [self.max_reports] * self.n   # with the plan's limit
         self.version = [0] * self.n
         self.t0 = [0.0] * self.n          # when its plan came
         self.k = [0] * self.n             # reads counted at the last report attempt
@@ -831,6 +841,9 @@ class _Readers:
             if not ok:
                 self.done[i] = True
                 return
+            asked = msgspec.msgpack.decode(msg.body).get("max_reports")   # the hub's budget
+            limits = [k for k in (self.max_reports, asked) if k is not None]
+            self.most[i] = min(limits) if limits else None
             self.t0[i] = self.last[i] = time.monotonic()
             self.schedule_report(i)
             self.at(self.t0[i] + self.nreads * self.dt, i, "end")
@@ -853,10 +866,11 @@ class _Readers:
         """The next read after which the engine would send a report (none: the end)."""
         k = max(self.k[i] + 1, self.reported[i] // self.rc + 1,
                 math.ceil((self.last[i] + self.interval - self.t0[i]) / self.dt - 1e-9))
-        if self.max_reports is not None:
-            if self.sent[i] >= self.max_reports:
+        most = self.most[i]
+        if most is not None:
+            if self.sent[i] >= most:
                 return
-            milestone = math.ceil((self.sent[i] + 1) * self.chunks / (self.max_reports + 1))
+            milestone = math.ceil((self.sent[i] + 1) * self.chunks / (most + 1))
             k = max(k, math.ceil(milestone / self.rc))
         if k < self.nreads:
             self.at(self.t0[i] + k * self.dt, i, "report")
@@ -955,6 +969,13 @@ def _run_broadcast(args: argparse.Namespace) -> int:
         else:
             raise BadInput(f"--max-reports takes a number >= 0 or 'none', not "
                            f"{args.max_reports!r}")
+    budget: int | None | str = "hub"
+    if args.report_budget is not None:
+        text = args.report_budget.lower()
+        if text != "none" and not text.isdigit():
+            raise BadInput(f"--report-budget takes a number >= 0 or 'none', not "
+                           f"{args.report_budget!r}")
+        budget = None if text == "none" else int(text)
     interval = ENGINE_REPORT_INTERVAL if args.report_interval is None else args.report_interval
     if (args.broadcast < 1 or (args.chunks is not None and args.chunks < 1)
             or args.read_chunks < 1 or args.fetch_seconds < 0 or args.lease <= 0
@@ -967,7 +988,8 @@ def _run_broadcast(args: argparse.Namespace) -> int:
                           chunks=args.chunks or 1024, read_chunks=args.read_chunks,
                           lease_s=args.lease, procs=args.reader_procs,
                           start_spread=args.start_spread, report_interval=interval,
-                          max_reports=max_reports, sync=args.sync, profile=args.profile)
+                          max_reports=max_reports, sync=args.sync, report_budget=budget,
+                          profile=args.profile)
     if args.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK

@@ -170,3 +170,23 @@ def test_the_default_ranking_plans_what_ranking_candidates_plans():
         both("plan", w, w, session=w, exclude=["trainer"])
     for s in states:
         s._check_indexes()
+
+
+def test_plans_share_a_budget_of_progress_reports_among_the_fetches_in_flight():
+    """Each plan asks for ``report_budget`` over the shard's fetches in flight, itself in."""
+    state = HubState(lease_s=3600, report_budget=12)
+    v = broadcast(state, readers=20)
+    asked = [state.begin_fetch("m", v, f"r{i}", session=f"r{i}", fetch_id=f"r{i}").max_reports
+             for i in range(20)]
+    assert asked == [12 // n for n in range(1, 21)]
+    assert sum(min(2, k or 0) for k in asked) <= 2 * 12   # what engines of K=2 send at most
+    for i in range(15):          # completed replicas are not fetching: the share grows
+        state.complete_fetch(f"r{i}", f"r{i}", session=f"r{i}")
+    state.register("late", session="late", location=where(0))
+    assert state.begin_fetch("m", v, "late", session="late", fetch_id="late").max_reports == 2
+    assert state.plan("late", "late", session="late").max_reports == 2   # a re-plan too
+    unlimited = HubState(lease_s=3600, report_budget=None)
+    v = broadcast(unlimited, readers=1)
+    assert unlimited.begin_fetch("m", v, "r0", session="r0", fetch_id="r0").max_reports is None
+    with pytest.raises(ValueError, match="report_budget"):
+        HubState(report_budget=-1)
