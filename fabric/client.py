@@ -649,6 +649,7 @@ class HubClient:
                                  if h.publisher and h.state == "publishing"})
         out = self.request(HeartbeatRequest(worker=self._me(), publishing=publishing),
                            HeartbeatReply, channel=channel)  # registers again if need be
+        self.lease_s = out.lease_s     # a hub with many workers lengthens it (heartbeat_rate)
         for fid, workers in out.lost.items():  # a new set: fetches read it unlocked
             self.lost[fid] = self.lost.get(fid, set()) | set(workers)
         self.retired.update(out.retired)

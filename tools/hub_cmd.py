@@ -87,6 +87,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default 2)")
     p.add_argument("--lease", type=_seconds, default=10.0,
                    help="seconds a worker stays alive without heartbeat (default 10)")
+    p.add_argument("--heartbeat-rate", type=_rate, default=-1.0, metavar="N|none",
+                   help="heartbeats per second the workers' leases ask for at most: beyond "
+                        "N x lease / 3 workers the lease grows, so the hub's idle cost stays "
+                        "bounded (default 1000, HEARTBEAT_RATE in fabric/hub/state.py: "
+                        "10,000 workers get 30 s; 'none': the lease as given)")
     p.add_argument("--report-budget", type=_budget, default=-1, metavar="N|none",
                    help="progress reports the fetches of one shard in flight are asked for "
                         "in all: each plan allows N / (fetches in flight), so a broadcast "
@@ -187,6 +192,19 @@ def _budget(text: str) -> int | None:
     return int(text)
 
 
+def _rate(text: str) -> float | None:
+    """``none`` or a positive, finite number for argparse."""
+    if text.lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number or 'none'")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     from weightfabric.fabric.hub.planned import PlanRouter, plan_router
     from weightfabric.fabric.hub.server import HubServer
@@ -206,6 +224,8 @@ def _serve(args: argparse.Namespace) -> int:
         extra: dict[str, Any] = {} if args.cap_ttl is None else {"cap_ttl_s": args.cap_ttl}
         if args.report_budget != -1:
             extra["report_budget"] = args.report_budget
+        if args.heartbeat_rate != -1.0:
+            extra["heartbeat_rate"] = args.heartbeat_rate
         if args.metrics_port is not None:
             extra.update(metrics_port=args.metrics_port, metrics_host=args.metrics_host)
         scheme = "curve" if args.encrypt else "tcp"

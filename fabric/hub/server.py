@@ -66,7 +66,12 @@ from weightfabric.fabric.hub.persist import DurableState
 from weightfabric.fabric.hub.planned import PlanRouter
 from weightfabric.fabric.hub.record_store import DirRecords, MemoryRecords, RecordStore
 from weightfabric.fabric.hub.rights import Rights
-from weightfabric.fabric.hub.state import DEFAULT_LEASE_S, REPORT_BUDGET, HubState
+from weightfabric.fabric.hub.state import (
+    DEFAULT_LEASE_S,
+    HEARTBEAT_RATE,
+    REPORT_BUDGET,
+    HubState,
+)
 from weightfabric.fabric.hub_messages import (
     DeriveReply,
     ErrorBody,
@@ -160,6 +165,9 @@ class HubServer:
         metrics_host: the address the metrics are served on.
         report_budget: progress reports one shard's fetches in flight are asked for in all
             (`fabric.hub.state.REPORT_BUDGET` by default; None: as many as readers send).
+        heartbeat_rate: heartbeats per second the leases ask for at most: with more than
+            ``heartbeat_rate * lease_s / 3`` workers the lease grows
+            (`fabric.hub.state.HEARTBEAT_RATE` by default; None: never).
 
     Raises:
         ValueError: the state file is corrupt, the state dir cannot be created or
@@ -179,7 +187,8 @@ class HubServer:
                  secret_file: str | Path | None = None, insecure: bool = False,
                  cap_ttl_s: float = CAP_TTL_S, metrics_port: int | None = None,
                  metrics_host: str = "127.0.0.1",
-                 report_budget: int | None = REPORT_BUDGET) -> None:
+                 report_budget: int | None = REPORT_BUDGET,
+                 heartbeat_rate: float | None = HEARTBEAT_RATE) -> None:
         if metrics_port is not None:
             from weightfabric.fabric.metrics import require
 
@@ -220,7 +229,7 @@ class HubServer:
         self._new_state = functools.partial(
             HubState, clock=clock, lease_s=lease_s, rank_sources=rank_sources,
             stall_after=max(lease_s / 3, STALL_MIN_S), plan_routing=plan_routing,
-            report_budget=report_budget)
+            report_budget=report_budget, heartbeat_rate=heartbeat_rate)
         # A hub of a service starts as a standby: it loads the records when it wins.
         self.state = self._new_state(durable=self.records.load() if self.service is None
                                      else DurableState())
@@ -839,7 +848,8 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
           max_message_size: int = MAX_MESSAGE_SIZE, secret_file: str | Path | None = None,
           insecure: bool = False, cap_ttl_s: float = CAP_TTL_S,
           metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-          report_budget: int | None = REPORT_BUDGET) -> HubServer:
+          report_budget: int | None = REPORT_BUDGET,
+          heartbeat_rate: float | None = HEARTBEAT_RATE) -> HubServer:
     """Start a hub on a background thread.
 
     Args:
@@ -853,7 +863,7 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
             `fabric.auth.default_secret_path` (created if missing).
         metrics_port, metrics_host: serve Prometheus metrics over HTTP (`HubServer`;
             port 0: the OS picks, read ``server.metrics_url``).
-        report_budget: see `HubServer`.
+        report_budget, heartbeat_rate: see `HubServer`.
 
     Returns:
         The running `HubServer`; call ``stop()`` (or use it as a context manager).
@@ -869,7 +879,7 @@ def serve(url: str = "tcp://127.0.0.1:0", *, state_dir: str | Path | None = None
                      max_message_size=max_message_size,
                      secret_file=secret_file, insecure=insecure, cap_ttl_s=cap_ttl_s,
                      metrics_port=metrics_port, metrics_host=metrics_host,
-                     report_budget=report_budget).start()
+                     report_budget=report_budget, heartbeat_rate=heartbeat_rate).start()
 
 
 __all__ = ["HubServer", "serve"]

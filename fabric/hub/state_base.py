@@ -66,6 +66,7 @@ class HubStateBase:
     rank_sources: RankSources
     max_sources: int
     report_budget: int | None
+    heartbeat_rate: float | None
     plan_routing: PlanRouter | None
     workers: dict[str, WorkerRecord]
     models: dict[str, ModelRecord]

@@ -34,6 +34,7 @@ class HubWorkers(HubStateBase):
     _stalled: float
     _last_read: float
     _behind_since: float | None
+    heartbeat_rate: float | None
 
     def register(self, worker: str, *, session: str, location: Location | None = None,
                  endpoints: Endpoints | None = None) -> RegisterReply:
@@ -52,6 +53,8 @@ class HubWorkers(HubStateBase):
                 f"worker id {worker!r} is already registered by another live client "
                 f"(lease ends in {rec.expires - self.lease_clock():.1f} s); pick a unique "
                 "worker id")
+        if rec is None:
+            self._fit_lease(len(self.workers) + 1)
         self.workers[worker] = WorkerRecord(worker, session, location or Location(),
                                             dict(endpoints or {}),
                                             self.lease_clock() + self.lease_s)
@@ -60,6 +63,23 @@ class HubWorkers(HubStateBase):
             log.info("worker registered worker=%s location=%s", worker, location)
         self._touch()
         return RegisterReply(lease_s=self.lease_s)
+
+    def _fit_lease(self, workers: int) -> None:
+        """Lengthen the lease so that ``workers`` heartbeating every lease/3 stay in budget.
+
+        With ``heartbeat_rate`` R, the lease is at least 3 x workers / R (10,000 workers at
+        the default 1,000/s: 30 s). It never shortens while the hub runs, so leases still
+        end in the order they were renewed (`Leases`); clients take the lease from the
+        replies to their registration and heartbeats.
+        """
+        if self.heartbeat_rate is None:
+            return
+        wanted = 3.0 * workers / self.heartbeat_rate
+        if wanted > self.lease_s:
+            if int(wanted) > int(self.lease_s):     # a line per second of lease added
+                log.info("lease now %.1f s for %d workers (heartbeats at most %g/s)",
+                         wanted, workers, self.heartbeat_rate)
+            self.lease_s = self._leases.lease_s = wanted
 
     def heartbeat(self, worker: str, *, session: str,
                   publishing: list[tuple[str, int]] | None = None) -> HeartbeatReply:

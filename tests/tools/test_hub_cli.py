@@ -213,16 +213,18 @@ def test_serve_rejects_an_unusable_state_dir_before_binding(tmp_path) -> None:
     (["--lease", "nan"], "positive, finite number of seconds"),
     (["--lease", "0"], "positive, finite number of seconds"),
     (["--report-budget", "-3"], "not a number >= 0 or 'none'"),
+    (["--heartbeat-rate", "0"], "not a positive number or 'none'"),
 ])
 def test_serve_rejects_bad_options_with_exit_2(args: list[str], what: str) -> None:
     result = fabric_cli("hub", "serve", *args)
     assert result.returncode == 2 and what in result.stderr
 
 
-def test_serve_help_states_the_report_budget_the_hub_defaults_to(capsys) -> None:
-    from weightfabric.fabric.hub.state import REPORT_BUDGET
+def test_serve_help_states_the_hub_s_budgets(capsys) -> None:
+    from weightfabric.fabric.hub.state import HEARTBEAT_RATE, REPORT_BUDGET
     from weightfabric.tools.cli import main
 
     with pytest.raises(SystemExit):
         main(["hub", "serve", "--help"])
-    assert f"(default {REPORT_BUDGET}," in " ".join(capsys.readouterr().out.split())
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"(default {REPORT_BUDGET}," in shown and f"(default {HEARTBEAT_RATE:g}," in shown

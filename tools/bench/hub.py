@@ -82,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--report-budget", default=None, metavar="N|none",
                    help="the hub's budget of progress reports per shard (default: the hub's, "
                         "as `fabric hub serve`; none: as many as readers send)")
+    b.add_argument("--heartbeat-rate", default=None, metavar="N|none",
+                   help="heartbeats per second the hub's leases ask for at most (default: "
+                        "the hub's, as `fabric hub serve`; none: the lease as given)")
     b.add_argument("--reader-procs", type=int, default=None,
                    help=f"processes simulating the readers (default 1 per "
                         f"{READERS_PER_PROCESS})")
@@ -295,6 +298,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
                     max_reports: int | None = ENGINE_MAX_REPORTS,
                     sync: bool = False, baseline_s: float | None = None,
                     report_budget: int | None | str = "hub",
+                    heartbeat_rate: float | None | str = "hub",
                     profile: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
     """One version broadcast to ``readers`` simulated readers; the hub's cost of it.
 
@@ -315,8 +319,9 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
     ``report_interval`` s and a last report), then ``complete_fetch``. With ``sync`` the
     readers learn of the version as `ModelStore.sync` does instead: each parks a
     ``wait_version`` before the version and parks a new one after its fetch (the hub
-    holds them all). The hub's ``report_budget`` is its default (``"hub"``) or this
-    (`HubServer`); each plan's ``max_reports`` caps the reader's.
+    holds them all). The hub's ``report_budget`` and ``heartbeat_rate`` are its defaults
+    (``"hub"``) or these (`HubServer`); each plan's ``max_reports`` caps the reader's, and
+    readers heartbeat every third of the lease the hub's last reply granted.
 
     Measured from the begin_publish to the last ``complete_fetch`` answered: the hub
     process's CPU seconds (``/proc``), the operations answered per second (heartbeats
@@ -346,7 +351,8 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
     try:
         hub = _spawn(["_hub_main", json.dumps({"lease_s": lease_s, "secret_file": str(secret),
                                                "profile": profile, "cpus": hub_cpus,
-                                               "report_budget": report_budget})],
+                                               "report_budget": report_budget,
+                                               "heartbeat_rate": heartbeat_rate})],
                      tmp / "hub.log", env, stdin=subprocess.DEVNULL)
         children.append(hub)
         url = _line(hub, deadline, tmp / "hub.log").strip()
@@ -425,7 +431,8 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
             "start_spread": start_spread, "lease_s": lease_s, "sync": sync,
             "hub_cpus": hub_cpus, "reader_cpus": reader_cpus,
             "report_policy": {"report_interval": report_interval, "max_reports": max_reports,
-                              "hub_report_budget": report_budget},
+                              "hub_report_budget": report_budget,
+                              "hub_heartbeat_rate": heartbeat_rate},
             "version_seconds": round(window, 3),
             "hub_cpu_s_per_version": round(hub_cpu, 3),
             "hub_cpu_baseline_per_s": round(baseline, 4),
@@ -443,6 +450,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
                                   "max": max(reports, default=0),
                                   "total": sum(reports)},
             "errors": dict(errors),
+            "lease_s_granted": max(r["lease_s"] for r in results),
             "resends": sum(r["resends"] for r in results),
             "timeouts": sum(r["timeouts"] for r in results),
         }
@@ -561,7 +569,7 @@ def _hub_main() -> None:
     logging.basicConfig(level=logging.WARNING)
     from weightfabric.fabric.hub.server import HubServer
 
-    budget = {} if cfg["report_budget"] == "hub" else {"report_budget": cfg["report_budget"]}
+    budget = {k: cfg[k] for k in ("report_budget", "heartbeat_rate") if cfg[k] != "hub"}
     hub = HubServer("tcp://127.0.0.1:0", lease_s=cfg["lease_s"], secret_file=cfg["secret_file"],
                     **budget)
     signal.signal(signal.SIGTERM, lambda *_: hub.stop(timeout=0))
@@ -634,6 +642,7 @@ class _Readers:
         self.resends = 0
         self.timeouts = 0
         self.beating = [False] * self.n    # a heartbeat on its way (the client waits for it)
+        self.lease = [float(cfg["lease_s"])] * self.n   # as the hub's last reply said
         # heartbeats as `HubClient` sends them (`fabric.client.heartbeat_due`)
         from weightfabric.fabric.client import heartbeat_due
         from weightfabric.fabric.hub_messages import RENEWS_LEASE
@@ -801,7 +810,7 @@ class _Readers:
         elif kind == "heartbeat" and self.beating[i]:   # its thread still waits for the last
             self.at(now + 0.25, i, "heartbeat")
         elif kind == "heartbeat":   # as `HubClient._heartbeat_loop`: due, or pushed back
-            interval = self.cfg["lease_s"] / 3
+            interval = self.lease[i] / 3
             due = self.heartbeat_due(self.last_beat[i], self.renewed[i], interval,
                                      publishing=False)
             if now < due:
@@ -822,11 +831,13 @@ class _Readers:
             self.finish(i)
 
     def on_reply(self, i: int, op: str, msg: Any, *, ok: bool) -> None:
+        if ok and op in ("register", "heartbeat"):   # the lease the hub grants (it grows)
+            self.lease[i] = float(msgspec.msgpack.decode(msg.body)["lease_s"])
         if op == "heartbeat":
             self.beating[i] = False
         elif op == "register":
             self.registered += ok   # heartbeats from now on, as a client's thread does
-            interval = self.cfg["lease_s"] / 3
+            interval = self.lease[i] / 3
             first = time.monotonic() + self.rng.uniform(0, interval)   # spread the phases
             self.last_beat[i] = first - interval
             self.renewed[i] = -math.inf
@@ -915,7 +926,8 @@ class _Readers:
     def result(self) -> dict[str, Any]:
         return {"hist": self.hist, "bins": self.bins, "errors": self.errors,
                 "completed": self.completed, "last_complete": self.last_complete,
-                "reports": self.sent, "resends": self.resends, "timeouts": self.timeouts}
+                "reports": self.sent, "resends": self.resends, "timeouts": self.timeouts,
+                "lease_s": max(self.lease)}
 
     def close(self) -> None:
         for s in self.socks:
@@ -976,6 +988,16 @@ def _run_broadcast(args: argparse.Namespace) -> int:
             raise BadInput(f"--report-budget takes a number >= 0 or 'none', not "
                            f"{args.report_budget!r}")
         budget = None if text == "none" else int(text)
+    rate: float | None | str = "hub"
+    if args.heartbeat_rate is not None:
+        text = args.heartbeat_rate.lower()
+        try:
+            rate = None if text == "none" else float(text)
+        except ValueError:
+            rate = -1.0
+        if rate is not None and not 0 < float(rate) < math.inf:
+            raise BadInput(f"--heartbeat-rate takes a number > 0 or 'none', not "
+                           f"{args.heartbeat_rate!r}")
     interval = ENGINE_REPORT_INTERVAL if args.report_interval is None else args.report_interval
     if (args.broadcast < 1 or (args.chunks is not None and args.chunks < 1)
             or args.read_chunks < 1 or args.fetch_seconds < 0 or args.lease <= 0
@@ -989,6 +1011,7 @@ def _run_broadcast(args: argparse.Namespace) -> int:
                           lease_s=args.lease, procs=args.reader_procs,
                           start_spread=args.start_spread, report_interval=interval,
                           max_reports=max_reports, sync=args.sync, report_budget=budget,
+                          heartbeat_rate=rate,
                           profile=args.profile)
     if args.json:
         print(json.dumps(out, indent=2))
