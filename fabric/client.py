@@ -557,7 +557,8 @@ class HubClient:
                    ) -> bool:
         """Whether to take reply ``msg``: signed for one of this request's tries (``macs``).
 
-        Without a credential (insecure) every reply is taken. An unsigned refusal (``unauthenticated``) is taken: the caller raises it.
+        Without a credential (insecure) every reply is taken. An unsigned refusal
+        (``unauthenticated``) is taken: the caller raises it.
 
         Raises:
             AuthenticationError: the hub answered unsigned: it runs without authentication.

@@ -87,12 +87,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default 2)")
     p.add_argument("--lease", type=_seconds, default=10.0,
                    help="seconds a worker stays alive without heartbeat (default 10)")
-    p.add_argument("--heartbeat-rate", type=_rate, default=-1.0, metavar="N|none",
+    p.add_argument("--heartbeat-rate", type=_rate, default=argparse.SUPPRESS, metavar="N|none",
                    help="heartbeats per second the workers' leases ask for at most: beyond "
                         "N x lease / 3 workers the lease grows, so the hub's idle cost stays "
                         "bounded (default 1000, HEARTBEAT_RATE in fabric/hub/state.py: "
                         "10,000 workers get 30 s; 'none': the lease as given)")
-    p.add_argument("--report-budget", type=_budget, default=-1, metavar="N|none",
+    p.add_argument("--report-budget", type=_budget, default=argparse.SUPPRESS,
+                   metavar="N|none",
                    help="progress reports the fetches of one shard in flight are asked for "
                         "in all: each plan allows N / (fetches in flight), so a broadcast "
                         "to thousands costs the hub a bounded number of reports (default "
@@ -222,10 +223,9 @@ def _serve(args: argparse.Namespace) -> int:
 
             rank_sources = topology_ranker(args.cluster)
         extra: dict[str, Any] = {} if args.cap_ttl is None else {"cap_ttl_s": args.cap_ttl}
-        if args.report_budget != -1:
-            extra["report_budget"] = args.report_budget
-        if args.heartbeat_rate != -1.0:
-            extra["heartbeat_rate"] = args.heartbeat_rate
+        for given in ("report_budget", "heartbeat_rate"):   # else the hub's defaults
+            if given in vars(args):
+                extra[given] = vars(args)[given]
         if args.metrics_port is not None:
             extra.update(metrics_port=args.metrics_port, metrics_host=args.metrics_host)
         scheme = "curve" if args.encrypt else "tcp"

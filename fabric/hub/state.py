@@ -42,9 +42,9 @@ Invariants (checked by ``tests/fabric/hub/test_hub_state_machine.py`` after ever
   the indexes live in `fabric.hub.index`, leases and publish claims in `fabric.hub.leases`).
 
 Liveness: every operation first expires leases against the lease clock (`lease_clock`,
-which stops while the hub stalls or is behind its requests, `backlogged`); the server also calls `expire` on a timer. An
-expired worker's replicas leave every plan and its fetches end; fetches that could
-read from it learn so in their next heartbeat.
+which stops while the hub stalls or is behind its requests, `backlogged`); the server
+also calls `expire` on a timer. An expired worker's replicas leave every plan and its
+fetches end; fetches that could read from it learn so in their next heartbeat.
 """
 
 from __future__ import annotations
@@ -185,5 +185,5 @@ class HubState(HubWorkers, HubRestoring, HubPublishing, HubFetching, HubQueries)
         return status_snapshot(self)
 
 
-__all__ = ["DEFAULT_LEASE_S", "HEARTBEAT_RATE", "MAX_CHUNKS", "MAX_KV_KEY", "MAX_KV_KEYS", "MAX_KV_VALUE",
-           "REPORT_BUDGET", "HubState", "check_manifest_size", "derived_base", "parse_holding"]
+__all__ = ["DEFAULT_LEASE_S", "HEARTBEAT_RATE", "MAX_CHUNKS", "MAX_KV_KEY", "MAX_KV_KEYS",
+           "MAX_KV_VALUE", "REPORT_BUDGET", "HubState", "check_manifest_size", "derived_base", "parse_holding"]

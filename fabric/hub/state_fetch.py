@@ -240,8 +240,7 @@ class HubFetching(HubStateBase):
         """
         if self.report_budget is None:
             return None
-        replicas = len(pool) if pool is not None else sum(1 for _, s in v.replicas if s == shard)
-        fetching = replicas - len(v.complete_live.get(shard, ()))
+        fetching = len(pool) - len(v.complete_live.get(shard, ())) if pool is not None else 1
         return self.report_budget // max(1, fetching)
 
     def _version_plan(self, f: FetchRecord) -> tuple[PlanRouter, VersionPlan] | None:
