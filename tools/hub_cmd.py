@@ -87,12 +87,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default 2)")
     p.add_argument("--lease", type=_seconds, default=10.0,
                    help="seconds a worker stays alive without heartbeat (default 10)")
-    p.add_argument("--heartbeat-rate", type=_rate, default=argparse.SUPPRESS, metavar="N|none",
+    p.add_argument("--heartbeat-rate", type=rate_arg, default=argparse.SUPPRESS, metavar="N|none",
                    help="heartbeats per second the workers' leases ask for at most: beyond "
                         "N x lease / 3 workers the lease grows, so the hub's idle cost stays "
                         "bounded (default 1000, HEARTBEAT_RATE in fabric/hub/state.py: "
                         "10,000 workers get 30 s; 'none': the lease as given)")
-    p.add_argument("--report-budget", type=_budget, default=argparse.SUPPRESS,
+    p.add_argument("--report-budget", type=budget_arg, default=argparse.SUPPRESS,
                    metavar="N|none",
                    help="progress reports the fetches of one shard in flight are asked for "
                         "in all: each plan allows N / (fetches in flight), so a broadcast "
@@ -173,19 +173,23 @@ def _port(text: str) -> int:
     return int(text)
 
 
-def _seconds(text: str) -> float:
-    """A positive, finite number of seconds for argparse."""
+def _positive(text: str, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
     if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive, finite number of seconds")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return value
 
 
-def _budget(text: str) -> int | None:
-    """``none`` or a number >= 0 for argparse."""
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds for argparse."""
+    return _positive(text, "a positive, finite number of seconds")
+
+
+def budget_arg(text: str) -> int | None:
+    """``none`` or a number >= 0, for argparse (``--report-budget``)."""
     if text.lower() == "none":
         return None
     if not text.isdigit():
@@ -193,17 +197,9 @@ def _budget(text: str) -> int | None:
     return int(text)
 
 
-def _rate(text: str) -> float | None:
-    """``none`` or a positive, finite number for argparse."""
-    if text.lower() == "none":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number or 'none'")
-    return value
+def rate_arg(text: str) -> float | None:
+    """``none`` or a positive, finite number, for argparse (``--heartbeat-rate``)."""
+    return None if text.lower() == "none" else _positive(text, "a positive number or 'none'")
 
 
 def _serve(args: argparse.Namespace) -> int:

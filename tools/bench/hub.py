@@ -42,6 +42,7 @@ import msgspec
 import zmq
 
 from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
+from weightfabric.tools.hub_cmd import budget_arg, rate_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,10 +80,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--max-reports", default=None, metavar="K|none",
                    help="progress reports per fetch before the last one (default: the "
                         "engine's; none: every interval, as before)")
-    b.add_argument("--report-budget", default=None, metavar="N|none",
+    b.add_argument("--report-budget", type=budget_arg, default=argparse.SUPPRESS, metavar="N|none",
                    help="the hub's budget of progress reports per shard (default: the hub's, "
                         "as `fabric hub serve`; none: as many as readers send)")
-    b.add_argument("--heartbeat-rate", default=None, metavar="N|none",
+    b.add_argument("--heartbeat-rate", type=rate_arg, default=argparse.SUPPRESS, metavar="N|none",
                    help="heartbeats per second the hub's leases ask for at most (default: "
                         "the hub's, as `fabric hub serve`; none: the lease as given)")
     b.add_argument("--reader-procs", type=int, default=None,
@@ -981,23 +982,6 @@ def _run_broadcast(args: argparse.Namespace) -> int:
         else:
             raise BadInput(f"--max-reports takes a number >= 0 or 'none', not "
                            f"{args.max_reports!r}")
-    budget: int | None | str = "hub"
-    if args.report_budget is not None:
-        text = args.report_budget.lower()
-        if text != "none" and not text.isdigit():
-            raise BadInput(f"--report-budget takes a number >= 0 or 'none', not "
-                           f"{args.report_budget!r}")
-        budget = None if text == "none" else int(text)
-    rate: float | None | str = "hub"
-    if args.heartbeat_rate is not None:
-        text = args.heartbeat_rate.lower()
-        try:
-            rate = None if text == "none" else float(text)
-        except ValueError:
-            rate = -1.0
-        if rate is not None and not 0 < float(rate) < math.inf:
-            raise BadInput(f"--heartbeat-rate takes a number > 0 or 'none', not "
-                           f"{args.heartbeat_rate!r}")
     interval = ENGINE_REPORT_INTERVAL if args.report_interval is None else args.report_interval
     if (args.broadcast < 1 or (args.chunks is not None and args.chunks < 1)
             or args.read_chunks < 1 or args.fetch_seconds < 0 or args.lease <= 0
@@ -1010,8 +994,9 @@ def _run_broadcast(args: argparse.Namespace) -> int:
                           chunks=args.chunks or 1024, read_chunks=args.read_chunks,
                           lease_s=args.lease, procs=args.reader_procs,
                           start_spread=args.start_spread, report_interval=interval,
-                          max_reports=max_reports, sync=args.sync, report_budget=budget,
-                          heartbeat_rate=rate,
+                          max_reports=max_reports, sync=args.sync,
+                          report_budget=getattr(args, "report_budget", "hub"),
+                          heartbeat_rate=getattr(args, "heartbeat_rate", "hub"),
                           profile=args.profile)
     if args.json:
         print(json.dumps(out, indent=2))
