@@ -299,9 +299,11 @@ def _table(*headers: str, title: str) -> Table:
 
 def render_status(snap: dict, console: Console) -> None:
     """Print a hub snapshot as rich tables (long names wrap, whole)."""
-    lease = snap["lease_s"]
+    lease, asked = snap["lease_s"], snap.get("lease_asked_s", snap["lease_s"])
+    why = (f" ({asked:g} s asked; longer so that its workers heartbeat at most "
+           f"{snap.get('heartbeat_rate') or 0:g} times a second in all)" if lease > asked else "")
     console.print(f"[bold]hub[/]: {len(snap['models'])} models, {len(snap['workers'])} workers, "
-                  f"{len(snap['fetches'])} fetches in flight, lease {lease:g} s")
+                  f"{len(snap['fetches'])} fetches in flight, lease {lease:g} s{why}")
     auth = snap.get("auth", "")
     if auth:
         style = "bold red" if auth.startswith("OFF") else "green"

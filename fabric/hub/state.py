@@ -136,6 +136,7 @@ class HubState(HubWorkers, HubRestoring, HubPublishing, HubFetching, HubQueries)
         self.heartbeat_rate = heartbeat_rate
         self.clock = clock
         self.lease_s = float(lease_s)
+        self.asked_lease_s = self.lease_s      # `lease_s` grows beyond it (`heartbeat_rate`)
         self.rank_sources = rank_sources
         self.plan_routing = plan_routing
         self.max_sources = max(1, int(max_sources))

@@ -63,6 +63,7 @@ class HubStateBase:
 
     clock: Callable[[], float]
     lease_s: float
+    asked_lease_s: float
     rank_sources: RankSources
     max_sources: int
     report_budget: int | None

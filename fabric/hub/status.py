@@ -67,7 +67,8 @@ def status_snapshot(hub: HubState) -> dict[str, Any]:
                 "expires_in": round(w.expires - now, 3)}
                for w in sorted(hub.workers.values(), key=lambda w: w.expires)]
     plans = hub.plan_routing.summary() if hub.plan_routing is not None else []
-    return {"lease_s": hub.lease_s, "models": models, "fetches": fetches,
+    return {"lease_s": hub.lease_s, "lease_asked_s": hub.asked_lease_s,
+            "heartbeat_rate": hub.heartbeat_rate, "models": models, "fetches": fetches,
             "recent_fetches": list(hub.recent_fetches), "workers": workers,
             "routing": "plan" if hub.plan_routing is not None else "ranked", "plans": plans}
 

@@ -228,3 +228,18 @@ def test_serve_help_states_the_hub_s_budgets(capsys) -> None:
         main(["hub", "serve", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
     assert f"(default {REPORT_BUDGET}," in shown and f"(default {HEARTBEAT_RATE:g}," in shown
+
+
+def test_status_says_why_a_lease_is_longer_than_asked() -> None:
+    from weightfabric.fabric.hub.state import HubState
+
+    state = HubState(lease_s=1.0, heartbeat_rate=10)
+    for i in range(6):
+        state.register(f"w{i}", session=f"w{i}")
+    buf = io.StringIO()
+    render_status(state.snapshot(), Console(file=buf, width=200, color_system=None))
+    first = buf.getvalue().splitlines()[0]
+    assert "lease 1.8 s (1 s asked;" in first and "at most 10 times a second" in first
+    buf = io.StringIO()
+    render_status(HubState(lease_s=1.0).snapshot(), Console(file=buf, width=200, color_system=None))
+    assert buf.getvalue().splitlines()[0].endswith("lease 1 s")
