@@ -187,4 +187,5 @@ class HubState(HubWorkers, HubRestoring, HubPublishing, HubFetching, HubQueries)
 
 
 __all__ = ["DEFAULT_LEASE_S", "HEARTBEAT_RATE", "MAX_CHUNKS", "MAX_KV_KEY", "MAX_KV_KEYS",
-           "MAX_KV_VALUE", "REPORT_BUDGET", "HubState", "check_manifest_size", "derived_base", "parse_holding"]
+           "MAX_KV_VALUE", "REPORT_BUDGET", "HubState", "check_manifest_size", "derived_base",
+           "parse_holding"]

@@ -80,10 +80,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--max-reports", default=None, metavar="K|none",
                    help="progress reports per fetch before the last one (default: the "
                         "engine's; none: every interval, as before)")
-    b.add_argument("--report-budget", type=budget_arg, default=argparse.SUPPRESS, metavar="N|none",
+    b.add_argument("--report-budget", type=budget_arg, default=argparse.SUPPRESS,
+                   metavar="N|none",
                    help="the hub's budget of progress reports per shard (default: the hub's, "
                         "as `fabric hub serve`; none: as many as readers send)")
-    b.add_argument("--heartbeat-rate", type=rate_arg, default=argparse.SUPPRESS, metavar="N|none",
+    b.add_argument("--heartbeat-rate", type=rate_arg, default=argparse.SUPPRESS,
+                   metavar="N|none",
                    help="heartbeats per second the hub's leases ask for at most (default: "
                         "the hub's, as `fabric hub serve`; none: the lease as given)")
     b.add_argument("--reader-procs", type=int, default=None,
@@ -308,13 +310,12 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
     every reply's signature checked, and a request not answered within `FIRST_TRY_S`
     sent again, each try waiting twice as long, until `CLIENT_TIMEOUT_S`, as `HubClient`
     does; a reader's heartbeats go one at a time, as its heartbeat thread sends them). A
-    publisher (a real
-    `HubClient`) registers, then the readers register (not counted) and start heartbeats
-    every ``lease_s / 3``. After a baseline window (heartbeats only), the publisher begins
-    and commits a version of ``chunks`` chunks; each reader, told of it as soon as it is
-    committed (plus a random delay up to ``start_spread`` s), calls ``begin_fetch``, then
-    simulates its fetch: reads of ``read_chunks`` chunks land evenly over
-    ``fetch_seconds``, reported as the fetch engine does for a store (``max_reports``
+    publisher (a real `HubClient`) registers, then the readers register (not counted) and
+    start heartbeats every ``lease_s / 3``. After a baseline window (heartbeats only), the
+    publisher begins and commits a version of ``chunks`` chunks; each reader, told of it
+    as soon as it is committed (plus a random delay up to ``start_spread`` s), calls
+    ``begin_fetch``, then simulates its fetch: reads of ``read_chunks`` chunks land evenly
+    over ``fetch_seconds``, reported as the fetch engine does for a store (``max_reports``
     times at chunk milestones, at least ``report_interval`` s apart, the rest left to
     ``complete_fetch``; with ``max_reports`` None as the engine did before: every
     ``report_interval`` s and a last report), then ``complete_fetch``. With ``sync`` the
