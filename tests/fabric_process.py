@@ -123,12 +123,17 @@ def scribble(store: ModelStore, version: int) -> int:
 
 
 def spare_version(store: ModelStore) -> int | None:
-    """The oldest version the store exposes complete in a buffer other than the active one.
+    """The oldest version older than the active one the store exposes complete in a buffer.
 
-    Not one a fetch is filling, nor one a future will switch to.
+    Not one a fetch is filling, nor one a future will switch to: a newer version than the
+    active one is one of those, also once its last chunk landed but before its fetch
+    reserved the buffer (`ModelStore` marks it ``pending`` only then; retracting it there
+    ended the fetch in flight).
     """
+    active = store.version
     return min((b.version for b in store.pool.buffers
                 if b is not store.pool.active and not b.pending and b.version is not None
+                and active is not None and b.version < active
                 and b.exposed is not None and b.exposed.progress.count
                 == b.exposed.progress.num_chunks), default=None)
 
