@@ -127,7 +127,7 @@ from weightfabric.fabric.protocol import (
     decode_body,
     encode,
 )
-from weightfabric.fabric.zmq_util import encrypted, endpoint, make_socket
+from weightfabric.fabric.zmq_util import encrypted, endpoint, make_socket, reconnects
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -143,6 +143,11 @@ _QUERIES = frozenset({"group_status", "kv_get", "latest", "locate", "retract_sta
                       "wait_commit", "wait_version"})
 """Operations that change nothing at the hub (its ``READ_ONLY`` but ``ping``)."""
 MAX_KV_VALUE = 64 * 1024      # the hub's limit (fabric.hub.state.MAX_KV_VALUE), checked early
+FIRST_TRY_S = 2.0
+"""How long a client of one hub waits for an answer before it sends the request again (on
+the same connection, each try waiting twice as long as the one before)."""
+SERVICE_TRY_S = 1.0
+"""How long a client of several hubs waits at one before it asks the next."""
 HEARTBEAT_NEWS_EVERY = 2
 """A worker whose other requests keep its lease still heartbeats at least once per this many
 heartbeat intervals (``lease_s / 3``): heartbeats carry its news (retired and quarantined
@@ -499,9 +504,9 @@ class HubClient:
         deadline = time.monotonic() + limit
         attempt = 0
         macs: list[bytes] = []     # each try's: the answer to any of them is taken
-        # One hub, reached over TCP: zmq reconnects a connection on its own (to a restarted
-        # hub too), so every try goes on the same one. (``memory://`` does not reconnect.)
-        single = len(self.urls) == 1 and not self.url.startswith("memory://")
+        # One hub that zmq reconnects to on its own (a restarted one too): every try goes
+        # on the same connection.
+        single = len(self.urls) == 1 and reconnects(self.url)
         while True:
             sock = self._socket(channel)
             frames = [data]
@@ -515,8 +520,8 @@ class HubClient:
             # each try on the same connection (a hub behind a burst of requests answers them
             # in turn; resending sooner only queues more work behind them), or 1 s when
             # another hub of the service may lead instead (a failover then costs one short try).
-            per_try = max(wait_s + min(1.0 if len(self.urls) > 1 else 2.0, self.timeout / 3),
-                          0.5)
+            first = SERVICE_TRY_S if len(self.urls) > 1 else FIRST_TRY_S
+            per_try = max(wait_s + min(first, self.timeout / 3), 0.5)
             if single:
                 per_try *= 2 ** attempt
             try_end = min(deadline, time.monotonic() + per_try)

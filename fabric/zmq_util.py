@@ -45,6 +45,11 @@ def url_of(bound_endpoint: str, url: str) -> str:
     return url if url.startswith("memory://") else bound_endpoint
 
 
+def reconnects(url: str) -> bool:
+    """Whether zmq reconnects a connection to ``url`` by itself (not ``memory://``: inproc)."""
+    return not url.startswith("memory://")
+
+
 def encrypted(url: str) -> bool:
     """Whether a hub URL asks for a CURVE-encrypted channel."""
     return url.startswith("curve://")

@@ -287,10 +287,6 @@ READERS_PER_PROCESS = 2500
 """Simulated readers per process (one DEALER socket each, polled with epoll)."""
 CLIENT_TIMEOUT_S = 10.0
 """`fabric.client.connect`'s default ``timeout``: a call not answered by then fails."""
-FIRST_TRY_S = 2.0
-"""How long `HubClient` waits for an answer before it sends the request again (on the
-same connection, each try waiting twice as long as the one before, the answer to any try
-taken)."""
 _LAT_BASE = math.log(1.02)        # latency histograms: buckets 2 % wide
 
 
@@ -307,8 +303,8 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
 
     The hub runs alone in a child process (authentication on, a secret made for the run),
     the readers in ``procs`` others (one DEALER socket each, every request signed and
-    every reply's signature checked, and a request not answered within `FIRST_TRY_S`
-    sent again, each try waiting twice as long, until `CLIENT_TIMEOUT_S`, as `HubClient`
+    every reply's signature checked, and a request not answered within
+    `fabric.client.FIRST_TRY_S` sent again, each try waiting twice as long, until `CLIENT_TIMEOUT_S`, as `HubClient`
     does; a reader's heartbeats go one at a time, as its heartbeat thread sends them). A
     publisher (a real `HubClient`) registers, then the readers register (not counted) and
     start heartbeats every ``lease_s / 3``. After a baseline window (heartbeats only), the
@@ -646,10 +642,11 @@ class _Readers:
         self.beating = [False] * self.n    # a heartbeat on its way (the client waits for it)
         self.lease = [float(cfg["lease_s"])] * self.n   # as the hub's last reply said
         # heartbeats as `HubClient` sends them (`fabric.client.heartbeat_due`)
-        from weightfabric.fabric.client import heartbeat_due
+        from weightfabric.fabric.client import FIRST_TRY_S, heartbeat_due
         from weightfabric.fabric.hub_messages import RENEWS_LEASE
 
         self.heartbeat_due, self.renewing = heartbeat_due, RENEWS_LEASE
+        self.first_try = FIRST_TRY_S      # then twice as long at each try, as the client
         self.last_beat = [0.0] * self.n     # the last heartbeat sent (time.monotonic)
         self.renewed = [-math.inf] * self.n  # the last request that renewed the lease, sent
         self.timers: list[tuple[float, int, int, str]] = []
@@ -694,7 +691,7 @@ class _Readers:
         now = time.monotonic()
         self.pending[(i, rid)] = (op, now, payload, [mac])
         if op != "wait_version":      # a long poll's try lasts its wait (10 s) and more
-            self.at(now + FIRST_TRY_S, i, f"try:{rid}")
+            self.at(now + self.first_try, i, f"try:{rid}")
         self.check.add(i)
 
     def try_again(self, i: int, rid: int, now: float) -> None:
@@ -714,7 +711,7 @@ class _Readers:
         macs.append(mac)
         self.resends += 1
         self.check.add(i)
-        self.at(min(sent + CLIENT_TIMEOUT_S, now + FIRST_TRY_S * 2 ** (len(macs) - 1)), i,
+        self.at(min(sent + CLIENT_TIMEOUT_S, now + self.first_try * 2 ** (len(macs) - 1)), i,
                 f"try:{rid}")
 
     def pump(self, timeout: float) -> None:
