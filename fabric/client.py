@@ -127,7 +127,7 @@ from weightfabric.fabric.protocol import (
     decode_body,
     encode,
 )
-from weightfabric.fabric.zmq_util import encrypted, endpoint, make_socket, reconnects
+from weightfabric.fabric.zmq_util import encrypted, endpoint, hub_socket, reconnects
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -588,15 +588,11 @@ class HubClient:
             return held[0]
         self._reset_socket(channel)   # a socket to a hub the client has moved away from
         url = self.url
-        sock = make_socket(zmq.DEALER, max_message_size=self.max_message_size)
-        if encrypted(url):
-            if self.credential is None or not self.credential.hub_key:
-                sock.close(0)
-                raise AuthenticationError(f"{url} is encrypted: connect with the "
-                                          "hub's secret or a token it issued")
-            sock.curve_serverkey = self.credential.hub_key
-            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-        sock.connect(endpoint(url, bind=False))
+        if encrypted(url) and (self.credential is None or not self.credential.hub_key):
+            raise AuthenticationError(f"{url} is encrypted: connect with the "
+                                      "hub's secret or a token it issued")
+        sock = hub_socket(url, max_message_size=self.max_message_size,
+                          hub_key=self.credential.hub_key if self.credential else None)
         self._socks[channel] = (sock, url)
         return sock
 

@@ -305,6 +305,12 @@ class KvPutReply(Reply, frozen=True, kw_only=True):
     size: int
 
 
+class BatchReply(Reply, frozen=True, kw_only=True):
+    """The hub's answers to a ``batch``'s requests, in order: ``(reply, its auth frame)``."""
+
+    items: list[tuple[bytes, bytes]]
+
+
 class KvGetReply(Reply, frozen=True, kw_only=True):
     """The value, or None (absent, or the wait ran out)."""
 
@@ -602,6 +608,19 @@ class KvGetRequest(Request, frozen=True, kw_only=True):
     timeout: float = 0.0
 
 
+class BatchRequest(Request, frozen=True, kw_only=True):
+    """Several workers' requests in one message, as a node relay forwards them.
+
+    ``items``: each request's ``(payload, auth frame)`` exactly as its worker signed it; the
+    hub checks and answers each as if it came alone (`fabric.relay`). Only operations of
+    `BATCHABLE` that answer at once may ride in a batch. Not an operation of `OPERATIONS`:
+    the hub's server opens the envelope, the state never sees it.
+    """
+
+    op: ClassVar[str] = "batch"
+    items: list[tuple[bytes, bytes]]
+
+
 ReplyType = type[Reply] | type[StatusReply]
 _PAIRS: tuple[tuple[type[Request], ReplyType], ...] = (
     (PingRequest, PingReply),
@@ -645,8 +664,15 @@ RENEWS_LEASE = frozenset({
     "abort_publish", "begin_derive", "begin_fetch", "plan", "report_progress",
     "complete_fetch", "release", "retract"})
 
+# Operations a `BatchRequest` may carry: those a hub answers at once (a ``complete_fetch``
+# only without a ``timeout``: a fetch group's members wait for each other).
+BATCHABLE = frozenset({
+    "ping", "register", "heartbeat", "begin_fetch", "plan", "report_progress",
+    "complete_fetch", "release", "locate", "latest", "drop"})
+
 __all__ = [
-    "OPERATIONS", "RENEWS_LEASE", "AbortPublishRequest", "BeginDeriveRequest", "BeginFetchRequest",
+    "BATCHABLE", "OPERATIONS", "RENEWS_LEASE", "AbortPublishRequest", "BatchReply",
+    "BatchRequest", "BeginDeriveRequest", "BeginFetchRequest",
     "BeginPublishReply", "BeginPublishRequest", "CommitRequest", "CompleteFetchRequest",
     "CommitWaitReply", "CompleteReply", "DeriveReply", "DropReply", "DropRequest", "EmptyReply",
     "Endpoints", "ErrorBody", "GroupStatusReply",

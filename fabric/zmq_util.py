@@ -67,4 +67,27 @@ def make_socket(kind: int, *, max_message_size: int, hwm: int = 10_000) -> zmq.S
     return sock
 
 
-__all__ = ["context", "encrypted", "endpoint", "make_socket", "url_of"]
+def hub_socket(url: str, *, max_message_size: int, hub_key: bytes | None) -> zmq.Socket:
+    """A DEALER connected to the hub at ``url`` (``hub_key``: its CURVE key, for curve://).
+
+    Raises:
+        HubUnavailableError: a bad URL.
+        ValueError: a ``curve://`` URL without ``hub_key``.
+    """
+    if encrypted(url) and not hub_key:
+        raise ValueError(f"{url} is encrypted: its hub's key comes with its secret or a "
+                         "token it issued")
+    sock = make_socket(zmq.DEALER, max_message_size=max_message_size)
+    try:
+        if encrypted(url):
+            sock.curve_serverkey = hub_key
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.connect(endpoint(url, bind=False))
+    except BaseException:
+        sock.close(0)
+        raise
+    return sock
+
+
+__all__ = ["context", "encrypted", "endpoint", "hub_socket", "make_socket", "reconnects",
+           "url_of"]

@@ -73,6 +73,9 @@ from weightfabric.fabric.hub.state import (
     HubState,
 )
 from weightfabric.fabric.hub_messages import (
+    BATCHABLE,
+    BatchReply,
+    BatchRequest,
     DeriveReply,
     ErrorBody,
     KvPutRequest,
@@ -117,6 +120,7 @@ MAX_CAP_KEYS = 4096                  # serving keys kept ready to sign capabilit
 MANIFESTS_KEPT = 8                   # plans' manifests kept encoded (`_plan_body`)
 BATCH = 1024                         # requests read per pass of the loop, then timers and polls
 FLUSH_EVERY = 64                     # replies queued at most before they are sent
+MAX_BATCH = 4096                     # requests in one relay batch at most (`_batch`)
 _NOBLOCK, _SNDMORE, _RCVMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE), int(zmq.RCVMORE)  # no enums
 _SEND_MORE = _NOBLOCK | _SNDMORE
 # Replies and requests that `HubServer._after` completes; the others pass through untouched.
@@ -259,6 +263,8 @@ class HubServer:
         self._thread: threading.Thread | None = None
         self._sock: zmq.Socket | None = None
         self._outbox: list[tuple[bytes, bytes, bytes]] = []   # replies to send (`_flush`)
+        self._batch_out: list[tuple[bytes, bytes]] | None = None   # a batch's answers
+        self.num_batches = 0
         self._leading = self.service is None
 
     # ------------------------------------------------------------- lifecycle
@@ -472,25 +478,32 @@ class HubServer:
                 self._send_error(frames[0], 0, ProtocolError(
                     f"expected a message and an auth frame, got {len(frames) - 1} frames"))
             return
-        ident, payload = frames[0], frames[1]
+        self._serve(frames[0], frames[1], frames[2] if len(frames) == 3 else None)
+
+    def _serve(self, ident: bytes, payload: bytes, auth: bytes | None, *,
+               batched: bool = False) -> None:
+        """Answer one request to ``ident`` (``batched``: one of a batch's, answered into it)."""
         try:
             msg = decode(payload, max_size=self.max_message_size)
             if msg.kind != REQUEST:
                 raise ProtocolError("the hub only accepts requests")
         except ProtocolError as exc:
             self.num_bad_frames += 1
-            log.warning("bad frame from %s: %s", ident.hex(), exc)
+            log.warning("bad frame from %s: %s", ident.hex() or "a batch", exc)
             # in the sender's version: an older client can read the error and say why
             self._send(ident, self._error_bytes(peek_req_id(payload), exc,
                                                 version=peek_version(payload)))
             return
         name = msg.name
         try:
-            caller = self._authenticate(msg.tag, payload, frames[2] if len(frames) == 3 else None)
+            caller = self._authenticate(msg.tag, payload, auth)
         except AuthenticationError as exc:
             self.num_refused += 1
-            log.warning("refused %s from %s: %s", name, ident.hex(), exc)
+            log.warning("refused %s from %s: %s", name, ident.hex() or "a batch", exc)
             self._send(ident, self._error_bytes(msg.req_id, exc))
+            return
+        if name == "batch" and not batched:
+            self._batch(ident, msg, caller)
             return
         key = (msg.tag, msg.req_id)
         kept = self._replies.get(key)
@@ -498,12 +511,14 @@ class HubServer:
             self._send(ident, kept, caller)
             return
         parked = self._parked.get(key)
-        if parked is not None:
+        if parked is not None and not batched:
             parked.ident, parked.caller = ident, caller
             return
         op = OPS.get(name)
         cache = name not in READ_ONLY
         try:
+            if batched and (name not in BATCHABLE or parked is not None):
+                raise BadRequestError(f"{name!r} may not ride in a batch; send it alone")
             if op is None:
                 raise BadRequestError(f"unknown operation {name!r}; is the client newer "
                                       "than the hub?")
@@ -519,6 +534,9 @@ class HubServer:
                                                      _request(msg, op.request))
                     result = op.handler(self.state, msg.tag, req)
             if isinstance(result, Park):
+                if batched:   # a fetch group's completion waits: it came without a timeout
+                    raise BadRequestError(f"{name!r} would wait for others: send it alone, "
+                                          "not in a batch")
                 self._park(key, _Parked(
                     ident, msg.req_id, msg.tag, result, self.clock() + result.timeout, cache,
                     caller, functools.partial(self._after, req, who, caller, refused=refused)))
@@ -538,6 +556,37 @@ class HubServer:
                 f"internal hub error in {name}: {exc!r}")), caller, cache=cache)
             return
         self._finish(ident, key, self._reply_bytes(msg.req_id, result), caller, cache=cache)
+
+    def _batch(self, ident: bytes, msg: Message, caller: Verified | None) -> None:
+        """Answer a node relay's batch (`fabric.relay`): each request as if it came alone.
+
+        Each request is checked with its own signature and answered with its own (the
+        relay, whoever signed the batch, can neither forge nor read more than it carries);
+        the answers go back in one reply, in order. Fresh fetches of a node's readers are
+        planned together (`HubState.planning_together`). The batch's reply is not kept for
+        retries: its requests' are, each.
+        """
+        try:
+            if not self._leading:
+                raise self._not_leader()
+            batch = _request(msg, BatchRequest)
+            if len(batch.items) > MAX_BATCH:
+                raise BadRequestError(f"a batch of {len(batch.items)} requests; at most "
+                                      f"{MAX_BATCH}")
+        except HubError as exc:
+            self._send(ident, self._error_bytes(msg.req_id, exc), caller)
+            return
+        self.num_batches += 1
+        answers: list[tuple[bytes, bytes]] = []
+        self._batch_out = answers
+        try:
+            with self.state.planning_together():
+                for payload, auth in batch.items:
+                    self.num_requests += 1
+                    self._serve(b"", payload, auth or None, batched=True)
+        finally:
+            self._batch_out = None
+        self._send(ident, self._reply_bytes(msg.req_id, BatchReply(items=answers)), caller)
 
     def _authenticate(self, session: str, payload: bytes, auth: bytes | None) -> Verified | None:
         """Who signed the request (None when authentication is off); binds ``session`` to them.
@@ -801,6 +850,10 @@ class HubServer:
         woken once for a burst rather than once per reply, writes them all.
         """
         auth = reply_mac(caller.key, caller.mac, data) if caller is not None else b""
+        if not ident:                 # an answer to one of a batch's requests (`_batch`)
+            assert self._batch_out is not None
+            self._batch_out.append((data, auth))
+            return
         self._outbox.append((ident, data, auth))
         if len(self._outbox) >= FLUSH_EVERY:
             self._flush()

@@ -10,7 +10,9 @@ do (`_commit_group`, `group_status`).
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from weightfabric.fabric.errors import (
@@ -22,6 +24,7 @@ from weightfabric.fabric.errors import (
     UnknownVersionError,
 )
 from weightfabric.fabric.hub.index import ReplicaPool
+from weightfabric.fabric.hub.node_plans import NodeKey, NodePlans, on_first
 from weightfabric.fabric.hub.planned import PlanRouter, VersionPlan
 from weightfabric.fabric.hub.records import (
     COMMITTED,
@@ -63,6 +66,20 @@ class HubFetching(HubStateBase):
     """The fetching part of `HubState`: begin, plan, report, complete or release a fetch."""
 
     recent_fetches: deque[dict[str, Any]]
+    _together: NodePlans | None = None
+
+    @contextlib.contextmanager
+    def planning_together(self) -> Iterator[None]:
+        """Plan the fresh fetches begun inside as readers of a node asking together.
+
+        A node's first reader of a shard is routed; its others wait on it
+        (`fabric.hub.node_plans`). The hub's server opens each relay batch in one.
+        """
+        self._together = NodePlans()
+        try:
+            yield
+        finally:
+            self._together = None
 
     def begin_fetch(self, model: str, version: int | str, worker: str, *, session: str,
                     fetch_id: str, shard: int = 0, fingerprint: str | None = None,
@@ -202,7 +219,13 @@ class HubFetching(HubStateBase):
         banned = set(exclude or ())
         planned = self._version_plan(f)
         pool = self._index.pools.get((f.model, f.version, f.shard))
-        if planned is not None:
+        together = self._node_key(f, v, rep, planned, chunks, banned)
+        first = together[0].first(together[1]) if together is not None else None
+        if first is not None and all((w, f.shard) in v.replicas and w in self.workers
+                                     for w in (first.worker, *first.named)):
+            ranges, named = on_first(first, worker)
+            missing: list[int] = []
+        elif planned is not None:
             router, vp = planned
             ranges, named, missing = router.route(
                 vp, v, f.shard, worker, need, banned=banned, workers=self.workers,
@@ -218,6 +241,8 @@ class HubFetching(HubStateBase):
             raise NoSourceError(
                 f"{f.model!r} v{f.version} shard {f.shard}: no live replica holds chunks "
                 f"{_fmt_chunks(missing)}; wait for a holder to (re)register or fetch another version")
+        if together is not None and first is None:
+            together[0].planned(together[1], worker, ranges, named)
         # Reads from an earlier plan may still be in flight: sources accumulate until the
         # reader narrows them (report_progress(sources=)), excludes them, or finishes.
         self._index.set_sources(f, (f.sources - banned) | named)
@@ -230,6 +255,23 @@ class HubFetching(HubStateBase):
                      for w in sorted(named)},
             manifest=_manifest_wire(manifest) if with_manifest else None,
             planned=planned is not None, max_reports=self._reports_wanted(v, f.shard, pool))
+
+    def _node_key(self, f: FetchRecord, v: VersionRecord, rep: Replica,
+                  planned: object, chunks: list[int] | None, banned: set[str]
+                  ) -> tuple[NodePlans, NodeKey] | None:
+        """The batch's node plans and fetch ``f``'s key in them, when it may be planned so.
+
+        Fresh fetches only: no chunks held, asked or excluded, no broadcast plan, not a
+        derived version being made, a reader that named its node.
+        """
+        together = self._together
+        if (together is None or planned is not None or chunks is not None or banned
+                or rep.count or _being_derived(v)):
+            return None
+        where = self.workers[f.worker].location
+        if not where.node:
+            return None
+        return together, (f.model, f.version, f.shard, where.datacenter, where.node)
 
     def _reports_wanted(self, v: VersionRecord, shard: int, pool: ReplicaPool | None
                         ) -> int | None:

@@ -1,0 +1,174 @@
+"""A relay's batch at the hub: each request answered as if alone, a node's readers planned together.
+
+`HubState.planning_together` is driven by hand (the node plans), then the server is sent
+batches on a real socket: answers in order, each signed for its own worker; what may
+not ride in a batch, a forged request, an unsigned batch, too many requests: refused
+with a typed error while the others are answered.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from hub_helpers import small_manifest
+
+import weightfabric as wf
+from weightfabric.fabric.auth import load_credential
+from weightfabric.fabric.hub import server as server_module
+from weightfabric.fabric.hub.state import HubState
+from weightfabric.fabric.hub_messages import BatchReply, BatchRequest, ManifestWire
+from weightfabric.fabric.locality import Location
+from weightfabric.fabric.protocol import ERROR, REPLY, REQUEST, decode, decode_body, encode
+from weightfabric.fabric.zmq_util import hub_socket
+
+NODE = {"datacenter": "dc0", "node": "n0"}
+
+
+# ------------------------------------------------------------------ node plans
+@pytest.fixture
+def state() -> HubState:
+    s = HubState()
+    s.register("t", session="t", location=Location("dc0", "trainer"))
+    for w, node in (("a", "n0"), ("b", "n0"), ("c", "n0"), ("x", "n1")):
+        s.register(w, session=w, location=Location("dc0", node))
+    v = s.begin_publish("m", "t", small_manifest(8), session="t").version
+    s.commit("m", v, "t", session="t")
+    return s
+
+
+def _begin(s: HubState, worker: str, **kw: Any):
+    return s.begin_fetch("m", 1, worker, session=worker, fetch_id=f"{worker}/f", **kw)
+
+
+def test_a_nodes_readers_asking_together_wait_on_its_first(state: HubState) -> None:
+    with state.planning_together():
+        first, b, c, x = (_begin(state, w) for w in "abcx")
+    assert [(r.start, r.stop, r.sources, r.wait) for r in first.ranges] == [(0, 8, ["t"], [])]
+    for plan in (b, c):          # the same sources; the first reader waited on first
+        assert [(r.start, r.stop, r.sources) for r in plan.ranges] == [(0, 8, ["t"])]
+        assert all(r.wait[0] == "a" for r in plan.ranges)
+        assert set(plan.workers) == {"t", "a"}
+    assert "a" not in {w for r in x.ranges for w in r.wait}   # another node: routed
+    assert state.fetches["b/f"].sources == {"t", "a"}          # the hub's accounting
+    # outside a batch, or a re-plan, is routed as always
+    replan = state.plan("c/f", "c", session="c")
+    assert {w for r in replan.ranges for w in r.wait} <= {"a", "b"}
+
+
+def test_only_fresh_fetches_are_planned_together(state: HubState) -> None:
+    with state.planning_together():
+        _begin(state, "a")
+        resumed = _begin(state, "b", have=[0, 1])     # holds chunks: routed
+    assert resumed.ranges[0].start == 2
+    assert all(r.wait != ["a"] or r.sources for r in resumed.ranges)
+
+
+def test_a_first_reader_gone_in_the_batch_is_not_waited_on(state: HubState) -> None:
+    with state.planning_together():
+        _begin(state, "a")
+        state.release("a/f", "a", session="a")
+        b = _begin(state, "b")
+    assert all("a" not in r.wait for r in b.ranges) and "a" not in b.workers
+
+
+def test_without_a_batch_nothing_is_remembered(state: HubState) -> None:
+    with state.planning_together():
+        _begin(state, "a")
+    assert state._together is None
+    b = _begin(state, "b")           # routed: it may wait on a (ranked), never on a memo
+    assert set(b.workers) <= {"t", "a"}
+
+
+# ------------------------------------------------------------- the server's side
+_ids = itertools.count(1)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[wf.HubServer, zmq.Socket, Any]]:
+    server = wf.serve("tcp://127.0.0.1:0")
+    cred = load_credential()
+    sock = hub_socket(server.url, max_message_size=1 << 24, hub_key=None)
+    try:
+        with wf.connect(server.url, worker="t", heartbeat=False, timeout=5,
+                        location={"datacenter": "dc0", "node": "trainer"}) as t:
+            v = t.begin_publish("m", small_manifest(8))
+            t.commit("m", v)
+            yield server, sock, cred
+    finally:
+        sock.close(0)
+        server.stop()
+
+
+def _item(cred: Any, worker: str, op: str, args: dict[str, Any]) -> tuple[bytes, bytes, bytes]:
+    payload = encode(REQUEST, next(_ids), f"s-{worker}", op, args)
+    auth, mac = cred.sign(payload)
+    return payload, auth, mac
+
+
+def _batch(sock: zmq.Socket, cred: Any, items: list[tuple[bytes, bytes]],
+           *, signed: bool = True) -> Any:
+    data = encode(REQUEST, next(_ids), "relay", "batch", BatchRequest(items=items))
+    auth, mac = cred.sign(data)
+    sock.send_multipart([data, auth] if signed else [data])
+    assert sock.poll(5000), "no answer to the batch"
+    raw, sig = sock.recv_multipart()
+    msg = decode(raw)
+    if signed:
+        assert cred.check_reply(sig, mac, raw)
+    return msg
+
+
+def test_a_batch_is_answered_in_order_each_answer_signed_for_its_request(served) -> None:
+    server, sock, cred = served
+    reg = [_item(cred, w, "register", {"worker": w, "location": NODE}) for w in ("a", "b")]
+    msg = _batch(sock, cred, [(p, a) for p, a, _ in reg])
+    assert msg.kind == REPLY
+    answers = decode_body(msg, BatchReply).items
+    assert len(answers) == 2
+    for (_, _, mac), (data, sig) in zip(reg, answers, strict=True):
+        assert decode(data).kind == REPLY and cred.check_reply(sig, mac, data)
+    begins = [_item(cred, w, "begin_fetch", {"worker": w, "model": "m", "fetch_id": f"{w}/f"})
+              for w in ("a", "b")]
+    answers = decode_body(_batch(sock, cred, [(p, a) for p, a, _ in begins]), BatchReply).items
+    plans = [msgspec.msgpack.decode(decode(data).body) for data, _ in answers]
+    assert plans[0]["ranges"][0]["wait"] == [] and plans[1]["ranges"][0]["wait"] == ["a"]
+    assert all(plan["workers"]["t"]["cap"] for plan in plans)      # capabilities each
+    # a retry of an answered request (signed again, as clients do), in a later batch: the
+    # same answer, from the cache; the very same signature again is a replay
+    retry = (begins[1][0], cred.sign(begins[1][0])[0])
+    again = decode_body(_batch(sock, cred, [retry, begins[1][:2]]), BatchReply).items
+    assert again[0][0] == answers[1][0]
+    assert (decode(again[1][0]).kind, decode(again[1][0]).name) == (ERROR, "unauthenticated")
+    assert server.num_batches == 3
+
+
+def test_what_may_not_ride_in_a_batch_is_refused_and_the_rest_answered(served) -> None:
+    _, sock, cred = served
+    ping = _item(cred, "a", "ping", {})
+    wait = _item(cred, "a", "wait_version", {"model": "m", "after": 5, "timeout": 1.0})
+    nested = _item(cred, "a", "batch", {"items": []})
+    forged = (ping[0].replace(b"ping", b"pong"), ping[1])
+    items = [wait[:2], nested[:2], forged, ping[:2], (b"\x00garbage", b"")]
+    answers = decode_body(_batch(sock, cred, items), BatchReply).items
+    kinds = [(decode(data).kind, decode(data).name) for data, _ in answers]
+    assert kinds[0] == (ERROR, "bad_request") and kinds[1] == (ERROR, "bad_request")
+    assert kinds[2] == (ERROR, "unauthenticated")
+    assert kinds[3][0] == REPLY
+    assert kinds[4][0] == ERROR
+
+
+def test_an_unsigned_or_oversized_batch_is_refused(served, monkeypatch) -> None:
+    server, sock, cred = served
+    ping = _item(cred, "a", "ping", {})
+    msg = _batch(sock, cred, [ping[:2]], signed=False)
+    assert (msg.kind, msg.name) == (ERROR, "unauthenticated")
+    monkeypatch.setattr(server_module, "MAX_BATCH", 2)
+    msg = _batch(sock, cred, [ping[:2]] * 3)
+    assert (msg.kind, msg.name) == (ERROR, "bad_request")
+    assert b"at most 2" in bytes(msg.body)
+    assert server.num_batches == 0

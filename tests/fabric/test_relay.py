@@ -1,0 +1,107 @@
+"""A node relay between a node's workers and the hub: real hub, relay, stores and reads.
+
+Readers connect to the relay as to the hub; their fetches are bit-exact, their requests
+ride in batches (a node's readers planned together), long polls go through alone, and a
+hub that refuses batches still answers every request, one by one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hub_helpers import small_manifest
+from torch import nn
+
+import weightfabric as wf
+from weightfabric.fabric.errors import BadRequestError, HubUnavailableError, WaitTimeoutError
+from weightfabric.fabric.hub.server import HubServer
+from weightfabric.fabric.relay import NodeRelay
+
+CHUNK = 16 * 1024
+NODE = {"datacenter": "dc0", "node": "n0"}
+
+
+def net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 200), nn.Linear(200, 64))
+
+
+def same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values(), strict=True))
+
+
+@pytest.fixture
+def relay(hub: HubServer) -> Iterator[NodeRelay]:
+    with NodeRelay(hub.url) as r:
+        yield r
+
+
+def _fetch_all(trainer_url: str, relay_url: str, readers: int) -> list[bool]:
+    """A trainer publishes (straight to the hub), ``readers`` fetch it through the relay."""
+    workers = []
+    try:
+        trainer = wf.join(trainer_url, worker="trainer", timeout=10,
+                          location={"datacenter": "dc0", "node": "trainer"})
+        workers.append(trainer)
+        source = net(1)
+        version = trainer.model("m", chunk_size=CHUNK).publish(source)
+        stores, models = [], []
+        for i in range(readers):
+            w = wf.join(relay_url, worker=f"r{i}", timeout=10, location=NODE)
+            workers.append(w)
+            store = w.model("m", chunk_size=CHUNK)
+            models.append(net(100 + i))
+            store.attach(models[-1])
+            stores.append(store)
+        with concurrent.futures.ThreadPoolExecutor(readers) as pool:
+            got = list(pool.map(lambda s: s.fetch(version).version, stores))
+        assert got == [version] * readers
+        return [same(m, source) for m in models]
+    finally:
+        for w in workers[::-1]:
+            w.close()
+
+
+def test_readers_behind_a_relay_fetch_bit_exact_in_batches(hub: HubServer,
+                                                          relay: NodeRelay) -> None:
+    assert _fetch_all(hub.url, relay.url, readers=4) == [True] * 4
+    assert relay.stats.batches > 0 and relay.stats.batched >= 4 * 3  # register, begin, complete
+    assert hub.num_batches == relay.stats.batches
+    assert relay.stats.refused_batches == 0 and relay.stats.dropped == 0
+
+
+def test_long_polls_go_through_the_relay_alone(hub: HubServer, relay: NodeRelay) -> None:
+    with wf.connect(hub.url, worker="t", timeout=10) as t, \
+            wf.connect(relay.url, worker="r", timeout=10, location=NODE) as r:
+        before = relay.stats.alone
+        with pytest.raises(WaitTimeoutError):       # parked at the hub, answered at its end
+            r.wait_version("m", after=0, timeout=0.2)
+        v = t.begin_publish("m", small_manifest())
+        t.commit("m", v)
+        assert r.wait_version("m", after=0, timeout=5) == v
+        assert relay.stats.alone == before + 2
+        assert r.latest("m") == v and relay.stats.batched >= 1
+
+
+def test_a_hub_that_refuses_batches_answers_each_request_alone(
+        hub: HubServer, relay: NodeRelay, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(ident, msg, caller):   # as a hub without batches answers one
+        hub._send(ident, hub._error_bytes(msg.req_id, BadRequestError(
+            "unknown operation 'batch'")), caller)
+
+    monkeypatch.setattr(hub, "_batch", refuse)
+    assert _fetch_all(hub.url, relay.url, readers=2) == [True] * 2
+    assert relay.stats.refused_batches > 0 and relay.stats.alone >= relay.stats.batched
+
+
+def test_bad_relay_settings_are_refused_before_it_serves(hub: HubServer) -> None:
+    with pytest.raises(ValueError, match="loopback"):
+        NodeRelay(hub.url, "memory://relay")
+    with pytest.raises(ValueError, match="window_s"):
+        NodeRelay(hub.url, window_s=-1)
+    with pytest.raises(HubUnavailableError, match="bad hub URL"):
+        NodeRelay("http://hub:1")
