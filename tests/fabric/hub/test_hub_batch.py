@@ -21,7 +21,7 @@ import weightfabric as wf
 from weightfabric.fabric.auth import load_credential
 from weightfabric.fabric.hub import server as server_module
 from weightfabric.fabric.hub.state import HubState
-from weightfabric.fabric.hub_messages import BatchReply, BatchRequest, ManifestWire
+from weightfabric.fabric.hub_messages import BatchReply, BatchRequest
 from weightfabric.fabric.locality import Location
 from weightfabric.fabric.protocol import ERROR, REPLY, REQUEST, decode, decode_body, encode
 from weightfabric.fabric.zmq_util import hub_socket
