@@ -110,6 +110,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Sourced = TypeVar("Sourced", PlanReply, LocateReply)
+R = TypeVar("R", bound=Request)
 
 TICK_S = 0.05
 STALL_MIN_S = 0.5  # the shortest gap between the loop's looks at its leases that is a stall
@@ -877,7 +878,7 @@ class HubServer:
 _AT = re.compile(r"^(?P<what>.*) - at `\$\.?(?P<path>[^`]*)`$", re.DOTALL)
 
 
-def _request(msg: Message, request: type[Request]) -> Request:
+def _request(msg: Message, request: type[R]) -> R:
     """``msg``'s body as the operation's request type.
 
     Raises:
