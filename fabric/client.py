@@ -35,6 +35,7 @@ import math
 import secrets
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -155,7 +156,8 @@ replicas, sources lost under a fetch that sends no report)."""
 
 
 def heartbeat_due(last_beat: float, renewed: float, interval: float, *,
-                  publishing: bool) -> float:
+                  publishing: bool, phase: float | None = None,
+                  wall_offset: float = 0.0) -> float:
     """When a worker's next heartbeat is due (`time.monotonic` seconds).
 
     Any request of the worker the hub answered renews its lease there
@@ -165,10 +167,34 @@ def heartbeat_due(last_beat: float, renewed: float, interval: float, *,
     intervals for its news. The lease (3 intervals) then always has 2 intervals of slack,
     as with a heartbeat every interval. A worker publishing a version heartbeats every
     interval (its heartbeats claim the version).
+
+    With a ``phase`` (`node_phase`: the same for every worker of a node) the heartbeat
+    moves to the node's beat nearest that time: the instants whose wall-clock time
+    (monotonic + ``wall_offset``) is ``phase`` of an interval past a multiple of the
+    interval. Half an interval early or late at most: the lease keeps 1.5 intervals of
+    slack, and as many heartbeats go as without a phase. A node's workers then heartbeat
+    together and its relay (`fabric.relay`) sends their heartbeats in one batch; nodes
+    keep their own phases, spread over the interval.
     """
     if publishing:
-        return last_beat + interval
-    return min(max(last_beat, renewed) + interval, last_beat + HEARTBEAT_NEWS_EVERY * interval)
+        due = last_beat + interval
+    else:
+        due = min(max(last_beat, renewed) + interval,
+                  last_beat + HEARTBEAT_NEWS_EVERY * interval)
+    if phase is None:
+        return due
+    return (round((due + wall_offset) / interval - phase) + phase) * interval - wall_offset
+
+
+def node_phase(location: Location) -> float | None:
+    """The phase of a node's heartbeats in their interval, in [0, 1) (None: no node named).
+
+    A hash of the datacenter and node names: the same for every worker of the node, spread
+    over the interval across nodes (`heartbeat_due`).
+    """
+    if not location.node:
+        return None
+    return zlib.crc32(f"{location.datacenter}/{location.node}".encode()) / 2**32
 
 
 @dataclass(frozen=True)
@@ -295,6 +321,7 @@ class HubClient:
         """What this client signs its requests with (None: ``insecure``)."""
         self.worker = worker
         self.location = Location.from_wire(location)
+        self._phase = node_phase(self.location)   # the node's heartbeats go together
         self.endpoints = dict(endpoints or {})
         self.timeout = float(timeout)
         self.max_message_size = max_message_size
@@ -678,7 +705,9 @@ class HubClient:
                 renewed = self._renewed
                 publishing = any(h.publisher and h.state == "publishing"
                                  for h in self._holdings.values())
-            left = heartbeat_due(last, renewed, interval, publishing=publishing) - time.monotonic()
+            left = heartbeat_due(last, renewed, interval, publishing=publishing,
+                                 phase=self._phase,
+                                 wall_offset=time.time() - time.monotonic()) - time.monotonic()
             if left > 0:
                 if self._hb_stop.wait(min(left, interval)):
                     return

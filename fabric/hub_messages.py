@@ -667,7 +667,7 @@ RENEWS_LEASE = frozenset({
 # Operations a `BatchRequest` may carry: those a hub answers at once (a ``complete_fetch``
 # only without a ``timeout``: a fetch group's members wait for each other).
 BATCHABLE = frozenset({
-    "ping", "register", "heartbeat", "begin_fetch", "plan", "report_progress",
+    "ping", "register", "heartbeat", "unregister", "begin_fetch", "plan", "report_progress",
     "complete_fetch", "release", "locate", "latest", "drop"})
 
 __all__ = [

@@ -116,8 +116,8 @@ class NodeRelay:
         if url.startswith(("curve://", "memory://")):
             raise ValueError(f"a relay listens on tcp://HOST:PORT (its node's loopback), "
                              f"not {url!r}")
-        if window_s < 0:
-            raise ValueError(f"window_s must be >= 0, got {window_s}")
+        if not 0 <= window_s < 60:
+            raise ValueError(f"window_s must be >= 0 s and under a minute, got {window_s}")
         self.hub_url, self.requested_url = hub_url, url
         self.credential: Credential | None = (
             None if insecure else load_credential(secret=secret, secret_file=secret_file))
@@ -222,7 +222,7 @@ class NodeRelay:
                 sock.close(0)
             self._alone.clear()
             self._by_sock.clear()
-            log.info("relay stopped url=%s", self.url)
+            log.info("relay stopped url=%s %s", self.url, self.stats)
 
     def _hub_socket(self) -> zmq.Socket:
         key = self.credential.hub_key if self.credential is not None else None
@@ -239,7 +239,7 @@ class NodeRelay:
                 continue      # not a client's request: nothing to answer it with
             ident, payload = frames[0], frames[1]
             auth = frames[2] if len(frames) == 3 else b""
-            if not _batchable(payload):
+            if not batchable(payload):
                 self._send_alone(ident, payload, auth, poller)
                 continue
             if not self._pending:
@@ -343,7 +343,7 @@ class NodeRelay:
             sock.close(0)
 
 
-def _batchable(payload: bytes) -> bool:
+def batchable(payload: bytes) -> bool:
     """Whether a worker's request may ride in a batch (`BATCHABLE`, answered at once)."""
     try:
         msg = decode(payload)
@@ -365,4 +365,4 @@ def _send(front: zmq.Socket, frames: list[bytes]) -> None:
         front.send_multipart(frames, zmq.NOBLOCK)
 
 
-__all__ = ["MAX_ITEMS", "WINDOW_S", "NodeRelay", "RelayStats"]
+__all__ = ["MAX_ITEMS", "WINDOW_S", "NodeRelay", "RelayStats", "batchable"]

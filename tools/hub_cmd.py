@@ -26,7 +26,7 @@ SOON_S = 0.5
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `fabric hub serve`, `fabric hub status` and `fabric hub token`."""
+    """Add `fabric hub serve`, `fabric hub relay`, `fabric hub status` and `fabric hub token`."""
     sub = add_group(
         subparsers, "hub", help="the control plane: serve a hub, show its state, issue tokens",
         description="The hub tracks which workers hold which version of which model and\n"
@@ -36,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         examples=["fabric hub serve --port 7470 --state-dir /var/lib/fabric-hub",
                   "fabric hub serve --store etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379",
                   "fabric hub status tcp://127.0.0.1:7470",
+                  "fabric hub relay --hub tcp://10.0.0.1:7470 --port 7471",
                   "fabric hub token --role read --name rollouts > rollout.token"])
 
     p = add_command(sub, "serve", help="run a hub in the foreground", handler=_serve,
@@ -120,6 +121,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address the metrics are served on (default 127.0.0.1; 0.0.0.0 for "
                         "a scraper on another host)")
+
+    p = add_command(sub, "relay", help="run a node relay in the foreground", handler=_relay,
+                    description="Run a node relay until interrupted: the workers of this node "
+                                "connect to it as to\nthe hub (its URL instead of the hub's) "
+                                "and it forwards their requests, those\nthat answer at once "
+                                "(heartbeats, plans, reports, completions) in one batch\nper "
+                                "--window-ms, so the hub handles one message per node where "
+                                "it handled one per\nworker, and plans a node's readers of a "
+                                "version together (the first routed, the\nothers waiting on "
+                                "it). Every request keeps its worker's signature and every\n"
+                                "answer the hub's: the relay may hold any credential, a read "
+                                "token is enough.\nPrints 'fabric hub relay serving at URL' "
+                                "once bound. Exits 0 on SIGTERM or\nCtrl-C, 1 if it cannot "
+                                "serve, 2 on a bad URL, port or secret file. See\ndocs/hub.md, "
+                                "\"Node relays\".",
+                    examples=["fabric hub relay --hub tcp://10.0.0.1:7470 --port 7471",
+                              "fabric hub relay --hub curve://hub:7470 --secret-file "
+                              "relay.token"])
+    p.add_argument("--hub", required=True, metavar="URL",
+                   help="the hub to forward to (tcp://HOST:PORT or curve://HOST:PORT)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the node's workers connect to (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=7471,
+                   help="TCP port, 0 = any free (default 7471)")
+    p.add_argument("--window-ms", type=float, default=None, metavar="MS",
+                   help="how long a batch's first request waits for others (default 5)")
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level (default INFO)")
+    p.add_argument("--secret-file", help="the secret or token to sign batches with (default: "
+                                         "$WEIGHTFABRIC_SECRET_FILE, else "
+                                         "~/.config/weightfabric/secret)")
+    p.add_argument("--insecure", action="store_true", help="forward to a hub run with "
+                                                           "--insecure (batches unsigned)")
 
     p = add_command(sub, "token", help="issue a token with scoped rights", handler=_token,
                     description="Print a token (one line) for a worker that must not hold "
@@ -248,6 +283,27 @@ def _serve(args: argparse.Namespace) -> int:
         server.stop(0)
     except Exception as exc:
         raise CommandFailed(f"cannot serve on {args.host}:{args.port}: {exc}") from exc
+    return EXIT_OK
+
+
+def _relay(args: argparse.Namespace) -> int:
+    from weightfabric.fabric.relay import WINDOW_S, NodeRelay
+
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    window = WINDOW_S if args.window_ms is None else args.window_ms / 1e3
+    try:
+        relay = NodeRelay(args.hub, f"tcp://{args.host}:{args.port}", window_s=window,
+                          secret_file=args.secret_file, insecure=args.insecure)
+    except (ValueError, HubError) as exc:
+        raise BadInput(exc) from exc
+    signal.signal(signal.SIGTERM, lambda *_: relay.stop(0))
+    try:
+        relay.serve_forever(lambda url: print(f"fabric hub relay serving at {url}", flush=True))
+    except KeyboardInterrupt:
+        relay.stop(0)
+    except Exception as exc:
+        raise CommandFailed(f"cannot relay on {args.host}:{args.port}: {exc}") from exc
     return EXIT_OK
 
 

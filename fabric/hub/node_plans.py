@@ -4,10 +4,11 @@ A node relay (`fabric.relay`) forwards the requests of a node's workers in one b
 when several of them begin fetching the same shard of a version in it, the hub routes
 the first as any reader (`fabric.hub.routing`, or the ranking's sample beyond a few dozen
 readers) and plans the others of that node as waits on it: the same ranges and sources,
-with the first reader named first in each range's ``wait``. That is the plan ranking
-would give them (a partial replica on the reader's own node, begun earlier, ranks above
-every other source), made in a few µs instead of a routing pass per reader, and the
-node's chunks cross the network once, to the first reader, then move on the node.
+each range waiting on the first reader alone. Ranking would put it first too (a partial
+replica on the reader's own node, begun earlier, ranks above every other source); the
+plan is made once per node instead of a routing pass per reader, names fewer workers
+(fewer capabilities to sign), and the node's chunks cross the network once, to the first
+reader, then move on the node.
 
 Only fresh fetches are planned so (no chunks held, none excluded, no broadcast plan of
 `fabric.hub.planned`, not a derived version being made): a re-plan, a resumed fetch or a
@@ -24,13 +25,15 @@ NodeKey = tuple[str, int, int, str, str]
 """``(model, version, shard, datacenter, node)``."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class NodeFirst:
-    """The first reader of a node planned in a batch, and its plan."""
+    """The first reader of a node planned in a batch, and the plan of the others."""
 
     worker: str
     ranges: list[PlanRangeWire]
-    named: frozenset[str]
+    """Its node's other readers' ranges: its own, waiting on it."""
+    named: set[str]
+    """The workers they name: its sources and itself."""
 
 
 class NodePlans:
@@ -43,19 +46,19 @@ class NodePlans:
         """The node's first reader of that shard in this batch, if one was planned."""
         return self._firsts.get(key)
 
-    def planned(self, key: NodeKey, worker: str, ranges: list[PlanRangeWire],
-                named: set[str]) -> None:
-        """``worker``, the node's first reader, was routed: ``ranges`` naming ``named``."""
-        self._firsts.setdefault(key, NodeFirst(worker, ranges, frozenset(named)))
+    def planned(self, key: NodeKey, worker: str, ranges: list[PlanRangeWire]) -> None:
+        """``worker``, the node's first reader, was routed along ``ranges``.
+
+        Its node's other readers read the same ranges from the same sources and wait on it
+        alone: what the ranking's other partial replicas would add is the first reader's
+        to wait on, and a plan naming fewer workers carries fewer capabilities.
+        """
+        if key in self._firsts:
+            return
+        on_it = [PlanRangeWire(start=r.start, stop=r.stop, sources=r.sources, wait=[worker],
+                               window=r.window) for r in ranges]
+        named = {worker, *(w for r in ranges for w in r.sources)}
+        self._firsts[key] = NodeFirst(worker, on_it, named)
 
 
-def on_first(first: NodeFirst, reader: str) -> tuple[list[PlanRangeWire], set[str]]:
-    """``reader``'s plan (ranges, workers named) as a wait on its node's first reader."""
-    ranges = [PlanRangeWire(start=r.start, stop=r.stop, sources=r.sources,
-                            wait=[first.worker, *(w for w in r.wait if w != reader)],
-                            window=r.window)
-              for r in first.ranges]
-    return ranges, {*first.named, first.worker}
-
-
-__all__ = ["NodeFirst", "NodeKey", "NodePlans", "on_first"]
+__all__ = ["NodeFirst", "NodeKey", "NodePlans"]

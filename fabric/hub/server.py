@@ -564,7 +564,7 @@ class HubServer:
         Each request is checked with its own signature and answered with its own (the
         relay, whoever signed the batch, can neither forge nor read more than it carries);
         the answers go back in one reply, in order. Fresh fetches of a node's readers are
-        planned together (`HubState.planning_together`). The batch's reply is not kept for
+        planned together (`HubState.answering_batch`). The batch's reply is not kept for
         retries: its requests' are, each.
         """
         try:
@@ -581,7 +581,7 @@ class HubServer:
         answers: list[tuple[bytes, bytes]] = []
         self._batch_out = answers
         try:
-            with self.state.planning_together():
+            with self.state.answering_batch():
                 for payload, auth in batch.items:
                     self.num_requests += 1
                     self._serve(b"", payload, auth or None, batched=True)

@@ -78,6 +78,8 @@ class HubStateBase:
     generation: int
     durable_generation: int
     _lease_now: float
+    _lease_read: bool = False
+    """The lease clock was read for the requests being answered (`answering_batch`)."""
     kv: KvStore
     _index: HubIndex
     _leases: Leases
@@ -109,7 +111,8 @@ class HubStateBase:
             UnknownWorkerError: not registered, or its lease already expired.
             DuplicateWorkerError: the worker id belongs to another session.
         """
-        self.expire()      # read the lease clock: ``_lease_now`` is now
+        if not self._lease_read:
+            self.expire()      # read the lease clock: ``_lease_now`` is now
         rec = self.workers.get(worker)
         if rec is None:
             raise UnknownWorkerError(f"worker {worker!r} is not registered (or its lease "

@@ -24,7 +24,7 @@ from weightfabric.fabric.errors import (
     UnknownVersionError,
 )
 from weightfabric.fabric.hub.index import ReplicaPool
-from weightfabric.fabric.hub.node_plans import NodeKey, NodePlans, on_first
+from weightfabric.fabric.hub.node_plans import NodeKey, NodePlans
 from weightfabric.fabric.hub.planned import PlanRouter, VersionPlan
 from weightfabric.fabric.hub.records import (
     COMMITTED,
@@ -69,17 +69,21 @@ class HubFetching(HubStateBase):
     _together: NodePlans | None = None
 
     @contextlib.contextmanager
-    def planning_together(self) -> Iterator[None]:
-        """Plan the fresh fetches begun inside as readers of a node asking together.
+    def answering_batch(self) -> Iterator[None]:
+        """Answer a relay's batch: the requests inside come from one node, at one time.
 
-        A node's first reader of a shard is routed; its others wait on it
-        (`fabric.hub.node_plans`). The hub's server opens each relay batch in one.
+        The lease clock is read once, here, not at each request; the fresh fetches begun
+        inside are planned together: a node's first reader of a shard is routed, its others
+        wait on it (`fabric.hub.node_plans`). The hub's server answers each batch in one.
         """
+        self.expire()
         self._together = NodePlans()
+        self._lease_read = True
         try:
             yield
         finally:
             self._together = None
+            self._lease_read = False
 
     def begin_fetch(self, model: str, version: int | str, worker: str, *, session: str,
                     fetch_id: str, shard: int = 0, fingerprint: str | None = None,
@@ -222,8 +226,8 @@ class HubFetching(HubStateBase):
         together = self._node_key(f, v, rep, planned, chunks, banned)
         first = together[0].first(together[1]) if together is not None else None
         if first is not None and all((w, f.shard) in v.replicas and w in self.workers
-                                     for w in (first.worker, *first.named)):
-            ranges, named = on_first(first, worker)
+                                     for w in first.named):
+            ranges, named = first.ranges, first.named
             missing: list[int] = []
         elif planned is not None:
             router, vp = planned
@@ -242,7 +246,7 @@ class HubFetching(HubStateBase):
                 f"{f.model!r} v{f.version} shard {f.shard}: no live replica holds chunks "
                 f"{_fmt_chunks(missing)}; wait for a holder to (re)register or fetch another version")
         if together is not None and first is None:
-            together[0].planned(together[1], worker, ranges, named)
+            together[0].planned(together[1], worker, ranges)
         # Reads from an earlier plan may still be in flight: sources accumulate until the
         # reader narrows them (report_progress(sources=)), excludes them, or finishes.
         self._index.set_sources(f, (f.sources - banned) | named)

@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 from hub_helpers import FakeClock, OffsetClock, small_manifest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import weightfabric as wf
 from weightfabric.fabric.errors import (
@@ -661,3 +663,39 @@ def test_heartbeat_due(last_beat, renewed, publishing, due) -> None:
     from weightfabric.fabric.client import heartbeat_due
 
     assert heartbeat_due(last_beat, renewed, 3.0, publishing=publishing) == due
+
+
+@given(st.floats(0, 1, exclude_max=True), st.floats(-50, 50), st.floats(1, 100),
+       st.lists(st.floats(0, 20), min_size=1, max_size=6), st.booleans())
+def test_a_nodes_heartbeats_fall_on_its_beat_within_half_an_interval_of_due(
+        phase, offset, start, renewals, publishing) -> None:
+    from weightfabric.fabric.client import heartbeat_due
+
+    interval, last = 3.0, start
+    for r in renewals:            # beats one after the other, renewing requests between
+        renewed = last + r
+        due = heartbeat_due(last, renewed, interval, publishing=publishing)
+        beat = heartbeat_due(last, renewed, interval, publishing=publishing, phase=phase,
+                             wall_offset=offset)
+        assert abs(beat - due) <= interval / 2 + 1e-9 and beat >= last + interval / 2 - 1e-9
+        at = ((beat + offset) / interval - phase) % 1.0        # on the node's beat
+        assert min(at, 1 - at) < 1e-6
+        last = beat
+
+
+def test_the_workers_of_a_node_share_a_phase_and_nodes_spread() -> None:
+    from weightfabric.fabric.client import heartbeat_due, node_phase
+    from weightfabric.fabric.locality import Location
+
+    a, b = node_phase(Location("dc0", "n1", "gpu0")), node_phase(Location("dc0", "n1", "gpu7"))
+    assert a is not None and a == b and node_phase(Location("dc0", "")) is None
+    phases = {node_phase(Location("dc0", f"n{k}")) for k in range(200)}
+    assert len(phases) == 200 and max(phases) - min(phases) > 0.9
+    # two workers of a node that started out of step heartbeat together from their 2nd beat
+    beats = []
+    for last in (100.0, 101.7):
+        for _ in range(2):
+            last = heartbeat_due(last, -1, 3.0, publishing=False, phase=a)
+        beats.append(last)
+    apart = abs(beats[0] - beats[1]) % 3.0
+    assert min(apart, 3.0 - apart) < 1e-9

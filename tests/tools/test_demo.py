@@ -2,6 +2,7 @@
 
 import ast
 import json
+import re
 import subprocess
 import sys
 
@@ -99,3 +100,15 @@ def test_example_hubs_over_etcd_survives_the_leaders_death():
     assert "v1 published and fetched" in result.stdout
     assert "leader killed; v2 published" in result.stdout
     assert "rollout holds v2, bit-exact" in result.stdout
+
+
+def test_example_node_relay_fetches_through_the_relay_in_batches():
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "node_relay.py")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert out.count("fetched by 4 rollouts, bit-exact: True") == 2
+    batched, batches = (int(n) for n in re.search(
+        r"relay: (\d+) requests in (\d+) batches", out).groups())
+    assert batched >= 4 * (1 + 2 * 2) and 0 < batches <= batched   # registers, plans, completions
+    assert f"the hub answered {batches} batches" in out

@@ -165,6 +165,37 @@ def test_serve_stops_cleanly_on_sigterm() -> None:
         kill_all(procs)
 
 
+def test_a_relay_forwards_to_a_served_hub_and_stops_cleanly_on_sigterm() -> None:
+    procs: list[subprocess.Popen] = []
+    try:
+        hub_url = start_serve(procs)
+        p = subprocess.Popen([sys.executable, "-m", "weightfabric.tools", "hub", "relay",
+                              "--hub", hub_url, "--port", "0", "--log-level", "WARNING"],
+                             stdout=subprocess.PIPE, text=True, env=child_env(), cwd=REPO_ROOT)
+        procs.append(p)
+        ready, _, _ = select.select([p.stdout], [], [], 30)
+        assert ready, "fabric hub relay printed nothing within 30 s"
+        line = p.stdout.readline()
+        assert line.startswith("fabric hub relay serving at tcp://127.0.0.1:"), line
+        with wf.connect(line.split()[-1], worker="w", timeout=5) as c:   # through the relay
+            assert c.latest("m") is None
+            assert [w["worker"] for w in c.status()["workers"]] == ["w"]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0
+    finally:
+        kill_all(procs)
+
+
+@pytest.mark.parametrize("args, what", [
+    (["--hub", "http://hub:1"], "bad hub URL"),
+    (["--hub", "tcp://127.0.0.1:7470", "--port", "99999"], "not a TCP port"),
+    (["--port", "0"], "required: --hub"),
+])
+def test_relay_rejects_bad_options_with_exit_2(args: list[str], what: str) -> None:
+    result = fabric_cli("hub", "relay", *args)
+    assert result.returncode == 2 and what in result.stderr
+
+
 def test_status_of_an_unreachable_hub_fails_with_a_clear_message() -> None:
     out = fabric_cli("hub", "status", "tcp://127.0.0.1:9", "--timeout", "0.5")
     assert out.returncode == 1
@@ -181,6 +212,7 @@ def test_status_of_an_unreachable_hub_fails_with_a_clear_message() -> None:
 @pytest.mark.parametrize("command, example", [
     ("serve", "fabric hub serve --host 0.0.0.0 --port 7470 --state-dir"),
     ("status", "fabric hub status tcp://127.0.0.1:7470"),
+    ("relay", "fabric hub relay --hub tcp://10.0.0.1:7470 --port 7471"),
 ])
 def test_help_shows_an_example(command: str, example: str) -> None:
     out = fabric_cli("hub", command, "--help")

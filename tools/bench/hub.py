@@ -91,6 +91,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--reader-procs", type=int, default=None,
                    help=f"processes simulating the readers (default 1 per "
                         f"{READERS_PER_PROCESS})")
+    b.add_argument("--relay", action="store_true",
+                   help="each node's 8 readers talk to the hub through a node relay "
+                        "(`fabric hub relay`): requests that answer at once go in one "
+                        "batch per node every --relay-window, each still signed by its reader")
+    b.add_argument("--relay-window", type=float, default=None, metavar="SECONDS",
+                   help="how long a relay holds a batch's first request for others (default: "
+                        "the relay's, 0.005)")
     b.add_argument("--sync", action="store_true",
                    help="readers learn of the version as ModelStore.sync does: a "
                         "wait_version parked at the hub each, before and after the fetch")
@@ -283,6 +290,8 @@ ENGINE_MAX_REPORTS: int | None = 2
 """`fabric.fetch.FetchOptions.max_reports`'s default (None: a report every interval)."""
 BROADCAST_MODEL = "broadcast"
 BROADCAST_CHUNK_SIZE = 16 << 20   # `fabric.tensorset.DEFAULT_CHUNK_SIZE`
+NODE_SIZE = 8
+"""Simulated readers per node (each reader's location names its node)."""
 READERS_PER_PROCESS = 2500
 """Simulated readers per process (one DEALER socket each, polled with epoll)."""
 CLIENT_TIMEOUT_S = 10.0
@@ -298,6 +307,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
                     sync: bool = False, baseline_s: float | None = None,
                     report_budget: int | None | str = "hub",
                     heartbeat_rate: float | None | str = "hub",
+                    relay: bool = False, relay_window: float | None = None,
                     profile: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
     """One version broadcast to ``readers`` simulated readers; the hub's cost of it.
 
@@ -319,20 +329,29 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
     ``wait_version`` before the version and parks a new one after its fetch (the hub
     holds them all). The hub's ``report_budget`` and ``heartbeat_rate`` are its defaults
     (``"hub"``) or these (`HubServer`); each plan's ``max_reports`` caps the reader's, and
-    readers heartbeat every third of the lease the hub's last reply granted.
+    readers heartbeat every third of the lease the hub's last reply granted. With
+    ``relay`` each node's `NODE_SIZE` readers reach the hub as through a `fabric.relay`
+    node relay: the requests it batches go in one ``batch`` per node, sent
+    ``relay_window`` s after its first (`fabric.relay.WINDOW_S` by default), the others
+    alone; ``relay_window`` 0 sends what is ready at each pass of the reader loop.
 
     Measured from the begin_publish to the last ``complete_fetch`` answered: the hub
     process's CPU seconds (``/proc``), the operations answered per second (heartbeats
     included), and each operation's latency.
     """
-    if readers < 1 or chunks < 1 or read_chunks < 1 or fetch_seconds < 0 or lease_s <= 0:
-        raise ValueError("readers, chunks and read_chunks must be >= 1, fetch_seconds >= 0 "
-                         "and lease_s > 0")
+    if readers < 1 or chunks < 1 or read_chunks < 1 or fetch_seconds < 0 or lease_s <= 0 \
+            or (relay_window is not None and relay_window < 0):
+        raise ValueError("readers, chunks and read_chunks must be >= 1, fetch_seconds and "
+                         "relay_window >= 0 and lease_s > 0")
     from weightfabric.fabric.auth import SECRET_FILE_ENV
     from weightfabric.fabric.client import connect
     from weightfabric.fabric.manifest import Manifest, TensorSpec
+    from weightfabric.fabric.relay import WINDOW_S
 
     procs = procs or max(1, -(-readers // READERS_PER_PROCESS))
+    if relay:    # a node's readers in one process, behind its relay
+        procs = min(procs, -(-readers // NODE_SIZE))
+    relay_wait = WINDOW_S if relay_window is None else relay_window
     # The hub gets a core of its own, the readers the others (as if they ran elsewhere).
     cpus = sorted(os.sched_getaffinity(0))
     hub_cpus, reader_cpus = (cpus[:1], cpus[1:]) if len(cpus) > 1 else (cpus, cpus)
@@ -356,6 +375,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
         url = _line(hub, deadline, tmp / "hub.log").strip()
         sampler = _CpuSampler(hub.pid)
         share = -(-readers // procs)
+        share = -(-share // NODE_SIZE) * NODE_SIZE if relay else share
         sims = []
         for k in range(procs):
             first, count = k * share, min(share, readers - k * share)
@@ -369,7 +389,8 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
                      "read_chunks": read_chunks, "start_spread": start_spread,
                      "report_interval": report_interval, "max_reports": max_reports,
                      "chunk_size": BROADCAST_CHUNK_SIZE, "model": BROADCAST_MODEL,
-                     "sync": sync, "seed": k, "cpus": reader_cpus})
+                     "sync": sync, "seed": k, "cpus": reader_cpus,
+                     "relay": relay, "relay_window": relay_wait})
         publisher = connect(url, worker="trainer", secret_file=secret, timeout=120,
                             location={"datacenter": "dc0", "node": "trainer"},
                             endpoints={"read": {"host": "10.0.0.1", "port": 7471,
@@ -427,6 +448,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
             "readers": readers, "completed": completed, "reader_procs": len(sims),
             "chunks": chunks, "read_chunks": read_chunks, "fetch_seconds": fetch_seconds,
             "start_spread": start_spread, "lease_s": lease_s, "sync": sync,
+            "relay": relay, "relay_window_s": relay_wait if relay else None,
             "hub_cpus": hub_cpus, "reader_cpus": reader_cpus,
             "report_policy": {"report_interval": report_interval, "max_reports": max_reports,
                               "hub_report_budget": report_budget,
@@ -451,6 +473,11 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
             "lease_s_granted": max(r["lease_s"] for r in results),
             "resends": sum(r["resends"] for r in results),
             "timeouts": sum(r["timeouts"] for r in results),
+            "relay_batches": sum(r["batches"] for r in results),
+            "relay_batched": sum(r["batched"] for r in results),
+            "relay_batch_sizes": dict(sorted(sum((Counter({int(k): n for k, n in
+                                                           r["batch_sizes"].items()})
+                                                  for r in results), Counter()).items())),
         }
     finally:
         if publisher is not None:
@@ -620,7 +647,7 @@ class _Readers:
         self.cfg = cfg
         self.first, self.n = int(cfg["first"]), int(cfg["count"])
         self.rng = random.Random(cfg["seed"])
-        zmq.Context.instance().set(zmq.MAX_SOCKETS, self.n + 64)
+        zmq.Context.instance().set(zmq.MAX_SOCKETS, self.n + self.n // NODE_SIZE + 64)
         self.cred = load_credential(secret_file=cfg["secret_file"])
         self.poll = select.epoll()
         self.socks: list[zmq.Socket] = []
@@ -634,6 +661,26 @@ class _Readers:
             self.poll.register(fd, select.EPOLLIN)
         self.poll.register(sys.stdin.fileno(), select.EPOLLIN)
         self.check: set[int] = set(range(self.n))
+        # With a relay per node: the node's socket, the requests it holds for its next
+        # batch, and the readers each batch on its way answers, in order.
+        self.relay, self.window = bool(cfg.get("relay")), float(cfg.get("relay_window", 0))
+        self.node_socks: list[zmq.Socket] = []
+        self.node_by_fd: dict[int, int] = {}
+        self.held: dict[int, list[tuple[int, bytes, bytes]]] = {}
+        self.in_batch: dict[int, tuple[bytes, list[int]]] = {}
+        self.check_nodes: set[int] = set()
+        self.batches = self.batched = 0
+        self.batch_sizes: Counter[int] = Counter()
+        self.batch_ids = 0
+        if self.relay:
+            for j in range(-(-self.n // NODE_SIZE)):
+                s = make_socket(zmq.DEALER, max_message_size=1 << 24)
+                s.connect(endpoint(cfg["url"], bind=False))
+                self.node_socks.append(s)
+                fd = cast(int, s.getsockopt(zmq.FD))
+                self.node_by_fd[fd] = j
+                self.poll.register(fd, select.EPOLLIN)
+            self.check_nodes = set(range(len(self.node_socks)))
         self.req = [0] * self.n
         # (reader, request id) -> (op, sent, payload, each try's MAC), as `HubClient` tries
         self.pending: dict[tuple[int, int], tuple[str, float, bytes, list[bytes]]] = {}
@@ -646,6 +693,12 @@ class _Readers:
         from weightfabric.fabric.hub_messages import RENEWS_LEASE
 
         self.heartbeat_due, self.renewing = heartbeat_due, RENEWS_LEASE
+        from weightfabric.fabric.client import node_phase
+        from weightfabric.fabric.locality import Location
+
+        # each node's readers heartbeat together, as `HubClient` (`node_phase`)
+        self.phase = [node_phase(Location.from_wire(self.location(i))) for i in range(self.n)]
+        self.wall_offset = time.time() - time.monotonic()
         self.first_try = FIRST_TRY_S      # then twice as long at each try, as the client
         self.last_beat = [0.0] * self.n     # the last heartbeat sent (time.monotonic)
         self.renewed = [-math.inf] * self.n  # the last request that renewed the lease, sent
@@ -687,12 +740,44 @@ class _Readers:
         rid = self.req[i]
         payload = encode(REQUEST, rid, f"s-{self.worker(i)}", op, args)
         frame, mac = self.cred.sign(payload)
-        self.socks[i].send_multipart([payload, frame])
+        self.forward(i, payload, frame)
         now = time.monotonic()
         self.pending[(i, rid)] = (op, now, payload, [mac])
         if op != "wait_version":      # a long poll's try lasts its wait (10 s) and more
             self.at(now + self.first_try, i, f"try:{rid}")
         self.check.add(i)
+
+    def forward(self, i: int, payload: bytes, frame: bytes) -> None:
+        """Send a reader's signed request: alone, or held for its node relay's next batch."""
+        from weightfabric.fabric.relay import batchable
+
+        if not self.relay or not batchable(payload):
+            self.socks[i].send_multipart([payload, frame])
+            return
+        j = i // NODE_SIZE
+        held = self.held.setdefault(j, [])
+        if not held:
+            self.at(time.monotonic() + self.window, j, "flush")
+        held.append((i, payload, frame))
+
+    def flush(self, j: int) -> None:
+        """Node ``j``'s relay sends the requests it holds as one batch."""
+        from weightfabric.fabric.hub_messages import BatchRequest
+        from weightfabric.fabric.protocol import REQUEST, encode
+
+        held = self.held.pop(j, [])
+        if not held:
+            return
+        self.batch_ids += 1
+        data = encode(REQUEST, self.batch_ids, f"relay-{self.first}-{j}", "batch",
+                      BatchRequest(items=[(p, f) for _, p, f in held]))
+        frame, mac = self.cred.sign(data)
+        self.node_socks[j].send_multipart([data, frame])
+        self.in_batch[self.batch_ids] = (mac, [i for i, _, _ in held])
+        self.batches += 1
+        self.batched += len(held)
+        self.batch_sizes[len(held)] += 1
+        self.check_nodes.add(j)
 
     def try_again(self, i: int, rid: int, now: float) -> None:
         """No answer yet to request ``rid``: send it again, or fail it at the client's timeout."""
@@ -707,7 +792,7 @@ class _Readers:
             self.on_reply(i, op, None, ok=False)
             return
         frame, mac = self.cred.sign(payload)      # a fresh timestamp, as each try
-        self.socks[i].send_multipart([payload, frame])
+        self.forward(i, payload, frame)
         macs.append(mac)
         self.resends += 1
         self.check.add(i)
@@ -716,10 +801,12 @@ class _Readers:
 
     def pump(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for replies, and handle them."""
-        from weightfabric.fabric.protocol import decode
-
-        for fd, _ in self.poll.poll(0 if self.check else max(0.0, timeout)):
+        busy = self.check or self.check_nodes
+        for fd, _ in self.poll.poll(0 if busy else max(0.0, timeout)):
             i = self.by_fd.get(fd)
+            if i is None and fd in self.node_by_fd:
+                self.check_nodes.add(self.node_by_fd[fd])
+                continue
             if i is None:
                 line = sys.stdin.readline().strip()
                 if line.startswith("{"):
@@ -733,39 +820,73 @@ class _Readers:
             s = self.socks[i]
             while cast(int, s.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 raw, frame = s.recv_multipart(zmq.NOBLOCK)
-                msg = decode(raw)
-                got = self.pending.pop((i, msg.req_id), None)
-                if got is None:
-                    continue
-                op, sent, _, macs = got
-                now = time.monotonic()
-                if (not any(self.cred.check_reply(frame, mac, raw) for mac in macs)
-                        and (msg.kind == 2 or frame)):
-                    raise RuntimeError("a reply not signed for its request")
-                if msg.kind == 2 and op in self.renewing:
-                    self.renewed[i] = max(self.renewed[i], sent)
-                us = max(1.0, (now - sent) * 1e6)
-                self.hist.setdefault(op, Counter())[int(math.log(us) / _LAT_BASE)] += 1
-                self.bins[int(time.time() / 0.1)] += 1
-                if msg.kind != 2:
-                    why = str(msgspec.msgpack.decode(msg.body).get("message", ""))
-                    self.errors[f"{op}: {re.sub(r'r[0-9]+', 'rN', why)[:160]}"] += 1
-                self.on_reply(i, op, msg, ok=msg.kind == 2)
+                self.take(i, raw, frame)
+        nodes, self.check_nodes = self.check_nodes, set()
+        for j in nodes:
+            s = self.node_socks[j]
+            while cast(int, s.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                raw, frame = s.recv_multipart(zmq.NOBLOCK)
+                self.take_batch(raw, frame)
+
+    def take_batch(self, raw: bytes, frame: bytes) -> None:
+        """A batch's answers, each to its reader (a refused batch: its readers retry)."""
+        from weightfabric.fabric.hub_messages import BatchReply
+        from weightfabric.fabric.protocol import decode, decode_body
+
+        msg = decode(raw)
+        mac, members = self.in_batch.pop(msg.req_id, (b"", []))
+        if not members:
+            return
+        if not self.cred.check_reply(frame, mac, raw):
+            raise RuntimeError("a batch's answer not signed for it")
+        if msg.kind != 2:
+            why = str(msgspec.msgpack.decode(msg.body).get("message", ""))
+            self.errors[f"batch: {why[:160]}"] += len(members)
+            return
+        for i, (data, sig) in zip(members, decode_body(msg, BatchReply).items, strict=True):
+            self.take(i, data, sig)
+
+    def take(self, i: int, raw: bytes, frame: bytes) -> None:
+        """Reader ``i``'s answer ``raw`` (its auth ``frame``): checked, timed, acted on."""
+        from weightfabric.fabric.protocol import decode
+
+        msg = decode(raw)
+        got = self.pending.pop((i, msg.req_id), None)
+        if got is None:
+            return
+        op, sent, _, macs = got
+        now = time.monotonic()
+        if (not any(self.cred.check_reply(frame, mac, raw) for mac in macs)
+                and (msg.kind == 2 or frame)):
+            raise RuntimeError("a reply not signed for its request")
+        if msg.kind == 2 and op in self.renewing:
+            self.renewed[i] = max(self.renewed[i], sent)
+        us = max(1.0, (now - sent) * 1e6)
+        self.hist.setdefault(op, Counter())[int(math.log(us) / _LAT_BASE)] += 1
+        self.bins[int(time.time() / 0.1)] += 1
+        if msg.kind != 2:
+            why = str(msgspec.msgpack.decode(msg.body).get("message", ""))
+            self.errors[f"{op}: {re.sub(r'r[0-9]+', 'rN', why)[:160]}"] += 1
+        self.on_reply(i, op, msg, ok=msg.kind == 2)
 
     def at(self, t: float, i: int, kind: str) -> None:
         self.seq += 1
         heapq.heappush(self.timers, (t, self.seq, i, kind))
 
     # --- phases
+    def location(self, i: int) -> dict[str, str]:
+        k = self.first + i
+        return {"datacenter": f"dc{(k // 512) % 2}", "node": f"n{k // NODE_SIZE}",
+                "device": f"gpu{k % NODE_SIZE}"}
+
     def register(self) -> None:
         for i in range(self.n):
             k = self.first + i
             self.send(i, "register", {
                 "worker": self.worker(i),
-                "location": {"datacenter": f"dc{(k // 512) % 2}", "node": f"n{k // 8}",
-                             "device": f"gpu{k % 8}"},
+                "location": self.location(i),
                 "endpoints": {"read": {"host": f"10.{k >> 16 & 255}.{k >> 8 & 255}.{k & 255}",
-                                       "port": 7471, "host_id": f"h{k // 8}"}}})
+                                       "port": 7471, "host_id": f"h{k // NODE_SIZE}"}}})
         end = time.monotonic() + 120
         while self.pending and time.monotonic() < end:
             self.due(time.monotonic())
@@ -804,21 +925,26 @@ class _Readers:
                                       "timeout": 10.0})
 
     def on_timer(self, i: int, kind: str, now: float) -> None:
-        if kind.startswith("try:"):
+        if kind == "flush":     # ``i`` is a node here
+            self.flush(i)
+        elif kind.startswith("try:"):
             self.try_again(i, int(kind[4:]), now)
         elif kind == "heartbeat" and self.beating[i]:   # its thread still waits for the last
             self.at(now + 0.25, i, "heartbeat")
         elif kind == "heartbeat":   # as `HubClient._heartbeat_loop`: due, or pushed back
             interval = self.lease[i] / 3
             due = self.heartbeat_due(self.last_beat[i], self.renewed[i], interval,
-                                     publishing=False)
+                                     publishing=False, phase=self.phase[i],
+                                     wall_offset=self.wall_offset)
             if now < due:
                 self.at(due, i, "heartbeat")
                 return
             self.last_beat[i] = now
             self.send(i, "heartbeat", {"worker": self.worker(i), "publishing": []})
             self.beating[i] = True
-            self.at(now + interval, i, "heartbeat")
+            self.at(self.heartbeat_due(now, self.renewed[i], interval, publishing=False,
+                                       phase=self.phase[i], wall_offset=self.wall_offset),
+                    i, "heartbeat")
         elif kind == "begin":
             self.send(i, "begin_fetch", {"worker": self.worker(i), "model": self.cfg["model"],
                                          "version": self.version[i],
@@ -836,11 +962,14 @@ class _Readers:
             self.beating[i] = False
         elif op == "register":
             self.registered += ok   # heartbeats from now on, as a client's thread does
-            interval = self.lease[i] / 3
-            first = time.monotonic() + self.rng.uniform(0, interval)   # spread the phases
-            self.last_beat[i] = first - interval
+            interval, now = self.lease[i] / 3, time.monotonic()
+            # as if its client connected at a random moment of the last interval; the first
+            # heartbeat on its node's beat, as the client's thread sends it
+            self.last_beat[i] = now - self.rng.uniform(0, interval)
             self.renewed[i] = -math.inf
-            self.at(first, i, "heartbeat")
+            first = self.heartbeat_due(self.last_beat[i], -math.inf, interval, publishing=False,
+                                       phase=self.phase[i], wall_offset=self.wall_offset)
+            self.at(first if first >= now else first + interval, i, "heartbeat")
         elif op == "wait_version":
             v = msgspec.msgpack.decode(msg.body).get("version") if ok else None
             if v is not None and v > self.version[i] and not self.done[i]:
@@ -926,10 +1055,11 @@ class _Readers:
         return {"hist": self.hist, "bins": self.bins, "errors": self.errors,
                 "completed": self.completed, "last_complete": self.last_complete,
                 "reports": self.sent, "resends": self.resends, "timeouts": self.timeouts,
-                "lease_s": max(self.lease)}
+                "lease_s": max(self.lease), "batches": self.batches, "batched": self.batched,
+                "batch_sizes": self.batch_sizes}
 
     def close(self) -> None:
-        for s in self.socks:
+        for s in [*self.socks, *self.node_socks]:
             s.close(0)
 
 
@@ -995,6 +1125,7 @@ def _run_broadcast(args: argparse.Namespace) -> int:
                           max_reports=max_reports, sync=args.sync,
                           report_budget=getattr(args, "report_budget", "hub"),
                           heartbeat_rate=getattr(args, "heartbeat_rate", "hub"),
+                          relay=args.relay, relay_window=args.relay_window,
                           profile=args.profile)
     if args.json:
         print(json.dumps(out, indent=2))

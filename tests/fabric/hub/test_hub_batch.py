@@ -1,6 +1,6 @@
 """A relay's batch at the hub: each request answered as if alone, a node's readers planned together.
 
-`HubState.planning_together` is driven by hand (the node plans), then the server is sent
+`HubState.answering_batch` is driven by hand (the node plans), then the server is sent
 batches on a real socket: answers in order, each signed for its own worker; what may
 not ride in a batch, a forged request, an unsigned batch, too many requests: refused
 with a typed error while the others are answered.
@@ -46,7 +46,7 @@ def _begin(s: HubState, worker: str, **kw: Any):
 
 
 def test_a_nodes_readers_asking_together_wait_on_its_first(state: HubState) -> None:
-    with state.planning_together():
+    with state.answering_batch():
         first, b, c, x = (_begin(state, w) for w in "abcx")
     assert [(r.start, r.stop, r.sources, r.wait) for r in first.ranges] == [(0, 8, ["t"], [])]
     for plan in (b, c):          # the same sources; the first reader waited on first
@@ -61,7 +61,7 @@ def test_a_nodes_readers_asking_together_wait_on_its_first(state: HubState) -> N
 
 
 def test_only_fresh_fetches_are_planned_together(state: HubState) -> None:
-    with state.planning_together():
+    with state.answering_batch():
         _begin(state, "a")
         resumed = _begin(state, "b", have=[0, 1])     # holds chunks: routed
     assert resumed.ranges[0].start == 2
@@ -69,7 +69,7 @@ def test_only_fresh_fetches_are_planned_together(state: HubState) -> None:
 
 
 def test_a_first_reader_gone_in_the_batch_is_not_waited_on(state: HubState) -> None:
-    with state.planning_together():
+    with state.answering_batch():
         _begin(state, "a")
         state.release("a/f", "a", session="a")
         b = _begin(state, "b")
@@ -77,7 +77,7 @@ def test_a_first_reader_gone_in_the_batch_is_not_waited_on(state: HubState) -> N
 
 
 def test_without_a_batch_nothing_is_remembered(state: HubState) -> None:
-    with state.planning_together():
+    with state.answering_batch():
         _begin(state, "a")
     assert state._together is None
     b = _begin(state, "b")           # routed: it may wait on a (ranked), never on a memo
