@@ -18,7 +18,11 @@ group's ``complete_fetch``), publishes and everything else go through unbatched,
 worker on a connection of its own. A batch the hub refuses (an older hub, one that does
 not lead) is sent again request by request, so each worker gets the hub's own answer. A
 relay that stops loses nothing: its workers' requests are retried by their clients, and a
-retried request the hub already answered is answered from its reply cache.
+retried request the hub already answered is answered from its reply cache. Given the
+hubs of a service (``--hub URL,URL``: hubs over etcd, docs/operations.md), a relay
+forwards to one and moves to the next when it answers `NotLeaderError` or leaves a
+batch unanswered for `fabric.client.SERVICE_TRY_S`, as clients of several hubs do; the
+requests it was carrying go to the next hub.
 
 Run one with ``fabric hub relay --hub URL`` (docs/hub.md, "Node relays").
 """
@@ -37,7 +41,8 @@ import msgspec
 import zmq
 
 from weightfabric.fabric.auth import Credential, load_credential
-from weightfabric.fabric.errors import ProtocolError
+from weightfabric.fabric.client import SERVICE_TRY_S
+from weightfabric.fabric.errors import NotLeaderError, ProtocolError
 from weightfabric.fabric.hub_messages import BATCHABLE, BatchReply, BatchRequest
 from weightfabric.fabric.protocol import (
     ERROR,
@@ -77,6 +82,16 @@ class _Sent:
 
 
 @dataclass
+class _Alone:
+    """A worker's own connection to the hub, and the last request it carried."""
+
+    sock: zmq.Socket
+    at: float
+    payload: bytes
+    auth: bytes
+
+
+@dataclass
 class RelayStats:
     """What a relay forwarded (``NodeRelay.stats``)."""
 
@@ -86,6 +101,8 @@ class RelayStats:
     alone: int = 0
     """Requests sent unbatched (they wait at the hub, or the hub refused their batch)."""
     refused_batches: int = 0
+    hub_changes: int = 0
+    """Moves to the next hub of a service (the one it used did not lead, or went silent)."""
     dropped: int = 0
     """Answers that found no worker (a batch forgotten, a reply not signed for it)."""
 
@@ -94,7 +111,8 @@ class NodeRelay:
     """Forwards the hub requests of one node's workers; `start` runs it on a thread.
 
     Args:
-        hub_url: the hub (``tcp://`` or ``curve://``).
+        hub_url: the hub (``tcp://`` or ``curve://``), or the hubs of a service,
+            comma-separated.
         url: where workers connect (``tcp://127.0.0.1:0``: a port the OS picks, on the
             node's loopback; read ``url`` once started).
         secret_file, secret: the credential the relay signs its batches with (a token of
@@ -111,14 +129,19 @@ class NodeRelay:
                  secret_file: str | Path | None = None, secret: str | None = None,
                  insecure: bool = False, window_s: float = WINDOW_S,
                  max_message_size: int = MAX_MESSAGE_SIZE) -> None:
-        endpoint(hub_url, bind=False)
+        self.hub_urls = [u.strip() for u in hub_url.split(",") if u.strip()]
+        if not self.hub_urls:
+            raise ValueError("a relay needs the URL of a hub")
+        for u in self.hub_urls:
+            endpoint(u, bind=False)
         endpoint(url, bind=True)
         if url.startswith(("curve://", "memory://")):
             raise ValueError(f"a relay listens on tcp://HOST:PORT (its node's loopback), "
                              f"not {url!r}")
         if not 0 <= window_s < 60:
             raise ValueError(f"window_s must be >= 0 s and under a minute, got {window_s}")
-        self.hub_url, self.requested_url = hub_url, url
+        self._hub = 0                     # which of hub_urls it forwards to
+        self.requested_url = url
         self.credential: Credential | None = (
             None if insecure else load_credential(secret=secret, secret_file=secret_file))
         self.window_s = window_s
@@ -131,8 +154,11 @@ class NodeRelay:
         self._pending: list[tuple[bytes, bytes, bytes]] = []   # (ident, payload, auth)
         self._pending_bytes = 0
         self._first_at = 0.0
-        self._alone: dict[bytes, tuple[zmq.Socket, float]] = {}   # worker -> its connection
+        self._alone: dict[bytes, _Alone] = {}    # a worker's connection, its last request
         self._by_sock: dict[zmq.Socket, bytes] = {}
+        self._front: zmq.Socket | None = None      # the workers'
+        self._back: zmq.Socket | None = None       # the hub's (batches)
+        self._poller = zmq.Poller()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -166,6 +192,11 @@ class NodeRelay:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def hub_url(self) -> str:
+        """The hub the relay forwards to now."""
+        return self.hub_urls[self._hub]
+
     def __enter__(self) -> NodeRelay:
         return self.start()
 
@@ -174,82 +205,95 @@ class NodeRelay:
 
     # ------------------------------------------------------------------- the loop
     def _run(self, on_ready: Callable[[str], None] | None = None) -> None:
-        front = back = None
         try:
-            front = make_socket(zmq.ROUTER, max_message_size=self.max_message_size)
-            front.bind(endpoint(self.requested_url, bind=True))
-            self.url = url_of(front.getsockopt_string(zmq.LAST_ENDPOINT), self.requested_url)
-            back = self._hub_socket()
+            self._front = make_socket(zmq.ROUTER, max_message_size=self.max_message_size)
+            self._front.bind(endpoint(self.requested_url, bind=True))
+            self.url = url_of(self._front.getsockopt_string(zmq.LAST_ENDPOINT),
+                              self.requested_url)
+            self._back = self._hub_socket()
         except BaseException as exc:
-            for s in (front, back):
-                if s is not None:
-                    s.close(0)
+            self._close()
             self._error = exc
             self._ready.set()
             return
-        log.info("relay serving url=%s hub=%s window=%.1f ms", self.url, self.hub_url,
+        log.info("relay serving url=%s hub=%s window=%.1f ms", self.url, ",".join(self.hub_urls),
                  self.window_s * 1e3)
         self._ready.set()
         if on_ready is not None:
             on_ready(self.url)
-        poller = zmq.Poller()
-        poller.register(front, zmq.POLLIN)
-        poller.register(back, zmq.POLLIN)
+        self._poller.register(self._front, zmq.POLLIN)
+        self._poller.register(self._back, zmq.POLLIN)
         last_sweep = time.monotonic()
         try:
             while not self._stop.is_set():
-                wait = _TICK_MS
-                if self._pending:
-                    left = self._first_at + self.window_s - time.monotonic()
-                    wait = max(0, min(wait, int(left * 1000) + 1))
-                for sock, _ in poller.poll(wait):
-                    if sock is front:
-                        self._from_workers(front, poller)
-                    elif sock is back:
-                        self._from_hub(front, back, poller)
-                    else:
-                        self._from_alone(front, sock)
-                if self._pending and (time.monotonic() >= self._first_at + self.window_s):
-                    self._send_batch(back)
-                now = time.monotonic()
-                if now - last_sweep > 1.0:
-                    self._sweep(poller, now)
-                    last_sweep = now
+                try:
+                    last_sweep = self._turn(last_sweep)
+                except Exception:  # a bug must not leave the node's workers without a hub
+                    log.exception("relay: a turn of its loop failed")
         finally:
-            front.close(0)
-            back.close(0)
-            for sock, _ in self._alone.values():
-                sock.close(0)
-            self._alone.clear()
-            self._by_sock.clear()
+            self._close()
             log.info("relay stopped url=%s %s", self.url, self.stats)
+
+    def _turn(self, last_sweep: float) -> float:
+        """One turn of the loop: what is ready, the batch if due, the sweep if due."""
+        wait = _TICK_MS
+        if self._pending:
+            left = self._first_at + self.window_s - time.monotonic()
+            wait = max(0, min(wait, int(left * 1000) + 1))
+        for sock, _ in self._poller.poll(wait):
+            if sock is self._front:
+                self._from_workers()
+            elif sock is self._back:
+                self._from_hub()
+            elif sock in self._by_sock:
+                self._from_alone(sock)
+        if self._pending and (time.monotonic() >= self._first_at + self.window_s):
+            self._send_batch()
+        now = time.monotonic()
+        if now - last_sweep > 0.25:
+            self._sweep(now)
+            return now
+        return last_sweep
+
+    def _close(self) -> None:
+        for sock in (self._front, self._back, *self._by_sock):
+            if sock is not None:
+                sock.close(0)
+        self._alone.clear()
+        self._by_sock.clear()
 
     def _hub_socket(self) -> zmq.Socket:
         key = self.credential.hub_key if self.credential is not None else None
         return hub_socket(self.hub_url, max_message_size=self.max_message_size, hub_key=key)
 
-    def _from_workers(self, front: zmq.Socket, poller: zmq.Poller) -> None:
+    def _from_workers(self) -> None:
         """Take the workers' requests that are ready: into the batch, or sent alone."""
+        assert self._front is not None
         while True:
             try:
-                frames = front.recv_multipart(zmq.NOBLOCK)
+                frames = self._front.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) not in (2, 3):
                 continue      # not a client's request: nothing to answer it with
             ident, payload = frames[0], frames[1]
             auth = frames[2] if len(frames) == 3 else b""
-            if not batchable(payload):
-                self._send_alone(ident, payload, auth, poller)
-                continue
-            if not self._pending:
-                self._first_at = time.monotonic()
-            self._pending.append((ident, payload, auth))
-            self._pending_bytes += len(payload) + len(auth)
-            if len(self._pending) >= MAX_ITEMS or self._pending_bytes >= MAX_BATCH_BYTES:
-                self._first_at = -float("inf")    # send it now
+            if batchable(payload):
+                self._hold(ident, payload, auth)
+            else:
+                self._send_alone(ident, payload, auth)
 
-    def _send_batch(self, back: zmq.Socket) -> None:
+    def _hold(self, ident: bytes, payload: bytes, auth: bytes) -> None:
+        """Keep a request for the next batch (sent at once when that batch is full)."""
+        if not self._pending:
+            self._first_at = time.monotonic()
+        self._pending.append((ident, payload, auth))
+        self._pending_bytes += len(payload) + len(auth)
+        if len(self._pending) >= MAX_ITEMS or self._pending_bytes >= MAX_BATCH_BYTES:
+            self._first_at = 0.0    # long past: send it now
+
+    def _send_batch(self) -> None:
+        assert self._back is not None
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         self._ids += 1
         items = [(payload, auth) for _, payload, auth in pending]
@@ -261,7 +305,7 @@ class NodeRelay:
             auth, mac = self.credential.sign(data)
             frames.append(auth)
         try:
-            back.send_multipart(frames, zmq.NOBLOCK)
+            self._back.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:     # the hub's queue is full: the workers retry
             log.warning("relay: the hub's queue is full; %d requests dropped", len(items))
             return
@@ -269,9 +313,11 @@ class NodeRelay:
         self.stats.batches += 1
         self.stats.batched += len(items)
 
-    def _from_hub(self, front: zmq.Socket, back: zmq.Socket, poller: zmq.Poller) -> None:
+    def _from_hub(self) -> None:
         """Hand each answer of the batches the hub answered to its worker."""
-        while True:
+        assert self._back is not None and self._front is not None
+        back = self._back
+        while back is self._back:        # (until a move to another hub closes it)
             try:
                 frames = back.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -295,50 +341,88 @@ class NodeRelay:
                 answers = decode_body(msg, BatchReply).items
                 if len(answers) == len(sent.idents):
                     for ident, (data, sig) in zip(sent.idents, answers, strict=True):
-                        _send(front, [ident, data, sig])
+                        _send(self._front, [ident, data, sig])
                     continue
                 log.warning("relay: %d answers to a batch of %d", len(answers),
                             len(sent.idents))
+            elif msg.name == NotLeaderError.code and len(self.hub_urls) > 1:
+                self._sent[msg.req_id] = sent      # carried to the next hub with the others
+                self._next_hub("it does not lead")
+                return
             else:
                 log.info("relay: the hub refused a batch (%s); its %d requests go alone",
                          msg.name, len(sent.items))
             self.stats.refused_batches += 1
             for ident, (payload, item_auth) in zip(sent.idents, sent.items, strict=True):
-                self._send_alone(ident, payload, item_auth, poller)
+                self._send_alone(ident, payload, item_auth)
 
-    def _send_alone(self, ident: bytes, payload: bytes, auth: bytes,
-                    poller: zmq.Poller) -> None:
+    def _send_alone(self, ident: bytes, payload: bytes, auth: bytes) -> None:
         """Send one worker's request on that worker's own connection to the hub."""
         held = self._alone.get(ident)
         if held is None:
             sock = self._hub_socket()
-            poller.register(sock, zmq.POLLIN)
+            self._poller.register(sock, zmq.POLLIN)
             self._by_sock[sock] = ident
         else:
-            sock = held[0]
-        self._alone[ident] = (sock, time.monotonic())
+            sock = held.sock
+        self._alone[ident] = _Alone(sock, time.monotonic(), payload, auth)
         with contextlib.suppress(zmq.Again):     # the worker retries
             sock.send_multipart([payload, auth] if auth else [payload], zmq.NOBLOCK)
         self.stats.alone += 1
 
-    def _from_alone(self, front: zmq.Socket, sock: zmq.Socket) -> None:
-        ident = self._by_sock.get(sock)
-        while True:
+    def _from_alone(self, sock: zmq.Socket) -> None:
+        assert self._front is not None
+        ident = self._by_sock[sock]
+        while sock in self._by_sock:     # (until a move to another hub closes it)
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if ident is not None:
-                _send(front, [ident, *frames])
-                self._alone[ident] = (sock, time.monotonic())
+            last = self._alone[ident]
+            if len(self.hub_urls) > 1 and _not_leader(frames[0]):
+                self._next_hub("it does not lead")
+                self._send_alone(ident, last.payload, last.auth)
+                return
+            _send(self._front, [ident, *frames])
+            last.at = time.monotonic()
 
-    def _sweep(self, poller: zmq.Poller, now: float) -> None:
-        """Forget batches never answered; close workers' connections long idle."""
+    def _next_hub(self, why: str) -> None:
+        """Forward to the next hub of the service from now on.
+
+        The batches on their way go to it too; requests sent alone are retried by their
+        workers.
+        """
+        assert self._back is not None
+        was = self.hub_url
+        self._hub = (self._hub + 1) % len(self.hub_urls)
+        self.stats.hub_changes += 1
+        log.warning("relay: moving from hub %s (%s) to %s", was, why, self.hub_url)
+        self._poller.unregister(self._back)
+        self._back.close(0)
+        self._back = self._hub_socket()
+        self._poller.register(self._back, zmq.POLLIN)
+        for sock in self._by_sock:
+            self._poller.unregister(sock)
+            sock.close(0)
+        self._by_sock.clear()
+        self._alone.clear()
+        carried, self._sent = self._sent, {}
+        for sent in carried.values():
+            for ident, (payload, auth) in zip(sent.idents, sent.items, strict=True):
+                self._hold(ident, payload, auth)
+        if self._pending:
+            self._first_at = 0.0
+
+    def _sweep(self, now: float) -> None:
+        """Move on from a silent hub of a service; forget old batches and idle connections."""
+        if len(self.hub_urls) > 1 and any(now - s.at > SERVICE_TRY_S
+                                          for s in self._sent.values()):
+            self._next_hub(f"no answer within {SERVICE_TRY_S:g} s")
         for rid in [r for r, s in self._sent.items() if now - s.at > FORGET_S]:
             self.stats.dropped += len(self._sent.pop(rid).idents)
-        for ident in [i for i, (_, t) in self._alone.items() if now - t > FORGET_S]:
-            sock = self._alone.pop(ident)[0]
-            poller.unregister(sock)
+        for ident in [i for i, a in self._alone.items() if now - a.at > FORGET_S]:
+            sock = self._alone.pop(ident).sock
+            self._poller.unregister(sock)
             self._by_sock.pop(sock, None)
             sock.close(0)
 
@@ -358,6 +442,15 @@ def batchable(payload: bytes) -> bool:
             return False
         return not timeout
     return True
+
+
+def _not_leader(data: bytes) -> bool:
+    """Whether a hub's answer is `NotLeaderError`."""
+    try:
+        msg = decode(data)
+    except ProtocolError:
+        return False
+    return msg.kind == ERROR and msg.name == NotLeaderError.code
 
 
 def _send(front: zmq.Socket, frames: list[bytes]) -> None:

@@ -105,3 +105,19 @@ def test_bad_relay_settings_are_refused_before_it_serves(hub: HubServer) -> None
         NodeRelay(hub.url, window_s=-1)
     with pytest.raises(HubUnavailableError, match="bad hub URL"):
         NodeRelay("http://hub:1")
+
+
+def test_a_relay_given_a_services_hubs_moves_to_the_one_that_leads(hub: HubServer) -> None:
+    standby = wf.serve("tcp://127.0.0.1:0")
+    standby._leading = False            # answers NotLeaderError, as a standby of a service
+    silent = "tcp://127.0.0.1:9"        # nobody answers there
+    try:
+        for i, urls in enumerate(([standby.url, hub.url], [silent, hub.url])):
+            with NodeRelay(",".join(urls)) as relay:
+                with wf.connect(relay.url, worker=f"w{i}", timeout=10, location=NODE) as w:
+                    assert w.latest("m") is None            # batched: carried to the leader
+                    with pytest.raises(WaitTimeoutError):   # alone
+                        w.wait_version("m", after=0, timeout=0.2)
+                assert relay.hub_url == hub.url and relay.stats.hub_changes == 1
+    finally:
+        standby.stop()
