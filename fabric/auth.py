@@ -205,6 +205,23 @@ class Credential:
         """Whether ``auth`` is the hub's signature of reply ``payload`` to that request."""
         return hmac.compare_digest(auth, reply_mac(self.key, request_mac, payload))
 
+    def signed_by_me(self, payload: bytes, auth: bytes) -> tuple[float, bytes] | None:
+        """``(timestamp, MAC)`` of a request ``payload`` this same credential signed, else None.
+
+        A node relay holding its workers' credential checks their requests with it and
+        vouches for them (`fabric.relay`); a request another credential signed (or a
+        malformed frame, or a forged one) is None: it goes on with its own signature.
+        """
+        try:
+            token, ts_raw, mac = msgpack.unpackb(auth)
+            (ts,) = _TS.unpack(ts_raw)
+        except Exception:
+            return None
+        if token != self.token or not isinstance(mac, bytes) or not hmac.compare_digest(
+                mac, _mac(self.key, b"wf-req", ts_raw, payload)):
+            return None
+        return ts, mac
+
 
 def reply_mac(key: bytes, request_mac: bytes, payload: bytes) -> bytes:
     """The hub's signature of a reply, bound to the request it answers."""

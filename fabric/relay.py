@@ -10,10 +10,16 @@ hub answers a batch's requests as if each came alone and plans the node's reader
 version together: the first routed, the others waiting on it (`fabric.hub.node_plans`), so
 a node's chunks cross the network once.
 
-The relay is trusted with nothing: every request keeps its worker's signature and every
-answer the hub's signature for that worker, checked by the hub and the worker as without a
-relay; the relay signs only the envelope (with any credential of the deployment: a read
-token is enough). Requests that wait at the hub (``wait_version``, ``wait_commit``, a fetch
+The relay is trusted with no more than the credential it holds. A request signed with
+another credential keeps its worker's signature, and its answer the hub's signature for
+that worker, checked by the hub and the worker as without a relay; the relay signs only
+the envelope (any credential of the deployment will do: a read token is enough). A
+request signed with the relay's own credential (the usual case: a node's workers and its
+relay share the node's secret file or token) is checked by the relay, which could have
+signed it itself, and goes without its signature, vouched for by the batch's; the relay
+signs its answer as the hub would have, for that request. That spares the hub two HMACs
+and a replay check per request, about a third of what a request in a batch costs it.
+Requests that wait at the hub (``wait_version``, ``wait_commit``, a fetch
 group's ``complete_fetch``), publishes and everything else go through unbatched, each
 worker on a connection of its own. A batch the hub refuses (an older hub, one that does
 not lead) is sent again request by request, so each worker gets the hub's own answer. A
@@ -36,11 +42,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import zmq
 
-from weightfabric.fabric.auth import Credential, load_credential
+from weightfabric.fabric.auth import Credential, ReplayGuard, load_credential, reply_mac
 from weightfabric.fabric.client import SERVICE_TRY_S
 from weightfabric.fabric.errors import NotLeaderError, ProtocolError
 from weightfabric.fabric.hub_messages import BATCHABLE, BatchReply, BatchRequest
@@ -71,13 +78,25 @@ _TICK_MS = 50
 _complete_timeout = msgspec.msgpack.Decoder(dict[str, object])
 
 
+class _Held(NamedTuple):
+    """A worker's request held for a batch.
+
+    ``vouched``: its MAC when the relay checked it was signed with the relay's own
+    credential (it then goes without its auth frame, and the relay signs the answer).
+    """
+
+    ident: bytes
+    payload: bytes
+    auth: bytes
+    vouched: bytes
+
+
 @dataclass
 class _Sent:
-    """A batch on its way: to whom each answer goes, and the requests (to send alone)."""
+    """A batch on its way: its MAC and its requests, in order (to answer, or send alone)."""
 
     mac: bytes
-    idents: list[bytes]
-    items: list[tuple[bytes, bytes]]
+    held: list[_Held]
     at: float = field(default_factory=time.monotonic)
 
 
@@ -98,6 +117,9 @@ class RelayStats:
     batches: int = 0
     batched: int = 0
     """Requests sent in batches."""
+    vouched: int = 0
+    """Of those, requests signed with the relay's own credential, sent without their
+    signature (the relay checked it, and signs their answers)."""
     alone: int = 0
     """Requests sent unbatched (they wait at the hub, or the hub refused their batch)."""
     refused_batches: int = 0
@@ -151,7 +173,8 @@ class NodeRelay:
         self._session = f"relay-{time.time_ns():x}"
         self._ids = 0
         self._sent: dict[int, _Sent] = {}
-        self._pending: list[tuple[bytes, bytes, bytes]] = []   # (ident, payload, auth)
+        self._pending: list[_Held] = []
+        self._replays = ReplayGuard()     # for the requests it vouches for
         self._pending_bytes = 0
         self._first_at = 0.0
         self._alone: dict[bytes, _Alone] = {}    # a worker's connection, its last request
@@ -279,16 +302,31 @@ class NodeRelay:
             ident, payload = frames[0], frames[1]
             auth = frames[2] if len(frames) == 3 else b""
             if batchable(payload):
-                self._hold(ident, payload, auth)
+                self._hold(_Held(ident, payload, auth, self._vouch(payload, auth)))
             else:
                 self._send_alone(ident, payload, auth)
 
-    def _hold(self, ident: bytes, payload: bytes, auth: bytes) -> None:
+    def _vouch(self, payload: bytes, auth: bytes) -> bytes:
+        """The MAC of a request signed with the relay's own credential, fresh; else b"".
+
+        The relay holds that credential, so it may as well have signed the request itself:
+        it goes to the hub without its auth frame (the batch's signature covers it) and
+        the relay signs the answer, as the hub would have, sparing the hub two HMACs and
+        its replay check per request. Requests of other credentials go signed.
+        """
+        if self.credential is None or not auth:
+            return b""
+        signed = self.credential.signed_by_me(payload, auth)
+        if signed is None or self._replays.check(signed[0], signed[1], time.time()):
+            return b""      # the hub checks it and says what is wrong
+        return signed[1]
+
+    def _hold(self, held: _Held) -> None:
         """Keep a request for the next batch (sent at once when that batch is full)."""
         if not self._pending:
             self._first_at = time.monotonic()
-        self._pending.append((ident, payload, auth))
-        self._pending_bytes += len(payload) + len(auth)
+        self._pending.append(held)
+        self._pending_bytes += len(held.payload) + len(held.auth)
         if len(self._pending) >= MAX_ITEMS or self._pending_bytes >= MAX_BATCH_BYTES:
             self._first_at = 0.0    # long past: send it now
 
@@ -296,7 +334,7 @@ class NodeRelay:
         assert self._back is not None
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         self._ids += 1
-        items = [(payload, auth) for _, payload, auth in pending]
+        items = [(h.payload, b"" if h.vouched else h.auth) for h in pending]
         data = encode(REQUEST, self._ids, self._session, "batch", BatchRequest(items=items),
                       max_size=self.max_message_size)
         frames = [data]
@@ -309,9 +347,10 @@ class NodeRelay:
         except zmq.Again:     # the hub's queue is full: the workers retry
             log.warning("relay: the hub's queue is full; %d requests dropped", len(items))
             return
-        self._sent[self._ids] = _Sent(mac, [ident for ident, _, _ in pending], items)
+        self._sent[self._ids] = _Sent(mac, pending)
         self.stats.batches += 1
         self.stats.batched += len(items)
+        self.stats.vouched += sum(1 for h in pending if h.vouched)
 
     def _from_hub(self) -> None:
         """Hand each answer of the batches the hub answered to its worker."""
@@ -335,26 +374,28 @@ class NodeRelay:
                 auth and self.credential.check_reply(auth, sent.mac, frames[0]))
             if not signed and msg.kind != ERROR:     # a refusal may come unsigned
                 log.warning("relay: an answer not signed for its batch was dropped")
-                self.stats.dropped += len(sent.idents)
+                self.stats.dropped += len(sent.held)
                 continue
             if msg.kind == REPLY:
                 answers = decode_body(msg, BatchReply).items
-                if len(answers) == len(sent.idents):
-                    for ident, (data, sig) in zip(sent.idents, answers, strict=True):
-                        _send(self._front, [ident, data, sig])
+                if len(answers) == len(sent.held):
+                    for h, (data, sig) in zip(sent.held, answers, strict=True):
+                        if h.vouched and self.credential is not None:
+                            sig = reply_mac(self.credential.key, h.vouched, data)
+                        _send(self._front, [h.ident, data, sig])
                     continue
                 log.warning("relay: %d answers to a batch of %d", len(answers),
-                            len(sent.idents))
+                            len(sent.held))
             elif msg.name == NotLeaderError.code and len(self.hub_urls) > 1:
                 self._sent[msg.req_id] = sent      # carried to the next hub with the others
                 self._next_hub("it does not lead")
                 return
             else:
                 log.info("relay: the hub refused a batch (%s); its %d requests go alone",
-                         msg.name, len(sent.items))
+                         msg.name, len(sent.held))
             self.stats.refused_batches += 1
-            for ident, (payload, item_auth) in zip(sent.idents, sent.items, strict=True):
-                self._send_alone(ident, payload, item_auth)
+            for h in sent.held:
+                self._send_alone(h.ident, h.payload, h.auth)
 
     def _send_alone(self, ident: bytes, payload: bytes, auth: bytes) -> None:
         """Send one worker's request on that worker's own connection to the hub."""
@@ -408,8 +449,8 @@ class NodeRelay:
         self._alone.clear()
         carried, self._sent = self._sent, {}
         for sent in carried.values():
-            for ident, (payload, auth) in zip(sent.idents, sent.items, strict=True):
-                self._hold(ident, payload, auth)
+            for h in sent.held:
+                self._hold(h)
         if self._pending:
             self._first_at = 0.0
 
@@ -419,7 +460,7 @@ class NodeRelay:
                                           for s in self._sent.values()):
             self._next_hub(f"no answer within {SERVICE_TRY_S:g} s")
         for rid in [r for r, s in self._sent.items() if now - s.at > FORGET_S]:
-            self.stats.dropped += len(self._sent.pop(rid).idents)
+            self.stats.dropped += len(self._sent.pop(rid).held)
         for ident in [i for i, a in self._alone.items() if now - a.at > FORGET_S]:
             sock = self._alone.pop(ident).sock
             self._poller.unregister(sock)

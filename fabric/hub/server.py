@@ -482,8 +482,13 @@ class HubServer:
         self._serve(frames[0], frames[1], frames[2] if len(frames) == 3 else None)
 
     def _serve(self, ident: bytes, payload: bytes, auth: bytes | None, *,
-               batched: bool = False) -> None:
-        """Answer one request to ``ident`` (``batched``: one of a batch's, answered into it)."""
+               batched: bool = False, envelope: Verified | None = None) -> None:
+        """Answer one request to ``ident`` (``batched``: one of a batch's, answered into it).
+
+        A batch's request without an auth frame is vouched for by whoever signed the batch
+        (``envelope``: a relay holding the same credential as its worker, `fabric.relay`):
+        it runs as them, and its answer goes back unsigned for the relay to sign.
+        """
         try:
             msg = decode(payload, max_size=self.max_message_size)
             if msg.kind != REQUEST:
@@ -497,7 +502,10 @@ class HubServer:
             return
         name = msg.name
         try:
-            caller = self._authenticate(msg.tag, payload, auth)
+            if batched and not auth and envelope is not None:
+                caller, reply_to = self._vouched(msg.tag, envelope), None
+            else:
+                caller = reply_to = self._authenticate(msg.tag, payload, auth)
         except AuthenticationError as exc:
             self.num_refused += 1
             log.warning("refused %s from %s: %s", name, ident.hex() or "a batch", exc)
@@ -509,7 +517,7 @@ class HubServer:
         key = (msg.tag, msg.req_id)
         kept = self._replies.get(key)
         if kept is not None:
-            self._send(ident, kept, caller)
+            self._send(ident, kept, reply_to)
             return
         parked = self._parked.get(key)
         if parked is not None and not batched:
@@ -545,18 +553,18 @@ class HubServer:
             if isinstance(result, _COMPLETED_REPLIES) or isinstance(req, _NOTED_REQUESTS):
                 result = self._after(req, who, caller, result, refused=refused)
         except HubError as exc:
-            self._finish(ident, key, self._error_bytes(msg.req_id, exc), caller, cache=cache)
+            self._finish(ident, key, self._error_bytes(msg.req_id, exc), reply_to, cache=cache)
             return
         except (ValueError, TypeError, KeyError) as exc:
             self._finish(ident, key, self._error_bytes(msg.req_id, BadRequestError(
-                f"{name}: {exc}")), caller, cache=cache)
+                f"{name}: {exc}")), reply_to, cache=cache)
             return
         except Exception as exc:  # a bug must not take the hub down for everyone
             log.exception("operation %s failed", name)
             self._finish(ident, key, self._error_bytes(msg.req_id, HubError(
-                f"internal hub error in {name}: {exc!r}")), caller, cache=cache)
+                f"internal hub error in {name}: {exc!r}")), reply_to, cache=cache)
             return
-        self._finish(ident, key, self._reply_bytes(msg.req_id, result), caller, cache=cache)
+        self._finish(ident, key, self._reply_bytes(msg.req_id, result), reply_to, cache=cache)
 
     def _batch(self, ident: bytes, msg: Message, caller: Verified | None) -> None:
         """Answer a node relay's batch (`fabric.relay`): each request as if it came alone.
@@ -584,7 +592,7 @@ class HubServer:
             with self.state.answering_batch():
                 for payload, auth in batch.items:
                     self.num_requests += 1
-                    self._serve(b"", payload, auth or None, batched=True)
+                    self._serve(b"", payload, auth or None, batched=True, envelope=caller)
         finally:
             self._batch_out = None
         self._send(ident, self._reply_bytes(msg.req_id, BatchReply(items=answers)), caller)
@@ -604,17 +612,30 @@ class HubServer:
                 "(or a token from `fabric hub token`) as secret_file= or in "
                 "WEIGHTFABRIC_SECRET_FILE")
         caller = self.authority.verify(payload, auth)
+        self._bind(session, caller.principal.name)
+        return caller
+
+    def _vouched(self, session: str, envelope: Verified) -> Verified:
+        """The caller of a batch's request its signer vouched for: the signer, in ``session``.
+
+        Raises:
+            AuthenticationError: the session belongs to another credential.
+        """
+        self._bind(session, envelope.principal.name)
+        return Verified(envelope.principal, envelope.key, b"")
+
+    def _bind(self, session: str, name: str) -> None:
+        """Bind ``session`` to credential ``name`` (the first to use it keeps it)."""
         sessions = self._sessions
         owner = sessions.get(session)
         if owner is None:
-            sessions[session] = caller.principal.name
+            sessions[session] = name
             while len(sessions) > MAX_SESSIONS:
                 sessions.popitem(last=False)
-        elif owner != caller.principal.name:
+        elif owner != name:
             raise AuthenticationError(f"session {session} belongs to another credential")
         else:
             sessions.move_to_end(session)
-        return caller
 
     def _after(self, req: Request, who: Principal, caller: Verified | None, result: Answer, *,
                refused: list[tuple[str, int, int, str]]) -> Answer:

@@ -121,3 +121,19 @@ def test_a_relay_given_a_services_hubs_moves_to_the_one_that_leads(hub: HubServe
                 assert relay.hub_url == hub.url and relay.stats.hub_changes == 1
     finally:
         standby.stop()
+
+
+def test_a_relay_vouches_for_its_own_credentials_requests_only(hub: HubServer,
+                                                               relay: NodeRelay) -> None:
+    from weightfabric.fabric.auth import Authority, default_secret_path
+
+    token = Authority(default_secret_path()).issue_token("reader", ["read"])
+    with wf.connect(relay.url, worker="same", timeout=10, location=NODE) as same:
+        same.call("ping", {})
+        assert relay.stats.vouched >= 2           # register and ping: checked and vouched
+    before = relay.stats.vouched
+    with wf.connect(relay.url, worker="other", timeout=10, location=NODE,
+                    secret=token) as other:       # another credential: signed end to end
+        other.call("ping", {})
+        assert other.latest("m") is None
+    assert relay.stats.vouched == before and relay.stats.batched >= before + 3

@@ -172,3 +172,20 @@ def test_an_unsigned_or_oversized_batch_is_refused(served, monkeypatch) -> None:
     assert (msg.kind, msg.name) == (ERROR, "bad_request")
     assert b"at most 2" in bytes(msg.body)
     assert server.num_batches == 0
+
+
+def test_a_request_vouched_for_by_the_batch_runs_as_its_signer_and_goes_back_unsigned(
+        served) -> None:
+    server, sock, cred = served
+    reg = _item(cred, "v", "register", {"worker": "v", "location": NODE})
+    vouched = (reg[0], b"")                     # no auth frame: the batch's signer vouches
+    msg = _batch(sock, cred, [vouched])
+    (data, sig), = decode_body(msg, BatchReply).items
+    assert decode(data).kind == REPLY and sig == b""     # the relay signs it
+    assert "v" in server.state.workers and server._sessions["s-v"] == cred.principal.name
+    assert "v" in server._serve_keys                    # its serving key: the signer's
+    # a session another credential holds cannot be vouched into
+    server._sessions["s-x"] = "someone-else"
+    other = _item(cred, "x", "ping", {})
+    (data, _), = decode_body(_batch(sock, cred, [(other[0], b"")]), BatchReply).items
+    assert (decode(data).kind, decode(data).name) == (ERROR, "unauthenticated")
