@@ -501,6 +501,8 @@ class HubServer:
                                                 version=peek_version(payload)))
             return
         name = msg.name
+        caller: Verified | None
+        reply_to: Verified | None
         try:
             if batched and not auth and envelope is not None:
                 caller, reply_to = self._vouched(msg.tag, envelope), None
