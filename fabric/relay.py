@@ -253,6 +253,7 @@ class NodeRelay:
                     last_sweep = self._turn(last_sweep)
                 except Exception:  # a bug must not leave the node's workers without a hub
                     log.exception("relay: a turn of its loop failed")
+                    self._stop.wait(0.05)      # and must not spin
         finally:
             self._close()
             log.info("relay stopped url=%s %s", self.url, self.stats)

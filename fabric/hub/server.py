@@ -572,8 +572,9 @@ class HubServer:
         """Answer a node relay's batch (`fabric.relay`): each request as if it came alone.
 
         Each request is checked with its own signature and answered with its own (the
-        relay, whoever signed the batch, can neither forge nor read more than it carries);
-        the answers go back in one reply, in order. Fresh fetches of a node's readers are
+        relay, whoever signed the batch, can neither forge nor read more than it carries),
+        or, sent without one, runs as the batch's signer, who vouches for it, and is
+        answered unsigned (`_vouched`); the answers go back in one reply, in order. Fresh fetches of a node's readers are
         planned together (`HubState.answering_batch`). The batch's reply is not kept for
         retries: its requests' are, each.
         """
