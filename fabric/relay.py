@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +59,7 @@ from weightfabric.fabric.protocol import (
     decode_body,
     encode,
 )
+from weightfabric.fabric.serving import Served
 from weightfabric.fabric.zmq_util import endpoint, hub_socket, make_socket, url_of
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,8 @@ class RelayStats:
     """Answers that found no worker (a batch forgotten, a reply not signed for it)."""
 
 
-class NodeRelay:
-    """Forwards the hub requests of one node's workers; `start` runs it on a thread.
+class NodeRelay(Served):
+    """Forwards the hub requests of one node's workers; `start` runs it on a thread (`Served`).
 
     Args:
         hub_url: the hub (``tcp://`` or ``curve://``), or the hubs of a service,
@@ -182,38 +182,10 @@ class NodeRelay:
         self._front: zmq.Socket | None = None      # the workers'
         self._back: zmq.Socket | None = None       # the hub's (batches)
         self._poller = zmq.Poller()
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._init_serving()
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout: float = 10.0) -> NodeRelay:
-        """Serve on a daemon thread; returns once listening (``url`` set).
-
-        Raises:
-            OSError, zmq.ZMQError: the address cannot be bound.
-            TimeoutError: not listening within ``timeout`` s.
-        """
-        self._thread = threading.Thread(target=self._run, name="wf-relay", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"the relay did not start within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def serve_forever(self, on_ready: Callable[[str], None] | None = None) -> None:
-        """Serve on this thread until `stop` (from another thread or a signal handler)."""
-        self._run(on_ready)
-        if self._error is not None:
-            raise self._error
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop serving; requests in flight are retried by their workers' clients."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+    thread_name = "fabric-relay"
 
     @property
     def hub_url(self) -> str:

@@ -100,9 +100,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "to thousands costs the hub a bounded number of reports (default "
                         "2000, REPORT_BUDGET in fabric/hub/state_fetch.py; 'none': as many "
                         "as readers send, 2 each by default)")
-    p.add_argument("--log-level", default="INFO", type=str.upper,
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="log level (default INFO)")
+    _log_level_arg(p)
     p.add_argument("--secret-file", help="the deployment secret (default: "
                                          "$WEIGHTFABRIC_SECRET_FILE, else "
                                          "~/.config/weightfabric/secret; created if missing)")
@@ -147,9 +145,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="TCP port, 0 = any free (default 7471)")
     p.add_argument("--window-ms", type=float, default=None, metavar="MS",
                    help="how long a batch's first request waits for others (default 5)")
-    p.add_argument("--log-level", default="INFO", type=str.upper,
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                   help="log level (default INFO)")
+    _log_level_arg(p)
     p.add_argument("--secret-file", help="the secret or token to sign batches with (default: "
                                          "$WEIGHTFABRIC_SECRET_FILE, else "
                                          "~/.config/weightfabric/secret)")
@@ -199,6 +195,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                          "$WEIGHTFABRIC_SECRET_FILE, else "
                                          "~/.config/weightfabric/secret)")
     p.add_argument("--insecure", action="store_true", help="talk to a hub run with --insecure")
+
+
+def _log_level_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level (default INFO)")
 
 
 def _port(text: str) -> int:

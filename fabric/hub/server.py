@@ -29,7 +29,6 @@ import itertools
 import logging
 import re
 import secrets
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -101,6 +100,7 @@ from weightfabric.fabric.protocol import (
     peek_req_id,
     peek_version,
 )
+from weightfabric.fabric.serving import Served
 from weightfabric.fabric.zmq_util import encrypted, endpoint, make_socket, url_of
 
 if TYPE_CHECKING:
@@ -142,8 +142,8 @@ class _Parked:
     """What authentication adds to the reply (`HubServer._after`)."""
 
 
-class HubServer:
-    """A hub bound to ``url``; `start` runs it on a daemon thread.
+class HubServer(Served):
+    """A hub bound to ``url``; `start` runs it on a daemon thread (`Served`).
 
     Args:
         url: ``tcp://HOST:PORT`` (port 0 lets the OS pick), ``curve://HOST:PORT`` (the
@@ -258,10 +258,7 @@ class HubServer:
         self._checked: dict[tuple[str, int], _Parked] = {}
         self._park_seq = itertools.count()
         self._seen_generation = -1
-        self._stop = threading.Event()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._init_serving()
         self._sock: zmq.Socket | None = None
         self._outbox: list[tuple[bytes, bytes, bytes]] = []   # replies to send (`_flush`)
         self._batch_out: list[tuple[bytes, bytes]] | None = None   # a batch's answers
@@ -269,32 +266,7 @@ class HubServer:
         self._leading = self.service is None
 
     # ------------------------------------------------------------- lifecycle
-    def start(self, timeout: float = 10.0) -> HubServer:
-        """Bind and serve on a daemon thread; returns once bound (``self.url`` is set).
-
-        Raises:
-            HubUnavailableError: bad URL. zmq.ZMQError: the address is in use.
-            TimeoutError: not bound within ``timeout`` seconds.
-        """
-        self._thread = threading.Thread(target=self._run, name="fabric-hub", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError("hub did not start")
-        if self._error is not None:
-            raise self._error
-        return self
-
-    def serve_forever(self, on_ready: Callable[[str], None] | None = None) -> None:
-        """Serve in the calling thread until `stop` (or KeyboardInterrupt)."""
-        self._run(on_ready)
-        if self._error is not None:
-            raise self._error
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop serving and close the socket."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+    thread_name = "fabric-hub"
 
     def __enter__(self) -> HubServer:
         return self

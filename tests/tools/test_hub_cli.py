@@ -37,14 +37,19 @@ def fabric_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
 
 def start_serve(procs: list[subprocess.Popen]) -> str:
     """`fabric hub serve --port 0`; returns the URL it prints once bound (no sleeps)."""
-    p = subprocess.Popen([sys.executable, "-m", "weightfabric.tools", "hub", "serve", "--port", "0",
-                          "--lease", "30", "--log-level", "WARNING"],
+    return start_cli(procs, "serve", "--lease", "30", says="fabric hub serving at")
+
+
+def start_cli(procs: list[subprocess.Popen], command: str, *args: str, says: str) -> str:
+    """`fabric hub COMMAND --port 0 ARGS`; the URL it prints after ``says`` once bound."""
+    p = subprocess.Popen([sys.executable, "-m", "weightfabric.tools", "hub", command,
+                          "--port", "0", *args, "--log-level", "WARNING"],
                          stdout=subprocess.PIPE, text=True, env=child_env(), cwd=REPO_ROOT)
     procs.append(p)
     ready, _, _ = select.select([p.stdout], [], [], 30)
-    assert ready, "fabric hub serve printed nothing within 30 s"
+    assert ready, f"fabric hub {command} printed nothing within 30 s"
     line = p.stdout.readline()
-    assert line.startswith("fabric hub serving at tcp://127.0.0.1:"), line
+    assert line.startswith(f"{says} tcp://127.0.0.1:"), line
     return line.split()[-1]
 
 
@@ -169,19 +174,12 @@ def test_a_relay_forwards_to_a_served_hub_and_stops_cleanly_on_sigterm() -> None
     procs: list[subprocess.Popen] = []
     try:
         hub_url = start_serve(procs)
-        p = subprocess.Popen([sys.executable, "-m", "weightfabric.tools", "hub", "relay",
-                              "--hub", hub_url, "--port", "0", "--log-level", "WARNING"],
-                             stdout=subprocess.PIPE, text=True, env=child_env(), cwd=REPO_ROOT)
-        procs.append(p)
-        ready, _, _ = select.select([p.stdout], [], [], 30)
-        assert ready, "fabric hub relay printed nothing within 30 s"
-        line = p.stdout.readline()
-        assert line.startswith("fabric hub relay serving at tcp://127.0.0.1:"), line
-        with wf.connect(line.split()[-1], worker="w", timeout=5) as c:   # through the relay
+        url = start_cli(procs, "relay", "--hub", hub_url, says="fabric hub relay serving at")
+        with wf.connect(url, worker="w", timeout=5) as c:   # through the relay
             assert c.latest("m") is None
             assert [w["worker"] for w in c.status()["workers"]] == ["w"]
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(10) == 0
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(10) == 0
     finally:
         kill_all(procs)
 

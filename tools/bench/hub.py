@@ -652,13 +652,18 @@ class _Readers:
         self.poll = select.epoll()
         self.socks: list[zmq.Socket] = []
         self.by_fd: dict[int, int] = {}
-        for i in range(self.n):
+
+        def connect(socks: list[zmq.Socket], by_fd: dict[int, int]) -> None:
+            """One more DEALER to the hub, polled: ``socks[k]``, its FD in ``by_fd``."""
             s = make_socket(zmq.DEALER, max_message_size=1 << 24)
             s.connect(endpoint(cfg["url"], bind=False))
-            self.socks.append(s)
             fd = cast(int, s.getsockopt(zmq.FD))
-            self.by_fd[fd] = i
+            by_fd[fd] = len(socks)
+            socks.append(s)
             self.poll.register(fd, select.EPOLLIN)
+
+        for _ in range(self.n):
+            connect(self.socks, self.by_fd)
         self.poll.register(sys.stdin.fileno(), select.EPOLLIN)
         self.check: set[int] = set(range(self.n))
         # With a relay per node: the node's socket, the requests it holds for its next
@@ -673,13 +678,8 @@ class _Readers:
         self.batch_sizes: Counter[int] = Counter()
         self.batch_ids = 0
         if self.relay:
-            for j in range(-(-self.n // NODE_SIZE)):
-                s = make_socket(zmq.DEALER, max_message_size=1 << 24)
-                s.connect(endpoint(cfg["url"], bind=False))
-                self.node_socks.append(s)
-                fd = cast(int, s.getsockopt(zmq.FD))
-                self.node_by_fd[fd] = j
-                self.poll.register(fd, select.EPOLLIN)
+            for _ in range(-(-self.n // NODE_SIZE)):
+                connect(self.node_socks, self.node_by_fd)
             self.check_nodes = set(range(len(self.node_socks)))
         self.req = [0] * self.n
         # (reader, request id) -> (op, sent, payload, each try's MAC), as `HubClient` tries
