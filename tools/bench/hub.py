@@ -94,7 +94,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--relay", action="store_true",
                    help="each node's 8 readers talk to the hub through a node relay "
                         "(`fabric hub relay`): requests that answer at once go in one "
-                        "batch per node every --relay-window, each still signed by its reader")
+                        "batch per node every --relay-window, vouched for by the relay "
+                        "(readers and relays share the bench's secret)")
     b.add_argument("--relay-window", type=float, default=None, metavar="SECONDS",
                    help="how long a relay holds a batch's first request for others (default: "
                         "the relay's, 0.005)")
