@@ -51,6 +51,18 @@ def test_the_readers_report_within_the_hub_s_budget(capsys):
     assert out["reports_per_fetch"]["total"] <= 2 * 5 + 5
 
 
+def test_readers_behind_simulated_relays_reach_the_hub_in_batches(capsys):
+    with hard_timeout(120):
+        assert main(["bench", "hub", "--broadcast", "24", "--fetch-seconds", "0.5",
+                     "--lease", "3", "--relay", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["completed"] == 24 and out["errors"] == {} and out["relay"] is True
+    sizes = {int(k): n for k, n in out["relay_batch_sizes"].items()}
+    assert sum(k * n for k, n in sizes.items()) == out["relay_batched"] > 0
+    assert max(sizes) > 1                  # a node's requests went together
+    assert max(sizes) <= bench.NODE_SIZE * 4   # one node's readers, a few requests each
+
+
 def test_the_simulated_readers_retry_as_the_client_does():
     assert inspect.signature(connect).parameters["timeout"].default == bench.CLIENT_TIMEOUT_S
 
