@@ -213,14 +213,26 @@ class Credential:
         malformed frame, or a forged one) is None: it goes on with its own signature.
         """
         try:
-            token, ts_raw, mac = msgpack.unpackb(auth)
-            (ts,) = _TS.unpack(ts_raw)
+            token, ts_raw, ts, mac = _request_frame(auth)
         except Exception:
             return None
-        if token != self.token or not isinstance(mac, bytes) or not hmac.compare_digest(
+        if token != self.token or not hmac.compare_digest(
                 mac, _mac(self.key, b"wf-req", ts_raw, payload)):
             return None
         return ts, mac
+
+
+def _request_frame(auth: bytes) -> tuple[bytes, bytes, float, bytes]:
+    """A request's auth frame: ``(token, timestamp bytes, timestamp, MAC)``.
+
+    Raises:
+        Exception: not such a frame (msgpack's and struct's errors, or TypeError).
+    """
+    token, ts_raw, mac = msgpack.unpackb(auth)
+    (ts,) = _TS.unpack(ts_raw)
+    if not (isinstance(token, bytes) and isinstance(mac, bytes)):
+        raise TypeError("fields of the wrong type")
+    return token, ts_raw, ts, mac
 
 
 def reply_mac(key: bytes, request_mac: bytes, payload: bytes) -> bytes:
@@ -413,10 +425,7 @@ class Authority:
         """
         now = time.time() if now is None else now
         try:
-            token, ts_raw, mac = msgpack.unpackb(auth)
-            (ts,) = _TS.unpack(ts_raw)
-            if not (isinstance(token, bytes) and isinstance(mac, bytes)):
-                raise TypeError("fields of the wrong type")
+            token, ts_raw, ts, mac = _request_frame(auth)
         except Exception as exc:
             raise AuthenticationError(f"a malformed auth frame ({exc})") from None
         if token:

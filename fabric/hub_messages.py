@@ -611,8 +611,10 @@ class KvGetRequest(Request, frozen=True, kw_only=True):
 class BatchRequest(Request, frozen=True, kw_only=True):
     """Several workers' requests in one message, as a node relay forwards them.
 
-    ``items``: each request's ``(payload, auth frame)`` exactly as its worker signed it; the
-    hub checks and answers each as if it came alone (`fabric.relay`). Only operations of
+    ``items``: each request's ``(payload, auth frame)`` exactly as its worker signed it, or
+    with an empty auth frame when the batch's signer vouches for it (a relay holding the
+    same credential); the hub answers each as if it came alone (`fabric.relay`; vouched
+    ones run as the signer and are answered unsigned). Only operations of
     `BATCHABLE` that answer at once may ride in a batch. Not an operation of `OPERATIONS`:
     the hub's server opens the envelope, the state never sees it.
     """

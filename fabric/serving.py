@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import ClassVar, TypeVar
 
 S = TypeVar("S", bound="Served")
 
 
-class Served:
+class Served(ABC):
     """``start`` (a daemon thread), ``serve_forever`` (this thread) and ``stop``.
 
     A subclass calls `_init_serving` and implements ``_run(on_ready)``: bind (on failure set
@@ -24,8 +25,9 @@ class Served:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
+    @abstractmethod
     def _run(self, on_ready: Callable[[str], None] | None = None) -> None:
-        raise NotImplementedError
+        """Bind, say so (``_ready``, ``on_ready``) or keep the failure (``_error``), serve."""
 
     def start(self: S, timeout: float = 10.0) -> S:
         """Bind and serve on a daemon thread; returns once bound (``self.url`` is set).

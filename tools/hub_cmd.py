@@ -128,17 +128,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 "--window-ms, so the hub handles one message per node where "
                                 "it handled one per\nworker, and plans a node's readers of a "
                                 "version together (the first routed, the\nothers waiting on "
-                                "it). Every request keeps its worker's signature and every\n"
-                                "answer the hub's: the relay may hold any credential, a read "
-                                "token is enough.\nPrints 'fabric hub relay serving at URL' "
+                                "it). A request signed with another credential keeps its\n"
+                                "signature and its answer the hub's; one signed with the "
+                                "relay's own credential\n(the node's secret file or token) "
+                                "the relay checks, vouches for, and signs the\nanswer to. "
+                                "Prints 'fabric hub relay serving at URL' "
                                 "once bound. Exits 0 on SIGTERM or\nCtrl-C, 1 if it cannot "
                                 "serve, 2 on a bad URL, port or secret file. See\ndocs/hub.md, "
                                 "\"Node relays\".",
                     examples=["fabric hub relay --hub tcp://10.0.0.1:7470 --port 7471",
                               "fabric hub relay --hub curve://hub:7470 --secret-file "
                               "relay.token"])
-    p.add_argument("--hub", required=True, metavar="URL",
-                   help="the hub to forward to (tcp://HOST:PORT or curve://HOST:PORT)")
+    p.add_argument("--hub", required=True, metavar="URL[,URL...]",
+                   help="the hub to forward to (tcp://HOST:PORT or curve://HOST:PORT), or the "
+                        "hubs of a service, comma-separated (the leader is followed)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address the node's workers connect to (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=7471,
@@ -203,6 +206,12 @@ def _log_level_arg(p: argparse.ArgumentParser) -> None:
                    help="log level (default INFO)")
 
 
+def _log_to_stderr(args: argparse.Namespace) -> None:
+    """Log at ``--log-level`` to stderr (a server's foreground log)."""
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
 def _port(text: str) -> int:
     """A TCP port for argparse (zmq would silently bind ``port % 65536``)."""
     if not text.isdigit() or int(text) > 65535:
@@ -244,8 +253,7 @@ def _serve(args: argparse.Namespace) -> int:
     from weightfabric.fabric.hub.server import HubServer
     from weightfabric.fabric.locality import RankSources
 
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    _log_to_stderr(args)
     try:
         rank_sources: RankSources | None = None    # HubServer's default: by locality
         routing: PlanRouter | None = None
@@ -291,8 +299,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _relay(args: argparse.Namespace) -> int:
     from weightfabric.fabric.relay import WINDOW_S, NodeRelay
 
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    _log_to_stderr(args)
     window = WINDOW_S if args.window_ms is None else args.window_ms / 1e3
     try:
         relay = NodeRelay(args.hub, f"tcp://{args.host}:{args.port}", window_s=window,

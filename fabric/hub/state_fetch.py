@@ -261,7 +261,8 @@ class HubFetching(HubStateBase):
             planned=planned is not None, max_reports=self._reports_wanted(v, f.shard, pool))
 
     def _node_key(self, f: FetchRecord, v: VersionRecord, rep: Replica,
-                  planned: object, chunks: list[int] | None, banned: set[str]
+                  planned: tuple[PlanRouter, VersionPlan] | None,
+                  chunks: list[int] | None, banned: set[str]
                   ) -> tuple[NodePlans, NodeKey] | None:
         """The batch's node plans and fetch ``f``'s key in them, when it may be planned so.
 

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 import pytest
 import torch
 from hub_helpers import small_manifest
-from torch import nn
 
 import weightfabric as wf
 from weightfabric.fabric.errors import BadRequestError, HubUnavailableError, WaitTimeoutError
@@ -22,16 +21,6 @@ from weightfabric.fabric.relay import NodeRelay
 
 CHUNK = 16 * 1024
 NODE = {"datacenter": "dc0", "node": "n0"}
-
-
-def net(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 200), nn.Linear(200, 64))
-
-
-def same(a: nn.Module, b: nn.Module) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
-                                                 b.state_dict().values(), strict=True))
 
 
 @pytest.fixture
@@ -47,20 +36,20 @@ def _fetch_all(trainer_url: str, relay_url: str, readers: int) -> list[bool]:
         trainer = wf.join(trainer_url, worker="trainer", timeout=10,
                           location={"datacenter": "dc0", "node": "trainer"})
         workers.append(trainer)
-        source = net(1)
-        version = trainer.model("m", chunk_size=CHUNK).publish(source)
-        stores, models = [], []
+        weights = {"w": torch.randn(200, 64, generator=torch.Generator().manual_seed(1)),
+                   "b": torch.arange(64, dtype=torch.float32)}
+        version = trainer.model("m", chunk_size=CHUNK).publish(weights)
+        stores = []
         for i in range(readers):
             w = wf.join(relay_url, worker=f"r{i}", timeout=10, location=NODE)
             workers.append(w)
             store = w.model("m", chunk_size=CHUNK)
-            models.append(net(100 + i))
-            store.attach(models[-1])
+            store.attach({k: torch.zeros_like(v) for k, v in weights.items()})
             stores.append(store)
         with concurrent.futures.ThreadPoolExecutor(readers) as pool:
             got = list(pool.map(lambda s: s.fetch(version).version, stores))
         assert got == [version] * readers
-        return [same(m, source) for m in models]
+        return [all(torch.equal(s.tensors[k], v) for k, v in weights.items()) for s in stores]
     finally:
         for w in workers[::-1]:
             w.close()
