@@ -58,6 +58,7 @@ from typing import Any
 from weightfabric.fabric.hub.index import HubIndex
 from weightfabric.fabric.hub.kv import MAX_KV_KEY, MAX_KV_KEYS, MAX_KV_VALUE, KvStore
 from weightfabric.fabric.hub.leases import Leases
+from weightfabric.fabric.hub.node_plans import NodePlans
 from weightfabric.fabric.hub.persist import DurableState
 from weightfabric.fabric.hub.planned import PlanRouter
 from weightfabric.fabric.hub.records import (
@@ -158,6 +159,7 @@ class HubState(HubWorkers, HubRestoring, HubPublishing, HubFetching, HubQueries)
         self.quarantined: dict[str, set[tuple[str, int, int]]] = {}
         """Per holder, replicas readers found corrupt that its next heartbeat hears of."""
         self._index = HubIndex(self.models, self.fetches)
+        self._node_plans = NodePlans()       # a node's first reader's plan (relay batches)
         self.stall_after = stall_after
         self._stalled, self._lease_now = 0.0, -math.inf   # see `lease_clock`
         self._behind_since: float | None = None            # see `backlogged`

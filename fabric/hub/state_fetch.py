@@ -66,24 +66,24 @@ class HubFetching(HubStateBase):
     """The fetching part of `HubState`: begin, plan, report, complete or release a fetch."""
 
     recent_fetches: deque[dict[str, Any]]
-    _together: NodePlans | None = None
+    _node_plans: NodePlans
+    _together = False
 
     @contextlib.contextmanager
     def answering_batch(self) -> Iterator[None]:
         """Answer a relay's batch: the requests inside come from one node, at one time.
 
         The lease clock is read once, here, not at each request; the fresh fetches begun
-        inside are planned together: a node's first reader of a shard is routed, its others
-        wait on it (`fabric.hub.node_plans`). The hub's server answers each batch in one.
+        inside, as those of the node's batches before, are planned together: a node's
+        first reader of a shard is routed, its others wait on it
+        (`fabric.hub.node_plans`). The hub's server answers each batch in one.
         """
         self.expire()
-        self._together = NodePlans()
-        self._lease_read = True
+        self._together = self._lease_read = True
         try:
             yield
         finally:
-            self._together = None
-            self._lease_read = False
+            self._together = self._lease_read = False
 
     def begin_fetch(self, model: str, version: int | str, worker: str, *, session: str,
                     fetch_id: str, shard: int = 0, fingerprint: str | None = None,
@@ -223,10 +223,9 @@ class HubFetching(HubStateBase):
         banned = set(exclude or ())
         planned = self._version_plan(f)
         pool = self._index.pools.get((f.model, f.version, f.shard))
-        together = self._node_key(f, v, rep, planned, chunks, banned)
-        first = together[0].first(together[1]) if together is not None else None
-        if first is not None and all((w, f.shard) in v.replicas and w in self.workers
-                                     for w in first.named):
+        node = self._node_key(f, v, rep, planned, chunks, banned)
+        first = self._node_plans.first(node, v, self.workers) if node is not None else None
+        if first is not None:
             ranges, named = first.ranges, first.named
             missing: list[int] = []
         elif planned is not None:
@@ -245,8 +244,8 @@ class HubFetching(HubStateBase):
             raise NoSourceError(
                 f"{f.model!r} v{f.version} shard {f.shard}: no live replica holds chunks "
                 f"{_fmt_chunks(missing)}; wait for a holder to (re)register or fetch another version")
-        if together is not None and first is None:
-            together[0].planned(together[1], worker, ranges)
+        if node is not None and first is None:
+            self._node_plans.planned(node, worker, ranges)
         # Reads from an earlier plan may still be in flight: sources accumulate until the
         # reader narrows them (report_progress(sources=)), excludes them, or finishes.
         self._index.set_sources(f, (f.sources - banned) | named)
@@ -262,21 +261,19 @@ class HubFetching(HubStateBase):
 
     def _node_key(self, f: FetchRecord, v: VersionRecord, rep: Replica,
                   planned: tuple[PlanRouter, VersionPlan] | None,
-                  chunks: list[int] | None, banned: set[str]
-                  ) -> tuple[NodePlans, NodeKey] | None:
-        """The batch's node plans and fetch ``f``'s key in them, when it may be planned so.
+                  chunks: list[int] | None, banned: set[str]) -> NodeKey | None:
+        """Fetch ``f``'s key in the node plans, when it may be planned with its node's.
 
-        Fresh fetches only: no chunks held, asked or excluded, no broadcast plan, not a
-        derived version being made, a reader that named its node.
+        Fresh fetches in a relay's batch only: no chunks held, asked or excluded, no
+        broadcast plan, not a derived version being made, a reader that named its node.
         """
-        together = self._together
-        if (together is None or planned is not None or chunks is not None or banned
+        if (not self._together or planned is not None or chunks is not None or banned
                 or rep.count or _being_derived(v)):
             return None
         where = self.workers[f.worker].location
         if not where.node:
             return None
-        return together, (f.model, f.version, f.shard, where.datacenter, where.node)
+        return f.model, f.version, f.shard, where.datacenter, where.node
 
     def _reports_wanted(self, v: VersionRecord, shard: int, pool: ReplicaPool | None
                         ) -> int | None:

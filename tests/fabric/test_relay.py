@@ -126,3 +126,59 @@ def test_a_relay_vouches_for_its_own_credentials_requests_only(hub: HubServer,
         other.call("ping", {})
         assert other.latest("m") is None
     assert relay.stats.vouched == before and relay.stats.batched >= before + 3
+
+
+def test_a_relay_holds_its_next_batch_until_the_hub_answers_the_last(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One batch on its way at a time (a busy hub gets fewer, larger ones), `AWAIT_S` at most."""
+    import zmq
+
+    from weightfabric.fabric import relay as relay_module
+    from weightfabric.fabric.hub_messages import BatchReply, BatchRequest
+    from weightfabric.fabric.protocol import REPLY, REQUEST, decode, decode_body, encode
+    from weightfabric.fabric.zmq_util import hub_socket, make_socket
+
+    monkeypatch.setattr(relay_module, "AWAIT_S", 0.6)
+    hub = make_socket(zmq.ROUTER, max_message_size=1 << 24)     # a hub played by the test
+    socks: list[zmq.Socket] = []
+    try:
+        port = hub.bind_to_random_port("tcp://127.0.0.1")
+        with NodeRelay(f"tcp://127.0.0.1:{port}", insecure=True, window_s=0.001) as relay:
+            socks += [hub_socket(relay.url, max_message_size=1 << 24, hub_key=None)
+                      for _ in range(3)]
+
+            def ask(k: int, rid: int) -> None:
+                socks[k].send(encode(REQUEST, rid, f"s{k}", "ping", {"worker": f"w{k}"}))
+
+            def batch(wait_ms: int) -> tuple[bytes, int, list[bytes]]:
+                assert hub.poll(wait_ms), "no batch came"
+                ident, data = hub.recv_multipart()
+                msg = decode(data)
+                assert msg.name == "batch"
+                return ident, msg.req_id, [p for p, _ in decode_body(msg, BatchRequest).items]
+
+            def answer(ident: bytes, rid: int, items: list[bytes]) -> None:
+                replies = [(encode(REPLY, decode(p).req_id, "e", "", {}), b"") for p in items]
+                hub.send_multipart([ident, encode(REPLY, rid, "e", "", BatchReply(items=replies))])
+
+            ask(0, 1)
+            first = batch(5000)
+            assert len(first[2]) == 1
+            ask(1, 1)
+            ask(2, 1)
+            assert not hub.poll(300)           # held: the first is on its way
+            answer(*first)
+            second = batch(2000)                 # sent once the first is answered
+            assert sorted(decode(p).tag for p in second[2]) == ["s1", "s2"]
+            answer(*second)
+            for k in range(3):
+                assert socks[k].poll(2000) and decode(socks[k].recv_multipart()[0]).req_id == 1
+            ask(0, 2)
+            batch(2000)                          # left unanswered: the next waits AWAIT_S
+            ask(1, 2)
+            assert not hub.poll(300)
+            assert len(batch(3000)[2]) == 1 and relay.stats.batches == 4
+    finally:
+        for s in socks:
+            s.close(0)
+        hub.close(0)

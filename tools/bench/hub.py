@@ -413,6 +413,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
                                             for _ in range(chunks)))
         t_start = time.time()
         c_start = sampler.cpu()
+        threads_start = _threads_cpu(hub.pid)
         r_start = sum(_cpu_of(p.pid) for p in sims)
         p0 = time.perf_counter()
         version = publisher.begin_publish(BROADCAST_MODEL, manifest)
@@ -428,6 +429,8 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
         r_cpu = sum(_cpu_of(p.pid) for p in sims) - r_start   # a little past t_end
         time.sleep(0.05)  # the sampler reads past t_end
         c_end = sampler.cpu_at(t_end)
+        threads = _threads_cpu(hub.pid)
+        threads.subtract(threads_start)
         window = max(t_end - t_start, 1e-9)
         hub_cpu = c_end - c_start
         hist: dict[str, Counter[int]] = {}
@@ -459,6 +462,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
             "hub_cpu_baseline_per_s": round(baseline, 4),
             "hub_cpu_s_per_version_net": round(hub_cpu - baseline * window, 3),
             "hub_cpu_util": round(hub_cpu / window, 3),
+            "hub_cpu_s_by_thread": {k: round(v, 3) for k, v in sorted(threads.items())},
             "readers_cpu_util": round(r_cpu / window / len(reader_cpus), 3),
             "ops_per_s": round(ops / window, 1), "ops_in_version": ops,
             "latency_ms": lat,
@@ -529,6 +533,22 @@ def _line(p: subprocess.Popen, deadline: float, log: Path) -> str:
             break
     tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
     raise RuntimeError(f"bench child {log.stem} gave no answer (exit {p.poll()}):\n{tail}")
+
+
+def _threads_cpu(pid: int) -> Counter[str]:
+    """CPU seconds process ``pid``'s threads used so far, summed by thread name (``/proc``).
+
+    The hub's Python thread is named after the program (``python``), zmq's I/O threads
+    ``ZMQbg/IO/N``.
+    """
+    out: Counter[str] = Counter()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/stat") as f:
+            head, _, rest = f.read().rpartition(")")
+            fields = rest.split()
+            name = re.sub(r"/[0-9]+$", "", head.partition("(")[2])
+            out[name] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
 def _cpu_of(pid: int) -> float:
@@ -673,7 +693,9 @@ class _Readers:
         self.node_socks: list[zmq.Socket] = []
         self.node_by_fd: dict[int, int] = {}
         self.held: dict[int, list[tuple[int, bytes, bytes]]] = {}
-        self.in_batch: dict[int, tuple[bytes, list[tuple[int, bytes]]]] = {}
+        self.in_batch: dict[int, tuple[bytes, int, list[tuple[int, bytes]]]] = {}
+        self.first_held: dict[int, float] = {}     # node -> when its first held came
+        self.node_busy: dict[int, tuple[int, float]] = {}  # node -> its batch on its way
         self.check_nodes: set[int] = set()
         self.batches = self.batched = 0
         self.batch_sizes: Counter[int] = Counter()
@@ -764,23 +786,37 @@ class _Readers:
         j = i // NODE_SIZE
         held = self.held.setdefault(j, [])
         if not held:
-            self.at(time.monotonic() + self.window, j, "flush")
+            self.first_held[j] = now = time.monotonic()
+            self.at(now + self.window, j, "flush")
         held.append((i, payload, mac))
 
     def flush(self, j: int) -> None:
-        """Node ``j``'s relay sends the requests it holds as one batch."""
+        """Node ``j``'s relay sends the requests it holds as one batch, when due.
+
+        As `fabric.relay.NodeRelay`: once the first has waited the window, and its last
+        batch is answered or older than `fabric.relay.AWAIT_S` (then a timer comes back).
+        """
         from weightfabric.fabric.hub_messages import BatchRequest
         from weightfabric.fabric.protocol import REQUEST, encode
+        from weightfabric.fabric.relay import AWAIT_S
 
-        held = self.held.pop(j, [])
-        if not held:
+        if not self.held.get(j):
             return
+        now = time.monotonic()
+        busy = self.node_busy.get(j)
+        if now < self.first_held[j] + self.window:
+            return
+        if busy is not None and now < busy[1] + AWAIT_S:
+            self.at(busy[1] + AWAIT_S, j, "flush")
+            return
+        held = self.held.pop(j)
         self.batch_ids += 1
         data = encode(REQUEST, self.batch_ids, f"relay-{self.first}-{j}", "batch",
                       BatchRequest(items=[(p, b"") for _, p, _ in held]))
         frame, mac = self.cred.sign(data)
         self.node_socks[j].send_multipart([data, frame])
-        self.in_batch[self.batch_ids] = (mac, [(i, m) for i, _, m in held])
+        self.in_batch[self.batch_ids] = (mac, j, [(i, m) for i, _, m in held])
+        self.node_busy[j] = (self.batch_ids, now)
         self.batches += 1
         self.batched += len(held)
         self.batch_sizes[len(held)] += 1
@@ -841,9 +877,12 @@ class _Readers:
         from weightfabric.fabric.protocol import decode, decode_body
 
         msg = decode(raw)
-        mac, members = self.in_batch.pop(msg.req_id, (b"", []))
+        mac, j, members = self.in_batch.pop(msg.req_id, (b"", -1, []))
         if not members:
             return
+        if self.node_busy.get(j, (0,))[0] == msg.req_id:
+            del self.node_busy[j]
+            self.flush(j)        # what waited for this answer
         if not self.cred.check_reply(frame, mac, raw):
             raise RuntimeError("a batch's answer not signed for it")
         if msg.kind != 2:

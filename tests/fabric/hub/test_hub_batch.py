@@ -76,12 +76,36 @@ def test_a_first_reader_gone_in_the_batch_is_not_waited_on(state: HubState) -> N
     assert all("a" not in r.wait for r in b.ranges) and "a" not in b.workers
 
 
-def test_without_a_batch_nothing_is_remembered(state: HubState) -> None:
+def test_outside_a_batch_readers_are_routed(state: HubState) -> None:
     with state.answering_batch():
         _begin(state, "a")
-    assert state._together is None
+    assert not state._together
     b = _begin(state, "b")           # routed: it may wait on a (ranked), never on a memo
     assert set(b.workers) <= {"t", "a"}
+
+
+def test_a_nodes_later_batches_wait_on_its_first_until_it_holds_the_shard(
+        state: HubState) -> None:
+    with state.answering_batch():
+        _begin(state, "a")
+    with state.answering_batch():    # a reader of the node that starts later
+        b = _begin(state, "b")
+    assert all(r.wait == ["a"] for r in b.ranges) and set(b.workers) == {"t", "a"}
+    state.report_progress("a/f", "a", session="a", chunks=list(range(8)))
+    state.complete_fetch("a/f", "a", session="a")
+    with state.answering_batch():    # a holds it all now: c is routed (read a first)
+        c = _begin(state, "c")
+    assert all(r.sources[0] == "a" and "a" not in r.wait for r in c.ranges)
+
+
+def test_a_first_reader_that_left_is_replaced_by_the_next(state: HubState) -> None:
+    with state.answering_batch():
+        _begin(state, "a")
+    state.release("a/f", "a", session="a")
+    with state.answering_batch():
+        b = _begin(state, "b")        # routed, and the node's first now
+        c = _begin(state, "c")
+    assert "a" not in b.workers and all(r.wait == ["b"] for r in c.ranges)
 
 
 # ------------------------------------------------------------- the server's side
