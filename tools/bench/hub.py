@@ -429,8 +429,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
         r_cpu = sum(_cpu_of(p.pid) for p in sims) - r_start   # a little past t_end
         time.sleep(0.05)  # the sampler reads past t_end
         c_end = sampler.cpu_at(t_end)
-        threads = _threads_cpu(hub.pid)
-        threads.subtract(threads_start)
+        threads = {k: v - threads_start.get(k, 0.0) for k, v in _threads_cpu(hub.pid).items()}
         window = max(t_end - t_start, 1e-9)
         hub_cpu = c_end - c_start
         hist: dict[str, Counter[int]] = {}
@@ -535,19 +534,20 @@ def _line(p: subprocess.Popen, deadline: float, log: Path) -> str:
     raise RuntimeError(f"bench child {log.stem} gave no answer (exit {p.poll()}):\n{tail}")
 
 
-def _threads_cpu(pid: int) -> Counter[str]:
+def _threads_cpu(pid: int) -> dict[str, float]:
     """CPU seconds process ``pid``'s threads used so far, summed by thread name (``/proc``).
 
     The hub's Python thread is named after the program (``python``), zmq's I/O threads
     ``ZMQbg/IO/N``.
     """
-    out: Counter[str] = Counter()
+    out: dict[str, float] = {}
     for task in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/stat") as f:
             head, _, rest = f.read().rpartition(")")
             fields = rest.split()
             name = re.sub(r"/[0-9]+$", "", head.partition("(")[2])
-            out[name] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf(
+                "SC_CLK_TCK")
     return out
 
 
