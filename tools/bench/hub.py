@@ -94,8 +94,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--relay", action="store_true",
                    help="each node's 8 readers talk to the hub through a node relay "
                         "(`fabric hub relay`): requests that answer at once go in one "
-                        "batch per node every --relay-window, vouched for by the relay "
-                        "(readers and relays share the bench's secret)")
+                        "batch per node every --relay-window (one on its way at a time), "
+                        "vouched for by the relay (readers and relays share the bench's "
+                        "secret)")
     b.add_argument("--relay-window", type=float, default=None, metavar="SECONDS",
                    help="how long a relay holds a batch's first request for others (default: "
                         "the relay's, 0.005)")
@@ -333,12 +334,12 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
     readers heartbeat every third of the lease the hub's last reply granted. With
     ``relay`` each node's `NODE_SIZE` readers reach the hub as through a `fabric.relay`
     node relay: the requests it batches go in one ``batch`` per node, sent
-    ``relay_window`` s after its first (`fabric.relay.WINDOW_S` by default), the others
-    alone; ``relay_window`` 0 sends what is ready at each pass of the reader loop.
+    ``relay_window`` s after its first (`fabric.relay.WINDOW_S` by default) once the
+    node's last batch is answered (or `fabric.relay.AWAIT_S` old), the others alone; ``relay_window`` 0 sends what is ready at each pass of the reader loop.
 
     Measured from the begin_publish to the last ``complete_fetch`` answered: the hub
-    process's CPU seconds (``/proc``), the operations answered per second (heartbeats
-    included), and each operation's latency.
+    process's CPU seconds (``/proc``; also by thread: Python's, zmq's I/O), the operations
+    answered per second (heartbeats included), and each operation's latency.
     """
     if readers < 1 or chunks < 1 or read_chunks < 1 or fetch_seconds < 0 or lease_s <= 0 \
             or (relay_window is not None and relay_window < 0):
@@ -648,8 +649,7 @@ def _reader_main() -> None:
     try:
         sim.register()
         print(json.dumps({"registered": sim.registered, "count": sim.n}), flush=True)
-        if sys.stdin.readline().strip() == "go":
-            sim.run()
+        sim.run()     # heartbeating while the other processes register (before "go")
     finally:
         sim.close()
 
@@ -732,6 +732,7 @@ class _Readers:
         self.errors: Counter[str] = Counter()
         self.registered = 0
         self.stopping = False
+        self.stdin_buf = b""
         # each reader's fetch
         self.chunks, self.rc = int(cfg["chunks"]), int(cfg["read_chunks"])
         self.nreads = -(-self.chunks // self.rc)
@@ -851,11 +852,7 @@ class _Readers:
                 self.check_nodes.add(self.node_by_fd[fd])
                 continue
             if i is None:
-                line = sys.stdin.readline().strip()
-                if line.startswith("{"):
-                    self.begin_all(int(json.loads(line)["version"]))
-                elif not line or line == "stop":
-                    self.stopping = True
+                self.from_parent()
                 continue
             self.check.add(i)
         todo, self.check = self.check, set()
@@ -870,6 +867,23 @@ class _Readers:
             while cast(int, s.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 raw, frame = s.recv_multipart(zmq.NOBLOCK)
                 self.take_batch(raw, frame)
+
+    def from_parent(self) -> None:
+        """The bench's lines on stdin: ``go``, ``{"version": N}``, ``stop`` (or its end)."""
+        data = os.read(sys.stdin.fileno(), 1 << 16)
+        if not data:
+            self.stopping = True
+        self.stdin_buf += data
+        while b"\n" in self.stdin_buf:
+            raw, self.stdin_buf = self.stdin_buf.split(b"\n", 1)
+            line = raw.decode().strip()
+            if line == "go" and self.cfg["sync"]:
+                for i in range(self.n):
+                    self.wait_version(i, 0)
+            elif line.startswith("{"):
+                self.begin_all(int(json.loads(line)["version"]))
+            elif line == "stop":
+                self.stopping = True
 
     def take_batch(self, raw: bytes, frame: bytes) -> None:
         """A batch's answers, each to its reader (a refused batch: its readers retry)."""
@@ -948,9 +962,7 @@ class _Readers:
             self.on_timer(i, kind, now)
 
     def run(self) -> None:
-        if self.cfg["sync"]:
-            for i in range(self.n):
-                self.wait_version(i, 0)
+        """Heartbeat, and fetch as the bench says, until it says stop."""
         reported = False
         while not self.stopping:
             self.due(time.monotonic())
