@@ -1,4 +1,4 @@
-"""Plans for the readers of one node that come through its relay: the first routed, the others on it.
+"""Plans for a node's readers that come through its relay: the first routed, the rest on it.
 
 A node relay (`fabric.relay`) forwards the requests of a node's workers in batches; when
 its readers begin fetching a shard of a version, the hub routes the node's first reader

@@ -61,6 +61,9 @@ def test_readers_behind_simulated_relays_reach_the_hub_in_batches(capsys):
     assert sum(k * n for k, n in sizes.items()) == out["relay_batched"] > 0
     assert max(sizes) > 1                  # a node's requests went together
     assert max(sizes) <= bench.NODE_SIZE * 4   # one node's readers, a few requests each
+    threads = out["hub_cpu_s_by_thread"]           # the hub's CPU, by thread
+    assert "main" in threads and "ZMQbg/IO" in threads
+    assert sum(threads.values()) == pytest.approx(out["hub_cpu_s_per_version"], abs=0.5)
 
 
 def test_the_simulated_readers_retry_as_the_client_does():

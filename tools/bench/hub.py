@@ -335,10 +335,11 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
     ``relay`` each node's `NODE_SIZE` readers reach the hub as through a `fabric.relay`
     node relay: the requests it batches go in one ``batch`` per node, sent
     ``relay_window`` s after its first (`fabric.relay.WINDOW_S` by default) once the
-    node's last batch is answered (or `fabric.relay.AWAIT_S` old), the others alone; ``relay_window`` 0 sends what is ready at each pass of the reader loop.
+    node's last batch is answered (or `fabric.relay.AWAIT_S` old), the others alone;
+    ``relay_window`` 0 sends what is ready at each pass of the reader loop.
 
     Measured from the begin_publish to the last ``complete_fetch`` answered: the hub
-    process's CPU seconds (``/proc``; also by thread: Python's, zmq's I/O), the operations
+    process's CPU seconds (``/proc``; also by thread: the hub's loop, zmq's I/O), the operations
     answered per second (heartbeats included), and each operation's latency.
     """
     if readers < 1 or chunks < 1 or read_chunks < 1 or fetch_seconds < 0 or lease_s <= 0 \
@@ -538,23 +539,26 @@ def _line(p: subprocess.Popen, deadline: float, log: Path) -> str:
 def _threads_cpu(pid: int) -> dict[str, float]:
     """CPU seconds process ``pid``'s threads used so far, summed by thread name (``/proc``).
 
-    The hub's Python thread is named after the program (``python``), zmq's I/O threads
-    ``ZMQbg/IO/N``.
+    The process's first thread is ``main`` (the hub's loop), zmq's I/O threads
+    ``ZMQbg/IO/N`` are counted as ``ZMQbg/IO``, others by their name.
     """
     out: dict[str, float] = {}
     for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/stat") as f:
-            head, _, rest = f.read().rpartition(")")
-            fields = rest.split()
-            name = re.sub(r"/[0-9]+$", "", head.partition("(")[2])
-            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf(
-                "SC_CLK_TCK")
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                name = "main" if task == str(pid) else re.sub(r"/[0-9]+$", "", f.read().strip())
+            out[name] = out.get(name, 0.0) + _stat_cpu(f"/proc/{pid}/task/{task}/stat")
     return out
 
 
 def _cpu_of(pid: int) -> float:
     """CPU seconds process ``pid`` used so far (``/proc``)."""
-    with open(f"/proc/{pid}/stat") as f:
+    return _stat_cpu(f"/proc/{pid}/stat")
+
+
+def _stat_cpu(path: str) -> float:
+    """The user and system CPU seconds in a ``/proc`` ``stat`` file."""
+    with open(path) as f:
         fields = f.read().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
