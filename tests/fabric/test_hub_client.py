@@ -684,13 +684,14 @@ def test_a_nodes_heartbeats_fall_on_its_beat_within_half_an_interval_of_due(
 
 
 def test_the_workers_of_a_node_share_a_phase_and_nodes_spread() -> None:
-    from weightfabric.fabric.client import heartbeat_due, node_phase
+    from weightfabric.fabric.client import NODE_BEATS, heartbeat_due, node_phase
     from weightfabric.fabric.locality import Location
 
     a, b = node_phase(Location("dc0", "n1", "gpu0")), node_phase(Location("dc0", "n1", "gpu7"))
     assert a is not None and a == b and node_phase(Location("dc0", "")) is None
-    phases = {node_phase(Location("dc0", f"n{k}")) for k in range(200)}
-    assert len(phases) == 200 and max(phases) - min(phases) > 0.9
+    phases = [node_phase(Location("dc0", f"n{k}")) for k in range(1000)]
+    assert {p * NODE_BEATS for p in phases} == set(range(NODE_BEATS))   # on the beats, all
+    assert max(phases.count(p) for p in set(phases)) < 3 * 1000 / NODE_BEATS   # spread
     # two workers of a node that started out of step heartbeat together from their 2nd beat
     beats = []
     for last in (100.0, 101.7):

@@ -72,6 +72,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="chunks per simulated read (default 4: 64 MiB reads of 16 MiB chunks)")
     b.add_argument("--lease", type=float, default=10.0,
                    help="the hub's lease; readers heartbeat every lease/3 (default 10)")
+    b.add_argument("--settle", type=float, default=None, metavar="SECONDS",
+                   help="heartbeats only, from the readers' registration to the version, "
+                        "measured as the hub's idle rate (default: a third of the lease; "
+                        "30 or more: the version comes once the leases the hub grants have "
+                        "settled, as in a deployment whose workers registered long before)")
     b.add_argument("--start-spread", type=float, default=0.0, metavar="SECONDS",
                    help="readers begin their fetch a random delay up to this after the "
                         "commit wakes them (default 0: all at once)")
@@ -452,7 +457,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
         return {
             "readers": readers, "completed": completed, "reader_procs": len(sims),
             "chunks": chunks, "read_chunks": read_chunks, "fetch_seconds": fetch_seconds,
-            "start_spread": start_spread, "lease_s": lease_s, "sync": sync,
+            "start_spread": start_spread, "settle_s": baseline_s, "lease_s": lease_s, "sync": sync,
             "relay": relay, "relay_window_s": relay_wait if relay else None,
             "hub_cpus": hub_cpus, "reader_cpus": reader_cpus,
             "report_policy": {"report_interval": report_interval, "max_reports": max_reports,
@@ -1178,11 +1183,11 @@ def _run_broadcast(args: argparse.Namespace) -> int:
     interval = ENGINE_REPORT_INTERVAL if args.report_interval is None else args.report_interval
     if (args.broadcast < 1 or (args.chunks is not None and args.chunks < 1)
             or args.read_chunks < 1 or args.fetch_seconds < 0 or args.lease <= 0
-            or interval < 0 or args.start_spread < 0
+            or interval < 0 or args.start_spread < 0 or (args.settle or 0) < 0
             or (args.reader_procs is not None and args.reader_procs < 1)):
         raise BadInput("--broadcast, --chunks, --read-chunks and --reader-procs must be >= 1, "
-                       "--lease > 0, and --fetch-seconds, --report-interval and "
-                       "--start-spread >= 0")
+                       "--lease > 0, and --fetch-seconds, --report-interval, "
+                       "--start-spread and --settle >= 0")
     out = bench_broadcast(args.broadcast, fetch_seconds=args.fetch_seconds,
                           chunks=args.chunks or 1024, read_chunks=args.read_chunks,
                           lease_s=args.lease, procs=args.reader_procs,
@@ -1191,7 +1196,7 @@ def _run_broadcast(args: argparse.Namespace) -> int:
                           report_budget=getattr(args, "report_budget", "hub"),
                           heartbeat_rate=getattr(args, "heartbeat_rate", "hub"),
                           relay=args.relay, relay_window=args.relay_window,
-                          profile=args.profile)
+                          baseline_s=args.settle, profile=args.profile)
     if args.json:
         print(json.dumps(out, indent=2))
         return EXIT_OK
