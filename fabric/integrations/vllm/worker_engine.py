@@ -51,6 +51,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightfabric.fabric import errors
 from weightfabric.fabric.checks import check_version
+from weightfabric.fabric.client import locate_data
 from weightfabric.fabric.errors import FabricError, LayoutMismatchError, UnknownVersionError
 from weightfabric.fabric.fetch import FetchOptions
 from weightfabric.fabric.integrations.vllm.landing import (
@@ -379,9 +380,12 @@ class WeightfabricEngine(WeightTransferEngine[WeightfabricInitInfo, Weightfabric
         """The store of the published tensors whole (``load_weights``), for their layout.
 
         One per published tensor set, checked against the engine's own checkpoint first.
+        Only the version's manifests are needed here: its published tensors' holders may
+        all be gone while engines hold it in this layout (the store copies it from them).
         """
         assert self.worker is not None and self.info is not None
-        where = self.worker.hub.locate(self.info.model, version)
+        where = locate_data(self.worker.hub.locate_reply(self.info.model, version,
+                                                         manifests_only=True))
         manifests = [Manifest.from_wire(s["manifest"]) for s in where["shards"]]
         published = PublishedVersion.of(manifests)
         key = tuple(sorted((n, p.shape, str(p.dtype)) for n, p in published.tensors.items()))
