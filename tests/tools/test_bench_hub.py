@@ -78,3 +78,12 @@ def test_the_simulated_readers_report_as_the_engine_does():
 def test_broadcast_rejects_bad_input():
     with pytest.raises(ValueError, match="readers"):
         bench.bench_broadcast(0)
+
+
+def test_the_broadcast_table_says_the_hub_s_cost(capsys):
+    with hard_timeout(120):
+        assert main(["bench", "hub", "--broadcast", "8", "--fetch-seconds", "0.2",
+                     "--lease", "3", "--settle", "0.5", "--relay"]) == 0
+    out = capsys.readouterr().out
+    for row in ("hub CPU per version", "hub CPU by thread", "--settle", "begin_fetch p50"):
+        assert row in out, out

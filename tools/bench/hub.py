@@ -1209,6 +1209,10 @@ def _run_broadcast(args: argparse.Namespace) -> int:
     t.add_row("hub CPU per version (heartbeats included / beyond the idle rate)",
               f"{out['hub_cpu_s_per_version']:.2f} s / {out['hub_cpu_s_per_version_net']:.2f} s")
     t.add_row("hub ops/s during the version", f"{out['ops_per_s']:,.0f}")
+    t.add_row("hub CPU by thread (the hub's loop / zmq's I/O)",
+              f"{out['hub_cpu_s_by_thread'].get('main', 0.0):.2f} s / "
+              f"{out['hub_cpu_s_by_thread'].get('ZMQbg/IO', 0.0):.2f} s")
+    t.add_row("heartbeats only before the version (--settle)", f"{out['settle_s']:.1f} s")
     t.add_row("busy: hub's core / the readers' cores",
               f"{out['hub_cpu_util']:.0%} / {out['readers_cpu_util']:.0%}")
     for op, lat in out["latency_ms"].items():
