@@ -127,16 +127,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 "(heartbeats, plans, reports, completions) in one batch\nper "
                                 "--window-ms (the next once the hub answered the last), so "
                                 "the hub\nhandles one message per node where it handled one "
-                                "per worker, and plans a node's\nreaders of a "
-                                "version together (the first routed, the others waiting on "
-                                "it).\nA request signed with another credential keeps its\n"
-                                "signature and its answer the hub's; one signed with the "
-                                "relay's own credential\n(the node's secret file or token) "
-                                "the relay checks, vouches for, and signs the\nanswer to. "
-                                "Prints 'fabric hub relay serving at URL' "
-                                "once bound. Exits 0 on SIGTERM or\nCtrl-C, 1 if it cannot "
-                                "serve, 2 on a bad URL, port or secret file. See\ndocs/hub.md, "
-                                "\"Node relays\".",
+                                "per worker, and plans a node's\nreaders of a version "
+                                "together (the first routed, the others waiting on it).\n"
+                                "A request signed with another credential keeps its "
+                                "signature and its answer\nthe hub's; one signed with the "
+                                "relay's own credential (the node's secret file\nor token) "
+                                "the relay checks, vouches for, and signs the answer to. "
+                                "Prints\n'fabric hub relay serving at URL' once bound. "
+                                "Exits 0 on SIGTERM or Ctrl-C, 1 if it\ncannot serve, 2 on "
+                                "a bad URL, port or secret file. See docs/hub.md, \"Node\n"
+                                "relays\".",
                     examples=["fabric hub relay --hub tcp://10.0.0.1:7470 --port 7471",
                               "fabric hub relay --hub curve://hub:7470 --secret-file "
                               "relay.token"])

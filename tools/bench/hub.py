@@ -457,7 +457,8 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
         return {
             "readers": readers, "completed": completed, "reader_procs": len(sims),
             "chunks": chunks, "read_chunks": read_chunks, "fetch_seconds": fetch_seconds,
-            "start_spread": start_spread, "settle_s": baseline_s, "lease_s": lease_s, "sync": sync,
+            "start_spread": start_spread, "settle_s": baseline_s, "lease_s": lease_s,
+            "sync": sync,
             "relay": relay, "relay_window_s": relay_wait if relay else None,
             "hub_cpus": hub_cpus, "reader_cpus": reader_cpus,
             "report_policy": {"report_interval": report_interval, "max_reports": max_reports,
