@@ -623,6 +623,45 @@ class BatchRequest(Request, frozen=True, kw_only=True):
     items: list[tuple[bytes, bytes]]
 
 
+
+class NodeReader(msgspec.Struct, frozen=True, array_like=True):
+    """One reader of a `BeginFetchesRequest`: its worker, session and fetch id."""
+
+    worker: str
+    session: str
+    fetch_id: str
+
+
+class BeginFetchesRequest(Request, frozen=True, kw_only=True):
+    """A node's readers beginning fetches of the same shard, as one request of a batch.
+
+    A node relay (`fabric.node_begins`) joins the fresh ``begin_fetch`` requests of its
+    workers it vouches for that ask for the same version and shard; the hub begins each
+    reader's fetch as ``begin_fetch`` would, and answers a `BeginFetchesReply`. Rides only
+    in a batch, vouched for by its signer; not an operation of `OPERATIONS`.
+    """
+
+    op: ClassVar[str] = "begin_fetches"
+    model: str
+    readers: list[NodeReader]
+    version: int | str = "latest"
+    shard: int = 0
+    fingerprint: str | None = None
+
+
+class BeginFetchesReply(Reply, frozen=True, kw_only=True):
+    """A `BeginFetchesRequest`'s answers, one per reader, in order.
+
+    ``plans[i]``: reader i's plan, its manifest left off (``manifest``, sent once, is
+    every plan's: its msgpack, spliced into each as the hub would have); else ``errors[i]``: the ``(code, message)`` of the error it would have
+    got alone; neither: the reader's request must go alone (e.g. a planned reader that
+    waits for its upstreams).
+    """
+
+    manifest: msgspec.Raw
+    plans: list[PlanReply | None]
+    errors: list[tuple[str, str] | None]
+
 ReplyType = type[Reply] | type[StatusReply]
 _PAIRS: tuple[tuple[type[Request], ReplyType], ...] = (
     (PingRequest, PingReply),
@@ -674,14 +713,15 @@ BATCHABLE = frozenset({
 
 __all__ = [
     "BATCHABLE", "OPERATIONS", "RENEWS_LEASE", "AbortPublishRequest", "BatchReply",
-    "BatchRequest", "BeginDeriveRequest", "BeginFetchRequest",
+    "BatchRequest", "BeginDeriveRequest", "BeginFetchRequest", "BeginFetchesReply",
+    "BeginFetchesRequest",
     "BeginPublishReply", "BeginPublishRequest", "CommitRequest", "CompleteFetchRequest",
     "CommitWaitReply", "CompleteReply", "DeriveReply", "DropReply", "DropRequest", "EmptyReply",
     "Endpoints", "ErrorBody", "GroupStatusReply",
     "GroupStatusRequest", "HeartbeatReply", "HeartbeatRequest", "Holder", "Holding",
     "HoldingState", "KvGetReply", "KvGetRequest", "KvPutReply", "KvPutRequest",
     "LatestRequest", "LocateReply", "LocateRequest", "LocateShard", "LocationWire",
-    "ManifestWire", "PinRequest", "PingReply", "PingRequest", "PlanRangeWire", "PlanReply",
+    "ManifestWire", "NodeReader", "PinRequest", "PingReply", "PingRequest", "PlanRangeWire", "PlanReply",
     "PlanRequest", "PlanSource", "PolicyReply", "ProgressReply", "PublishStateReply",
     "RegisterReply", "RegisterRequest", "ReleaseRequest", "Reply", "ReportCorruptReply",
     "ReportCorruptRequest", "ReportProgressRequest",

@@ -56,6 +56,7 @@ from weightfabric.fabric.auth import Credential, ReplayGuard, load_credential, r
 from weightfabric.fabric.client import SERVICE_TRY_S
 from weightfabric.fabric.errors import NotLeaderError, ProtocolError
 from weightfabric.fabric.hub_messages import BATCHABLE, BatchReply, BatchRequest
+from weightfabric.fabric.node_begins import Item, join, split
 from weightfabric.fabric.protocol import (
     ERROR,
     MAX_MESSAGE_SIZE,
@@ -102,10 +103,15 @@ class _Held(NamedTuple):
 
 @dataclass
 class _Sent:
-    """A batch on its way: its MAC and its requests, in order (to answer, or send alone)."""
+    """A batch on its way: its MAC, its requests and its items, in order.
+
+    The requests to answer, or send alone; the items as sent (`fabric.node_begins.join`:
+    a node's fresh begins joined).
+    """
 
     mac: bytes
     held: list[_Held]
+    items: list[Item]
     at: float = field(default_factory=time.monotonic)
 
 
@@ -129,6 +135,9 @@ class RelayStats:
     vouched: int = 0
     """Of those, requests signed with the relay's own credential, sent without their
     signature (the relay checked it, and signs their answers)."""
+    joined: int = 0
+    """Of those, fresh ``begin_fetch`` requests joined with others of the same shard into
+    one (`fabric.node_begins`)."""
     alone: int = 0
     """Requests sent unbatched (they wait at the hub, or the hub refused their batch)."""
     refused_batches: int = 0
@@ -331,7 +340,12 @@ class NodeRelay(Served):
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         self._full = False
         self._ids += 1
-        items = [(h.payload, b"" if h.vouched else h.auth) for h in pending]
+        insecure = self.credential is None
+        joined = join([h.payload for h in pending], [insecure or bool(h.vouched)
+                                                     for h in pending],
+                      self._session, max_size=self.max_message_size)
+        items = [(it.payload, b"" if it.req_ids or pending[it.members[0]].vouched
+                  else pending[it.members[0]].auth) for it in joined]
         data = encode(REQUEST, self._ids, self._session, "batch", BatchRequest(items=items),
                       max_size=self.max_message_size)
         frames = [data]
@@ -344,10 +358,11 @@ class NodeRelay(Served):
         except zmq.Again:     # the hub's queue is full: the workers retry
             log.warning("relay: the hub's queue is full; %d requests dropped", len(items))
             return
-        self._sent[self._ids] = _Sent(mac, pending)
+        self._sent[self._ids] = _Sent(mac, pending, joined)
         self.stats.batches += 1
-        self.stats.batched += len(items)
+        self.stats.batched += len(pending)
         self.stats.vouched += sum(1 for h in pending if h.vouched)
+        self.stats.joined += sum(len(it.members) for it in joined if it.req_ids)
 
     def _from_hub(self) -> None:
         """Hand each answer of the batches the hub answered to its worker."""
@@ -375,14 +390,18 @@ class NodeRelay(Served):
                 continue
             if msg.kind == REPLY:
                 answers = decode_body(msg, BatchReply).items
-                if len(answers) == len(sent.held):
-                    for h, (data, sig) in zip(sent.held, answers, strict=True):
+                if len(answers) == len(sent.items):
+                    for item, (data, sig) in zip(sent.items, answers, strict=True):
+                        if item.req_ids:
+                            self._answer_joined(sent, item, data)
+                            continue
+                        h = sent.held[item.members[0]]
                         if h.vouched and self.credential is not None:
                             sig = reply_mac(self.credential.key, h.vouched, data)
                         _send(self._front, [h.ident, data, sig])
                     continue
                 log.warning("relay: %d answers to a batch of %d", len(answers),
-                            len(sent.held))
+                            len(sent.items))
             elif msg.name == NotLeaderError.code and len(self.hub_urls) > 1:
                 self._sent[msg.req_id] = sent      # carried to the next hub with the others
                 self._next_hub("it does not lead")
@@ -393,6 +412,19 @@ class NodeRelay(Served):
             self.stats.refused_batches += 1
             for h in sent.held:
                 self._send_alone(h.ident, h.payload, h.auth)
+
+    def _answer_joined(self, sent: _Sent, item: Item, data: bytes) -> None:
+        """Answer each reader of joined begins (`fabric.node_begins.split`), or send it alone."""
+        assert self._front is not None
+        answers = split(data, item.req_ids, max_size=self.max_message_size)
+        for m, answer in zip(item.members, answers, strict=True):
+            h = sent.held[m]
+            if answer is None:
+                self._send_alone(h.ident, h.payload, h.auth)
+                continue
+            sig = (reply_mac(self.credential.key, h.vouched, answer)
+                   if self.credential is not None else b"")
+            _send(self._front, [h.ident, answer, sig])
 
     def _send_alone(self, ident: bytes, payload: bytes, auth: bytes) -> None:
         """Send one worker's request on that worker's own connection to the hub."""

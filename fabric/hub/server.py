@@ -75,6 +75,9 @@ from weightfabric.fabric.hub_messages import (
     BATCHABLE,
     BatchReply,
     BatchRequest,
+    BeginFetchesReply,
+    BeginFetchesRequest,
+    BeginFetchRequest,
     DeriveReply,
     ErrorBody,
     KvPutRequest,
@@ -488,6 +491,9 @@ class HubServer(Served):
         if name == "batch" and not batched:
             self._batch(ident, msg, caller)
             return
+        if name == "begin_fetches":
+            self._begin_fetches(ident, msg, caller, vouched=reply_to is None and batched)
+            return
         key = (msg.tag, msg.req_id)
         kept = self._replies.get(key)
         if kept is not None:
@@ -571,6 +577,68 @@ class HubServer(Served):
         finally:
             self._batch_out = None
         self._send(ident, self._reply_bytes(msg.req_id, BatchReply(items=answers)), caller)
+
+    def _begin_fetches(self, ident: bytes, msg: Message, caller: Verified | None, *,
+                       vouched: bool) -> None:
+        """Begin the fetches of a node's readers its relay joined (`fabric.node_begins`).
+
+        Each reader's fetch begins as its ``begin_fetch`` alone would (its session bound to
+        the batch's signer, who vouched for it); the answers go back in one
+        `BeginFetchesReply`, the manifest once, for the relay to answer each reader. No
+        reply is kept for retries: a retried ``begin_fetch`` resumes its fetch. A reader
+        whose begin would wait (a planned reader's upstreams not begun) is left for its
+        request to come alone.
+        """
+        try:
+            if not vouched:
+                raise BadRequestError("begin_fetches rides only in a batch, vouched for by "
+                                      "the batch's signer")
+            if not self._leading:
+                raise self._not_leader()
+            req = _request(msg, BeginFetchesRequest)
+        except HubError as exc:
+            self._send(ident, self._error_bytes(msg.req_id, exc))
+            return
+        who = caller.principal if caller is not None else ADMIN
+        begin = OPS["begin_fetch"].handler
+        plans: list[PlanReply | None] = []
+        errors: list[tuple[str, str] | None] = []
+        manifest: ManifestWire | None = None
+        for r in req.readers:
+            self.num_requests += 1
+            plan: PlanReply | None = None
+            error: HubError | None = None
+            try:
+                with self._timed("begin_fetch"):
+                    if caller is not None:
+                        self._bind(r.session, who.name)
+                    one, refused = self.rights.check(self.state, who, "begin_fetch",
+                                                     BeginFetchRequest(
+                        worker=r.worker, model=req.model, fetch_id=r.fetch_id,
+                        version=req.version, shard=req.shard, fingerprint=req.fingerprint))
+                    result = begin(self.state, r.session, one)
+                    if not isinstance(result, Park):
+                        result = self._after(one, who, caller, result, refused=refused)
+                        assert isinstance(result, PlanReply)
+                        manifest = result.manifest or manifest
+                        plan = msgspec.structs.replace(result, manifest=None)
+            except HubError as exc:
+                error = exc
+            except (ValueError, TypeError, KeyError) as exc:
+                error = BadRequestError(f"begin_fetch: {exc}")
+            except Exception as exc:  # a bug must not take the hub down for everyone
+                log.exception("operation begin_fetch failed")
+                error = HubError(f"internal hub error in begin_fetch: {exc!r}")
+            plans.append(plan)
+            errors.append(None if error is None else (error.code, str(error)[:4096]))
+        try:
+            self._persist()
+        except HubError as exc:
+            self._send(ident, self._error_bytes(msg.req_id, exc))
+            return
+        raw = _NIL if manifest is None else self._manifest_raw(manifest)
+        self._send(ident, self._reply_bytes(msg.req_id, BeginFetchesReply(
+            manifest=raw, plans=plans, errors=errors)))
 
     def _authenticate(self, session: str, payload: bytes, auth: bytes | None) -> Verified | None:
         """Who signed the request (None when authentication is off); binds ``session`` to them.
@@ -823,14 +891,17 @@ class HubServer(Served):
         `fabric.hub.state_fetch`): its msgpack is made once and spliced into each plan
         (`msgspec.Raw`): 1,024 checksums cost about 10 µs to encode, most of the reply's.
         """
-        wire = plan.manifest
-        assert wire is not None
+        assert plan.manifest is not None
+        return msgspec.structs.replace(plan, manifest=self._manifest_raw(plan.manifest))
+
+    def _manifest_raw(self, wire: ManifestWire) -> msgspec.Raw:
+        """The msgpack of a manifest planned, made once per manifest object."""
         kept = self._manifests.get(id(wire))
         if kept is None or kept[0] is not wire:
             if len(self._manifests) >= MANIFESTS_KEPT:
                 self._manifests.pop(next(iter(self._manifests)))
             kept = self._manifests[id(wire)] = (wire, msgspec.Raw(msgspec.msgpack.encode(wire)))
-        return msgspec.structs.replace(plan, manifest=kept[1])
+        return kept[1]
 
     def _error_bytes(self, req_id: int, exc: HubError, *,
                      version: int = PROTOCOL_VERSION) -> bytes:
@@ -872,6 +943,9 @@ class HubServer(Served):
 
 
 _AT = re.compile(r"^(?P<what>.*) - at `\$\.?(?P<path>[^`]*)`$", re.DOTALL)
+
+
+_NIL = msgspec.Raw(msgspec.msgpack.encode(None))
 
 
 def _request(msg: Message, request: type[R]) -> R:

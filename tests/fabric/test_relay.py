@@ -63,6 +63,15 @@ def test_readers_behind_a_relay_fetch_bit_exact_in_batches(hub: HubServer,
     assert relay.stats.refused_batches == 0 and relay.stats.dropped == 0
 
 
+def test_a_nodes_readers_begin_in_one_joined_request_and_fetch_bit_exact(
+        hub: HubServer) -> None:
+    # a window long enough for the 4 readers' begins to meet in one batch
+    with NodeRelay(hub.url, window_s=0.3) as relay:
+        assert _fetch_all(hub.url, relay.url, readers=4) == [True] * 4
+        assert relay.stats.joined >= 2 and relay.stats.joined <= relay.stats.vouched
+    assert relay.stats.alone == 0
+
+
 def test_long_polls_go_through_the_relay_alone(hub: HubServer, relay: NodeRelay) -> None:
     with wf.connect(hub.url, worker="t", timeout=10) as t, \
             wf.connect(relay.url, worker="r", timeout=10, location=NODE) as r:
@@ -85,6 +94,18 @@ def test_a_hub_that_refuses_batches_answers_each_request_alone(
     monkeypatch.setattr(hub, "_batch", refuse)
     assert _fetch_all(hub.url, relay.url, readers=2) == [True] * 2
     assert relay.stats.refused_batches > 0 and relay.stats.alone >= relay.stats.batched
+
+
+def test_a_hub_that_does_not_know_joined_begins_answers_each_alone(
+        hub: HubServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    def unknown(ident, msg, caller, *, vouched):   # as an older hub answers it
+        hub._send(ident, hub._error_bytes(msg.req_id, BadRequestError(
+            "unknown operation 'begin_fetches'; is the client newer than the hub?")))
+
+    monkeypatch.setattr(hub, "_begin_fetches", unknown)
+    with NodeRelay(hub.url, window_s=0.3) as relay:
+        assert _fetch_all(hub.url, relay.url, readers=4) == [True] * 4
+        assert relay.stats.joined >= 2 and relay.stats.alone >= relay.stats.joined
 
 
 def test_bad_relay_settings_are_refused_before_it_serves(hub: HubServer) -> None:

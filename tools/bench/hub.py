@@ -36,13 +36,16 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import zmq
 
 from weightfabric.tools.command import EXIT_OK, BadInput, Console, add_command
 from weightfabric.tools.hub_cmd import budget_arg, rate_arg
+
+if TYPE_CHECKING:
+    from weightfabric.fabric.node_begins import Item
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -372,7 +375,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
     env = {**os.environ, SECRET_FILE_ENV: str(secret)}
     children: list[subprocess.Popen] = []
     publisher = None
-    sampler = None
+    sampler = readers_sampler = None
     try:
         hub = _spawn(["_hub_main", json.dumps({"lease_s": lease_s, "secret_file": str(secret),
                                                "profile": profile, "cpus": hub_cpus,
@@ -407,6 +410,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
             ready = json.loads(_line(p, deadline, tmp / f"readers-{k}.log"))
             if ready.get("registered") != ready.get("count"):
                 raise RuntimeError(f"reader process {k} registered {ready}")
+        readers_sampler = _CpuSampler(*(p.pid for p in sims))
         for p in sims:
             _say(p, "go")
         base_t0, base_c0 = time.time(), sampler.cpu()
@@ -426,7 +430,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
         version = publisher.begin_publish(BROADCAST_MODEL, manifest)
         p1 = time.perf_counter()
         publisher.commit(BROADCAST_MODEL, version)
-        p2 = time.perf_counter()
+        p2, t_commit = time.perf_counter(), time.time()
         if not sync:
             for p in sims:
                 _say(p, {"version": version})
@@ -436,6 +440,9 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
         r_cpu = sum(_cpu_of(p.pid) for p in sims) - r_start   # a little past t_end
         time.sleep(0.05)  # the sampler reads past t_end
         c_end = sampler.cpu_at(t_end)
+        burst = {"hub": round(sampler.cpu_at(t_commit + 1) - sampler.cpu_at(t_commit), 3),
+                 "readers": round(readers_sampler.cpu_at(t_commit + 1)
+                                  - readers_sampler.cpu_at(t_commit), 3)}
         threads = {k: v - threads_start.get(k, 0.0) for k, v in _threads_cpu(hub.pid).items()}
         window = max(t_end - t_start, 1e-9)
         hub_cpu = c_end - c_start
@@ -470,6 +477,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
             "hub_cpu_s_per_version_net": round(hub_cpu - baseline * window, 3),
             "hub_cpu_util": round(hub_cpu / window, 3),
             "hub_cpu_s_by_thread": {k: round(v, 3) for k, v in sorted(threads.items())},
+            "first_second_cpu_s": burst,
             "readers_cpu_util": round(r_cpu / window / len(reader_cpus), 3),
             "ops_per_s": round(ops / window, 1), "ops_in_version": ops,
             "latency_ms": lat,
@@ -487,6 +495,7 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
             "timeouts": sum(r["timeouts"] for r in results),
             "relay_batches": sum(r["batches"] for r in results),
             "relay_batched": sum(r["batched"] for r in results),
+            "relay_joined": sum(r["joined"] for r in results),
             "relay_batch_sizes": dict(sorted(sum((Counter({int(k): n for k, n in
                                                            r["batch_sizes"].items()})
                                                   for r in results), Counter()).items())),
@@ -507,8 +516,9 @@ def bench_broadcast(readers: int, *, fetch_seconds: float = 4.0, chunks: int = 1
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if sampler is not None:
-            sampler.stop()
+        for cpus_of in (sampler, readers_sampler):
+            if cpus_of is not None:
+                cpus_of.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -570,17 +580,17 @@ def _stat_cpu(path: str) -> float:
 
 
 class _CpuSampler:
-    """The CPU seconds a process used, sampled every 10 ms on a thread (`cpu_at` any time)."""
+    """The CPU seconds processes used, sampled every 10 ms on a thread (`cpu_at` any time)."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    def __init__(self, *pids: int) -> None:
+        self.pids = pids
         self.samples: list[tuple[float, float]] = [(time.time(), self.cpu())]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def cpu(self) -> float:
-        return _cpu_of(self.pid)
+        return sum(_cpu_of(pid) for pid in self.pids)
 
     def _run(self) -> None:
         while not self._stop.wait(0.01):
@@ -613,6 +623,15 @@ def _hist_pct(h: Counter[int], q: float) -> float:
         if seen >= q * total:
             return round(math.exp((b + 0.5) * _LAT_BASE) / 1e3, 3)
     return float("nan")
+
+
+class _PlanBudget(msgspec.Struct):
+    """The one field of a plan a simulated reader reads (a plan's manifest is not parsed)."""
+
+    max_reports: int | None = None
+
+
+_plan_budget = msgspec.msgpack.Decoder(_PlanBudget)
 
 
 def _hub_main() -> None:
@@ -703,11 +722,11 @@ class _Readers:
         self.node_socks: list[zmq.Socket] = []
         self.node_by_fd: dict[int, int] = {}
         self.held: dict[int, list[tuple[int, bytes, bytes]]] = {}
-        self.in_batch: dict[int, tuple[bytes, int, list[tuple[int, bytes]]]] = {}
+        self.in_batch: dict[int, tuple[bytes, int, list[tuple[int, bytes]], list[Item]]] = {}
         self.first_held: dict[int, float] = {}     # node -> when its first held came
         self.node_busy: dict[int, tuple[int, float]] = {}  # node -> its batch on its way
         self.check_nodes: set[int] = set()
-        self.batches = self.batched = 0
+        self.batches = self.batched = self.joined = 0
         self.batch_sizes: Counter[int] = Counter()
         self.batch_ids = 0
         if self.relay:
@@ -808,6 +827,7 @@ class _Readers:
         batch is answered or older than `fabric.relay.AWAIT_S` (then a timer comes back).
         """
         from weightfabric.fabric.hub_messages import BatchRequest
+        from weightfabric.fabric.node_begins import join
         from weightfabric.fabric.protocol import REQUEST, encode
         from weightfabric.fabric.relay import AWAIT_S
 
@@ -822,11 +842,14 @@ class _Readers:
             return
         held = self.held.pop(j)
         self.batch_ids += 1
-        data = encode(REQUEST, self.batch_ids, f"relay-{self.first}-{j}", "batch",
-                      BatchRequest(items=[(p, b"") for _, p, _ in held]))
+        session = f"relay-{self.first}-{j}"
+        joined = join([p for _, p, _ in held], [True] * len(held), session)
+        data = encode(REQUEST, self.batch_ids, session, "batch",
+                      BatchRequest(items=[(it.payload, b"") for it in joined]))
         frame, mac = self.cred.sign(data)
         self.node_socks[j].send_multipart([data, frame])
-        self.in_batch[self.batch_ids] = (mac, j, [(i, m) for i, _, m in held])
+        self.in_batch[self.batch_ids] = (mac, j, [(i, m) for i, _, m in held], joined)
+        self.joined += sum(len(it.members) for it in joined if it.req_ids)
         self.node_busy[j] = (self.batch_ids, now)
         self.batches += 1
         self.batched += len(held)
@@ -898,10 +921,11 @@ class _Readers:
     def take_batch(self, raw: bytes, frame: bytes) -> None:
         """A batch's answers, each to its reader (a refused batch: its readers retry)."""
         from weightfabric.fabric.hub_messages import BatchReply
+        from weightfabric.fabric.node_begins import split
         from weightfabric.fabric.protocol import decode, decode_body
 
         msg = decode(raw)
-        mac, j, members = self.in_batch.pop(msg.req_id, (b"", -1, []))
+        mac, j, members, joined = self.in_batch.pop(msg.req_id, (b"", -1, [], []))
         if not members:
             return
         if self.node_busy.get(j, (0,))[0] == msg.req_id:
@@ -915,9 +939,14 @@ class _Readers:
             return
         from weightfabric.fabric.auth import reply_mac
 
-        for (i, vouched), (data, _) in zip(members, decode_body(msg, BatchReply).items,
-                                            strict=True):
-            self.take(i, data, reply_mac(self.cred.key, vouched, data))   # as the relay
+        for item, (data, _) in zip(joined, decode_body(msg, BatchReply).items, strict=True):
+            answers = split(data, item.req_ids) if item.req_ids else [data]
+            for m, answer in zip(item.members, answers, strict=True):
+                i, vouched = members[m]
+                if answer is None:    # a real relay sends it alone
+                    self.errors["begin_fetch: left out of its node's joined begins"] += 1
+                    continue
+                self.take(i, answer, reply_mac(self.cred.key, vouched, answer))  # as the relay
 
     def take(self, i: int, raw: bytes, frame: bytes) -> None:
         """Reader ``i``'s answer ``raw`` (its auth ``frame``): checked, timed, acted on."""
@@ -1051,7 +1080,7 @@ class _Readers:
             if not ok:
                 self.done[i] = True
                 return
-            asked = msgspec.msgpack.decode(msg.body).get("max_reports")   # the hub's budget
+            asked = _plan_budget.decode(msg.body).max_reports   # the hub's budget
             limits = [k for k in (self.max_reports, asked) if k is not None]
             self.most[i] = min(limits) if limits else None
             self.t0[i] = self.last[i] = time.monotonic()
@@ -1127,6 +1156,7 @@ class _Readers:
                 "completed": self.completed, "last_complete": self.last_complete,
                 "reports": self.sent, "resends": self.resends, "timeouts": self.timeouts,
                 "lease_s": max(self.lease), "batches": self.batches, "batched": self.batched,
+                "joined": self.joined,
                 "batch_sizes": self.batch_sizes}
 
     def close(self) -> None:

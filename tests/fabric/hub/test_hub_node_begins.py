@@ -1,0 +1,164 @@
+"""A node's fresh begins joined into one request (`fabric.node_begins`), and the hub's answer.
+
+`join` keeps what may not join as it is; the hub begins each joined reader's fetch as
+alone (its session, its rights, its capabilities), answers the manifest once, and `split`
+rebuilds each reader's answer as the hub would have sent it alone; what the hub leaves
+out, or refuses whole, goes back to be sent alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from hub_helpers import small_manifest
+
+import weightfabric as wf
+from weightfabric.fabric.auth import CapabilityCheck, load_credential, scope_of, serving_key
+from weightfabric.fabric.hub_messages import (
+    BatchReply,
+    BatchRequest,
+    BeginFetchesRequest,
+    NodeReader,
+    PlanReply,
+)
+from weightfabric.fabric.node_begins import join, split
+from weightfabric.fabric.protocol import ERROR, REPLY, REQUEST, decode, decode_body, encode
+from weightfabric.fabric.zmq_util import hub_socket
+
+NODE = {"datacenter": "dc0", "node": "n0"}
+_ids = itertools.count(1)
+
+
+def _begin(worker: str, **args: Any) -> bytes:
+    return encode(REQUEST, next(_ids), f"s-{worker}", "begin_fetch",
+                  {"worker": worker, "model": "m", "fetch_id": f"{worker}/f", **args})
+
+
+# ------------------------------------------------------------------------ join
+def test_join_takes_the_vouched_fresh_begins_of_one_shard_together_in_order() -> None:
+    ping = encode(REQUEST, next(_ids), "s-a", "ping", {})
+    a, b, c = _begin("a"), _begin("b"), _begin("c")
+    signed = _begin("d")                       # not vouched: it keeps its signature
+    grouped = _begin("e", group="g", group_size=2)
+    resumed = _begin("f", have=[0])
+    other_shard = _begin("g", shard=1)
+    payloads = [ping, a, signed, b, grouped, resumed, other_shard, c]
+    vouched = [True, True, False, True, True, True, True, True]
+    items = join(payloads, vouched, "relay")
+    assert [it.members for it in items] == [[0], [1, 3, 7], [2], [4], [5], [6]]
+    assert [it.payload for i, it in enumerate(items) if i != 1] == [
+        ping, signed, grouped, resumed, other_shard]
+    joined = decode(items[1].payload)
+    assert (joined.kind, joined.tag, joined.name) == (REQUEST, "relay", "begin_fetches")
+    req = decode_body(joined, BeginFetchesRequest)
+    assert [r.worker for r in req.readers] == ["a", "b", "c"]
+    assert [r.session for r in req.readers] == ["s-a", "s-b", "s-c"]
+    assert items[1].req_ids == [decode(p).req_id for p in (a, b, c)]
+    alone = join([a, ping], [True, True], "relay")      # one begin alone is not joined
+    assert [(it.payload, it.req_ids) for it in alone] == [(a, []), (ping, [])]
+
+
+def test_split_of_a_refusal_or_garbage_sends_each_alone() -> None:
+    refused = encode(ERROR, 0, "epoch", "bad_request", {"message": "unknown operation"})
+    assert split(refused, [1, 2]) == [None, None]
+    assert split(b"\x00garbage", [1]) == [None]
+
+
+# ------------------------------------------------------------------ at the hub
+@pytest.fixture
+def served() -> Iterator[tuple[wf.HubServer, zmq.Socket, Any]]:
+    server = wf.serve("tcp://127.0.0.1:0")
+    cred = load_credential()
+    sock = hub_socket(server.url, max_message_size=1 << 24, hub_key=None)
+    workers = []
+    try:
+        t = wf.connect(server.url, worker="t", heartbeat=False, timeout=5,
+                       location={"datacenter": "dc0", "node": "trainer"})
+        workers.append(t)
+        v = t.begin_publish("m", small_manifest(8))
+        t.commit("m", v)
+        _batch(sock, cred, [(encode(REQUEST, next(_ids), f"s-{w}", "register",
+                                    {"worker": w, "location": NODE}), b"") for w in "abcd"])
+        yield server, sock, cred
+    finally:
+        for w in workers:
+            w.close()
+        sock.close(0)
+        server.stop()
+
+
+def _batch(sock: zmq.Socket, cred: Any, items: list[tuple[bytes, bytes]]) -> list[bytes]:
+    data = encode(REQUEST, next(_ids), "relay", "batch", BatchRequest(items=items))
+    auth, mac = cred.sign(data)
+    sock.send_multipart([data, auth])
+    assert sock.poll(5000), "no answer to the batch"
+    raw, sig = sock.recv_multipart()
+    assert cred.check_reply(sig, mac, raw)
+    return [data for data, _ in decode_body(decode(raw), BatchReply).items]
+
+
+def test_joined_begins_are_answered_as_each_would_be_alone(served) -> None:
+    server, sock, cred = served
+    payloads = [_begin("a"), _begin("b"), _begin("zz")]     # zz never registered
+    item, = join(payloads, [True] * 3, "relay")
+    answer, = _batch(sock, cred, [(item.payload, b"")])
+    a, b, c = split(answer, item.req_ids)
+    assert a is not None and b is not None and c is not None
+    plans = [decode_body(decode(x), PlanReply) for x in (a, b)]
+    assert [decode(x).req_id for x in (a, b, c)] == item.req_ids
+    assert [p.fetch_id for p in plans] == ["a/f", "b/f"]
+    assert plans[0].ranges[0].wait == [] and plans[1].ranges[0].wait == ["a"]
+    assert all(p.manifest is not None and len(p.manifest.checksums) == 8 for p in plans)
+    assert (decode(c).kind, decode(c).name) == (ERROR, "unknown_worker")
+    # each reader's capabilities name it, signed for the holders it reads
+    check = CapabilityCheck(serving_key(cred.key))
+    for p, reader in zip(plans, "ab", strict=True):
+        for src in p.workers.values():
+            assert check.reader(src.cap, scope_of("m", 1) + "0") == reader
+    # the hub's records: each a partial replica, its session bound to the signer
+    assert {f.worker for f in server.state.fetches.values()} == {"a", "b"}
+    assert server._sessions["s-b"] == cred.principal.name
+    # a retry of a joined reader's begin, alone: its fetch resumes
+    again, = _batch(sock, cred, [(payloads[1], cred.sign(payloads[1])[0])])
+    assert decode_body(decode(again), PlanReply).fetch_id == "b/f"
+    assert len(server.state.fetches) == 2
+
+
+def test_joined_begins_come_vouched_in_a_batch_or_not_at_all(served) -> None:
+    server, sock, cred = served
+    joined = encode(REQUEST, next(_ids), "relay", "begin_fetches", BeginFetchesRequest(
+        model="m", readers=[NodeReader("a", "s-a", "a/f"), NodeReader("b", "s-b", "b/f")]))
+    signed, = _batch(sock, cred, [(joined, cred.sign(joined)[0])])   # not vouched
+    assert (decode(signed).kind, decode(signed).name) == (ERROR, "bad_request")
+    assert split(signed, [1, 2]) == [None, None]       # the relay sends each alone
+    with (wf.connect(server.url, worker="x", heartbeat=False, timeout=5) as x,
+          pytest.raises(wf.HubError)):
+        x.call("begin_fetches", {"model": "m", "readers": [["x", "s", "f"]]})
+    assert not server.state.fetches
+
+
+def test_a_reader_left_out_is_sent_alone_by_the_relay(served, monkeypatch) -> None:
+    from weightfabric.fabric.hub import ops
+    from weightfabric.fabric.hub.ops import Park
+
+    server, sock, cred = served
+    begin = ops.OPS["begin_fetch"]
+    waits = {"b"}
+
+    def waiting(state: Any, session: str, req: Any) -> Any:   # as a planned reader's wait
+        reply = begin.handler(state, session, req)
+        return (Park(check=lambda: None, timeout=1.0, on_timeout=lambda: reply)
+                if req.worker in waits else reply)
+
+    monkeypatch.setitem(ops.OPS, "begin_fetch", dataclasses.replace(begin, handler=waiting))
+    item, = join([_begin("a"), _begin("b")], [True, True], "relay")
+    answer, = _batch(sock, cred, [(item.payload, b"")])
+    a, b = split(answer, item.req_ids)
+    assert a is not None and decode(a).kind == REPLY and b is None
+    assert msgspec.msgpack.decode(decode(answer).body)["plans"][1] is None
