@@ -8,7 +8,8 @@ answer at once (`fabric.hub_messages.BATCHABLE`: heartbeats, plans, reports, com
 to the hub as one ``batch`` message per few milliseconds, and hands each answer back. The
 hub answers a batch's requests as if each came alone and plans the node's readers of a
 version together: the first routed, the others waiting on it (`fabric.hub.node_plans`), so
-a node's chunks cross the network once.
+a node's chunks cross the network once. The fresh begins of one shard in a batch go as one
+request, answered with the manifest once (`fabric.node_begins`).
 
 The relay is trusted with no more than the credential it holds. A request signed with
 another credential keeps its worker's signature, and its answer the hub's signature for

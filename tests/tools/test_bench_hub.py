@@ -61,6 +61,8 @@ def test_readers_behind_simulated_relays_reach_the_hub_in_batches(capsys):
     assert sum(k * n for k, n in sizes.items()) == out["relay_batched"] > 0
     assert max(sizes) > 1                  # a node's requests went together
     assert max(sizes) <= bench.NODE_SIZE * 4   # one node's readers, a few requests each
+    assert 2 <= out["relay_joined"] <= 24      # readers of a node that began together
+    assert set(out["first_second_cpu_s"]) == {"hub", "readers"}
     threads = out["hub_cpu_s_by_thread"]           # the hub's CPU, by thread
     assert "main" in threads and "ZMQbg/IO" in threads
     assert sum(threads.values()) == pytest.approx(out["hub_cpu_s_per_version"], abs=0.5)
@@ -85,5 +87,6 @@ def test_the_broadcast_table_says_the_hub_s_cost(capsys):
         assert main(["bench", "hub", "--broadcast", "8", "--fetch-seconds", "0.2",
                      "--lease", "3", "--settle", "0.5", "--relay"]) == 0
     out = capsys.readouterr().out
-    for row in ("hub CPU per version", "hub CPU by thread", "--settle", "begin_fetch p50"):
+    for row in ("hub CPU per version", "hub CPU by thread", "--settle", "begin_fetch p50",
+                "begins joined", "second after the commit"):
         assert row in out, out
