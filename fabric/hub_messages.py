@@ -623,7 +623,6 @@ class BatchRequest(Request, frozen=True, kw_only=True):
     items: list[tuple[bytes, bytes]]
 
 
-
 class NodeReader(msgspec.Struct, frozen=True, array_like=True):
     """One reader of a `BeginFetchesRequest`: its worker, session and fetch id."""
 
@@ -653,14 +652,16 @@ class BeginFetchesReply(Reply, frozen=True, kw_only=True):
     """A `BeginFetchesRequest`'s answers, one per reader, in order.
 
     ``plans[i]``: reader i's plan, its manifest left off (``manifest``, sent once, is
-    every plan's: its msgpack, spliced into each as the hub would have); else ``errors[i]``: the ``(code, message)`` of the error it would have
-    got alone; neither: the reader's request must go alone (e.g. a planned reader that
-    waits for its upstreams).
+    every plan's: its msgpack, spliced into each as the hub would have); else
+    ``errors[i]``: the ``(code, message)`` of the error it would have got alone; neither:
+    the reader's request must go alone (e.g. a planned reader that waits for its
+    upstreams).
     """
 
     manifest: msgspec.Raw
     plans: list[PlanReply | None]
     errors: list[tuple[str, str] | None]
+
 
 ReplyType = type[Reply] | type[StatusReply]
 _PAIRS: tuple[tuple[type[Request], ReplyType], ...] = (
@@ -721,7 +722,8 @@ __all__ = [
     "GroupStatusRequest", "HeartbeatReply", "HeartbeatRequest", "Holder", "Holding",
     "HoldingState", "KvGetReply", "KvGetRequest", "KvPutReply", "KvPutRequest",
     "LatestRequest", "LocateReply", "LocateRequest", "LocateShard", "LocationWire",
-    "ManifestWire", "NodeReader", "PinRequest", "PingReply", "PingRequest", "PlanRangeWire", "PlanReply",
+    "ManifestWire", "NodeReader", "PinRequest", "PingReply", "PingRequest", "PlanRangeWire",
+    "PlanReply",
     "PlanRequest", "PlanSource", "PolicyReply", "ProgressReply", "PublishStateReply",
     "RegisterReply", "RegisterRequest", "ReleaseRequest", "Reply", "ReportCorruptReply",
     "ReportCorruptRequest", "ReportProgressRequest",

@@ -3,8 +3,8 @@
 When a version commits, each node's readers ask for it at about the same moment, so a node
 relay's batch carries several ``begin_fetch`` requests for the same shard. Alone, each is
 decoded, checked, run, answered (its plan carrying the manifest, one checksum per chunk)
-and kept for retries by the hub, and about half of what a reader's begin costs the hub is
-that envelope, not the fetch. A relay joins those it vouches for (signed with its own
+and kept for retries by the hub: about a third of what a reader's begin in a batch costs
+the hub is that, not the fetch. A relay joins those it vouches for (signed with its own
 credential, `fabric.relay`) into one ``begin_fetches`` request (`join`); the hub begins each
 reader's fetch as alone and answers them together, the manifest once
 (`fabric.hub.server`); the relay builds each reader's answer (`split`) as the hub would
