@@ -3,13 +3,16 @@
 `join` keeps what may not join as it is; the hub begins each joined reader's fetch as
 alone (its session, its rights, its capabilities), answers the manifest once, and `split`
 rebuilds each reader's answer as the hub would have sent it alone; what the hub leaves
-out, or refuses whole, goes back to be sent alone.
+out, or refuses whole, goes back to be sent alone. Joined or alone, the same begins leave
+the hub in the same state and the readers with the same plans (property test).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +20,8 @@ import msgspec
 import pytest
 import zmq
 from hub_helpers import small_manifest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import weightfabric as wf
 from weightfabric.fabric.auth import CapabilityCheck, load_credential, scope_of, serving_key
@@ -27,7 +32,7 @@ from weightfabric.fabric.hub_messages import (
     NodeReader,
     PlanReply,
 )
-from weightfabric.fabric.node_begins import join, split
+from weightfabric.fabric.node_begins import Item, join, split
 from weightfabric.fabric.protocol import ERROR, REPLY, REQUEST, decode, decode_body, encode
 from weightfabric.fabric.zmq_util import hub_socket
 
@@ -71,26 +76,30 @@ def test_split_of_a_refusal_or_garbage_sends_each_alone() -> None:
 
 
 # ------------------------------------------------------------------ at the hub
-@pytest.fixture
-def served() -> Iterator[tuple[wf.HubServer, zmq.Socket, Any]]:
+@contextlib.contextmanager
+def _hub(readers: dict[str, str]) -> Iterator[tuple[wf.HubServer, zmq.Socket, Any]]:
+    """A hub with version 1 of "m" committed and ``readers`` (worker -> node) registered."""
     server = wf.serve("tcp://127.0.0.1:0")
     cred = load_credential()
     sock = hub_socket(server.url, max_message_size=1 << 24, hub_key=None)
-    workers = []
     try:
-        t = wf.connect(server.url, worker="t", heartbeat=False, timeout=5,
-                       location={"datacenter": "dc0", "node": "trainer"})
-        workers.append(t)
-        v = t.begin_publish("m", small_manifest(8))
-        t.commit("m", v)
-        _batch(sock, cred, [(encode(REQUEST, next(_ids), f"s-{w}", "register",
-                                    {"worker": w, "location": NODE}), b"") for w in "abcd"])
-        yield server, sock, cred
+        with wf.connect(server.url, worker="t", heartbeat=False, timeout=5,
+                        location={"datacenter": "dc0", "node": "trainer"}) as t:
+            v = t.begin_publish("m", small_manifest(8))
+            t.commit("m", v)
+            _batch(sock, cred, [(encode(REQUEST, next(_ids), f"s-{w}", "register", {
+                "worker": w, "location": {"datacenter": "dc0", "node": node}}), b"")
+                for w, node in readers.items()])
+            yield server, sock, cred
     finally:
-        for w in workers:
-            w.close()
         sock.close(0)
         server.stop()
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[wf.HubServer, zmq.Socket, Any]]:
+    with _hub({w: "n0" for w in "abcd"}) as hub:
+        yield hub
 
 
 def _batch(sock: zmq.Socket, cred: Any, items: list[tuple[bytes, bytes]]) -> list[bytes]:
@@ -162,3 +171,42 @@ def test_a_reader_left_out_is_sent_alone_by_the_relay(served, monkeypatch) -> No
     a, b = split(answer, item.req_ids)
     assert a is not None and decode(a).kind == REPLY and b is None
     assert msgspec.msgpack.decode(decode(answer).body)["plans"][1] is None
+
+
+def _seen(answer: bytes | None) -> tuple[Any, ...]:
+    """What a reader learns from an answer, less what two hubs differ in (epoch, expiries)."""
+    assert answer is not None
+    msg = decode(answer)
+    if msg.kind != REPLY:
+        return msg.kind, msg.name
+    plan = decode_body(msg, PlanReply)
+    return (msg.req_id, plan.fetch_id, plan.ranges, sorted(plan.workers), plan.manifest,
+            plan.max_reports)
+
+
+@settings(max_examples=12, deadline=None)
+@given(per_node=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+       gone=st.sets(st.integers(0, 19), max_size=3), seed=st.integers(0, 2**16))
+def test_joined_begins_leave_the_hub_as_the_same_begins_alone(
+        per_node: list[int], gone: set[int], seed: int) -> None:
+    readers = {f"r{n}.{k}": f"n{n}" for n, count in enumerate(per_node) for k in range(count)}
+    order = list(readers)
+    random.Random(seed).shuffle(order)
+    payloads = [_begin(w) for w in order]
+    registered = {w: node for i, (w, node) in enumerate(readers.items()) if i not in gone}
+    seen, held = [], []
+    for joined in (True, False):
+        with _hub(registered) as (server, sock, cred):
+            items = (join(payloads, [True] * len(payloads), "relay") if joined
+                     else [Item(p, [i], []) for i, p in enumerate(payloads)])
+            answers = _batch(sock, cred, [(it.payload, b"") for it in items])
+            out: list[bytes | None] = [None] * len(payloads)
+            for it, data in zip(items, answers, strict=True):
+                got = split(data, it.req_ids) if it.req_ids else [data]
+                for m, answer in zip(it.members, got, strict=True):
+                    out[m] = answer
+            seen.append([_seen(a) for a in out])
+            held.append({f.fetch_id: (f.worker, sorted(f.sources))
+                         for f in server.state.fetches.values()})
+    assert seen[0] == seen[1] and held[0] == held[1]
+    assert len(held[0]) == len(registered)
