@@ -6,8 +6,10 @@ the hub's host, `fabric hub relay --hub URL` on each rollout node), a trainer th
 publishes straight to the hub, and four rollouts of one node that connect to the relay
 instead. Their heartbeats, plans and completions reach the hub in batches; the hub
 plans the node's readers of a version together (the first from the trainer, the others
-waiting on it). Each request and answer stays signed end to end: the relay only
-carries them. Authenticated with the deployment secret (`fabric hub serve` creates it).
+waiting on it). Authenticated with the deployment secret (`fabric hub serve` creates
+it), which the relay and the rollouts share: the relay checks each rollout's signature
+and vouches for its request (the hub checks one signature per batch, the relay signs
+the answers), and the node's begins of a version go as one request.
 """
 
 import concurrent.futures
@@ -50,8 +52,9 @@ def main() -> None:
             for r in rollouts:
                 r.close()
         s = relay.stats
-        print(f"relay: {s.batched} requests in {s.batches} batches, {s.alone} alone; "
-              f"the hub answered {hub.num_batches} batches")
+        print(f"relay: {s.batched} requests in {s.batches} batches ({s.vouched} vouched for, "
+              f"{s.joined} begins joined), {s.alone} alone; the hub answered "
+              f"{hub.num_batches} batches")
 
 
 if __name__ == "__main__":
