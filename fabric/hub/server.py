@@ -604,8 +604,8 @@ class HubServer(Served):
         plans: list[PlanReply | None] = []
         errors: list[tuple[str, str] | None] = []
         manifest: ManifestWire | None = None
+        self.num_requests += len(req.readers) - 1     # the batch counted one request
         for r in req.readers:
-            self.num_requests += 1
             plan: PlanReply | None = None
             error: HubError | None = None
             try:

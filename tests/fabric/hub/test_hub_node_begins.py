@@ -116,7 +116,9 @@ def test_joined_begins_are_answered_as_each_would_be_alone(served) -> None:
     server, sock, cred = served
     payloads = [_begin("a"), _begin("b"), _begin("zz")]     # zz never registered
     item, = join(payloads, [True] * 3, "relay")
+    before = server.num_requests
     answer, = _batch(sock, cred, [(item.payload, b"")])
+    assert server.num_requests == before + 1 + 3     # the batch and its 3 readers' begins
     a, b, c = split(answer, item.req_ids)
     assert a is not None and b is not None and c is not None
     plans = [decode_body(decode(x), PlanReply) for x in (a, b)]
