@@ -1,13 +1,21 @@
-"""Helpers shared by the hub tests: a fake clock, small manifests, subprocess cleanup."""
+"""Helpers shared by the hub tests: fake clock, manifests, cleanup, a hub fed raw batches."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import zmq
+
+import weightfabric as wf
+from weightfabric.fabric.auth import load_credential
+from weightfabric.fabric.hub_messages import BatchRequest
 from weightfabric.fabric.manifest import Manifest, TensorSpec
+from weightfabric.fabric.protocol import REQUEST, decode, encode
+from weightfabric.fabric.zmq_util import hub_socket
 
 
 class FakeClock:
@@ -90,3 +98,39 @@ def capture_replies(server: Any, keep: Callable[[Any, bytes], None]) -> None:
                 keep(decode(raw), raw)
 
     server._sock = Sock()
+
+
+_batch_ids = itertools.count(1)
+
+
+@contextlib.contextmanager
+def hub_with_version() -> Iterator[tuple[wf.HubServer, zmq.Socket, Any]]:
+    """``(server, sock, cred)``: an authenticated hub, v1 of "m" committed, a socket to it.
+
+    Version 1 (8 chunks) is committed by worker "t"; ``cred`` is the tests' credential.
+    """
+    server = wf.serve("tcp://127.0.0.1:0")
+    cred = load_credential()
+    sock = hub_socket(server.url, max_message_size=1 << 24, hub_key=None)
+    try:
+        with wf.connect(server.url, worker="t", heartbeat=False, timeout=5,
+                        location={"datacenter": "dc0", "node": "trainer"}) as t:
+            v = t.begin_publish("m", small_manifest(8))
+            t.commit("m", v)
+            yield server, sock, cred
+    finally:
+        sock.close(0)
+        server.stop()
+
+
+def send_batch(sock: zmq.Socket, cred: Any, items: list[tuple[bytes, bytes]],
+               *, signed: bool = True) -> Any:
+    """The hub's answer (a `Message`) to ``items`` sent as a relay's batch, its MAC checked."""
+    data = encode(REQUEST, next(_batch_ids), "relay", "batch", BatchRequest(items=items))
+    auth, mac = cred.sign(data)
+    sock.send_multipart([data, auth] if signed else [data])
+    assert sock.poll(5000), "no answer to the batch"
+    raw, sig = sock.recv_multipart()
+    if signed:
+        assert cred.check_reply(sig, mac, raw)
+    return decode(raw)

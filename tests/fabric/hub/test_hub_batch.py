@@ -15,16 +15,14 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from hub_helpers import small_manifest
+from hub_helpers import hub_with_version, send_batch, small_manifest
 
 import weightfabric as wf
-from weightfabric.fabric.auth import load_credential
 from weightfabric.fabric.hub import server as server_module
 from weightfabric.fabric.hub.state import HubState
-from weightfabric.fabric.hub_messages import BatchReply, BatchRequest
+from weightfabric.fabric.hub_messages import BatchReply
 from weightfabric.fabric.locality import Location
 from weightfabric.fabric.protocol import ERROR, REPLY, REQUEST, decode, decode_body, encode
-from weightfabric.fabric.zmq_util import hub_socket
 
 NODE = {"datacenter": "dc0", "node": "n0"}
 
@@ -114,18 +112,8 @@ _ids = itertools.count(1)
 
 @pytest.fixture
 def served() -> Iterator[tuple[wf.HubServer, zmq.Socket, Any]]:
-    server = wf.serve("tcp://127.0.0.1:0")
-    cred = load_credential()
-    sock = hub_socket(server.url, max_message_size=1 << 24, hub_key=None)
-    try:
-        with wf.connect(server.url, worker="t", heartbeat=False, timeout=5,
-                        location={"datacenter": "dc0", "node": "trainer"}) as t:
-            v = t.begin_publish("m", small_manifest(8))
-            t.commit("m", v)
-            yield server, sock, cred
-    finally:
-        sock.close(0)
-        server.stop()
+    with hub_with_version() as hub:
+        yield hub
 
 
 def _item(cred: Any, worker: str, op: str, args: dict[str, Any]) -> tuple[bytes, bytes, bytes]:
@@ -134,23 +122,10 @@ def _item(cred: Any, worker: str, op: str, args: dict[str, Any]) -> tuple[bytes,
     return payload, auth, mac
 
 
-def _batch(sock: zmq.Socket, cred: Any, items: list[tuple[bytes, bytes]],
-           *, signed: bool = True) -> Any:
-    data = encode(REQUEST, next(_ids), "relay", "batch", BatchRequest(items=items))
-    auth, mac = cred.sign(data)
-    sock.send_multipart([data, auth] if signed else [data])
-    assert sock.poll(5000), "no answer to the batch"
-    raw, sig = sock.recv_multipart()
-    msg = decode(raw)
-    if signed:
-        assert cred.check_reply(sig, mac, raw)
-    return msg
-
-
 def test_a_batch_is_answered_in_order_each_answer_signed_for_its_request(served) -> None:
     server, sock, cred = served
     reg = [_item(cred, w, "register", {"worker": w, "location": NODE}) for w in ("a", "b")]
-    msg = _batch(sock, cred, [(p, a) for p, a, _ in reg])
+    msg = send_batch(sock, cred, [(p, a) for p, a, _ in reg])
     assert msg.kind == REPLY
     answers = decode_body(msg, BatchReply).items
     assert len(answers) == 2
@@ -158,14 +133,14 @@ def test_a_batch_is_answered_in_order_each_answer_signed_for_its_request(served)
         assert decode(data).kind == REPLY and cred.check_reply(sig, mac, data)
     begins = [_item(cred, w, "begin_fetch", {"worker": w, "model": "m", "fetch_id": f"{w}/f"})
               for w in ("a", "b")]
-    answers = decode_body(_batch(sock, cred, [(p, a) for p, a, _ in begins]), BatchReply).items
+    answers = decode_body(send_batch(sock, cred, [(p, a) for p, a, _ in begins]), BatchReply).items
     plans = [msgspec.msgpack.decode(decode(data).body) for data, _ in answers]
     assert plans[0]["ranges"][0]["wait"] == [] and plans[1]["ranges"][0]["wait"] == ["a"]
     assert all(plan["workers"]["t"]["cap"] for plan in plans)      # capabilities each
     # a retry of an answered request (signed again, as clients do), in a later batch: the
     # same answer, from the cache; the very same signature again is a replay
     retry = (begins[1][0], cred.sign(begins[1][0])[0])
-    again = decode_body(_batch(sock, cred, [retry, begins[1][:2]]), BatchReply).items
+    again = decode_body(send_batch(sock, cred, [retry, begins[1][:2]]), BatchReply).items
     assert again[0][0] == answers[1][0]
     assert (decode(again[1][0]).kind, decode(again[1][0]).name) == (ERROR, "unauthenticated")
     assert server.num_batches == 3
@@ -178,7 +153,7 @@ def test_what_may_not_ride_in_a_batch_is_refused_and_the_rest_answered(served) -
     nested = _item(cred, "a", "batch", {"items": []})
     forged = (ping[0].replace(b"ping", b"pong"), ping[1])
     items = [wait[:2], nested[:2], forged, ping[:2], (b"\x00garbage", b"")]
-    answers = decode_body(_batch(sock, cred, items), BatchReply).items
+    answers = decode_body(send_batch(sock, cred, items), BatchReply).items
     kinds = [(decode(data).kind, decode(data).name) for data, _ in answers]
     assert kinds[0] == (ERROR, "bad_request") and kinds[1] == (ERROR, "bad_request")
     assert kinds[2] == (ERROR, "unauthenticated")
@@ -189,10 +164,10 @@ def test_what_may_not_ride_in_a_batch_is_refused_and_the_rest_answered(served) -
 def test_an_unsigned_or_oversized_batch_is_refused(served, monkeypatch) -> None:
     server, sock, cred = served
     ping = _item(cred, "a", "ping", {})
-    msg = _batch(sock, cred, [ping[:2]], signed=False)
+    msg = send_batch(sock, cred, [ping[:2]], signed=False)
     assert (msg.kind, msg.name) == (ERROR, "unauthenticated")
     monkeypatch.setattr(server_module, "MAX_BATCH", 2)
-    msg = _batch(sock, cred, [ping[:2]] * 3)
+    msg = send_batch(sock, cred, [ping[:2]] * 3)
     assert (msg.kind, msg.name) == (ERROR, "bad_request")
     assert b"at most 2" in bytes(msg.body)
     assert server.num_batches == 0
@@ -203,7 +178,7 @@ def test_a_request_vouched_for_by_the_batch_runs_as_its_signer_and_goes_back_uns
     server, sock, cred = served
     reg = _item(cred, "v", "register", {"worker": "v", "location": NODE})
     vouched = (reg[0], b"")                     # no auth frame: the batch's signer vouches
-    msg = _batch(sock, cred, [vouched])
+    msg = send_batch(sock, cred, [vouched])
     (data, sig), = decode_body(msg, BatchReply).items
     assert decode(data).kind == REPLY and sig == b""     # the relay signs it
     assert "v" in server.state.workers and server._sessions["s-v"] == cred.principal.name
@@ -211,5 +186,5 @@ def test_a_request_vouched_for_by_the_batch_runs_as_its_signer_and_goes_back_uns
     # a session another credential holds cannot be vouched into
     server._sessions["s-x"] = "someone-else"
     other = _item(cred, "x", "ping", {})
-    (data, _), = decode_body(_batch(sock, cred, [(other[0], b"")]), BatchReply).items
+    (data, _), = decode_body(send_batch(sock, cred, [(other[0], b"")]), BatchReply).items
     assert (decode(data).kind, decode(data).name) == (ERROR, "unauthenticated")

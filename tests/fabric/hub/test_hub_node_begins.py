@@ -19,22 +19,20 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from hub_helpers import small_manifest
+from hub_helpers import hub_with_version, send_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import weightfabric as wf
-from weightfabric.fabric.auth import CapabilityCheck, load_credential, scope_of, serving_key
+from weightfabric.fabric.auth import CapabilityCheck, scope_of, serving_key
 from weightfabric.fabric.hub_messages import (
     BatchReply,
-    BatchRequest,
     BeginFetchesRequest,
     NodeReader,
     PlanReply,
 )
 from weightfabric.fabric.node_begins import Item, join, split
 from weightfabric.fabric.protocol import ERROR, REPLY, REQUEST, decode, decode_body, encode
-from weightfabric.fabric.zmq_util import hub_socket
 
 NODE = {"datacenter": "dc0", "node": "n0"}
 _ids = itertools.count(1)
@@ -79,21 +77,11 @@ def test_split_of_a_refusal_or_garbage_sends_each_alone() -> None:
 @contextlib.contextmanager
 def _hub(readers: dict[str, str]) -> Iterator[tuple[wf.HubServer, zmq.Socket, Any]]:
     """A hub with version 1 of "m" committed and ``readers`` (worker -> node) registered."""
-    server = wf.serve("tcp://127.0.0.1:0")
-    cred = load_credential()
-    sock = hub_socket(server.url, max_message_size=1 << 24, hub_key=None)
-    try:
-        with wf.connect(server.url, worker="t", heartbeat=False, timeout=5,
-                        location={"datacenter": "dc0", "node": "trainer"}) as t:
-            v = t.begin_publish("m", small_manifest(8))
-            t.commit("m", v)
-            _batch(sock, cred, [(encode(REQUEST, next(_ids), f"s-{w}", "register", {
-                "worker": w, "location": {"datacenter": "dc0", "node": node}}), b"")
-                for w, node in readers.items()])
-            yield server, sock, cred
-    finally:
-        sock.close(0)
-        server.stop()
+    with hub_with_version() as (server, sock, cred):
+        _batch(sock, cred, [(encode(REQUEST, next(_ids), f"s-{w}", "register", {
+            "worker": w, "location": {"datacenter": "dc0", "node": node}}), b"")
+            for w, node in readers.items()])
+        yield server, sock, cred
 
 
 @pytest.fixture
@@ -103,13 +91,7 @@ def served() -> Iterator[tuple[wf.HubServer, zmq.Socket, Any]]:
 
 
 def _batch(sock: zmq.Socket, cred: Any, items: list[tuple[bytes, bytes]]) -> list[bytes]:
-    data = encode(REQUEST, next(_ids), "relay", "batch", BatchRequest(items=items))
-    auth, mac = cred.sign(data)
-    sock.send_multipart([data, auth])
-    assert sock.poll(5000), "no answer to the batch"
-    raw, sig = sock.recv_multipart()
-    assert cred.check_reply(sig, mac, raw)
-    return [data for data, _ in decode_body(decode(raw), BatchReply).items]
+    return [data for data, _ in decode_body(send_batch(sock, cred, items), BatchReply).items]
 
 
 def test_joined_begins_are_answered_as_each_would_be_alone(served) -> None:
