@@ -663,6 +663,10 @@ class BeginFetchesReply(Reply, frozen=True, kw_only=True):
     errors: list[tuple[str, str] | None]
 
 
+NO_MANIFEST = msgspec.Raw(msgspec.msgpack.encode(None))
+"""`BeginFetchesReply.manifest` when no reader got a plan."""
+
+
 ReplyType = type[Reply] | type[StatusReply]
 _PAIRS: tuple[tuple[type[Request], ReplyType], ...] = (
     (PingRequest, PingReply),
@@ -722,7 +726,7 @@ __all__ = [
     "GroupStatusRequest", "HeartbeatReply", "HeartbeatRequest", "Holder", "Holding",
     "HoldingState", "KvGetReply", "KvGetRequest", "KvPutReply", "KvPutRequest",
     "LatestRequest", "LocateReply", "LocateRequest", "LocateShard", "LocationWire",
-    "ManifestWire", "NodeReader", "PinRequest", "PingReply", "PingRequest", "PlanRangeWire",
+    "ManifestWire", "NO_MANIFEST", "NodeReader", "PinRequest", "PingReply", "PingRequest", "PlanRangeWire",
     "PlanReply",
     "PlanRequest", "PlanSource", "PolicyReply", "ProgressReply", "PublishStateReply",
     "RegisterReply", "RegisterRequest", "ReleaseRequest", "Reply", "ReportCorruptReply",

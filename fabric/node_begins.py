@@ -24,6 +24,7 @@ import msgspec
 
 from weightfabric.fabric.errors import ProtocolError
 from weightfabric.fabric.hub_messages import (
+    NO_MANIFEST,
     BeginFetchesReply,
     BeginFetchesRequest,
     BeginFetchRequest,
@@ -104,7 +105,7 @@ def split(data: bytes, req_ids: Sequence[int], *, max_size: int = MAX_MESSAGE_SI
         return nobody
     if not len(reply.plans) == len(reply.errors) == len(req_ids):
         return nobody
-    manifest = None if bytes(reply.manifest) == _NIL else reply.manifest
+    manifest = None if bytes(reply.manifest) == bytes(NO_MANIFEST) else reply.manifest
     answers: list[bytes | None] = []
     for req_id, plan, error in zip(req_ids, reply.plans, reply.errors, strict=True):
         if plan is not None:
@@ -116,9 +117,6 @@ def split(data: bytes, req_ids: Sequence[int], *, max_size: int = MAX_MESSAGE_SI
         else:
             answers.append(None)
     return answers
-
-
-_NIL = msgspec.msgpack.encode(None)
 
 
 def _fresh_begin(payload: bytes) -> tuple[int, str, BeginFetchRequest] | None:

@@ -73,6 +73,7 @@ from weightfabric.fabric.hub.state import (
 )
 from weightfabric.fabric.hub_messages import (
     BATCHABLE,
+    NO_MANIFEST,
     BatchReply,
     BatchRequest,
     BeginFetchesReply,
@@ -636,7 +637,7 @@ class HubServer(Served):
         except HubError as exc:
             self._send(ident, self._error_bytes(msg.req_id, exc))
             return
-        raw = _NIL if manifest is None else self._manifest_raw(manifest)
+        raw = NO_MANIFEST if manifest is None else self._manifest_raw(manifest)
         self._send(ident, self._reply_bytes(msg.req_id, BeginFetchesReply(
             manifest=raw, plans=plans, errors=errors)))
 
@@ -943,9 +944,6 @@ class HubServer(Served):
 
 
 _AT = re.compile(r"^(?P<what>.*) - at `\$\.?(?P<path>[^`]*)`$", re.DOTALL)
-
-
-_NIL = msgspec.Raw(msgspec.msgpack.encode(None))
 
 
 def _request(msg: Message, request: type[R]) -> R:
