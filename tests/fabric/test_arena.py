@@ -188,6 +188,50 @@ def test_populate_in_the_foreground_takes_over_from_the_background(tmpfs, monkey
         assert is_resident(region.path, region.nbytes)
 
 
+def test_a_waiting_caller_populates_with_several_threads(tmpfs, monkeypatch):
+    """The caller and its helpers each take the next piece; `frontier` counts only done ones."""
+    real, seen = arena._populate_range, []
+
+    def record(fd, tensor, lo, hi, *args, **kwargs):
+        seen.append((lo, hi, threading.current_thread().name))
+        time.sleep(0.01)  # long enough that every thread gets pieces
+        real(fd, tensor, lo, hi, *args, **kwargs)
+
+    monkeypatch.setattr(arena, "_populate_range", record)
+    nbytes = 10 * arena.POPULATE_PIECE + 5
+    with Region.create("w", nbytes, directory=tmpfs) as region:
+        region.populate(workers=3)
+        assert region.populated_bytes == nbytes and not populate_threads()
+        assert sorted((lo, hi) for lo, hi, _ in seen) == [
+            (lo, min(lo + arena.POPULATE_PIECE, nbytes))
+            for lo in range(0, nbytes, arena.POPULATE_PIECE)]  # each piece once
+        assert len({name for *_, name in seen}) == 3
+        assert is_resident(region.path, nbytes)
+    assert arena.populate_workers() == max(1, min(arena.MAX_POPULATE_WORKERS,
+                                                  len(os.sched_getaffinity(0))))
+
+
+def test_a_failing_helper_stops_the_others_and_the_caller_raises(tmpfs, monkeypatch):
+    real, calls = arena._populate_range, []
+
+    def fails_in_a_helper(fd, tensor, lo, hi, *args, **kwargs):
+        calls.append(lo)
+        if threading.current_thread().name.startswith("wf-populate-"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        time.sleep(0.01)
+        real(fd, tensor, lo, hi, *args, **kwargs)
+
+    monkeypatch.setattr(arena, "_populate_range", fails_in_a_helper)
+    with Region.create("w", 64 * arena.POPULATE_PIECE, directory=tmpfs) as region:
+        with pytest.raises(ArenaError, match="No space left"):
+            region.populate(workers=2)
+        assert not populate_threads() and len(calls) < 64  # stopped early
+        assert region.populated_bytes < region.nbytes
+        monkeypatch.setattr(arena, "_populate_range", real)
+        region.populate(workers=2)  # room again: a later call finishes it
+        assert region.populated_bytes == region.nbytes
+
+
 @pytest.mark.parametrize("fallocate", [True, False], ids=["fallocate", "no-fallocate"])
 def test_populate_falls_back_when_the_kernel_lacks_madv_populate_write(tmpfs, monkeypatch,
                                                                        fallocate):

@@ -45,9 +45,10 @@ the first ones included, so the cold versions show. (The in-place publisher stil
 attaches its tensors: that is what in-place publishing is.) The other systems are
 the same with or without it.
 
-``--step-seconds S`` (default 0.5) is slept between two versions in every system,
-for the RL step that separates two publishes (generation, the training step): the
-time the stores' background work has in a real loop. The untimed sha256 check after
+``--step-seconds S`` (default 0.5) is slept before every version in every system,
+the first included, for the RL step before each publish (generation, the training
+step; the README's trainer trains a step before its first publish too): the time
+the stores' background work has in a real loop. The untimed sha256 check after
 each version (every process in parallel) adds to it; each fabric version's
 ``gap_s`` is the time actually between the previous version's last reader and this
 publish. ``--verify last`` checks the fabric's readers after the last version only, so
@@ -101,7 +102,7 @@ READER_MODES = ("double", "in-place")
 VERIFY = ("each", "last")
 DEVICES = ("cpu", "cuda")
 STEP_S = 0.5
-"""Default seconds between versions (``--step-seconds``)."""
+"""Default seconds slept before each version (``--step-seconds``)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -143,8 +144,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(per-version times and their ratio to the warm median). gloo, "
                         "memcpy and the peers run as without it")
     p.add_argument("--step-seconds", type=float, default=STEP_S,
-                   help=f"seconds slept between versions in every system (default {STEP_S:g}): "
-                        "the RL step between two publishes (generation, training), the time "
+                   help=f"seconds slept before each version in every system, the first included "
+                        f"(default {STEP_S:g}): the RL step before each publish (generation, "
+                        "training; the README's trainer trains before its first publish), the time "
                         "background work (populating spare buffers) has in a real loop; the "
                         "untimed sha256 check after each version adds to it (the fabric "
                         "reports the gap it measured, gap_s). 0: versions back to back")
@@ -305,10 +307,13 @@ def _start_processes(agents: list[Agent], readers: int) -> tuple[Agent, list[Age
     return started[0], started[1:]
 
 
-def _pause(v: int, step_s: float) -> None:
-    """Between two versions (not before the first): the RL step's time (``--step-seconds``)."""
-    if v:
-        time.sleep(step_s)
+def _pause(step_s: float) -> None:
+    """Before each version, the first included: the RL step's time (``--step-seconds``).
+
+    Before the first too: the README's trainer takes a training step before its first
+    publish, while the readers it starts with are attaching.
+    """
+    time.sleep(step_s)
 
 
 def _digests_match(want_from: Agent, readers: list[Agent], op: str = "digest") -> bool:
@@ -347,7 +352,7 @@ def _fabric(readers: int, size: int, versions: int, chunk_size: int, *, inplace:
         reader_fetch, reader_engine, reader_leases, gaps = [], [], [], []
         last_end: float | None = None
         for v in range(versions):
-            _pause(v, step_s)
+            _pause(step_s)
             on_phase(f"{'in place' if inplace else 'snapshot'} v{v + 1}")
             if cold_start:  # a rollout's loop: waiting in store.sync for the next version
                 for r in reader_agents:
@@ -395,8 +400,8 @@ def _gloo(readers: int, size: int, versions: int, *, flat: bool,
             for a in agents:
                 a.reply(120)
             seconds, verified = [], True
-            for v in range(versions):
-                _pause(v, step_s)
+            for _ in range(versions):
+                _pause(step_s)
                 for rank, a in enumerate(agents):
                     a.send("gloo", rank=rank, world=readers + 1, store=str(Path(tmp) / "store"),
                            size=size, seed=SEED, flat=flat)
@@ -424,8 +429,8 @@ def _nixl(readers: int, size: int, versions: int, step_s: float) -> dict[str, An
         trainer, reader_agents = _start_processes(agents, readers)
         served = trainer.ask("nixl_serve", name="trainer", size=size, seed=SEED, timeout=300)
         seconds, verified = [], True
-        for v in range(versions):
-            _pause(v, step_s)
+        for _ in range(versions):
+            _pause(step_s)
             ready = trainer.ask("nixl_bump", timeout=300)
             for r in reader_agents:
                 r.send("nixl_read", name=r.name, served=served)
@@ -451,8 +456,8 @@ def _ipc(readers: int, size: int, versions: int, *, devices: list[str],
             a.ask("ipc_prepare", size=size, seed=SEED, device=device, trainer=a is trainer,
                   timeout=300)
         seconds, publish, fetch, verified = [], [], [], True
-        for v in range(versions):
-            _pause(v, step_s)
+        for _ in range(versions):
+            _pause(step_s)
             exported = trainer.ask("ipc_export", timeout=300)
             for r in reader_agents:  # the handles go through the driver, as through vLLM's API
                 r.send("ipc_load", handles=exported["handles"])
@@ -476,8 +481,8 @@ def _memcpy(size: int, versions: int, *, step_s: float, device: str = "cpu") -> 
     dst = torch.empty_like(src)  # fresh pages: the first copy is the cold one
     sync = torch.cuda.synchronize if src.device.type == "cuda" else (lambda: None)
     seconds = []
-    for v in range(versions):
-        _pause(v, step_s)
+    for _ in range(versions):
+        _pause(step_s)
         sync()
         start = time.perf_counter()
         dst.copy_(src)
