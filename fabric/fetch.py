@@ -54,7 +54,7 @@ from weightfabric.fabric.deltas import DeltaBase, delta_mode
 from weightfabric.fabric.errors import FabricError, FetchError, NoBaseError, TransportError
 from weightfabric.fabric.progress import ChunkProgress
 from weightfabric.fabric.transports import ReadAbort, SourceAddress, Transport, local_host_id
-from weightfabric.fabric.transports.base import CopyFn, Landing
+from weightfabric.fabric.transports.base import CopyFn, Landing, StreamCopy
 from weightfabric.fabric.transports.held import HeldLease
 from weightfabric.kernels.delta import DeltaFormatError, decode_delta
 
@@ -67,6 +67,9 @@ MAX_STREAMS = 16
 LAND_BYTES = 256 << 10
 """Bytes at least between two looks at what a read has landed (whole chunks, at least
 one): each chunk is verified and marked before the read ends, so a relay forwards it."""
+DEVICE_LAND_BYTES = 64 << 20
+"""The same for a read that copies on a device stream (`base.StreamCopy`): each piece is one
+launch and one event, so fewer, larger ones (a launch costs what copying ~20 MB does on a GPU)."""
 IDLE_REPORT_S = 1.0
 """Seconds without a new chunk after which a fetch reports the chunks it has not reported
 (one of its `FetchOptions.max_reports`): a reader held up by a partial source."""
@@ -207,9 +210,10 @@ ChecksumFn = Callable[[int, torch.Tensor], list[int]]
 per chunk, the function the publisher used: a read's chunks checksummed in one call (one
 kernel launch and one device sync on a GPU, not one per chunk)."""
 
-CopyChecksumFn = Callable[[torch.Tensor, torch.Tensor, int], list[int]]
-"""(dst, src, first chunk) -> the checksums of the chunks copied: copies ``src`` into
-``dst`` (chunk-aligned) and checksums them in the same pass, as `ChecksumFn` would."""
+CopyChecksumFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+"""(dst, src, first chunk) -> the checksums of the chunks copied (int64, on the bytes'
+device): copies ``src`` into ``dst`` (chunk-aligned) and checksums them in the same pass,
+as `ChecksumFn` would (`kernels.copy_with_checksums`; on a GPU one launch, no sync)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -407,6 +411,7 @@ class _FetchRun:
         self.landed: list[tuple[int, str, str, bool]] = []  # (chunk, worker, via, delta)
         self.landed_lock = threading.Lock()
         self.land_step = -(-LAND_BYTES // chunk_size) * chunk_size
+        self.device_land_step = -(-DEVICE_LAND_BYTES // chunk_size) * chunk_size
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -725,15 +730,20 @@ class _FetchRun:
         copy where the transport fuses one and the fetch verifies into host memory.
         """
         on_cpu = self.dest.device.type == "cpu"
-        fused = self.copy_checksums
+        fused = self.copy_checksums if arrivals.checking else None
         copy: CopyFn | None = None
-        if arrivals.checking and fused is not None and on_cpu \
-                and getattr(transport, "fuses_copy", False):
+        landing = Landing(self.land_step, arrivals)
+        stream_copy: StreamCopy | None = getattr(transport, "stream_copy", None)
+        if stream_copy is not None:  # a device copy: pieces launched at once, waited by event
+            copy = stream_copy(None if fused is None else _at_chunk(fused, out, self.chunk_size,
+                                                                    arrivals.span[0]),
+                               None if fused is None else arrivals.sums.extend)
+            landing = Landing(max(self.land_step, self.device_land_step), arrivals)
+        elif fused is not None and on_cpu and getattr(transport, "fuses_copy", False):
             sums = arrivals.sums
 
             def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-                sums.extend(fused(dst, src, arrivals.span[len(sums)]))
-        landing = Landing(self.land_step, arrivals)
+                sums.extend(fused(dst, src, arrivals.span[len(sums)]).tolist())
         if getattr(transport, "hold", None) is None:
             extra: dict[str, object] = {} if copy is None else {"copy": copy}
             if getattr(transport, "lands", False):
@@ -745,7 +755,7 @@ class _FetchRun:
             return got
         lease = self.held_lease(transport, source, timeout, abort)
         return lease.read(offset, out, timeout=timeout, prefix=True, abort=abort, copy=copy,
-                          landing=landing if on_cpu else None)  # a GPU copy: one launch
+                          landing=landing if on_cpu or stream_copy is not None else None)
 
     def held_lease(self, transport: Transport, source: Source, timeout: float,
                    abort: ReadAbort) -> HeldLease:
@@ -973,6 +983,20 @@ class _Read:
     rest: tuple[int, ...] = ()
     wire: int = 0  # bytes that came over the wire (a delta's encoded size)
     delta: bool = False  # the span came as deltas
+
+
+def _at_chunk(fused: CopyChecksumFn, out: torch.Tensor, chunk_size: int,
+              first: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``fused`` for a piece of `out` (whose first chunk is `first`): the piece's own first chunk.
+
+    Pieces are chunk-aligned slices of `out` (`Landing.pieces`), launched before any has
+    finished, so each finds its chunk from where it starts, not from the sums so far.
+    """
+    def kernel(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        at = dst.data_ptr() - out.data_ptr()
+        return fused(dst, src, first + at // chunk_size)
+
+    return kernel
 
 
 def _no_source_left(missing: list[int], failed: dict[str, str],

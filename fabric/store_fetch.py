@@ -316,7 +316,7 @@ class StoreFetching(StoreBuffers):
                 checksum_fn=lambda c, piece: chunk_checksums(
                     piece, manifest.chunk_size, first_chunk=c).tolist(),
                 copy_checksums=lambda dst, src, c: copy_with_checksums(
-                    dst, src, manifest.chunk_size, first_chunk=c).tolist(),
+                    dst, src, manifest.chunk_size, first_chunk=c),
                 verify=verify_rule(verify), options=options, on_chunk=on_chunk,
                 before_write=populate, cancel=self._cancel, delta=delta)
             if deferred is not None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -140,8 +140,25 @@ class ReadAbort:
             return self._aborted
 
 
-CopyFn = Callable[[torch.Tensor, torch.Tensor], None]
-"""(dst, src): copy ``src`` into ``dst`` (same length; uint8, contiguous)."""
+class Pending(Protocol):
+    """A copy a device is still doing (`CopyFn`): its bytes are final once `wait` returns."""
+
+    def wait(self) -> None:
+        """Block until the copy is done (and hand on what it computed, where it does)."""
+
+
+CopyFn = Callable[[torch.Tensor, torch.Tensor], Pending | None]
+"""(dst, src): copy ``src`` into ``dst`` (same length; uint8, contiguous) and return None,
+or start the copy on a device and return its `Pending` (a held lease launches all of a
+read's pieces before it waits for the first: `fabric.transports.held`)."""
+
+StreamCopy = Callable[[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                       Callable[[list[int]], None] | None], CopyFn]
+"""A transport's ``stream_copy(kernel, then)`` method, where its held leases copy on a device
+stream (CUDA IPC): the `CopyFn` that launches ``kernel(dst, src)``
+(a copy that returns the chunks' checksums, e.g. `kernels.copy_with_checksums`; None: a
+plain copy) on the transport's own stream, after the destination's users, and whose
+`Pending.wait` waits for it by event and hands ``then`` the checksums."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import cache
@@ -30,7 +30,7 @@ import torch
 from weightfabric.fabric.errors import ReadRefusedError, SourceLostError
 from weightfabric.fabric.gpu.probe import normalise_uuid
 from weightfabric.fabric.transports import client, held
-from weightfabric.fabric.transports.base import ReadAbort, SourceAddress
+from weightfabric.fabric.transports.base import CopyFn, ReadAbort, SourceAddress
 from weightfabric.fabric.transports.pinned import PinnedMappings
 
 HANDLE_NBYTES = 64  # CUDA_IPC_HANDLE_SIZE
@@ -262,9 +262,11 @@ class CudaIpcTransport(client.ServerTransport):
     moved the region to another allocation is followed), maps the allocation once
     per process (mappings are keyed by handle, and pinned at the holder so it does
     not free an allocation still mapped here: `PinnedMappings`), copies on a side
-    stream of the destination's device, waits, and ends the lease. At most
-    `MAX_MAPPINGS` idle mappings stay open, and those of retracted regions are
-    closed within a moment. `leased` hands the mapped bytes to the caller instead.
+    stream of the destination's device, waits for its event, and ends the lease. `hold`
+    takes one lease for a fetch's reads instead, whose copies `stream_copy` launches
+    without waiting. At most `MAX_MAPPINGS` idle mappings stay open, and those of
+    retracted regions are closed within a moment. `leased` hands the mapped bytes to the
+    caller instead.
     """
 
     name = "cuda_ipc"
@@ -276,6 +278,7 @@ class CudaIpcTransport(client.ServerTransport):
                                                                   capacity=MAX_MAPPINGS)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
+        self._plain = self.stream_copy(None, None)  # dst.copy_(src) on this transport's stream
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         """This transport's copy stream on CUDA ``device`` (one per GPU)."""
@@ -323,7 +326,7 @@ class CudaIpcTransport(client.ServerTransport):
             raise ValueError("read into a contiguous uint8 tensor")
         with self.leased(source, region, offset, out.numel(), timeout=timeout,
                          prefix=prefix, abort=abort) as src:
-            self._copy(out[:src.numel()], src)
+            self._plain(out[:src.numel()], src).wait()  # type: ignore[union-attr]
             return src.numel()
 
     def hold(self, source: SourceAddress, region: str, nbytes: int, *, timeout: float,
@@ -348,21 +351,54 @@ class CudaIpcTransport(client.ServerTransport):
             return lambda lo, hi: view(mapped, h.offset + lo, hi - lo)
 
         return held.take(source, region, nbytes, timeout=timeout, abort=abort,
-                         source_bytes=reach, copy=self._copy)
+                         source_bytes=reach, copy=self._plain)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst.copy_(src)`` on this transport's stream, after ``dst``'s users; waits for it."""
-        stream = self._stream(dst.device if dst.device.type == "cuda" else src.device)
-        if dst.device.type == "cuda":
-            stream.wait_stream(torch.cuda.current_stream(dst.device))  # dst may be in use
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-        stream.synchronize()
+    def stream_copy(self, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                    then: Callable[[list[int]], None] | None) -> CopyFn:
+        """A copy function that launches on this transport's stream (`base.StreamCopy`).
+
+        Each call enqueues, after the destination's users, ``kernel(dst, src)`` (or
+        ``dst.copy_(src)``) and the copy of what the kernel returned into pinned host
+        memory, records an event, and returns at once: its `Pending.wait` waits for the
+        event (no ``synchronize``) and hands ``then`` the checksums. A held lease launches
+        all of a read's pieces before waiting for the first.
+        """
+        def copy(dst: torch.Tensor, src: torch.Tensor) -> _OnStream:
+            stream = self._stream(dst.device if dst.device.type == "cuda" else src.device)
+            if dst.device.type == "cuda":
+                stream.wait_stream(torch.cuda.current_stream(dst.device))  # dst may be in use
+            host = None
+            with torch.cuda.stream(stream):
+                if kernel is None:
+                    dst.copy_(src, non_blocking=True)
+                else:
+                    sums = kernel(dst, src)
+                    host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+                    host.copy_(sums, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            return _OnStream(done, host, then)
+
+        return copy
 
     def close(self) -> None:
         """Close the connections and unmap every mapping."""
         super().close()
         self._mappings.close()
+
+
+class _OnStream:
+    """A copy launched on a stream (`CudaIpcTransport.stream_copy`), done once its event is."""
+
+    def __init__(self, done: torch.cuda.Event, sums: torch.Tensor | None,
+                 then: Callable[[list[int]], None] | None) -> None:
+        self._done, self._sums, self._then = done, sums, then
+
+    def wait(self) -> None:
+        """Wait for the event, then hand the checksums (now in host memory) on."""
+        self._done.synchronize()
+        if self._then is not None and self._sums is not None:
+            self._then(self._sums.tolist())
 
 
 def _map(h: IpcHandle) -> _Mapping:

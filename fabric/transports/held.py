@@ -30,7 +30,7 @@ import torch
 
 from weightfabric.fabric.errors import SourceLostError, TransportError
 from weightfabric.fabric.transports import client
-from weightfabric.fabric.transports.base import CopyFn, Landing, ReadAbort, SourceAddress
+from weightfabric.fabric.transports.base import CopyFn, Landing, Pending, ReadAbort, SourceAddress
 
 MARGIN_S = 5.0
 """Seconds before the holder's ``hold`` runs out from which a copy is no longer
@@ -100,7 +100,8 @@ class HeldLease:
         """Copy the holder's bytes at `offset` into `out` (as `Transport.read`).
 
         With `landing`, a `Landing.step` at a time, each piece told once the lease is
-        known to have held through its copy.
+        known to have held through its copy. A `copy` that starts device work (returns a
+        `Pending`) has every piece launched before the first is waited for, in order.
 
         Returns:
             The bytes copied: ``out.numel()`` unless `prefix` (then the present run).
@@ -119,14 +120,34 @@ class HeldLease:
         if got is None or self._renew_due():
             got = self._wait(offset, nbytes, timeout, prefix, abort)
         copy = copy or self._default_copy
-        for lo, hi in landing.pieces(got) if landing is not None else [(0, got)]:
-            copy(out[lo:hi], self._bytes(offset + lo, offset + hi))
-            self._check()
-            if landing is not None:
-                landing.call(hi)
+        started: list[tuple[int, Pending | None]] = []  # pieces copying on a device
+        try:
+            for lo, hi in landing.pieces(got) if landing is not None else [(0, got)]:
+                pending = copy(out[lo:hi], self._bytes(offset + lo, offset + hi))
+                if pending is None and not started:
+                    self._landed(hi, landing)
+                else:
+                    started.append((hi, pending))
+            while started:
+                hi, pending = started[0]
+                if pending is not None:
+                    pending.wait()
+                del started[0]
+                self._landed(hi, landing)
+        finally:
+            for _, pending in started:  # failed: nothing writes into `out` once this returns
+                if pending is not None:
+                    with contextlib.suppress(Exception):
+                        pending.wait()
         with self._lock:
             self.copied += got
         return got
+
+    def _landed(self, end: int, landing: Landing | None) -> None:
+        """The bytes up to `end` are copied: trusted if the lease held (else raise), told."""
+        self._check()
+        if landing is not None:
+            landing.call(end)
 
     def close(self, timeout: float = 5.0) -> bool:
         """END the lease, telling the holder the bytes copied; False if not acknowledged.

@@ -184,7 +184,7 @@ def test_a_transport_that_copies_verifies_in_its_copy(tcp):
 
     def copy_crc(dst, src, first):
         dst.copy_(src)
-        return crcs(first, dst)
+        return torch.tensor(crcs(first, dst), dtype=torch.int64)
 
     try:
         dest = torch.zeros(NBYTES, dtype=torch.uint8)
