@@ -19,7 +19,12 @@ dst_off`` (bytes), ``kind`` (0 float32, 1 bfloat16, 2 float16), ``R, C, row,
 col``, q strides, scale strides, dst strides (elements, 2 each), ``log2(block)``
 and the number of column tiles. Each program handles a ``BR x BC`` tile of one
 segment, found by `kernels.segcopy.find_segment` (a binary search of ``first``;
-no per-program arrays on the host), and tables are cached like segcopy's.
+no per-program arrays on the host).
+
+Host cost per call: the checks depend only on each window's ``row``, ``col``,
+``block`` and its tensors' addresses, dtypes, shapes, strides and devices; a call
+whose key (those) passed them before skips them and reuses the table built for it
+(`_CHECKED`, a `kernels.segcopy.CheckCache`).
 """
 
 from __future__ import annotations
@@ -34,13 +39,22 @@ import triton.language as tl
 from weightfabric.kernels.bits import bf16_rne_bits, e4m3_to_f32
 from weightfabric.kernels.dispatch import choose_backend
 from weightfabric.kernels.fp8 import DEFAULT_BLOCK, check_block, scale_shape
-from weightfabric.kernels.segcopy import anchor, cached_table, find_segment
+from weightfabric.kernels.segcopy import (
+    KEY_ERRORS,
+    CheckCache,
+    Checked,
+    anchor,
+    find_segment,
+    first_per_device,
+    tensor_key,
+)
 
 NCOL = 17
 TILE_ROWS = 32
 TILE_COLS = 128
 FP8 = torch.float8_e4m3fn
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CHECKED = CheckCache()
 
 
 @triton.jit
@@ -196,29 +210,58 @@ def _table(segments: Sequence[Fp8Segment], base: torch.Tensor, tile_cols: int) -
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, NCOL)
 
 
-def dequantize_fp8_segments_triton(segments: Sequence[Fp8Segment], *, tile_rows: int = TILE_ROWS,
-                                   tile_cols: int = TILE_COLS) -> None:
-    """Launch `_dequant_segments_kernel` once for all of ``segments`` (already validated)."""
-    if not segments:
-        return
+def _device_table(segments: Sequence[Fp8Segment], device: torch.device
+                  ) -> tuple[torch.Tensor, int, int]:
+    """``(device table, rows, programs)`` for validated ``segments``."""
+    table = _table(segments, anchor(device), TILE_COLS)
+    tiles = -(-table[:, 5] // TILE_ROWS) * table[:, 16]
+    if len(tiles):
+        table[:, 0] = torch.cumsum(tiles, 0) - tiles
+    return table.to(device), table.shape[0], int(tiles.sum())
+
+
+def _launch(segments: Sequence[Fp8Segment], checked: Checked) -> None:
+    """Launch `_dequant_segments_kernel` once for all of ``segments`` (checked, not empty)."""
     device = segments[0].dst.device
-    base = anchor(device)
-    key = ("dequant", device, tile_rows, tile_cols,
-           *((s.q.data_ptr(), s.scale.data_ptr(), s.dst.data_ptr(), s.q.shape, s.q.stride(),
-              s.scale.stride(), s.dst.shape, s.dst.stride(), s.dst.dtype, s.row, s.col, s.block)
-             for s in segments))
-
-    def build() -> tuple[torch.Tensor, int, int]:
-        table = _table(segments, base, tile_cols)
-        tiles = -(-table[:, 5] // tile_rows) * table[:, 16]
-        if len(tiles):
-            table[:, 0] = torch.cumsum(tiles, 0) - tiles
-        return table.to(device), table.shape[0], int(tiles.sum())
-
-    table, num_segments, programs = cached_table(key, build)
+    table, num_segments, programs = checked.table(
+        ("dequant",), lambda: _device_table(segments, device))
     if programs:
         _dequant_segments_kernel[(programs,)](
-            base, table, num_segments, BR=tile_rows, BC=tile_cols, NCOL=NCOL)
+            anchor(device), table, num_segments, BR=TILE_ROWS, BC=TILE_COLS, NCOL=NCOL)
+
+
+def _call_key(segments: Sequence[Fp8Segment]) -> tuple | None:
+    """What the checks and the table depend on; None where it cannot be taken.
+
+    Per window its tensors' `tensor_key` (a shard's q and scale once per call: many
+    windows share them) and ``row, col, block``, the three exact ints (``16.0 == 16``:
+    a float block must not find the entry of an int one).
+    """
+    shards: dict[int, tuple] = {}
+
+    def shard(t: torch.Tensor) -> tuple:
+        k = shards.get(id(t))  # the tensors outlive the call: no id is reused during it
+        if k is None:
+            k = shards[id(t)] = tensor_key(t)
+        return k
+
+    try:
+        key = tuple([(shard(s.q), shard(s.scale), tensor_key(s.dst), s.row, s.col, s.block)
+                     for s in segments])
+    except KEY_ERRORS:
+        return None
+    exact = all(type(s.row) is type(s.col) is type(s.block) is int for s in segments)
+    return key if exact else None
+
+
+def _checked(segments: Sequence[Fp8Segment]) -> Checked:
+    """`check_fp8_segments`, skipped for a call key checked before."""
+    key = _call_key(segments)
+    hit = _CHECKED.get(key)
+    if hit is not None:
+        return hit
+    check_fp8_segments(segments)
+    return _CHECKED.remember(key, reps=first_per_device(s.dst for s in segments))
 
 
 def dequantize_fp8_segments(segments: Sequence[Fp8Segment], *, backend: str | None = None) -> None:
@@ -248,12 +291,12 @@ def dequantize_fp8_segments(segments: Sequence[Fp8Segment], *, backend: str | No
         >>> out.tolist()
         [[3.5, 0.0, 2.0], [1.5, 8.0, 10.0]]
     """
-    check_fp8_segments(segments)
-    tensors = [t for s in segments for t in (s.q, s.scale, s.dst)]
-    if choose_backend(backend, *tensors, op="dequantize_fp8_segments") == "torch":
+    checked = _checked(segments)
+    reps = [segments[i].dst for i in checked.reps]
+    if choose_backend(backend, *reps, op="dequantize_fp8_segments") == "torch":
         dequantize_fp8_segments_ref(segments)
-    else:
-        dequantize_fp8_segments_triton(segments)
+    elif segments:
+        _launch(segments, checked)
 
 
 def aot_specs() -> list[tuple[object, dict[str, str], dict[str, int]]]:

@@ -160,13 +160,15 @@ def quantize_fp8(x: torch.Tensor, *, block: int = DEFAULT_BLOCK,
     if choose_backend(backend, x, op="quantize_fp8") == "torch":
         return quantize_fp8_ref(x, block)
     M, N = x2.shape
-    q = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=x.device)
     grid = (-(-M // bm), -(-N // bn))
-    scale = torch.empty(grid, dtype=torch.float32, device=x.device)
+    # allocated in their final shapes (a 1-D x's scales: the grid's one row); a view
+    # costs the host as much as an allocation
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(grid[-x.dim():], dtype=torch.float32, device=x.device)
     if q.numel():
         _quantize_kernel[grid](x_ptr=x2, stride_xm=x2.stride(0), stride_xn=x2.stride(1),
                                q_ptr=q.view(torch.uint8), scale_ptr=scale, M=M, N=N, BM=bm, BN=bn)
-    return q.view(x.shape), scale.view(scale_shape(tuple(x.shape), block))
+    return q, scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype = torch.bfloat16,
@@ -188,22 +190,23 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype =
     if dtype not in _OUT_KIND:
         raise TypeError(f"dequantize_fp8: output dtype {dtype} not in {list(_OUT_KIND)}")
     check_block(block, "dequantize_fp8")
-    if tuple(scale.shape) != scale_shape(tuple(q.shape), block):
+    want = scale_shape(tuple(q.shape), block)
+    if tuple(scale.shape) != want:
         raise ValueError(f"dequantize_fp8: scale has shape {tuple(scale.shape)}, q of shape "
-                         f"{tuple(q.shape)} needs {scale_shape(tuple(q.shape), block)}")
+                         f"{tuple(q.shape)} needs {want}")
     if not q.is_contiguous() or not scale.is_contiguous():
         raise ValueError("dequantize_fp8: q and scale must be contiguous")
     q2, bm, bn = _as_2d(q, block, "dequantize_fp8")
     if choose_backend(backend, q, scale, op="dequantize_fp8") == "torch":
         return dequantize_fp8_ref(q, scale, dtype, block)
     M, N = q2.shape
-    y = torch.empty((M, N), dtype=dtype, device=q.device)
+    y = torch.empty(q.shape, dtype=dtype, device=q.device)  # contiguous: as [M, N]
     out = y.view(torch.int16) if dtype == torch.bfloat16 else y
     if y.numel():
         _dequantize_kernel[(-(-M // bm), -(-N // bn))](
-            q_ptr=q2.view(torch.uint8), scale_ptr=scale, y_ptr=out, M=M, N=N,
+            q_ptr=q.view(torch.uint8), scale_ptr=scale, y_ptr=out, M=M, N=N,
             BM=bm, BN=bn, OUT_KIND=_OUT_KIND[dtype])
-    return y.view(q.shape)
+    return y
 
 
 def aot_specs() -> list[tuple[object, dict[str, str], dict[str, int]]]:

@@ -15,17 +15,14 @@ On the Triton backend the whole set moves in one kernel launch (see
 Host cost per call: the checks of a call (names, shapes, dtypes, buffer, overlaps) depend
 only on the layout object and each tensor's address, dtype, shape and strides, so a
 call whose key (those properties) was checked before skips them, and reuses the
-kernel tables built for that key (`_Checked`, `CHECK_CACHE_SIZE` keys, least recently
-used out first): a repeated pack of the same tensors costs the host the key and the
-launch, not a view and a check per tensor.
+kernel tables built for that key (`_CHECKED`, a `kernels.segcopy.CheckCache`): a
+repeated pack of the same tensors costs the host the key and the launch, not a view
+and a check per tensor.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 
@@ -35,34 +32,16 @@ from weightfabric.kernels.dispatch import choose_backend
 from weightfabric.kernels.layout import PackLayout, Slot
 from weightfabric.kernels.segcopy import (
     DEFAULT_BLOCK,
+    CheckCache,
+    Checked,
     Segment,
     element_kind,
     launch_table,
     segment_table,
 )
 
-CHECK_CACHE_SIZE = 64
-"""Checked call keys kept (each with its kernel tables, a few KiB), least recently used
-out first."""
-
-
-class _Checked:
-    """A call key that passed the checks, and the kernel tables built for it."""
-
-    def __init__(self, layout: PackLayout) -> None:
-        self.layout = layout  # held: its id is in the key, so it must outlive the entry
-        self.tables: dict[tuple, Any] = {}
-
-    def table(self, key: tuple, build: Callable[[], Any]) -> Any:
-        """The table under ``key``, from ``build()`` the first time."""
-        hit = self.tables.get(key)
-        if hit is None:
-            hit = self.tables[key] = build()
-        return hit
-
-
-_CHECKED: OrderedDict[tuple, _Checked] = OrderedDict()
-_CHECKED_LOCK = threading.Lock()
+_CHECKED = CheckCache()
+"""Pack and unpack calls whose checks passed (`kernels.segcopy.CheckCache`)."""
 
 
 def _call_key(what: str, tensors: Mapping[str, torch.Tensor], layout: PackLayout,
@@ -82,29 +61,6 @@ def _call_key(what: str, tensors: Mapping[str, torch.Tensor], layout: PackLayout
                   for t in (tensors[s.name] for s in layout)))
     except (KeyError, AttributeError, TypeError):
         return None
-
-
-def _checked(key: tuple | None, layout: PackLayout) -> _Checked | None:
-    """The entry of a key checked before (with this very layout), or None."""
-    if key is None:
-        return None
-    with _CHECKED_LOCK:
-        hit = _CHECKED.get(key)
-        if hit is None or hit.layout is not layout:
-            return None
-        _CHECKED.move_to_end(key)
-        return hit
-
-
-def _remember(key: tuple | None, layout: PackLayout) -> _Checked:
-    """A new entry for a key whose checks just passed (kept unless ``key`` is None)."""
-    entry = _Checked(layout)
-    if key is not None:
-        with _CHECKED_LOCK:
-            _CHECKED[key] = entry
-            while len(_CHECKED) > CHECK_CACHE_SIZE:
-                _CHECKED.popitem(last=False)
-    return entry
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -213,11 +169,11 @@ def pack(tensors: Mapping[str, torch.Tensor], layout: PackLayout, *,
 
 
 def _pack_target(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
-                 out: torch.Tensor | None) -> tuple[torch.Tensor, _Checked]:
+                 out: torch.Tensor | None) -> tuple[torch.Tensor, Checked]:
     """`pack`'s checks (skipped for a key checked before); ``out``, or a zeroed buffer."""
     if out is not None:
         key = _call_key("pack", tensors, layout, out)
-        hit = _checked(key, layout)
+        hit = _CHECKED.get(key, layout)
         if hit is not None:
             return out, hit
     _check_tensors(tensors, layout, "pack", exact_dtype=True)
@@ -229,7 +185,7 @@ def _pack_target(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
     for s in layout:
         if _overlaps(_span(tensors[s.name]), span):
             raise ValueError(f"pack: tensor {s.name!r} overlaps the output buffer")
-    return out, _remember(_call_key("pack", tensors, layout, out), layout)
+    return out, _CHECKED.remember(_call_key("pack", tensors, layout, out), layout)
 
 
 def pack_with_checksums(tensors: Mapping[str, torch.Tensor], layout: PackLayout,
@@ -312,10 +268,10 @@ def unpack(buffer: torch.Tensor, layout: PackLayout, *,
 
 
 def _unpack_checked(buffer: torch.Tensor, layout: PackLayout,
-                    out: Mapping[str, torch.Tensor]) -> _Checked:
+                    out: Mapping[str, torch.Tensor]) -> Checked:
     """`unpack`'s checks, skipped for a key checked before."""
     key = _call_key("unpack", out, layout, buffer)
-    hit = _checked(key, layout)
+    hit = _CHECKED.get(key, layout)
     if hit is not None:
         return hit
     _check_buffer(buffer, layout, "unpack")
@@ -328,4 +284,4 @@ def _unpack_checked(buffer: torch.Tensor, layout: PackLayout,
     for a0, a1, a in spans:
         if _overlaps((a0, a1), buf_span):
             raise ValueError(f"unpack: destination tensor {a!r} overlaps the buffer")
-    return _remember(key, layout)
+    return _CHECKED.remember(key, layout)

@@ -23,9 +23,13 @@ most ``BLOCK``) times ``BLOCK >> shift`` rows, so short rows do not waste lanes
 and the inner index needs no division. The grid is flat over every tile of every
 segment; each program finds its segment by a binary search of the table's
 ``first`` column (a prefix sum of tiles per segment): per program, not per
-element, and nothing per program is built on the host. Tables are cached by
-the segments' addresses, shapes, strides and kinds, so a repeated copy costs
-the host only the key.
+element, and nothing per program is built on the host.
+
+Host cost per call: `copy_segments`' checks depend only on each view's address,
+dtype, shape, strides and device, so a call whose key (those properties) passed
+them before skips them and reuses the table built for that key (`CheckCache`,
+also used by `kernels.reshard` and `kernels.dequant_segments`): a repeated copy
+costs the host the key and the launch.
 
 Segment table: int64 ``[num_segments, NCOL]``, columns ``first`` (first tile),
 ``op``, ``src_off, dst_off`` (bytes from one anchor allocation), ``rows, len``
@@ -37,8 +41,10 @@ integer arithmetic so the interpreter and the GPU give the same bits.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import triton
@@ -368,9 +374,11 @@ def num_tiles(table: torch.Tensor) -> int:
 
 
 _ANCHORS: dict[torch.device, torch.Tensor] = {}
-_TABLES: OrderedDict[tuple, tuple[torch.Tensor, int, int]] = OrderedDict()
-TABLE_CACHE_SIZE = 64
-"""Device tables kept, most recently used first out last (each a few KiB)."""
+CHECK_CACHE_SIZE = 64
+"""Checked call keys a `CheckCache` keeps (each with its device tables, a few KiB),
+least recently used out first."""
+KEY_ERRORS = (AttributeError, TypeError, ValueError, RuntimeError)
+"""What taking a call key of malformed arguments raises (the checks then report them)."""
 
 
 def anchor(device: torch.device) -> torch.Tensor:
@@ -387,39 +395,97 @@ def anchor(device: torch.device) -> torch.Tensor:
     return a
 
 
-def cached_table(key: tuple, build) -> tuple[torch.Tensor, int, int]:
-    """``(device table, rows, programs)`` for ``key``, from ``build()`` on a miss.
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What a check or a table can depend on: address, dtype, shape, strides, device."""
+    return (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
 
-    A table depends only on what the key holds (addresses, shapes, strides, kinds,
-    block), so a hit is exactly what building again would give.
+
+def first_per_device(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
+    """Index of the first of ``tensors`` on each device they are on."""
+    first: dict[torch.device, int] = {}
+    for i, t in enumerate(tensors):
+        first.setdefault(t.device, i)
+    return tuple(first.values())
+
+
+class Checked:
+    """A call key that passed its checks, and the tables built for it.
+
+    ``owner``: an object the key holds by identity (kept alive while the entry is);
+    ``reps``: indices of one tensor per device of the call (`first_per_device`), so
+    that `choose_backend` sees the same devices without a pass over every tensor.
     """
-    hit = _TABLES.get(key)
-    if hit is not None:
-        _TABLES.move_to_end(key)
+
+    def __init__(self, key: tuple | None, owner: object, reps: tuple[int, ...]) -> None:
+        self.key = key
+        self.owner = owner
+        self.reps = reps
+        self.tables: dict[tuple, Any] = {}
+
+    def table(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """The table under ``key``, from ``build()`` the first time."""
+        hit = self.tables.get(key)
+        if hit is None:
+            hit = self.tables[key] = build()
         return hit
-    value = build()
-    _TABLES[key] = value
-    if len(_TABLES) > TABLE_CACHE_SIZE:
-        _TABLES.popitem(last=False)
-    return value
+
+
+def _hash(key: tuple | None) -> int | None:
+    """``hash(key)``; None for no key or an unhashable one."""
+    try:
+        return None if key is None else hash(key)
+    except TypeError:  # an unhashable part: not a key the checks pass
+        return None
+
+
+class CheckCache:
+    """Call keys whose checks passed, at most ``size`` (least recently used out first).
+
+    Entries are filed by the key's hash, computed once per call (a key of hundreds of
+    tensors takes ~0.1 ms to hash), and a hit compares the whole key.
+    """
+
+    def __init__(self, size: int = CHECK_CACHE_SIZE) -> None:
+        self.size = size
+        self._entries: OrderedDict[int, Checked] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple | None, owner: object = None) -> Checked | None:
+        """The entry of a key checked before (with this very ``owner``), or None."""
+        h = _hash(key)
+        if h is None:
+            return None
+        with self._lock:
+            hit = self._entries.get(h)
+            if hit is None or hit.owner is not owner or hit.key != key:
+                return None
+            self._entries.move_to_end(h)
+            return hit
+
+    def remember(self, key: tuple | None, owner: object = None,
+                 reps: tuple[int, ...] = ()) -> Checked:
+        """A new entry for a key whose checks just passed (kept unless ``key`` is None)."""
+        entry = Checked(key, owner, reps)
+        h = _hash(key)
+        if h is not None:
+            with self._lock:
+                self._entries[h] = entry
+                self._entries.move_to_end(h)
+                while len(self._entries) > self.size:
+                    self._entries.popitem(last=False)
+        return entry
+
+
+_CHECKED = CheckCache()
 
 
 def copy_segments_ref(segments: Sequence[Segment]) -> None:
     """Torch reference: ``dst.copy_(src)`` for every segment, in order."""
     for src, dst in segments:
         dst.copy_(src)
-
-
-def copy_segments_triton(segments: Sequence[Segment], kinds: Sequence[int], *,
-                         block: int = DEFAULT_BLOCK) -> None:
-    """Launch `_segcopy_kernel` once for all of ``segments`` (already validated)."""
-    if not segments:
-        return
-    device = segments[0][1].device
-    key = ("segcopy", device, block, *((s.data_ptr(), d.data_ptr(), s.shape, s.stride(),
-                                         d.stride(), k) for (s, d), k in zip(segments, kinds, strict=True)))
-    launch_table(device, *cached_table(key, lambda: segment_table(segments, kinds, block)),
-                 block=block)
 
 
 def segment_table(segments: Sequence[Segment], kinds: Sequence[int],
@@ -449,12 +515,29 @@ def copy_segments(segments: Sequence[Segment], *, backend: str | None = None,
         ValueError: shape or device mismatch (names the segment index).
         TypeError: unsupported dtype pair (names the segment index).
     """
-    kinds = check_segments(segments)
-    tensors = [t for pair in segments for t in pair]
-    if choose_backend(backend, *tensors, op="copy_segments") == "torch":
+    checked = _checked_segments(segments)
+    reps = [segments[i][1] for i in checked.reps]
+    if choose_backend(backend, *reps, op="copy_segments") == "torch":
         copy_segments_ref(segments)
-    else:
-        copy_segments_triton(segments, kinds, block=block)
+    elif segments:
+        def build() -> tuple[torch.Tensor, int, int]:
+            return segment_table(segments, [element_kind(s.dtype, d.dtype) for s, d in segments],
+                                 block)
+
+        launch_table(reps[0].device, *checked.table(("segcopy", block), build), block=block)
+
+
+def _checked_segments(segments: Sequence[Segment]) -> Checked:
+    """`check_segments`, skipped for a call key checked before."""
+    try:
+        key: tuple | None = ("segcopy", *[(*tensor_key(s), *tensor_key(d)) for s, d in segments])
+    except KEY_ERRORS:
+        key = None
+    hit = _CHECKED.get(key)
+    if hit is not None:
+        return hit
+    check_segments(segments)
+    return _CHECKED.remember(key, reps=first_per_device(d for _, d in segments))
 
 
 def aot_specs() -> list[tuple[object, dict[str, str], dict[str, int]]]:

@@ -12,6 +12,7 @@ from weightfabric.kernels import (
     dequantize_fp8_segments_ref,
 )
 from weightfabric.kernels.fp8 import dequantize_fp8_ref, quantize_fp8_ref, scale_shape
+from weightfabric.kernels.segcopy import CheckCache
 
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -164,3 +165,96 @@ def test_bad_input_names_the_segment():
     assert scale_shape((40, 40), 16) == (3, 3)
     with pytest.raises(ValueError, match="backend"):
         dequantize_fp8_segments([ok], backend="cuda")
+
+
+# --- checks and tables cached per call key ------------------------------------------------------
+
+def _counting(monkeypatch) -> tuple[list[int], list[int]]:
+    """From an empty check cache: each check's and each table build's window count."""
+    monkeypatch.setattr(dequant_segments, "_CHECKED", CheckCache())
+    checks: list[int] = []
+    builds: list[int] = []
+    check, build = dequant_segments.check_fp8_segments, dequant_segments._device_table
+
+    def counted_check(segments, what="dequantize_fp8_segments"):
+        checks.append(len(segments))
+        return check(segments, what)
+
+    def counted_build(segments, device):
+        builds.append(len(segments))
+        return build(segments, device)
+
+    monkeypatch.setattr(dequant_segments, "check_fp8_segments", counted_check)
+    monkeypatch.setattr(dequant_segments, "_device_table", counted_build)
+    return checks, builds
+
+
+def _assert_dequantized(segments: list[Fp8Segment]) -> None:
+    """Every window holds the torch reference's bits."""
+    for s in segments:
+        want = torch.empty(s.dst.shape, dtype=s.dst.dtype)
+        dequantize_fp8_segments_ref([Fp8Segment(s.q, s.scale, want, s.row, s.col, s.block)])
+        assert_same_bits(s.dst.contiguous(), want)
+
+
+def test_a_repeat_call_skips_the_checks_and_reuses_the_table(monkeypatch):
+    checks, builds = _counting(monkeypatch)
+    segments, outs = random_segments(torch.Generator().manual_seed(5), 16, 9)
+    dequantize_fp8_segments(segments, backend="triton")
+    segments[0].q.view(torch.uint8).bitwise_xor_(0x15)  # same key, new codes: read by the table
+    # new window objects and views of the same memory: the same key
+    again = [Fp8Segment(s.q, s.scale, s.dst.as_strided(s.dst.shape, s.dst.stride()), s.row,
+                        s.col, s.block) for s in segments]
+    dequantize_fp8_segments(again, backend="triton")
+    assert checks == [9] and builds == [9]
+    _assert_dequantized(segments)
+    dequantize_fp8_segments(again, backend="torch")  # the reference path takes the entry too
+    assert checks == [9]
+    _assert_dequantized(segments)
+
+
+def test_a_changed_call_is_checked_again(monkeypatch):
+    checks, builds = _counting(monkeypatch)
+    q, s = shard(40, 70, 16, seed=4)
+    out = torch.empty(8, 30, dtype=torch.bfloat16)
+    ok = Fp8Segment(q, s, out, row=3, col=5, block=16)
+    dequantize_fp8_segments([ok], backend="triton")
+    changed = [
+        Fp8Segment(q, s, torch.empty(8, 30, dtype=torch.bfloat16), 3, 5, 16),  # another tensor
+        Fp8Segment(q, s, torch.empty(30, 8, dtype=torch.bfloat16).t(), 3, 5, 16),  # strides
+        Fp8Segment(q, s, torch.empty(8, 30), 3, 5, 16),  # another dtype
+        Fp8Segment(q, s, out, 4, 5, 16),  # another window
+        Fp8Segment(q.clone(), s, out, 3, 5, 16),  # another shard
+    ]
+    for seg in changed:
+        dequantize_fp8_segments([seg], backend="triton")
+        _assert_dequantized([seg])
+    assert checks == [1] * 6 and builds == [1] * 6
+    # the addresses, shapes and strides of a checked call, one of them another dtype, or a
+    # block that equals a checked one but is no int: the errors of a first call
+    bad = [(TypeError, "segment 0: dst has dtype torch.int16",
+            Fp8Segment(q, s, out.view(torch.int16), 3, 5, 16)),
+           (TypeError, "segment 0: q has dtype torch.uint8",
+            Fp8Segment(q.view(torch.uint8), s, out, 3, 5, 16)),
+           (ValueError, "segment 0: block must be a power of two >= 16, got 16.0",
+            Fp8Segment(q, s, out, 3, 5, 16.0)),
+           (ValueError, "segment 0: window rows 33..41",
+            Fp8Segment(q, s, out, 33, 5, 16))]
+    for exc, match, seg in bad:
+        with pytest.raises(exc, match=match):
+            dequantize_fp8_segments([seg], backend="triton")
+    assert checks == [1] * 10
+
+
+def test_the_dequant_check_cache_is_bounded(monkeypatch):
+    checks, _ = _counting(monkeypatch)
+    monkeypatch.setattr(dequant_segments._CHECKED, "size", 3)
+    q, s = shard(20, 20, 16, seed=6)
+    windows = [Fp8Segment(q, s, torch.empty(4, 4), row=i, col=i, block=16) for i in range(5)]
+    for w in windows:
+        dequantize_fp8_segments([w], backend="triton")
+    assert len(dequant_segments._CHECKED) == 3
+    dequantize_fp8_segments([windows[-1]], backend="triton")  # kept
+    dequantize_fp8_segments([windows[0]], backend="triton")  # evicted: checked again
+    assert len(dequant_segments._CHECKED) == 3 and len(checks) == 6
+    _assert_dequantized(windows)

@@ -116,3 +116,20 @@ def test_fp8_bad_input():
         scales = torch.ones(scale_shape(shape, 32))
         for backend in ("torch", "triton"):
             assert dequantize_fp8(empty, scales, block=32, backend=backend).shape == shape
+
+
+@pytest.mark.parametrize("shape", [(37, 131), (131,), (1, 300), (0,)])
+def test_outputs_are_new_contiguous_tensors_of_the_input_shape_and_repeat_bit_exact(shape):
+    x = _weights(shape, torch.bfloat16, seed=5) if shape[-1] else torch.zeros(shape)
+    qr, sr = quantize_fp8_ref(x, 32)
+    for _ in range(2):  # a repeat gives the same bits
+        q, s = quantize_fp8(x, block=32, backend="triton")
+        assert q.shape == x.shape and s.shape == scale_shape(shape, 32)
+        assert q.is_contiguous() and s.is_contiguous()
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s, sr)
+        for dtype in (torch.float32, torch.bfloat16):
+            y = dequantize_fp8(q, s, dtype=dtype, block=32, backend="triton")
+            assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
+            assert torch.equal(y, dequantize_fp8_ref(qr, sr, dtype, 32))
+    q2, _ = quantize_fp8(x, block=32, backend="triton")
+    assert q2.data_ptr() != q.data_ptr() or not q.numel()  # each call's own output

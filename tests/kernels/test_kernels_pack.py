@@ -263,7 +263,7 @@ def test_a_repeat_call_skips_the_checks_and_a_changed_call_is_checked_again(monk
 def test_the_check_cache_is_bounded(monkeypatch):
     pack_module = importlib.import_module("weightfabric.kernels.pack")
 
-    monkeypatch.setattr(pack_module, "CHECK_CACHE_SIZE", 3)
+    monkeypatch.setattr(pack_module._CHECKED, "size", 3)
     lay = plan_layout({"w": ((4,), torch.float32)})
     bufs = [torch.zeros(lay.nbytes, dtype=torch.uint8) for _ in range(5)]
     w = torch.arange(4.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -19,6 +21,7 @@ from weightfabric.kernels.reshard_plan import (
     VocabParallel,
     plan_reshard,
 )
+from weightfabric.kernels.segcopy import CheckCache
 
 
 def oracle_split(layout: Layout, full: torch.Tensor) -> list[torch.Tensor]:
@@ -208,3 +211,115 @@ def test_split_tensor_gives_each_ranks_shard_of_a_whole_tensor():
     assert [s.tolist() for s in split_tensor(full, Sharded(tp=2, dim=1), backend="torch")] == \
         [full[:, :3].tolist(), full[:, 3:].tolist()]
     assert [tuple(s.shape) for s in split_tensor(torch.ones(5), Sharded(tp=2))] == [(3, 1), (2, 1)]
+
+
+# --- checks and tables cached per call key ------------------------------------------------------
+
+reshard_module = importlib.import_module("weightfabric.kernels.reshard")  # the name is the function's
+
+
+def _counting(monkeypatch) -> tuple[list[str], list[int]]:
+    """From an empty check cache: the sides `_as_2d` checks, and each table built (its block)."""
+    monkeypatch.setattr(reshard_module, "_CHECKED", CheckCache())
+    sides: list[str] = []
+    builds: list[int] = []
+    as_2d, table = reshard_module._as_2d, reshard_module._table
+
+    def counted_as_2d(shards, shapes, side):
+        sides.append(side)
+        return as_2d(shards, shapes, side)
+
+    def counted_table(plan, src, dst, block):
+        builds.append(block)
+        return table(plan, src, dst, block)
+
+    monkeypatch.setattr(reshard_module, "_as_2d", counted_as_2d)
+    monkeypatch.setattr(reshard_module, "_table", counted_table)
+    return sides, builds
+
+
+def _qkv_case() -> tuple[ReshardPlan, list[torch.Tensor], torch.Tensor]:
+    src_layout, shape = FusedQKV(2, 8, 2, 4), ((8 + 2 * 2) * 4, 9)
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(11))
+    plan = plan_reshard(src_layout, FusedQKV(4, 8, 2, 4), shape)
+    return plan, [t.contiguous() for t in oracle_split(src_layout, full)], full
+
+
+def _assert_resharded(plan: ReshardPlan, full: torch.Tensor, dst: list[torch.Tensor]) -> None:
+    """``dst`` holds the oracle's shards of ``full``, bit for bit."""
+    for got, want in zip(dst, oracle_split(plan.dst, full), strict=True):
+        bits = {4: torch.int32, 2: torch.int16}[got.element_size()]
+        assert torch.equal(got.contiguous().view(bits), want.to(got.dtype).view(bits))
+
+
+def test_a_repeat_reshard_skips_the_checks_and_reuses_the_table(monkeypatch):
+    sides, builds = _counting(monkeypatch)
+    plan, src, full = _qkv_case()
+    dst = [torch.full(s, float("nan")) for s in plan.dst_shapes]
+    reshard(plan, src, dst, backend="triton")
+    for t in (*src, full):
+        t.mul_(-3)  # same key, new values: the cached table moves the new ones
+    out = reshard(plan, src, dst, backend="triton")
+    assert sides == ["source", "destination"] and builds == [reshard_module.DEFAULT_BLOCK]
+    assert all(a is b for a, b in zip(out, dst, strict=True))
+    _assert_resharded(plan, full, dst)
+    reshard(plan, src, [t.fill_(0) for t in dst], backend="triton", block=64)  # another table
+    assert sides == ["source", "destination"] and builds[1:] == [64]
+    _assert_resharded(plan, full, dst)
+
+
+def test_a_changed_reshard_is_checked_again(monkeypatch):
+    sides, _ = _counting(monkeypatch)
+    plan, src, full = _qkv_case()
+    dst = [torch.zeros(s) for s in plan.dst_shapes]
+    reshard(plan, src, dst, backend="triton")
+    other = [torch.zeros(s) for s in plan.dst_shapes]  # other tensors of the same shapes
+    reshard(plan, src, other, backend="triton")
+    strided = [torch.zeros(s[::-1]).t() for s in plan.dst_shapes]  # same shapes, other strides
+    reshard(plan, src, strided, backend="triton")
+    cast = [torch.zeros(s, dtype=torch.bfloat16) for s in plan.dst_shapes]  # another dtype
+    reshard(plan, src, cast, backend="triton")
+    equal_plan = plan_reshard(plan.src, plan.dst, plan.shape)  # an equal, other plan object
+    reshard(equal_plan, src, dst, backend="triton")
+    assert sides.count("destination") == 5
+    for out in (dst, other, strided, cast):
+        _assert_resharded(plan, full, out)
+    # the addresses, shapes and strides of a checked call, one of them another dtype or shape:
+    # the errors of a first call
+    with pytest.raises(TypeError, match="destination shard 1: cannot cast"):
+        reshard(plan, src, [dst[0], dst[1].view(torch.int32), *dst[2:]], backend="triton")
+    with pytest.raises(ValueError, match="source shard 1 has shape \\(24, 8\\)"):
+        reshard(plan, [src[0], src[1][:, :8]], dst, backend="triton")
+    with pytest.raises(ValueError, match="2 destination shards given, layout has 4"):
+        reshard(plan, src, dst[:2], backend="triton")
+
+
+def test_allocated_and_1d_destinations_through_the_cache(monkeypatch):
+    sides, _ = _counting(monkeypatch)
+    full = torch.arange(10.0)
+    plan = plan_reshard(Sharded(3, 0), Sharded(2, 0), (10,))
+    src = list(torch.tensor_split(full, 3))
+    dst = [torch.zeros(5), torch.zeros(5)]
+    for _ in range(2):
+        out = reshard(plan, src, dst, backend="triton")
+        assert [tuple(o.shape) for o in out] == [(5, 1), (5, 1)]
+        assert torch.equal(torch.cat([o.view(-1) for o in out]), full)
+    assert sides.count("destination") == 1
+    for _ in range(2):  # destinations allocated per call (the source checks come first)
+        out = reshard(plan, src, dtype=torch.bfloat16, backend="triton")
+        assert torch.equal(torch.cat([o.view(-1) for o in out]), full.to(torch.bfloat16))
+
+
+def test_the_reshard_check_cache_is_bounded(monkeypatch):
+    sides, _ = _counting(monkeypatch)
+    monkeypatch.setattr(reshard_module._CHECKED, "size", 3)
+    plan, src, full = _qkv_case()
+    dsts = [[torch.zeros(s) for s in plan.dst_shapes] for _ in range(5)]
+    for dst in dsts:
+        reshard(plan, src, dst, backend="triton")
+    assert len(reshard_module._CHECKED) == 3
+    reshard(plan, src, dsts[-1], backend="triton")  # kept
+    reshard(plan, src, dsts[0], backend="triton")  # evicted: checked again
+    assert len(reshard_module._CHECKED) == 3 and sides.count("destination") == 6
+    for dst in dsts:
+        _assert_resharded(plan, full, dst)

@@ -1,4 +1,4 @@
-"""The segment-copy engine: access-width choice, tiling and the table cache, against torch."""
+"""The segment-copy engine: access-width choice, tiling and the check cache, against torch."""
 
 from __future__ import annotations
 
@@ -106,14 +106,85 @@ def test_casts_vectorised_body_tail_and_unaligned(pair):
     assert ops[0] >= 9 and ops[1] == element_kind(a, b) and ops[-1] >= 9
 
 
-def test_a_cached_table_serves_a_repeat_and_new_data():
+def _counting(monkeypatch, name: str) -> list[int]:
+    """Count calls of segcopy's ``name`` (each call appends its segment count)."""
+    calls: list[int] = []
+    original = getattr(segcopy, name)
+
+    def counted(segments, *args):
+        calls.append(len(segments))
+        return original(segments, *args)
+
+    monkeypatch.setattr(segcopy, name, counted)
+    return calls
+
+
+def _counting_checks(monkeypatch) -> list[int]:
+    """Count `copy_segments`' checks, from an empty check cache (no earlier test's keys)."""
+    monkeypatch.setattr(segcopy, "_CHECKED", segcopy.CheckCache())
+    return _counting(monkeypatch, "check_segments")
+
+
+def test_a_repeat_copy_skips_the_checks_and_reuses_the_table(monkeypatch):
+    checks, builds = _counting_checks(monkeypatch), _counting(monkeypatch, "segment_table")
     src, dst = _bytes(5000, 6), torch.zeros(5000, dtype=torch.uint8)
     copy_segments([(src[16:4016], dst[32:4032])], backend="triton")
-    size = len(segcopy._TABLES)
-    src[16:4016] = _bytes(4000, 7)
+    src[16:4016] = _bytes(4000, 7)  # same key (new views of the same memory), new values
     copy_segments([(src[16:4016], dst[32:4032])], backend="triton")
-    assert len(segcopy._TABLES) == size
+    assert checks == [1] and builds == [1]
     assert torch.equal(dst[32:4032], src[16:4016]) and dst[:32].sum() == 0
+
+
+def test_a_changed_copy_is_checked_again(monkeypatch):
+    checks = _counting_checks(monkeypatch)
+    x = torch.randn(6, 8)
+    dst = torch.zeros(6, 8)
+    copy_segments([(x, dst)], backend="triton")
+    other = torch.zeros(6, 8)  # another tensor of the same shape
+    copy_segments([(x, other)], backend="triton")
+    strided = torch.zeros(8, 6).t()  # the same shape, other strides
+    copy_segments([(x, strided)], backend="triton")
+    assert checks == [1, 1, 1]
+    assert torch.equal(dst, x) and torch.equal(other, x) and torch.equal(strided, x)
+    # the same address, shape and strides as a checked call, another dtype: the same error
+    # as a first call
+    with pytest.raises(TypeError, match="segment 0: cannot cast torch.float32 -> torch.int32"):
+        copy_segments([(x, dst.view(torch.int32))], backend="triton")
+    with pytest.raises(ValueError, match="segment 0: source shape \\(6, 8\\) != destination"):
+        copy_segments([(x, dst.view(8, 6))], backend="triton")
+    assert checks == [1, 1, 1, 1, 1]
+    half = torch.zeros(6, 8, dtype=torch.bfloat16)  # a cast: checked, then cached in turn
+    for _ in range(2):
+        copy_segments([(x, half)], backend="triton")
+    assert checks[5:] == [1] and torch.equal(half, x.to(torch.bfloat16))
+
+
+def test_the_check_cache_keeps_the_most_recently_used_keys(monkeypatch):
+    checks = _counting_checks(monkeypatch)
+    monkeypatch.setattr(segcopy._CHECKED, "size", 3)
+    x = torch.arange(4.0)
+    outs = [torch.zeros(4) for _ in range(5)]
+    for out in outs:
+        copy_segments([(x, out)], backend="triton")
+    assert len(segcopy._CHECKED) == 3 and len(checks) == 5
+    copy_segments([(x, outs[-1])], backend="triton")  # kept
+    copy_segments([(x, outs[0])], backend="triton")  # evicted: checked again
+    assert len(segcopy._CHECKED) == 3 and len(checks) == 6
+    assert all(torch.equal(o, x) for o in outs)
+
+
+def test_check_cache_entries_match_key_and_owner():
+    cache = segcopy.CheckCache(size=2)
+    owner = object()
+    entry = cache.remember((1, 2), owner, reps=(0,))
+    assert cache.get((1, 2), owner) is entry and entry.reps == (0,)
+    assert cache.get((1, 2)) is None and cache.get((1, 2), object()) is None  # another owner
+    assert cache.get((1, 3), owner) is None and cache.get(None) is None
+    assert cache.get(([1],)) is None  # unhashable: no key, no error
+    cache.remember(None)
+    cache.remember(([1],))
+    assert len(cache) == 1
+    assert entry.table(("t",), lambda: 5) == 5 and entry.table(("t",), lambda: 6) == 5
 
 
 def test_block_must_be_a_power_of_two():
