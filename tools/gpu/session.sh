@@ -192,10 +192,10 @@ delta() {  # deltas on the GPU: the step limits add up to 230 s
         --timeout=60 tests/fabric/gpu
 }
 
-e2e() {  # time to version at HBM speed: the step limits add up to 475 s (525 s with each
+e2e() {  # time to version at HBM speed: the step limits add up to 505 s (555 s with each
          # step's 10 s of kill grace); logs come back as $OUT/logs.tgz
     packed
-    step gpu-tests 110 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
+    step gpu-tests 140 env TRITON_INTERPRET=0 python3 -m pytest -rs -q -p no:cacheprovider \
         --timeout=60 tests/fabric/gpu
     step kernels-cuda 45 env TRITON_INTERPRET=0 "${FABRIC[@]}" bench kernels --json --repeat 3
     step fetch-cuda 60 "${FABRIC[@]}" bench fetch --device cuda --readers 1 --size 2GB \
