@@ -158,7 +158,8 @@ StreamCopy = Callable[[Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | No
 stream (CUDA IPC): the `CopyFn` that launches ``kernel(dst, src)``
 (a copy that returns the chunks' checksums, e.g. `kernels.copy_with_checksums`; None: a
 plain copy) on the transport's own stream, after the destination's users, and whose
-`Pending.wait` waits for it by event and hands ``then`` the checksums."""
+`Pending.wait` waits for it by event and hands ``then`` the checksums (where it ran the
+kernel: a copy it could not fuse leaves the checking to the fetch)."""
 
 
 @dataclass(frozen=True)

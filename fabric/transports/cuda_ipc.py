@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import msgpack
@@ -278,7 +278,6 @@ class CudaIpcTransport(client.ServerTransport):
                                                                   capacity=MAX_MAPPINGS)
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
-        self._plain = self.stream_copy(None, None)  # dst.copy_(src) on this transport's stream
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         """This transport's copy stream on CUDA ``device`` (one per GPU)."""
@@ -326,7 +325,7 @@ class CudaIpcTransport(client.ServerTransport):
             raise ValueError("read into a contiguous uint8 tensor")
         with self.leased(source, region, offset, out.numel(), timeout=timeout,
                          prefix=prefix, abort=abort) as src:
-            self._plain(out[:src.numel()], src).wait()  # type: ignore[union-attr]
+            self._launch(None, None, out[:src.numel()], src).wait()
             return src.numel()
 
     def hold(self, source: SourceAddress, region: str, nbytes: int, *, timeout: float,
@@ -351,7 +350,7 @@ class CudaIpcTransport(client.ServerTransport):
             return lambda lo, hi: view(mapped, h.offset + lo, hi - lo)
 
         return held.take(source, region, nbytes, timeout=timeout, abort=abort,
-                         source_bytes=reach, copy=self._plain)
+                         source_bytes=reach, copy=self.stream_copy(None, None))
 
     def stream_copy(self, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                     then: Callable[[list[int]], None] | None) -> CopyFn:
@@ -361,25 +360,30 @@ class CudaIpcTransport(client.ServerTransport):
         ``dst.copy_(src)``) and the copy of what the kernel returned into pinned host
         memory, records an event, and returns at once: its `Pending.wait` waits for the
         event (no ``synchronize``) and hands ``then`` the checksums. A held lease launches
-        all of a read's pieces before waiting for the first.
+        all of a read's pieces before waiting for the first. Bytes on another GPU than the
+        destination are copied by ``copy_`` (peer to peer) without the kernel, and ``then``
+        is not called: the fetch checksums what landed itself.
         """
-        def copy(dst: torch.Tensor, src: torch.Tensor) -> _OnStream:
-            stream = self._stream(dst.device if dst.device.type == "cuda" else src.device)
-            if dst.device.type == "cuda":
-                stream.wait_stream(torch.cuda.current_stream(dst.device))  # dst may be in use
-            host = None
-            with torch.cuda.stream(stream):
-                if kernel is None:
-                    dst.copy_(src, non_blocking=True)
-                else:
-                    sums = kernel(dst, src)
-                    host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-                    host.copy_(sums, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            return _OnStream(done, host, then)
+        return partial(self._launch, kernel, then)
 
-        return copy
+    def _launch(self, kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+                then: Callable[[list[int]], None] | None, dst: torch.Tensor,
+                src: torch.Tensor) -> _OnStream:
+        """One piece of `stream_copy`: launched, not waited for."""
+        stream = self._stream(dst.device if dst.device.type == "cuda" else src.device)
+        if dst.device.type == "cuda":
+            stream.wait_stream(torch.cuda.current_stream(dst.device))  # dst may be in use
+        host = None
+        with torch.cuda.stream(stream):
+            if kernel is None or src.device != dst.device:  # across GPUs: a peer copy_,
+                dst.copy_(src, non_blocking=True)  # no sums (the fetch checksums dst)
+            else:
+                sums = kernel(dst, src)
+                host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+                host.copy_(sums, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return _OnStream(done, host, then)
 
     def close(self) -> None:
         """Close the connections and unmap every mapping."""

@@ -46,10 +46,11 @@ class StreamStandIn(ShmTransport):
     holds the stream until set, ``delay`` slows every copy.
     """
 
-    def __init__(self, gate: threading.Event | None = None, delay: float = 0.0) -> None:
+    def __init__(self, gate: threading.Event | None = None, delay: float = 0.0, *,
+                 fuses: bool = True) -> None:
         super().__init__()
         self.stream = ThreadPoolExecutor(1, thread_name_prefix="stand-in-stream")
-        self.gate, self.delay = gate, delay
+        self.gate, self.delay, self.fuses = gate, delay, fuses
         self.launches = 0
         self.finished: list[float] = []
 
@@ -62,7 +63,7 @@ class StreamStandIn(ShmTransport):
                     self.gate.wait(10)
                 time.sleep(self.delay)
                 sums = None
-                if kernel is None:
+                if kernel is None or not self.fuses:  # as CUDA IPC across two GPUs
                     dst.copy_(src)
                 else:
                     sums = kernel(dst, src)
@@ -150,14 +151,16 @@ class _FirstThenSecond:
         pass
 
 
-def test_a_fetch_verifies_with_the_sums_its_stream_copies_made(monkeypatch):
+@pytest.mark.parametrize("fuses", [True, False], ids=["fused", "copy-then-checksum"])
+def test_a_fetch_verifies_with_the_sums_its_stream_copies_made(monkeypatch, fuses):
     """The engine's path for CUDA IPC holders, on the stand-in.
 
-    A read's pieces are launched at once and checked by the checksums fused into the copy;
+    A read's pieces are launched at once and checked by the checksums fused into the copy
+    (or, where the copy could not fuse them, by the fetch's own pass over what landed);
     a corrupt chunk is caught and read again elsewhere.
     """
     monkeypatch.setattr(fetch_module, "DEVICE_LAND_BYTES", 4 * CHUNK)  # 2 launches a read
-    transport = StreamStandIn()
+    transport = StreamStandIn(fuses=fuses)
     separate: list[int] = []
 
     def checksum_fn(first, piece):
@@ -177,7 +180,11 @@ def test_a_fetch_verifies_with_the_sums_its_stream_copies_made(monkeypatch):
                                  checksum_fn=checksum_fn, copy_checksums=fused,
                                  options=FetchOptions(read_bytes=8 * CHUNK, max_inflight=2))
             assert torch.equal(dest, data) and torch.equal(dest, pattern(dest.numel()))
-            assert stats.corrupted_chunks == 1 and separate == []  # checked by the copies' sums
+            assert stats.corrupted_chunks == 1
+            if fuses:
+                assert separate == []  # checked by the copies' sums
+            else:  # each piece checked after its copy, chunk 5 twice
+                assert sorted(separate) == sorted([*range(0, CHUNKS, 4), 5])
             assert transport.launches == CHUNKS // 4 + 1  # 4 chunks a launch; chunk 5 again
             assert stats.leases == 2  # one per holder
     finally:
