@@ -726,8 +726,10 @@ class _FetchRun:
         Under the fetch's held lease on the source when its transport holds one (no round
         trip per read), else with one `Transport.read` (the leases it takes are counted).
         The chunks are told to `arrivals` as they land where the transport can say so
-        (`Transport.lands`; a held lease into host memory), copied by the checksumming
-        copy where the transport fuses one and the fetch verifies into host memory.
+        (`Transport.lands`; a held lease into host memory, or on a device stream), copied
+        by the checksumming copy where the transport fuses one and the fetch verifies into
+        host memory. A transport that copies on a device stream (`base.StreamCopy`, CUDA
+        IPC) gets the read in `DEVICE_LAND_BYTES` pieces, each one launch of the fused copy.
         """
         on_cpu = self.dest.device.type == "cpu"
         fused = self.copy_checksums if arrivals.checking else None
